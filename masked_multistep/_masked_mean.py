@@ -1,0 +1,65 @@
+"""A zero-safe masked mean that also returns the count behind it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from masked_multistep._running_mean import compute_dtype, safe_fraction
+
+__all__ = ["masked_mean"]
+
+
+def masked_mean(
+    values: jax.typing.ArrayLike,
+    mask: jax.typing.ArrayLike,
+) -> tuple[jax.Array, jax.Array]:
+    """Mean of ``values`` over the entries where ``mask`` is set, and their count.
+
+    ``mean = Σ mask·values / Σ mask``, with ``mean = 0`` when nothing is set
+    (never ``0/0``), and masked-out entries ignored even when they hold NaN or
+    inf. The pair is exactly what :meth:`MaskedMultiSteps.update` takes: the
+    microbatch's mean loss, and its token count as ``count``.
+
+    Args:
+      values: per-token values (for example per-token losses), any float dtype.
+      mask: broadcastable to ``values``. Boolean or integer masks count tokens
+        (the count is ``int32``); a floating mask holds per-token weights (the
+        count is their float sum).
+
+    Returns:
+      ``(mean, count)``: ``mean`` in ``values``' dtype promoted to at least
+      float32; ``count`` a scalar, ``int32`` for boolean/integer masks.
+
+    Raises:
+      ValueError: if ``mask`` does not broadcast to ``values``' shape.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import masked_multistep as mm
+      >>> loss, n = mm.masked_mean(jnp.array([1.0, 2.0, jnp.nan]),
+      ...                          jnp.array([True, True, False]))
+      >>> print(loss, n)
+      1.5 2
+      >>> print(*mm.masked_mean(jnp.ones(3), jnp.zeros(3, bool)))
+      0.0 0
+    """
+    values = jnp.asarray(values)
+    mask = jnp.asarray(mask)
+    try:
+        mask = jnp.broadcast_to(mask, values.shape)
+    except ValueError as err:
+        raise ValueError(
+            f"`mask` of shape {mask.shape} does not broadcast to `values` of shape "
+            f"{values.shape}"
+        ) from err
+    dtype = compute_dtype(values.dtype)
+    if jnp.issubdtype(mask.dtype, jnp.floating):
+        weights = mask.astype(dtype)
+        count = jnp.sum(weights)
+    else:
+        weights = (mask != 0).astype(dtype)
+        count = jnp.sum(mask != 0, dtype=jnp.int32)
+    # `where` first: a NaN in a masked-out entry must not survive `NaN * 0`.
+    total = jnp.sum(jnp.where(weights != 0, values.astype(dtype), 0) * weights)
+    return safe_fraction(total, count).astype(dtype), count

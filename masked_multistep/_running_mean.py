@@ -1,0 +1,94 @@
+"""The token-weighted running mean: the one piece of arithmetic the package uses.
+
+Microbatch ``i`` contributes its mean ``gᵢ`` with weight ``nᵢ`` (its number of
+real tokens). The weighted mean ``Σ nᵢ gᵢ / Σ nᵢ`` is kept as a running mean
+(West 1979)::
+
+    N ← N + n
+    m ← m + (g − m) / (N / n)
+
+which never forms the sum ``Σ nᵢ gᵢ`` (so it cannot overflow fp16/bf16), needs no
+total known in advance, and, with equal weights, is bit-identical to the
+unweighted running mean ``m + (g − m) / j`` used by ``optax.MultiSteps``.
+
+All functions here are total: a zero weight leaves ``(m, N)`` bit-identical even
+when ``g`` holds NaN or inf, and the first positive weight after ``N == 0``
+overwrites whatever ``m`` held.
+
+References:
+  D. H. D. West, "Updating mean and variance estimates: an improved method",
+  Communications of the ACM 22(9), 1979.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["running_mean_update", "safe_fraction", "compute_dtype"]
+
+
+def compute_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
+    """The dtype the update is computed in: at least float32."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def safe_fraction(num: jax.Array, den: jax.Array) -> jax.Array:
+    """``num / den`` in float32 (or wider), and 0 where ``den == 0``.
+
+    The denominator is replaced before dividing *and* the result is masked, so a
+    zero denominator never produces ``0/0`` and never leaks NaN into gradients.
+    """
+    dtype = compute_dtype(jnp.result_type(num, den))
+    num = jnp.asarray(num, dtype)
+    den = jnp.asarray(den, dtype)
+    nonzero = den != 0
+    return jnp.where(nonzero, num / jnp.where(nonzero, den, 1), 0)
+
+
+def running_mean_update(
+    mean: Any,
+    total: jax.Array,
+    value: Any,
+    count: jax.Array,
+) -> tuple[Any, jax.Array]:
+    """Folds ``value`` with weight ``count`` into the running mean ``(mean, total)``.
+
+    Args:
+      mean: pytree, the current running mean (any float dtype; kept).
+      total: scalar, the sum of the weights folded in so far.
+      value: pytree with the structure of ``mean``, the new microbatch's mean.
+      count: scalar, non-negative weight of ``value`` (same dtype as ``total``).
+        Zero leaves ``mean`` and ``total`` bit-identical, whatever ``value`` holds.
+
+    Returns:
+      ``(new_mean, new_total)`` with the dtypes of ``(mean, total)``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> m, n = jnp.zeros(()), jnp.array(0)
+      >>> m, n = running_mean_update(m, n, jnp.array(1.0), jnp.array(1))
+      >>> m, n = running_mean_update(m, n, jnp.array(4.0), jnp.array(2))
+      >>> m, n = running_mean_update(m, n, jnp.array(jnp.nan), jnp.array(0))
+      >>> print(m, n)  # (1 * 1 + 2 * 4) / 3
+      3.0 3
+    """
+    new_total = total + count
+    take = count > 0
+    first = total == 0
+    # N / n rather than n / N: with equal weights N / n is the exact integer j, so
+    # the update equals optax.MultiSteps' `acc + (g - acc) / j` bit for bit.
+    ratio = safe_fraction(new_total, count)
+
+    def leaf(m, g):
+        dtype = compute_dtype(m.dtype)
+        m_c = m.astype(dtype)
+        g_c = g.astype(dtype)
+        new = jnp.where(first, g_c, m_c + (g_c - m_c) / ratio.astype(dtype))
+        return jnp.where(take, new, m_c).astype(m.dtype)
+
+    with jax.named_scope("masked_multistep/running_mean"):
+        new_mean = jax.tree.map(leaf, mean, value)
+    return new_mean, jnp.where(take, new_total, total).astype(total.dtype)
