@@ -345,12 +345,15 @@ class MaskedMultiSteps:
                 "`tx.update(grads, state, params, count=n)` (inside optax.chain, "
                 "pass `count=n` to the chain's update)."
             )
-        if isinstance(count, bool) or not hasattr(count, "dtype"):
+        if not hasattr(count, "dtype"):
             if not isinstance(count, numbers.Real) or isinstance(count, bool):
                 raise ValueError(
                     "`count` must be a numeric scalar, got "
                     f"{count!r} of type {type(count).__name__}"
                 )
+            self._check_concrete_count(count, isinstance(count, numbers.Integral))
+            if isinstance(count, numbers.Integral):
+                count = np.int32(count)
         arr = jnp.asarray(count)
         if arr.ndim != 0:
             raise ValueError(
@@ -369,19 +372,22 @@ class MaskedMultiSteps:
                 "with count_dtype=jnp.float32 for fractional weights."
             )
         if not isinstance(arr, jax.core.Tracer):
-            value = float(arr)
-            if not np.isfinite(value) or value < 0:
-                raise ValueError(
-                    f"`count` must be a finite non-negative number, got {value}"
-                )
-            if is_int and value > _INT32_MAX:
-                raise ValueError(f"`count` must be < 2**31, got {int(value)}")
+            self._check_concrete_count(arr.item(), is_int)
         if is_int and arr.dtype.itemsize > 4:
             # Without x64 this never happens; with it, clip before narrowing.
             arr = jnp.clip(arr, -1, _INT32_MAX)
         n = arr.astype(self._count_dtype)
         ok = jnp.isfinite(n) & (n >= 0) if not is_int else (n >= 0)
         return n, ok
+
+    @staticmethod
+    def _check_concrete_count(value: float, is_int: bool) -> None:
+        if not np.isfinite(value) or value < 0:
+            raise ValueError(
+                f"`count` must be a finite non-negative number, got {value}"
+            )
+        if is_int and value > _INT32_MAX:
+            raise ValueError(f"`count` must be < 2**31, got {value}")
 
     def _step(self, grads, state, params, count, extra_args, finish, skip):
         """Shared body of :meth:`update` and :meth:`apply_gradients`.

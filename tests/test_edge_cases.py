@@ -1,0 +1,318 @@
+"""Edge cases of MaskedMultiSteps: empty, skipped, non-finite and odd microbatches."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import masked_multistep as mm
+
+PARAMS = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones(2)}
+
+
+def _grads(scale):
+    return jax.tree.map(lambda p: jnp.full(p.shape, scale, p.dtype), PARAMS)
+
+
+def _assert_bit_identical(a, b):
+    jax.tree.map(
+        lambda x, y: (
+            np.testing.assert_array_equal(x, y),
+            _assert_same_dtype(x, y),
+        ),
+        a,
+        b,
+    )
+
+
+def _assert_same_dtype(x, y):
+    assert jnp.asarray(x).dtype == jnp.asarray(y).dtype
+
+
+@pytest.fixture
+def adam_tx():
+    return mm.MaskedMultiSteps(optax.adam(0.1), 3)
+
+
+def test_zero_count_with_nan_gradient_changes_nothing_but_mini_step(adam_tx):
+    update = jax.jit(adam_tx.update)
+    state = adam_tx.init(PARAMS)
+    _, state = update(_grads(2.0), state, PARAMS, count=jnp.int32(5))
+    _, after = update(_grads(jnp.nan), state, PARAMS, count=jnp.int32(0))
+    _assert_bit_identical(after.acc_grads, state.acc_grads)
+    _assert_bit_identical(after.acc_count, state.acc_count)
+    assert int(after.mini_step) == int(state.mini_step) + 1
+    # ...and the window still ends on schedule, with the one real microbatch.
+    updates, after = update(_grads(jnp.inf), after, PARAMS, count=jnp.int32(0))
+    assert bool(adam_tx.has_updated(after))
+    expected, _ = optax.adam(0.1).update(_grads(2.0), optax.adam(0.1).init(PARAMS))
+    jax.tree.map(np.testing.assert_allclose, updates, expected)
+
+
+def test_all_zero_window_applies_nothing_and_next_window_is_clean(adam_tx):
+    update = jax.jit(adam_tx.update)
+    state0 = adam_tx.init(PARAMS)
+    state = state0
+    for _ in range(3):
+        updates, state = update(_grads(jnp.nan), state, PARAMS, count=jnp.int32(0))
+    assert not bool(adam_tx.has_updated(state))
+    for u in jax.tree.leaves(updates):
+        np.testing.assert_array_equal(u, 0)
+    _assert_bit_identical(state.inner_opt_state, state0.inner_opt_state)
+    assert int(state.gradient_step) == 0
+    assert int(state.mini_step) == 0 and int(state.acc_count) == 0
+
+    for scale, n in [(1.0, 1), (4.0, 3), (jnp.nan, 0)]:
+        updates, state = update(_grads(scale), state, PARAMS, count=jnp.int32(n))
+    expected, _ = optax.adam(0.1).update(_grads(3.25), optax.adam(0.1).init(PARAMS))
+    jax.tree.map(np.testing.assert_allclose, updates, expected)
+    assert int(state.gradient_step) == 1
+
+
+def test_nonfinite_gradient_spoils_its_window_only():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(2))
+    updates, state = update(_grads(jnp.nan), state, PARAMS, count=jnp.int32(2))
+    assert bool(tx.has_updated(state))
+    assert all(np.all(np.isnan(u)) for u in jax.tree.leaves(updates))
+    # optax.MultiSteps keeps `(1 - emit) * NaN == NaN` in its accumulator forever;
+    # here the next window starts clean.
+    _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(1))
+    updates, state = update(_grads(4.0), state, PARAMS, count=jnp.int32(3))
+    for u in jax.tree.leaves(updates):
+        np.testing.assert_allclose(u, -3.25)
+
+
+def test_optax_multisteps_keeps_nan_forever():
+    # The behaviour the previous test improves on (documents the difference).
+    tx = optax.MultiSteps(optax.sgd(1.0), 2)
+    state = tx.init(PARAMS)
+    for g in [1.0, jnp.nan, 1.0, 4.0]:
+        updates, state = tx.update(_grads(g), state, PARAMS)
+    assert all(np.all(np.isnan(u)) for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize(
+    "skip_fn",
+    [
+        optax.skip_not_finite,
+        functools.partial(optax.skip_large_updates, max_squared_norm=1e4),
+    ],
+    ids=["skip_not_finite", "skip_large_updates"],
+)
+def test_skipped_microbatch_is_as_if_it_never_happened(skip_fn):
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=skip_fn)
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(1))
+    bad = _grads(jnp.inf if skip_fn is optax.skip_not_finite else 1e6)
+    updates, skipped = update(bad, state, PARAMS, count=jnp.int32(5))
+    _assert_bit_identical(skipped.acc_grads, state.acc_grads)
+    _assert_bit_identical(
+        (skipped.acc_count, skipped.mini_step, skipped.gradient_step),
+        (state.acc_count, state.mini_step, state.gradient_step),
+    )
+    assert not bool(tx.has_updated(skipped))
+    assert bool(skipped.skip_state["should_skip"])
+    for u in jax.tree.leaves(updates):
+        np.testing.assert_array_equal(u, 0)
+    updates, state = update(_grads(4.0), skipped, PARAMS, count=jnp.int32(3))
+    assert bool(tx.has_updated(state))
+    for u in jax.tree.leaves(updates):
+        np.testing.assert_allclose(u, -3.25)
+
+
+def test_has_updated_is_true_exactly_after_an_applied_update():
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite
+    )
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    assert not bool(tx.has_updated(state))
+    flags = []
+    for g, n in [(1.0, 1), (1.0, 1), (jnp.nan, 1), (1.0, 0), (1.0, 0), (1.0, 2)]:
+        _, state = update(_grads(g), state, PARAMS, count=jnp.int32(n))
+        flags.append(bool(tx.has_updated(state)))
+    # Applied at call 2; the NaN call is skipped; calls 4-5 close an empty window.
+    assert flags == [False, True, False, False, False, False]
+
+
+def test_inner_optimizer_runs_once_per_window():
+    calls = []
+
+    def counting_sgd():
+        inner = optax.sgd(1.0)
+
+        def update(updates, state, params=None):
+            jax.debug.callback(lambda: calls.append(1))
+            return inner.update(updates, state, params)
+
+        return optax.GradientTransformation(inner.init, update)
+
+    tx = mm.MaskedMultiSteps(counting_sgd(), 4)
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    counts = [1, 2, 3, 4] + [0, 0, 0, 0] + [5, 0, 0, 1]
+    for n in counts:
+        _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(n))
+    jax.effects_barrier()
+    assert len(calls) == 2  # two windows with tokens; the empty one calls nothing
+    assert int(state.gradient_step) == 2
+
+
+def test_inner_schedule_and_weight_decay_advance_per_window():
+    schedule = optax.linear_schedule(1.0, 0.0, transition_steps=4)
+    tx = mm.MaskedMultiSteps(
+        optax.inject_hyperparams(optax.adamw)(learning_rate=schedule), 3
+    )
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    lrs = []
+    for _ in range(9):
+        _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(2))
+        lrs.append(float(state.inner_opt_state.hyperparams["learning_rate"]))
+    assert lrs == [1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.75, 0.75, 0.5]
+
+
+def test_fp16_accumulator_does_not_overflow_on_large_gradients():
+    big = 60000.0  # close to float16's max of 65504
+    k = 8
+    params = jnp.zeros(4, jnp.float16)
+    tx = mm.MaskedMultiSteps(optax.sgd(-1.0), k, accumulator_dtype=jnp.float16)
+    state = tx.init(params)
+    assert state.acc_grads.dtype == jnp.float16
+    update = jax.jit(tx.update)
+    grads = jnp.array([big, -big, big / 2, 1.0], jnp.float16)
+    for i in range(k):
+        updates, state = update(grads, state, params, count=jnp.int32(1000 + i))
+    assert np.all(np.isfinite(np.asarray(updates, np.float32)))
+    np.testing.assert_allclose(np.asarray(updates, np.float32), grads, rtol=1e-3)
+    # A sum-then-divide accumulator in the same dtype overflows.
+    summed = optax.MultiSteps(
+        optax.sgd(-1.0), k, use_grad_mean=False, accumulator_dtype=jnp.float16
+    )
+    s = summed.init(params)
+    for _ in range(k):
+        u, s = summed.update(grads, s, params)
+    assert not np.all(np.isfinite(np.asarray(u, np.float32)))
+
+
+def test_float_weights_with_float_count_dtype():
+    tx = mm.MaskedMultiSteps(optax.sgd(-1.0), 3, count_dtype=jnp.float32)
+    state = tx.init(jnp.zeros(()))
+    assert state.acc_count.dtype == jnp.float32
+    for g, w in [(1.0, 0.5), (2.0, 0.25), (10.0, 0.25)]:
+        updates, state = tx.update(jnp.float32(g), state, count=jnp.float32(w))
+    np.testing.assert_allclose(updates, 0.5 * 1 + 0.25 * 2 + 0.25 * 10, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "k", [3, np.int64(3), np.int32(3), jnp.array(3), jnp.int32(3)], ids=repr
+)
+def test_every_k_schedule_accepts_integer_kinds(k):
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), k)
+    state = tx.init(PARAMS)
+    for _ in range(3):
+        _, state = tx.update(_grads(1.0), state, PARAMS, count=jnp.int32(1))
+    assert bool(tx.has_updated(state))
+
+
+def test_callable_schedule_varies_window_size():
+    # k = 1 for the first two updates, then 3.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), lambda step: jnp.where(step < 2, 1, 3))
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    flags = []
+    for _ in range(8):
+        _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(1))
+        flags.append(bool(tx.has_updated(state)))
+    assert flags == [True, True, False, False, True, False, False, True]
+
+
+def test_value_is_token_weighted_and_reaches_the_inner_optimizer():
+    seen = []
+
+    def recording_sgd():
+        inner = optax.sgd(1.0)
+
+        def update(updates, state, params=None, *, value, scale):
+            jax.debug.callback(
+                lambda v, s: seen.append((float(v), float(s))), value, scale
+            )
+            return inner.update(jax.tree.map(lambda u: u * scale, updates), state)
+
+        return optax.GradientTransformationExtraArgs(inner.init, update)
+
+    tx = mm.MaskedMultiSteps(recording_sgd(), 3)
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    for loss, n in [(1.0, 2), (jnp.nan, 0), (4.0, 6)]:
+        updates, state = update(
+            _grads(1.0),
+            state,
+            PARAMS,
+            count=jnp.int32(n),
+            value=jnp.float32(loss),
+            scale=jnp.float32(2.0),
+        )
+    jax.effects_barrier()
+    assert seen == [(pytest.approx(3.25), 2.0)]
+    for u in jax.tree.leaves(updates):
+        np.testing.assert_allclose(u, -2.0)
+
+
+def test_reduce_on_plateau_sees_full_batch_loss():
+    inner = optax.chain(
+        optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0, factor=0.5)
+    )
+    tx = mm.MaskedMultiSteps(inner, 2)
+    state = tx.init(PARAMS)
+    for loss, n in [(1.0, 1), (3.0, 3)]:
+        _, state = tx.update(
+            _grads(1.0), state, PARAMS, count=jnp.int32(n), value=jnp.float32(loss)
+        )
+    plateau_state = state.inner_opt_state[1]
+    np.testing.assert_allclose(plateau_state.best_value, 2.5)
+
+
+def test_inside_optax_chain_with_count_as_extra_arg():
+    base = mm.MaskedMultiSteps(optax.adam(0.1), 2)
+    chained = optax.chain(base.gradient_transformation(), optax.scale(2.0))
+    assert isinstance(chained, optax.GradientTransformationExtraArgs)
+    s_base, s_chain = base.init(PARAMS), chained.init(PARAMS)
+    for g, n in [(1.0, 1), (5.0, 3)]:
+        u_base, s_base = base.update(_grads(g), s_base, PARAMS, count=jnp.int32(n))
+        u_chain, s_chain = chained.update(
+            _grads(g), s_chain, PARAMS, count=jnp.int32(n)
+        )
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(2 * a, b), u_base, u_chain)
+
+
+def test_apply_gradients_matches_update_then_apply():
+    tx = mm.MaskedMultiSteps(optax.adamw(0.1, weight_decay=0.1), 3)
+    p1 = p2 = PARAMS
+    s1 = s2 = tx.init(PARAMS)
+    for i, n in enumerate([1, 4, 0, 2, 2, 7]):
+        u, s1 = tx.update(_grads(i - 2.0), s1, p1, count=jnp.int32(n))
+        p1 = optax.apply_updates(p1, u)
+        p2, s2 = tx.apply_gradients(_grads(i - 2.0), s2, p2, count=jnp.int32(n))
+        _assert_bit_identical(p1, p2)
+        _assert_bit_identical(s1, s2)
+
+
+def test_zero_updates_have_the_emitted_dtype_and_structure():
+    params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2, jnp.float32)}
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2)
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    zeros, state = tx.update(grads, state, params, count=jnp.int32(1))
+    emitted, state = tx.update(grads, state, params, count=jnp.int32(1))
+    assert jax.tree.structure(zeros) == jax.tree.structure(emitted)
+    for z, e in zip(jax.tree.leaves(zeros), jax.tree.leaves(emitted)):
+        assert z.dtype == e.dtype and z.shape == e.shape
+        np.testing.assert_array_equal(z, 0)

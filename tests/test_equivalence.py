@@ -1,0 +1,143 @@
+"""The central property: a window of masked microbatches equals one full-batch step.
+
+For random pytrees, window sizes, microbatch splits and masks (empty microbatches
+included, with NaN mean gradients as an all-masked loss produces), the update
+`MaskedMultiSteps` emits equals the inner optimizer applied to the full batch's
+token-mean gradient, computed in float64 by numpy.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import masked_multistep as mm
+
+INNER = {
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+    # Clipping inside the inner optimizer must see the full-batch gradient: the
+    # threshold is small enough that it always binds.
+    "clip_adamw": lambda: optax.chain(
+        optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=1e-2)
+    ),
+}
+
+
+# Pytree shapes: a few fixed layouts keep the number of compilations small.
+TREES = [((3, 2), (2,), ()), ((2, 2, 2), (1,))]
+
+
+@functools.cache
+def _jitted(inner_name: str, k: int):
+    tx = mm.MaskedMultiSteps(INNER[inner_name](), k)
+    return tx, jax.jit(tx.update), jax.jit(tx.inner_opt.update)
+
+
+_apply_updates = jax.jit(optax.apply_updates)
+
+
+@st.composite
+def problems(draw):
+    shapes = draw(st.sampled_from(TREES))
+    k = draw(st.integers(1, 4))
+    windows = draw(st.integers(1, 3))
+    counts = draw(
+        st.lists(
+            st.integers(0, 6) | st.just(0), min_size=k * windows, max_size=k * windows
+        )
+    )
+    inner = draw(st.sampled_from(sorted(INNER)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return shapes, k, windows, counts, inner, seed
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems())
+def test_window_equals_full_batch_step(problem):
+    shapes, k, windows, counts, inner_name, seed = problem
+    rng = np.random.default_rng(seed)
+    params = {
+        f"p{i}": rng.normal(size=s).astype(np.float32) for i, s in enumerate(shapes)
+    }
+    tx, update, inner_update = _jitted(inner_name, k)
+
+    state = tx.init(params)
+    ref_params = jax.tree.map(np.float64, params)
+    ref_state = tx.inner_opt.init(params)
+    mm_params = params
+
+    for w in range(windows):
+        window_counts = counts[w * k : (w + 1) * k]
+        # Per-token gradients for every token of the window (float64).
+        tokens = [
+            {name: rng.normal(size=(n, *p.shape)) * 3.0 for name, p in params.items()}
+            for n in window_counts
+        ]
+        for n, tok in zip(window_counts, tokens, strict=True):
+            # The microbatch's mean gradient: NaN (0/0) when it holds no token.
+            grads = {
+                name: (g.mean(0) if n else np.full(g.shape[1:], np.nan)).astype(
+                    np.float32
+                )
+                for name, g in tok.items()
+            }
+            updates, state = update(grads, state, mm_params, count=jnp.int32(n))
+            mm_params = _apply_updates(mm_params, updates)
+
+        total = sum(window_counts)
+        if total == 0:
+            # Nothing to learn from: no update, inner state untouched.
+            assert not tx.has_updated(state)
+            assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+            continue
+        assert tx.has_updated(state)
+        full_grad = {
+            name: np.concatenate([t[name] for t in tokens]).mean(0) for name in params
+        }
+        ref_updates, ref_state = inner_update(
+            jax.tree.map(np.float32, full_grad),
+            ref_state,
+            jax.tree.map(np.float32, ref_params),
+        )
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6),
+            updates,
+            ref_updates,
+        )
+        ref_params = jax.tree.map(
+            lambda p, u: p + np.float64(u), ref_params, ref_updates
+        )
+
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-5),
+        mm_params,
+        ref_params,
+    )
+    assert int(state.gradient_step) == sum(
+        sum(counts[w * k : (w + 1) * k]) > 0 for w in range(windows)
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 1000), min_size=1, max_size=12),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_running_mean_matches_float64_weighted_mean(counts, seed):
+    rng = np.random.default_rng(seed)
+    values = rng.normal(size=(len(counts), 5)) * 10.0
+    mean, total = jnp.zeros(5), jnp.int32(0)
+    for v, n in zip(values, counts, strict=True):
+        g = v if n else np.full(5, np.nan)
+        mean, total = mm.running_mean_update(mean, total, jnp.float32(g), jnp.int32(n))
+    assert int(total) == sum(counts)
+    if sum(counts) == 0:
+        np.testing.assert_array_equal(mean, np.zeros(5))
+    else:
+        expected = (np.asarray(counts)[:, None] * values).sum(0) / sum(counts)
+        np.testing.assert_allclose(mean, expected, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,147 @@
+"""Bad input: clear errors where values are known, total arithmetic under jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import masked_multistep as mm
+
+PARAMS = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+GRADS = jax.tree.map(jnp.ones_like, PARAMS)
+
+
+@pytest.fixture
+def tx():
+    return mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+
+
+@pytest.mark.parametrize("k", [0, -3, np.int64(0), jnp.array(0)], ids=repr)
+def test_k_below_one_is_a_value_error(k):
+    with pytest.raises(ValueError, match=r"`every_k_schedule` must be >= 1, got -?\d"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), k)
+
+
+@pytest.mark.parametrize("k", [2.0, True, "3", jnp.array(2.0), None], ids=repr)
+def test_k_of_the_wrong_type_is_a_type_error(k):
+    with pytest.raises(TypeError, match="`every_k_schedule` must be an integer"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), k)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(
+        TypeError, match="`opt` must be an optax GradientTransformation"
+    ):
+        mm.MaskedMultiSteps(lambda g: g, 2)
+    with pytest.raises(ValueError, match="`accumulator_dtype` must be a floating"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="`count_dtype` must be int32 or a floating"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=jnp.int8)
+
+
+def test_missing_count_says_how_to_pass_it(tx):
+    with pytest.raises(TypeError, match=r"count=n"):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS)
+    with pytest.raises(TypeError, match=r"count=n"):
+        jax.jit(tx.update)(GRADS, tx.init(PARAMS), PARAMS)
+
+
+@pytest.mark.parametrize(
+    "count,match",
+    [
+        (jnp.ones(2, jnp.int32), r"scalar, got shape \(2,\)"),
+        (np.ones((1, 1), np.int32), r"scalar, got shape \(1, 1\)"),
+        (jnp.array(True), "integer or floating scalar, got dtype bool"),
+        (True, "numeric scalar, got True of type bool"),
+        ("12", "numeric scalar, got '12' of type str"),
+        (jnp.array(1 + 2j), "integer or floating scalar, got dtype complex64"),
+        (jnp.float32(3.0), "has dtype float32, but this MaskedMultiSteps sums counts"),
+    ],
+)
+def test_bad_count_types_fail_at_trace_time(tx, count, match):
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match=match):
+        tx.update(GRADS, state, PARAMS, count=count)
+    if hasattr(count, "dtype"):
+        with pytest.raises(ValueError, match=match):
+            jax.jit(tx.update)(GRADS, state, PARAMS, count=count)
+
+
+@pytest.mark.parametrize(
+    "count,match",
+    [
+        (-1, "finite non-negative number, got -1"),
+        (jnp.int32(-5), "finite non-negative number, got -5"),
+        (float("nan"), "finite non-negative number, got nan"),
+        (float("inf"), "finite non-negative number, got inf"),
+        (2**31, r"< 2\*\*31"),
+    ],
+    ids=repr,
+)
+def test_concrete_bad_count_values_raise(count, match):
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        2,
+        count_dtype=jnp.float32 if isinstance(count, float) else jnp.int32,
+    )
+    with pytest.raises(ValueError, match=match):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS, count=count)
+
+
+@pytest.mark.parametrize(
+    "count_dtype,bad",
+    [
+        (jnp.int32, jnp.int32(-3)),
+        (jnp.float32, jnp.float32(-0.5)),
+        (jnp.float32, jnp.float32(jnp.nan)),
+        (jnp.float32, jnp.float32(jnp.inf)),
+    ],
+    ids=repr,
+)
+def test_bad_count_under_jit_is_a_counted_skip(count_dtype, bad):
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=count_dtype)
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    _, state = update(GRADS, state, PARAMS, count=jnp.asarray(2, count_dtype))
+    updates, after = update(
+        jax.tree.map(lambda g: g * 100, GRADS), state, PARAMS, count=bad
+    )
+    assert int(after.num_invalid_counts) == 1
+    for field in ("acc_grads", "acc_count", "mini_step", "gradient_step"):
+        jax.tree.map(
+            np.testing.assert_array_equal, getattr(after, field), getattr(state, field)
+        )
+    assert not bool(tx.has_updated(after))
+    for u in jax.tree.leaves(updates):
+        np.testing.assert_array_equal(u, 0)
+
+
+def test_window_total_overflow_is_a_counted_skip(tx):
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    _, state = update(GRADS, state, PARAMS, count=jnp.int32(2**31 - 10))
+    _, after = update(GRADS, state, PARAMS, count=jnp.int32(11))
+    assert int(after.num_invalid_counts) == 1
+    assert int(after.acc_count) == 2**31 - 10
+    assert int(after.mini_step) == 1
+    _, after = update(GRADS, after, PARAMS, count=jnp.int32(9))  # 2**31 - 1 fits
+    assert int(after.acc_count) == 0 and bool(tx.has_updated(after))
+
+
+def test_mismatched_trees_are_clear(tx):
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match="tree structure does not match"):
+        tx.update({"w": GRADS["w"]}, state, PARAMS, count=1)
+    with pytest.raises(ValueError, match=r"\['b'\] has shape \(4,\).*expects \(3,\)"):
+        tx.update({"w": GRADS["w"], "b": jnp.ones(4)}, state, PARAMS, count=1)
+
+
+def test_bad_skip_function_output_is_clear():
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), 2, should_skip_update_fn=lambda u, s, p: (jnp.zeros(2), ())
+    )
+    with pytest.raises(
+        ValueError, match="`should_skip_update_fn` must return a boolean"
+    ):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS, count=1)

@@ -1,0 +1,55 @@
+"""mm.masked_mean: zero-safe, NaN-proof, count dtypes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import masked_multistep as mm
+
+
+def test_bool_mask_counts_tokens_and_ignores_masked_nan():
+    values = jnp.array([[1.0, 2.0, jnp.nan], [4.0, jnp.inf, 6.0]])
+    mask = jnp.array([[True, True, False], [True, False, False]])
+    mean, count = mm.masked_mean(values, mask)
+    assert count.dtype == jnp.int32 and count.shape == ()
+    assert int(count) == 3
+    np.testing.assert_allclose(mean, 7.0 / 3, rtol=1e-6)
+
+
+def test_all_masked_gives_zero_not_nan_and_a_finite_gradient():
+    values = jnp.array([jnp.nan, 1.0])
+    mean, count = mm.masked_mean(values, jnp.zeros(2, bool))
+    assert float(mean) == 0.0 and int(count) == 0
+    grad = jax.grad(lambda v: mm.masked_mean(v * 2, jnp.zeros(2, bool))[0])(values)
+    np.testing.assert_array_equal(grad, 0.0)
+
+
+def test_gradient_of_masked_mean_is_the_token_mean():
+    v = jnp.arange(4.0)
+    mask = jnp.array([1, 0, 1, 1])
+    grad = jax.grad(lambda v: mm.masked_mean(v, mask)[0])(v)
+    np.testing.assert_allclose(grad, np.array([1, 0, 1, 1]) / 3)
+
+
+def test_float_mask_holds_weights():
+    mean, count = mm.masked_mean(jnp.array([1.0, 3.0]), jnp.array([0.25, 0.75]))
+    assert count.dtype == jnp.float32
+    np.testing.assert_allclose(count, 1.0)
+    np.testing.assert_allclose(mean, 2.5)
+
+
+def test_mask_broadcasts_and_low_precision_is_promoted():
+    values = jnp.ones((2, 3), jnp.bfloat16)
+    mean, count = mm.masked_mean(values, jnp.array([True, False, True]))
+    assert mean.dtype == jnp.float32 and int(count) == 4
+
+
+def test_mask_that_does_not_broadcast_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"`mask` of shape \(4,\) does not broadcast"):
+        mm.masked_mean(jnp.ones((2, 3)), jnp.ones(4, bool))
+
+
+def test_works_under_jit():
+    mean, count = jax.jit(mm.masked_mean)(jnp.arange(3.0), jnp.array([0, 1, 1]))
+    assert float(mean) == 1.5 and int(count) == 2
