@@ -1,0 +1,131 @@
+"""Token-weighted means across a named mesh axis, for ``shard_map`` code."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from masked_multistep._running_mean import compute_dtype, safe_fraction
+
+__all__ = ["weighted_mean_across"]
+
+
+def _varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes over which ``x`` differs (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # the older jax spelling
+
+
+def weighted_mean_across(
+    tree: Any,
+    count: jax.typing.ArrayLike,
+    axis_name: Hashable | Sequence[Hashable],
+) -> tuple[Any, jax.Array]:
+    """The token-weighted mean of ``tree`` over the shards of ``axis_name``.
+
+    Each shard ``d`` holds a mean ``gᵈ`` (for example its mean gradient) over
+    ``nᵈ`` tokens. Every shard receives::
+
+        mean = Σ nᵈ gᵈ / Σ nᵈ        total = Σ nᵈ
+
+    computed as ``Σ (nᵈ / N)·gᵈ`` with ``N = Σ nᵈ`` psummed first, each term in
+    at least float32 and cast back to the leaf's dtype at the end. Every term is
+    bounded by ``max |gᵈ|``, so no overflow-prone raw sum ``Σ nᵈ gᵈ`` is ever
+    formed (it can exceed the float16 range where the mean does not). This is
+    the cross-device counterpart of :func:`running_mean_update`, for code inside
+    ``jax.shard_map`` (or ``jax.vmap`` with an ``axis_name``); under plain
+    ``jit`` with sharded arrays the compiler inserts these reductions itself.
+    Inside ``shard_map``, take each shard's own gradient by differentiating with
+    respect to ``jax.lax.pcast(params, axis_name, to="varying")``: the gradient
+    with respect to replicated params is already summed over the shards.
+
+    Zero-safe: a shard with ``nᵈ = 0`` contributes nothing, even if its ``gᵈ``
+    holds NaN or inf (an all-masked shard's ``0/0``); if every count is zero
+    the mean is zeros, not NaN. Negative or NaN counts (only possible from a
+    bug upstream) count as zero.
+
+    Args:
+      tree: pytree of floating arrays, this shard's means.
+      count: this shard's weight ``nᵈ``: a non-negative integer or floating
+        scalar (e.g. the count from :func:`masked_mean`).
+      axis_name: the mesh (or ``vmap``) axis name to reduce over, or a tuple of
+        names.
+
+    Returns:
+      ``(mean, total)``: ``mean`` with ``tree``'s structure, shapes and dtypes,
+      the same on every shard; ``total = Σ nᵈ`` in ``count``'s dtype.
+
+    Raises:
+      ValueError: if ``count`` is not a numeric scalar; or if, inside
+        ``shard_map``, a leaf of ``tree`` is invariant over ``axis_name`` while
+        ``count`` varies. That leaf is already reduced: the gradient with
+        respect to a replicated input is summed over shards automatically.
+        Differentiate with respect to
+        ``jax.lax.pcast(params, axis_name, to="varying")`` instead.
+      TypeError: if a leaf of ``tree`` is not floating.
+
+    Examples:
+      Three shards with 1, 2 and 0 tokens; the empty one's NaN is ignored:
+
+      >>> import jax, jax.numpy as jnp
+      >>> import masked_multistep as mm
+      >>> grads = jnp.array([1.0, 4.0, jnp.nan])
+      >>> counts = jnp.array([1, 2, 0])
+      >>> mean, total = jax.vmap(
+      ...     lambda g, n: mm.weighted_mean_across(g, n, "shards"),
+      ...     axis_name="shards")(grads, counts)
+      >>> print(mean, total)  # (1 * 1 + 2 * 4) / 3 on every shard
+      [3. 3. 3.] [3 3 3]
+    """
+    count = jnp.asarray(count)
+    if count.shape != () or not (
+        jnp.issubdtype(count.dtype, jnp.integer)
+        or jnp.issubdtype(count.dtype, jnp.floating)
+    ):
+        raise ValueError(
+            "`count` must be an integer or floating scalar per shard, got shape "
+            f"{count.shape} and dtype {count.dtype}"
+        )
+    names = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+    count_varies = names & _varying_axes(count)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        where = f"tree{jax.tree_util.keystr(path)}"
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(
+                f"`tree` leaves must be floating, got dtype {jnp.result_type(leaf)} "
+                f"at {where}"
+            )
+        if invariant := count_varies - _varying_axes(leaf):
+            # Inside shard_map, the gradient of a replicated (invariant) input is
+            # already summed over the shards; weighting that sum again is wrong.
+            raise ValueError(
+                f"{where} is the same on every shard of {sorted(invariant)} while "
+                "`count` differs: it is already reduced. Inside shard_map the "
+                "gradient with respect to a replicated input is summed over the "
+                "shards automatically; differentiate with respect to "
+                f"`jax.lax.pcast(params, {sorted(invariant)[0]!r}, to='varying')` "
+                "to get this shard's own gradient."
+            )
+    with jax.named_scope("masked_multistep/weighted_mean_across"):
+        # Non-positive (or NaN) counts carry no tokens: zero them before the psum
+        # so that `total` and the weights agree.
+        take = count > 0
+        count = jnp.where(take, count, jnp.zeros_like(count))
+        total = jax.lax.psum(count, axis_name)
+        weight = safe_fraction(count, total)
+
+        def leaf(g):
+            g = jnp.asarray(g)
+            dtype = compute_dtype(g.dtype)
+            # `where`, not `weight * g` alone: NaN * 0 is NaN.
+            term = jnp.where(take, weight.astype(dtype) * g.astype(dtype), 0)
+            return jax.lax.psum(term, axis_name).astype(g.dtype)
+
+        mean = jax.tree.map(leaf, tree)
+    return mean, total

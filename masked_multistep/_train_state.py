@@ -1,0 +1,173 @@
+"""`TrainState`: flax linen's ``TrainState`` that passes token counts to ``tx``.
+
+This module needs flax, an optional dependency (``pip install
+masked_multistep[flax]``). The package imports it lazily, on first access of
+``masked_multistep.TrainState``, so ``import masked_multistep`` neither needs flax
+nor pays for importing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import optax
+
+from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
+
+try:
+    from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+    from flax.training import train_state as _flax_train_state
+except ImportError as err:  # pragma: no cover - exercised only without flax
+    raise ImportError(
+        "masked_multistep.TrainState needs flax: install it with "
+        "`pip install masked_multistep[flax]` (or `pip install flax`)."
+    ) from err
+
+__all__ = ["TrainState"]
+
+
+def _find_multisteps_states(opt_state: Any) -> list[MaskedMultiStepsState]:
+    """The outermost :class:`MaskedMultiStepsState` nodes inside ``opt_state``."""
+    is_mm = lambda x: isinstance(x, MaskedMultiStepsState)
+    return [s for s in jax.tree.leaves(opt_state, is_leaf=is_mm) if is_mm(s)]
+
+
+class TrainState(_flax_train_state.TrainState):
+    """``flax.training.train_state.TrainState`` for token-weighted accumulation.
+
+    A drop-in subclass: same fields (``step``, ``apply_fn``, ``params``, ``tx``,
+    ``opt_state``) and the same :meth:`create`. Only :meth:`apply_gradients`
+    differs: it takes the microbatch's token ``count`` (and optionally its mean
+    loss ``value``) and hands them to the optimizer. flax's own
+    ``apply_gradients`` calls ``tx.update(grads, opt_state, params)`` with no
+    extra arguments, so a :class:`MaskedMultiSteps` inside it cannot weight the
+    microbatches.
+
+    ``tx`` may be
+
+    * a :class:`MaskedMultiSteps`: its fused ``apply_gradients`` is used, so on
+      microbatches that do not end a window the params pass through untouched
+      (no tree of zero updates is added to them);
+    * any optax transformation, e.g. ``optax.chain(...,
+      mm.MaskedMultiSteps(...).gradient_transformation())``: ``tx.update(grads,
+      opt_state, params, count=count, value=value, ...)`` followed by
+      ``optax.apply_updates``. Transformations that take no extra arguments
+      ignore them, as inside ``optax.chain``.
+
+    ``step`` keeps flax's meaning: it counts calls of :meth:`apply_gradients`,
+    i.e. *microbatches*. The number of optimizer updates applied is
+    :attr:`gradient_step`.
+
+    Examples:
+      A window of two microbatches with 3 and 1 tokens; the params move once, by
+      the token-weighted mean gradient ``(3·1 + 1·5) / 4 = 2``:
+
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import masked_multistep as mm
+      >>> state = mm.TrainState.create(
+      ...     apply_fn=None, params={"w": jnp.zeros(())},
+      ...     tx=mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2))
+      >>> for g, n in [(1.0, 3), (5.0, 1)]:
+      ...     state = state.apply_gradients(grads={"w": jnp.array(g)},
+      ...                                   count=jnp.array(n))
+      >>> print(state.params["w"], state.step, state.gradient_step)
+      -2.0 2 1
+    """
+
+    def apply_gradients(
+        self,
+        *,
+        grads: optax.Updates,
+        count: jax.typing.ArrayLike | None = None,
+        value: jax.typing.ArrayLike | None = None,
+        **kwargs: Any,
+    ) -> TrainState:
+        """Folds in one microbatch's gradients; updates the params at a window's end.
+
+        Args:
+          grads: the microbatch's *mean* gradients, with the structure of
+            ``params`` (as in flax, ``{"params": ..., OVERWRITE_WITH_GRADIENT:
+            ...}`` for fp8 params is supported).
+          count: the number of real tokens behind ``grads`` (a scalar; pass a
+            ``jax.Array``, e.g. the count from :func:`masked_mean`, to a jitted
+            step). Required.
+          value: optionally the microbatch's mean loss; token-averaged by
+            :class:`MaskedMultiSteps` and passed to its inner optimizer as
+            ``value=`` at the end of the window.
+          **kwargs: keywords naming a field of this dataclass are ``replace``-d,
+            as in flax (e.g. ``batch_stats=`` on a subclass); all others go to
+            the optimizer as extra arguments.
+
+        Returns:
+          The new state, with ``step`` incremented by one.
+
+        Raises:
+          TypeError: if ``count`` is missing.
+        """
+        if count is None:
+            raise TypeError(
+                "TrainState.apply_gradients needs the microbatch's token count: "
+                "call `state.apply_gradients(grads=grads, count=n)`, got "
+                "count=None."
+            )
+        field_names = {f.name for f in dataclasses.fields(self)}
+        replace = {k: v for k, v in kwargs.items() if k in field_names}
+        extra_args = {k: v for k, v in kwargs.items() if k not in field_names}
+        extra_args["count"] = count
+        if value is not None:
+            extra_args["value"] = value
+
+        owg = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
+        grads_with_opt = grads["params"] if owg else grads
+        params_with_opt = self.params["params"] if owg else self.params
+
+        if isinstance(self.tx, MaskedMultiSteps):
+            new_params_with_opt, new_opt_state = self.tx.apply_gradients(
+                grads_with_opt, self.opt_state, params_with_opt, **extra_args
+            )
+        else:
+            tx = optax.with_extra_args_support(self.tx)
+            updates, new_opt_state = tx.update(
+                grads_with_opt, self.opt_state, params_with_opt, **extra_args
+            )
+            new_params_with_opt = optax.apply_updates(params_with_opt, updates)
+
+        if owg:
+            # As in flax: fp8 "overwrite with gradient" variables take the
+            # gradient itself as their new value.
+            new_params = {
+                "params": new_params_with_opt,
+                OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT],
+            }
+        else:
+            new_params = new_params_with_opt
+        return self.replace(
+            step=self.step + 1,
+            params=new_params,
+            opt_state=new_opt_state,
+            **replace,
+        )
+
+    @property
+    def gradient_step(self) -> jax.Array:
+        """The number of optimizer updates applied (windows that saw tokens).
+
+        Read from the :class:`MaskedMultiStepsState` in ``opt_state``, which may
+        be nested (e.g. inside ``optax.chain``).
+
+        Raises:
+          ValueError: if ``opt_state`` holds no :class:`MaskedMultiStepsState`,
+            or more than one at the outermost level.
+        """
+        states = _find_multisteps_states(self.opt_state)
+        if len(states) != 1:
+            raise ValueError(
+                "TrainState.gradient_step reads the MaskedMultiSteps state in "
+                "`opt_state`; expected exactly one, found "
+                f"{len(states)} in an opt_state of type {type(self.opt_state).__name__}"
+            )
+        return states[0].gradient_step

@@ -1,0 +1,327 @@
+"""`microbatched_value_and_grad`: k microbatches in one jitted call equal the batch.
+
+Checked against `jax.value_and_grad` of the full batch's masked mean loss and,
+where the split matters, against a float64 numpy fold over `batch[j::k]`.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import masked_multistep as mm
+
+B, D, H = 16, 3, 5
+
+
+def _params(dtype=jnp.float32):
+    rng = np.random.default_rng(0)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(D, H)), dtype),
+        "b1": jnp.asarray(rng.normal(size=(1, 1, H)), dtype),
+        "w2": jnp.asarray(rng.normal(size=(H,)), dtype),
+    }
+
+
+def _batch(mask):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(B, 4, D)).astype(np.float32)
+    # Masked-out tokens hold NaN: they must never reach the result.
+    x = np.where(np.asarray(mask)[..., None], x, np.nan)
+    return {
+        "x": jnp.asarray(x),
+        "y": jnp.asarray(rng.normal(size=(B, 4)), jnp.float32),
+        "mask": jnp.asarray(mask),
+    }
+
+
+def _skewed_mask(k):
+    """Per-row token counts from 0 to 4; with k = 4 microbatch 1 is all-masked."""
+    lengths = np.array([4, 0, 1, 3, 2, 0, 4, 1, 4, 0, 2, 3, 1, 0, 4, 2])
+    if k == 4:
+        assert (lengths[1::4] == 0).all()
+    return np.arange(4)[None, :] < lengths[:, None]
+
+
+def _model(params, x):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return h @ params["w2"]
+
+
+def _loss(params, mb):
+    pred = _model(params, jnp.where(mb["mask"][..., None], mb["x"], 0))
+    return mm.masked_mean((pred - mb["y"]) ** 2, mb["mask"])
+
+
+_TRACES = []
+
+
+def _naive_loss(params, mb):
+    """The mean as sum / count: 0/0 = NaN for an all-masked microbatch."""
+    _TRACES.append(None)
+    pred = _model(params, jnp.where(mb["mask"][..., None], mb["x"], 0))
+    err = jnp.where(mb["mask"], (pred - mb["y"]) ** 2, 0.0)
+    count = jnp.sum(mb["mask"], dtype=jnp.int32)
+    return jnp.sum(err) / count, count
+
+
+@functools.cache
+def _grad_fn(k):
+    return jax.jit(mm.microbatched_value_and_grad(_naive_loss, k))
+
+
+@functools.cache
+def _full_grad_fn():
+    return jax.jit(jax.value_and_grad(_loss, has_aux=True))
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_equals_full_batch_value_and_grad(k):
+    params, batch = _params(), _batch(_skewed_mask(k))
+    full = _full_grad_fn()(params, batch)
+    out = _grad_fn(k)(params, batch)
+    (loss, count), grads = out
+    assert count.dtype == jnp.int32 and count.shape == ()
+    assert int(count) == int(np.sum(_skewed_mask(k)))
+    assert np.isfinite(float(loss))
+    chex.assert_trees_all_close(out, full, rtol=2e-6, atol=1e-6, strict=True)
+
+
+def test_aux_float_is_token_weighted_mean_and_int_is_summed():
+    mask = _skewed_mask(4)
+    params, batch = _params(), _batch(mask)
+
+    def loss_fn(params, mb):
+        loss, count = _loss(params, mb)
+        pred = _model(params, jnp.where(mb["mask"][..., None], mb["x"], 0))
+        hit = jnp.abs(pred - mb["y"]) < 1.0
+        accuracy, _ = mm.masked_mean(hit.astype(jnp.float32), mb["mask"])
+        aux = {
+            "accuracy": accuracy,
+            "num_hits": jnp.sum(hit & mb["mask"], dtype=jnp.int32),
+            "per_feature": jnp.full((2,), accuracy, jnp.bfloat16),
+        }
+        return loss, (count, aux)
+
+    (loss, (count, aux)), grads = jax.jit(
+        mm.microbatched_value_and_grad(loss_fn, 4, has_aux=True)
+    )(params, batch)
+    (f_loss, (f_count, f_aux)), f_grads = jax.jit(
+        jax.value_and_grad(loss_fn, has_aux=True)
+    )(params, batch)
+    chex.assert_trees_all_close(
+        ((loss, count), grads), ((f_loss, f_count), f_grads), rtol=2e-6, strict=True
+    )
+    # Full-batch values: a masked-mean metric and a summed integer count.
+    chex.assert_trees_all_close(
+        aux["accuracy"], f_aux["accuracy"], rtol=1e-6, strict=True
+    )
+    assert aux["num_hits"].dtype == jnp.int32
+    assert int(aux["num_hits"]) == int(f_aux["num_hits"])
+    assert aux["per_feature"].dtype == jnp.bfloat16
+    assert aux["per_feature"].shape == (2,)
+    chex.assert_trees_all_close(
+        aux["per_feature"].astype(jnp.float32),
+        f_aux["accuracy"] * jnp.ones(2),
+        rtol=1e-2,
+    )
+
+
+def test_microbatch_j_is_strided_rows():
+    """A loss that is non-linear in the microbatch reveals the documented split."""
+    k = 4
+    rng = np.random.default_rng(2)
+    values = rng.normal(size=(B, 3)).astype(np.float32)
+    mask = rng.random((B, 3)) < 0.6
+    mask[1::k] = False  # one empty microbatch under the strided split
+
+    def loss_fn(w, mb):
+        mean, count = mm.masked_mean(mb["v"] * w, mb["m"])
+        return mean**2, count
+
+    (loss, count), grad = jax.jit(mm.microbatched_value_and_grad(loss_fn, k))(
+        jnp.array(1.5), {"v": jnp.asarray(values), "m": jnp.asarray(mask)}
+    )
+    # float64 reference: token-weighted mean of (w·mean_j)² over batch[j::k].
+    v64, w = values.astype(np.float64), 1.5
+    counts = np.array([mask[j::k].sum() for j in range(k)])
+    means = np.array(
+        [v64[j::k][mask[j::k]].mean() if counts[j] else np.nan for j in range(k)]
+    )
+    ok = counts > 0
+    ref_loss = np.sum(counts[ok] * (w * means[ok]) ** 2) / counts.sum()
+    ref_grad = np.sum(counts[ok] * 2 * w * means[ok] ** 2) / counts.sum()
+    assert int(count) == mask.sum()
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(float(grad), ref_grad, rtol=1e-5)
+    # A contiguous split gives a different loss: the test can tell them apart.
+    contiguous = [v64[j * 4 : (j + 1) * 4][mask[j * 4 : (j + 1) * 4]] for j in range(k)]
+    other = sum(len(c) * (w * c.mean()) ** 2 for c in contiguous if len(c))
+    assert abs(other / counts.sum() - ref_loss) > 1e-3
+
+
+def test_all_masked_batch_gives_zeros():
+    params, batch = _params(), _batch(np.zeros((B, 4), bool))
+    (loss, count), grads = _grad_fn(4)(params, batch)
+    chex.assert_trees_all_close(
+        ((loss, count), grads),
+        (
+            (jnp.zeros(()), jnp.zeros((), jnp.int32)),
+            jax.tree.map(jnp.zeros_like, params),
+        ),
+        strict=True,
+    )
+
+
+def test_dtypes_follow_loss_fn_and_float_counts():
+    """bf16 params give bf16 grads (means kept in float32); float weights sum."""
+    params = _params(jnp.bfloat16)
+    mask = _skewed_mask(4)
+    batch = _batch(mask)
+    weights = jnp.asarray(np.where(mask, 0.5, 0.0), jnp.float32)
+
+    def loss_fn(params, mb):
+        pred = _model(params, jnp.where(mb["mask"][..., None], mb["x"], 0))
+        return mm.masked_mean((pred - mb["y"]) ** 2, mb["w"])
+
+    (loss, count), grads = jax.jit(mm.microbatched_value_and_grad(loss_fn, 4))(
+        params, {**batch, "w": weights}
+    )
+    assert loss.dtype == jnp.float32 and count.dtype == jnp.float32
+    assert float(count) == 0.5 * mask.sum()
+    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True):
+        assert (g.dtype, g.shape) == (p.dtype, p.shape)
+    (f_loss, _), f_grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+        params, {**batch, "w": weights}
+    )
+    chex.assert_trees_all_close(grads, f_grads, rtol=2e-2, atol=2e-2, strict=True)
+    np.testing.assert_allclose(float(loss), float(f_loss), rtol=1e-2)
+
+
+def test_no_retrace_on_new_batch_values():
+    params = _params()
+    _grad_fn(4)(params, _batch(_skewed_mask(4)))
+    traced = len(_TRACES)
+    _grad_fn(4)(params, _batch(np.ones((B, 4), bool)))
+    assert traced > 0 and len(_TRACES) == traced
+
+
+def test_temp_memory_scales_with_the_microbatch():
+    """A wide activation-heavy MLP: 8 microbatches need far less scratch memory."""
+    batch_size, d_in, width = 4096, 8, 256
+    params = {
+        "w1": jax.ShapeDtypeStruct((d_in, width), jnp.float32),
+        "w2": jax.ShapeDtypeStruct((width, width), jnp.float32),
+        "w3": jax.ShapeDtypeStruct((width,), jnp.float32),
+    }
+    batch = {
+        "x": jax.ShapeDtypeStruct((batch_size, d_in), jnp.float32),
+        "y": jax.ShapeDtypeStruct((batch_size,), jnp.float32),
+        "mask": jax.ShapeDtypeStruct((batch_size,), jnp.bool_),
+    }
+
+    def loss_fn(p, mb):
+        h = jnp.tanh(jnp.tanh(mb["x"] @ p["w1"]) @ p["w2"])
+        return mm.masked_mean((h @ p["w3"] - mb["y"]) ** 2, mb["mask"])
+
+    def temp_bytes(k):
+        compiled = (
+            jax.jit(mm.microbatched_value_and_grad(loss_fn, k))
+            .lower(params, batch)
+            .compile()
+        )
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    one, eight = temp_bytes(1), temp_bytes(8)
+    activations = batch_size * width * 4  # one float32 hidden layer
+    assert one > 2 * activations  # the full batch's activations are live
+    assert eight < 0.5 * one, (eight, one)
+
+
+@pytest.mark.parametrize(
+    ("k", "error", "match"),
+    [
+        (0, ValueError, r"`num_microbatches` must be >= 1, got 0"),
+        (-2, ValueError, r"`num_microbatches` must be >= 1, got -2"),
+        (2.0, TypeError, r"`num_microbatches` must be a Python integer, got 2.0"),
+        (True, TypeError, r"`num_microbatches` must be a Python integer, got True"),
+    ],
+)
+def test_bad_num_microbatches(k, error, match):
+    with pytest.raises(error, match=match):
+        mm.microbatched_value_and_grad(_loss, k)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(TypeError, match=r"`loss_fn` must be callable, got 3"):
+        mm.microbatched_value_and_grad(3, 2)
+    with pytest.raises(TypeError, match=r"`has_aux` must be a bool, got 1"):
+        mm.microbatched_value_and_grad(_loss, 2, has_aux=1)
+
+
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        ({"x": jnp.ones((6, 2))}, r"batch size \(6.*divisible by `num_microbatches`"),
+        (
+            {"x": jnp.ones((8, 2)), "y": jnp.ones((4,))},
+            r"share their leading \(batch\) size, got \['x'\]: 8, \['y'\]: 4",
+        ),
+        ({"x": jnp.ones((8, 2)), "s": jnp.ones(())}, r"leaf at \['s'\] is a scalar"),
+        ({}, r"`batch` must contain at least one array"),
+    ],
+)
+def test_bad_batch(batch, match):
+    grad_fn = mm.microbatched_value_and_grad(
+        lambda p, mb: (jnp.sum(p), jnp.array(1)), 4
+    )
+    with pytest.raises(ValueError, match=match):
+        grad_fn(jnp.ones(()), batch)
+
+
+@pytest.mark.parametrize(
+    ("out", "has_aux", "error", "match"),
+    [
+        (
+            lambda p: (p, jnp.ones(2, jnp.int32)),
+            False,
+            ValueError,
+            r"count returned by `loss_fn` must be an integer or floating scalar.*"
+            r"shape \(2,\)",
+        ),
+        (
+            lambda p: (p, jnp.array(True)),
+            False,
+            ValueError,
+            r"count returned by `loss_fn`.*dtype bool",
+        ),
+        (
+            lambda p: (p * jnp.ones(3), jnp.array(1)),
+            False,
+            TypeError,
+            r"loss returned by `loss_fn` must be a floating scalar.*shape \(3,\)",
+        ),
+        (lambda p: p, False, TypeError, r"must return \(mean_loss, count\)"),
+        (
+            lambda p: (p, jnp.array(1)),
+            True,
+            TypeError,
+            r"has_aux=True, `loss_fn` must return \(mean_loss, \(count, aux\)\)",
+        ),
+        (
+            lambda p: (p, (jnp.array(1), {"ok": jnp.array(True)})),
+            True,
+            TypeError,
+            r"`aux` leaves must be floating .* or integer .*dtype bool at aux\['ok'\]",
+        ),
+    ],
+)
+def test_bad_loss_fn_output(out, has_aux, error, match):
+    grad_fn = mm.microbatched_value_and_grad(
+        lambda p, mb: out(p * jnp.sum(mb)), 2, has_aux=has_aux
+    )
+    with pytest.raises(error, match=match):
+        grad_fn(jnp.ones(()), jnp.ones((4,)))

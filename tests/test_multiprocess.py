@@ -1,0 +1,104 @@
+"""Two processes, one global mesh: data-parallel MaskedMultiSteps across hosts.
+
+Two worker processes on 127.0.0.1 (gloo CPU collectives, 2 devices each) train
+on a global 4-device mesh, each feeding only its own rows of every masked
+microbatch. Their final parameters must equal a single-process run on the full
+microbatches.
+"""
+
+import importlib.util
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+WORKER = pathlib.Path(__file__).with_name("_multiprocess_worker.py")
+TIMEOUT_S = 120
+
+
+def _worker_module():
+    spec = importlib.util.spec_from_file_location("_multiprocess_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process_reference(worker):
+    tx, step = worker.make_step()
+    device = jax.devices()[0]
+    params = jax.device_put(worker.init_params(), device)
+    state = tx.init(params)
+    for mb in worker.microbatches():
+        params, state = step(params, state, jax.device_put(mb, device))
+    assert int(state.gradient_step) == worker.WINDOWS
+    return params
+
+
+def _tails(logs) -> str:
+    return "\n".join(
+        f"--- {log.name} ---\n" + log.read_text(errors="replace")[-4000:]
+        for log in logs
+        if log.exists()
+    )
+
+
+@pytest.mark.slow
+def test_two_processes_match_single_process(tmp_path):
+    worker = _worker_module()
+    port = _free_port()
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        # The workers choose their own device count; drop inherited XLA flags.
+        "XLA_FLAGS": "",
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(WORKER.parents[1]), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    outs = [tmp_path / f"params_{i}.npz" for i in range(worker.NUM_PROCESSES)]
+    logs = [tmp_path / f"worker_{i}.log" for i in range(worker.NUM_PROCESSES)]
+    procs = []
+    try:
+        for i in range(worker.NUM_PROCESSES):
+            with open(logs[i], "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WORKER), str(i), str(port), str(outs[i])],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        # Meanwhile, the reference in this process.
+        reference = _single_process_reference(worker)
+        try:
+            for proc in procs:
+                proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"workers still running after {TIMEOUT_S} s\n{_tails(logs)}")
+        codes = [p.returncode for p in procs]
+        assert codes == [0] * len(procs), f"exit codes {codes}\n{_tails(logs)}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    reference = jax.tree.map(np.asarray, reference)
+    assert not np.allclose(reference["w"], worker.init_params()["w"])
+    for out in outs:
+        with np.load(out) as f:
+            got = {name: f[name] for name in f.files}
+        chex.assert_trees_all_close(got, reference, rtol=1e-5, atol=1e-6, strict=True)

@@ -1,0 +1,265 @@
+"""SPMD on 8 CPU devices: FSDP params, data-parallel batches, shard_map means.
+
+The accumulator and the inner optimizer's state must live sharded like the
+parameters (an FSDP model never holds a full replica of either), and a sharded
+run must reach the parameters a single-device run reaches.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import masked_multistep as mm
+
+AUTO = jax.sharding.AxisType.Auto
+K, WINDOWS, B, T, D, H = 3, 2, 8, 4, 3, 8
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    assert len(jax.devices()) == 8, "conftest sets jax_num_cpu_devices=8"
+    return jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AUTO, AUTO))
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(H, D)), jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(H,)), jnp.float32),
+    }
+
+
+# Leading dim over 'fsdp' (replicated over 'data'): the classic FSDP layout.
+PARAM_SPECS = {"w1": P("fsdp", None), "w2": P("fsdp")}
+BATCH_SPEC = P(("data", "fsdp"))
+
+
+def _loss(params, mb):
+    x = jnp.where(mb["mask"][..., None], mb["x"], 0)
+    pred = jnp.tanh(x @ params["w1"].T) @ params["w2"]
+    return mm.masked_mean((pred - mb["y"]) ** 2, mb["mask"])
+
+
+def _microbatches():
+    """K * WINDOWS skewed microbatches; microbatch 1 is all-masked with NaN data."""
+    rng = np.random.default_rng(1)
+    out = []
+    for i in range(K * WINDOWS):
+        lengths = rng.integers(0, T + 1, size=B)
+        lengths[: i % 3] = T  # skew: some microbatches hold far more tokens
+        if i == 1:
+            lengths[:] = 0
+        mask = np.arange(T)[None, :] < lengths[:, None]
+        x = np.where(mask[..., None], rng.normal(size=(B, T, D)), np.nan)
+        out.append(
+            {
+                "x": x.astype(np.float32),
+                "y": rng.normal(size=(B, T)).astype(np.float32),
+                "mask": mask,
+            }
+        )
+    return out
+
+
+def _tx():
+    return mm.MaskedMultiSteps(optax.adamw(1e-1, weight_decay=1e-2), K)
+
+
+def _train(params, batches, put_params, put_batch):
+    tx = _tx()
+
+    def step(params, state, mb):
+        (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
+        updates, state = tx.update(grads, state, params, count=count, value=loss)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    params = put_params(params)
+    # Eager init: zeros_like keeps each parameter's sharding. (`jax.jit(tx.init)`
+    # would need out_shardings, as for any optax optimizer: its outputs do not
+    # depend on the parameters' values, so nothing ties them to the mesh.)
+    state = tx.init(params)
+    states = [state]
+    for mb in batches:
+        params, state = step(params, state, put_batch(mb))
+        states.append(state)
+    return params, states
+
+
+def _assert_sharded_like(tree, params, what):
+    for path, leaf, p in zip(
+        jax.tree_util.tree_flatten_with_path(tree)[0],
+        jax.tree.leaves(tree),
+        jax.tree.leaves(params),
+        strict=True,
+    ):
+        assert leaf.shape == p.shape
+        assert leaf.sharding.is_equivalent_to(p.sharding, p.ndim), (
+            f"{what}{jax.tree_util.keystr(path[0])}: {leaf.sharding} vs {p.sharding}"
+        )
+
+
+def test_fsdp_state_is_sharded_like_params_and_matches_one_device(mesh):
+    params_sharding = {k: NamedSharding(mesh, s) for k, s in PARAM_SPECS.items()}
+    batch_sharding = NamedSharding(mesh, BATCH_SPEC)
+    batches = _microbatches()
+    assert not batches[1]["mask"].any()
+
+    sharded, states = _train(
+        _params(),
+        batches,
+        lambda p: jax.device_put(p, params_sharding),
+        lambda mb: jax.device_put(mb, batch_sharding),
+    )
+    for k, spec in PARAM_SPECS.items():
+        assert sharded[k].sharding.is_equivalent_to(
+            NamedSharding(mesh, spec), sharded[k].ndim
+        ), (k, sharded[k].sharding)
+    for i, state in enumerate(states):
+        _assert_sharded_like(state.acc_grads, sharded, f"state {i} acc_grads")
+        adam = state.inner_opt_state[0]
+        _assert_sharded_like(adam.mu, sharded, f"state {i} mu")
+        _assert_sharded_like(adam.nu, sharded, f"state {i} nu")
+    assert int(states[-1].gradient_step) == WINDOWS
+    assert int(states[-1].num_invalid_counts) == 0
+
+    device = jax.devices()[0]
+    single, _ = _train(
+        _params(),
+        batches,
+        lambda p: jax.device_put(p, device),
+        lambda mb: jax.device_put(mb, device),
+    )
+    assert single["w1"].sharding.device_set == {device}
+    chex.assert_trees_all_close(sharded, single, rtol=1e-5, atol=1e-6, strict=True)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(sharded))
+    # The run moved the parameters (the comparison is not between two no-ops).
+    assert not np.allclose(np.asarray(single["w1"]), np.asarray(_params()["w1"]))
+
+
+def _shard_mapped_mean(mesh8, grads, counts):
+    def f(g, n):
+        return mm.weighted_mean_across(g[0], n[0], "x")
+
+    return jax.jit(
+        jax.shard_map(f, mesh=mesh8, in_specs=(P("x"), P("x")), out_specs=P())
+    )(grads, counts)
+
+
+@pytest.fixture(scope="module")
+def mesh8():
+    return jax.make_mesh((8,), ("x",), axis_types=(AUTO,))
+
+
+def test_weighted_mean_across_shard_map_ignores_empty_nan_shard(mesh8):
+    rng = np.random.default_rng(2)
+    grads = rng.normal(size=(8, 3)).astype(np.float32)
+    counts = rng.integers(1, 50, size=8).astype(np.int32)
+    counts[5] = 0
+    grads[5] = np.nan
+    mean, total = _shard_mapped_mean(mesh8, jnp.asarray(grads), jnp.asarray(counts))
+    ok = counts > 0
+    ref = (counts[ok, None] * grads[ok].astype(np.float64)).sum(0) / counts.sum()
+    assert (mean.dtype, mean.shape) == (jnp.float32, (3,))
+    assert (total.dtype, total.shape) == (jnp.int32, ())
+    assert int(total) == counts.sum()
+    np.testing.assert_allclose(np.asarray(mean), ref, rtol=1e-6)
+
+
+def test_weighted_mean_across_all_zero_counts_give_zeros(mesh8):
+    grads = jnp.full((8, 2), jnp.nan)
+    mean, total = _shard_mapped_mean(mesh8, grads, jnp.zeros(8, jnp.int32))
+    chex.assert_trees_all_close(
+        (mean, total), (jnp.zeros(2), jnp.zeros((), jnp.int32)), strict=True
+    )
+
+
+def test_weighted_mean_across_float16_does_not_overflow(mesh8):
+    """Σ nᵈ gᵈ ≈ 1.5e7 is far beyond float16's 65504; the mean is not."""
+    grads = jnp.asarray(np.linspace(2e4, 4e4, 8)[:, None] * np.ones(2), jnp.float16)
+    counts = jnp.full(8, 500, jnp.int32)
+    mean, total = _shard_mapped_mean(mesh8, grads, counts)
+    assert mean.dtype == jnp.float16
+    ref = np.asarray(grads, np.float64).mean(0)
+    np.testing.assert_allclose(np.asarray(mean, np.float64), ref, rtol=1e-3)
+    assert int(total) == 4000
+
+
+def test_weighted_mean_across_rejects_non_scalar_count(mesh8):
+    with pytest.raises(ValueError, match=r"`count` must be .* scalar .*shape \(2,\)"):
+        jax.vmap(lambda g: mm.weighted_mean_across(g, jnp.ones(2), "i"), axis_name="i")(
+            jnp.ones((3, 2))
+        )
+    with pytest.raises(TypeError, match=r"`tree` leaves must be floating.*int32"):
+        jax.vmap(
+            lambda g: mm.weighted_mean_across(g, jnp.array(1), "i"), axis_name="i"
+        )(jnp.ones((3, 2), jnp.int32))
+
+
+def test_microbatched_value_and_grad_on_fsdp_mesh(mesh):
+    """Strided microbatches of a data-parallel batch: the full-batch result."""
+    rng = np.random.default_rng(3)
+    rows = 4 * B
+    lengths = rng.integers(0, T + 1, size=rows)
+    mask = np.arange(T)[None, :] < lengths[:, None]
+    batch = {
+        "x": np.where(mask[..., None], rng.normal(size=(rows, T, D)), np.nan).astype(
+            np.float32
+        ),
+        "y": rng.normal(size=(rows, T)).astype(np.float32),
+        "mask": mask,
+    }
+    params = jax.device_put(
+        _params(), {k: NamedSharding(mesh, s) for k, s in PARAM_SPECS.items()}
+    )
+    sharded_batch = jax.device_put(batch, NamedSharding(mesh, BATCH_SPEC))
+    out = jax.jit(mm.microbatched_value_and_grad(_loss, 4))(params, sharded_batch)
+    device = jax.devices()[0]
+    full = jax.jit(jax.value_and_grad(_loss, has_aux=True))(
+        jax.device_put(_params(), device), jax.device_put(batch, device)
+    )
+    chex.assert_trees_all_close(out, full, rtol=1e-5, atol=1e-6, strict=True)
+
+
+def test_weighted_mean_across_of_shard_gradients_equals_full_batch(mesh8):
+    """Per-shard gradients (params cast to varying) combine to the batch's."""
+    rng = np.random.default_rng(4)
+    rows = 2 * 8
+    mask = np.arange(T)[None, :] < rng.integers(0, T + 1, size=(rows, 1))
+    mask[:2] = False  # shard 0 holds no tokens; its data is NaN
+    batch = {
+        "x": np.where(mask[..., None], rng.normal(size=(rows, T, D)), np.nan).astype(
+            np.float32
+        ),
+        "y": rng.normal(size=(rows, T)).astype(np.float32),
+        "mask": mask,
+    }
+
+    def shard_grads(params, mb, cast):
+        if cast:
+            params = jax.lax.pcast(params, "x", to="varying")
+        (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
+        grads, total = mm.weighted_mean_across(grads, count, "x")
+        loss, _ = mm.weighted_mean_across(loss, count, "x")
+        return (loss, total), grads
+
+    def run(cast):
+        return jax.jit(
+            jax.shard_map(
+                lambda p, mb: shard_grads(p, mb, cast),
+                mesh=mesh8,
+                in_specs=(P(), P("x")),
+                out_specs=P(),
+            )
+        )(_params(), batch)
+
+    full = jax.jit(jax.value_and_grad(_loss, has_aux=True))(_params(), batch)
+    chex.assert_trees_all_close(run(True), full, rtol=1e-5, atol=1e-6, strict=True)
+    # Without the cast, shard_map already summed the gradients over the shards.
+    with pytest.raises(ValueError, match=r"tree\['w1'\] is the same on every shard"):
+        run(False)
