@@ -11,40 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _flax_data import D_IN, D_OUT, INNER, TOL, K, T, make_windows, microbatches
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import masked_multistep as mm
-
-K = 4  # microbatches per window
-ROWS = 2  # sequences per microbatch
-T, D_IN, D_OUT = 6, 3, 2
-# Real tokens per sequence, one row per window: microbatch token counts
-# 12, 1, 0, 8 and then 0, 11, 2, 12 (skewed; empty at a window's end and start).
-LENGTHS = np.array([[6, 6, 1, 0, 0, 0, 3, 5], [0, 0, 6, 5, 2, 0, 6, 6]])
-INNER = dict(learning_rate=0.05, weight_decay=0.1)
-TOL = dict(atol=1e-6, rtol=1e-5)
-
-
-def make_windows():
-    """Two windows of full-batch data: (x, y, mask) with K * ROWS rows each."""
-    rng = np.random.default_rng(0)
-    windows = []
-    for lengths in LENGTHS:
-        x = rng.normal(size=(K * ROWS, T, D_IN)).astype(np.float32)
-        y = rng.normal(size=(K * ROWS, T, D_OUT)).astype(np.float32)
-        mask = np.arange(T)[None, :] < lengths[:, None]
-        x[~mask] = np.nan  # padding holds garbage, as real padding might
-        y[~mask] = 1e6
-        windows.append((jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask)))
-    return windows
-
-
-def microbatches(window):
-    x, y, mask = window
-    for i in range(K):
-        rows = slice(i * ROWS, (i + 1) * ROWS)
-        yield x[rows], y[rows], mask[rows]
 
 
 def loss_fn(model, x, y, mask):
