@@ -1,0 +1,73 @@
+"""Executes the notebooks in place, so that the stored copies show their outputs.
+
+Usage: ``.venv/bin/python notebooks/execute.py [NOTEBOOK ...]`` (all by default).
+
+The kernel is this interpreter (checked), with ``MPLBACKEND=Agg``; the notebooks
+display their figures as PNG images themselves.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pathlib
+import sys
+
+import nbclient
+import nbformat
+
+HERE = pathlib.Path(__file__).resolve().parent
+NOTEBOOKS = sorted(HERE.glob("[0-9][0-9]_*.ipynb"))
+
+_PROBE = "import sys\nprint(sys.executable)"
+
+
+def execute(path: os.PathLike | str, timeout: int = 300) -> nbformat.NotebookNode:
+    """Runs the notebook at ``path`` and returns it with fresh outputs.
+
+    Raises ``nbclient.exceptions.CellExecutionError`` if a cell fails, and
+    ``RuntimeError`` if the kernel is not running this Python interpreter.
+    """
+    path = pathlib.Path(path)
+    nb = nbformat.read(path, as_version=4)
+    run = copy.deepcopy(nb)
+    # A first cell that reports the kernel's interpreter; removed afterwards.
+    run.cells.insert(0, nbformat.v4.new_code_cell(_PROBE))
+    client = nbclient.NotebookClient(
+        run,
+        kernel_name="python3",
+        timeout=timeout,
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONHASHSEED": "0"}
+    client.execute(env=env)
+    probe = run.cells.pop(0)
+    kernel_python = "".join(o.get("text", "") for o in probe.outputs).strip()
+    if os.path.realpath(kernel_python) != os.path.realpath(sys.executable):
+        raise RuntimeError(
+            f"the notebook kernel runs {kernel_python!r}, not {sys.executable!r}"
+        )
+    for i, cell in enumerate(run.cells):
+        # Timestamps would change the stored file on every run.
+        cell.metadata.pop("execution", None)
+        if cell.cell_type == "code":
+            cell.execution_count = sum(
+                c.cell_type == "code" for c in run.cells[: i + 1]
+            )
+            for output in cell.outputs:
+                if "execution_count" in output:
+                    output["execution_count"] = cell.execution_count
+    run.metadata = nb.metadata
+    return run
+
+
+def main(argv: list[str]) -> int:
+    paths = [pathlib.Path(p) for p in argv] or NOTEBOOKS
+    for path in paths:
+        print(f"executing {path}", flush=True)
+        nbformat.write(execute(path), path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

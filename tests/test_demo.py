@@ -1,0 +1,94 @@
+"""The demo runs end to end and its numbers make the package's point."""
+
+import json
+import os
+
+import pytest
+
+from masked_multistep.demo import main
+from masked_multistep.demo.data import arrange, make_batches, make_corpus
+
+
+def test_demo_outputs_show_masked_equals_full_batch(tmp_path, capsys):
+    out = tmp_path / "out"
+    status = main(["--steps", "3", "--microbatches", "4", "--out", str(out)])
+    assert status == 0
+
+    printed = capsys.readouterr().out
+    assert "mm.MaskedMultiSteps" in printed and "optax.MultiSteps" in printed
+    assert str(out / "summary.json") in printed
+
+    png = out / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(png) > 10_000
+
+    summary = json.loads((out / "summary.json").read_text())
+    runs = summary["runs"]
+    assert summary["config"]["steps"] == 3
+    for run in runs.values():
+        assert len(run["train_loss"]) == len(run["grad_rel_error"]) == 3
+    assert runs["full_batch"]["grad_rel_error_max"] < 1e-6
+    assert runs["masked_multisteps"]["grad_rel_error_max"] < 1e-5
+    assert runs["optax_multisteps"]["grad_rel_error_mean"] > 0.2
+    # Same initialisation: the first loss is the same for all three runs.
+    first = {name: run["train_loss"][0] for name, run in runs.items()}
+    assert first["full_batch"] == pytest.approx(first["optax_multisteps"], rel=1e-6)
+    assert first["full_batch"] == pytest.approx(first["masked_multisteps"], rel=1e-6)
+    # Masked follows the reference trajectory; optax.MultiSteps leaves it.
+    ref = runs["full_batch"]
+    assert runs["masked_multisteps"]["heldout_loss"] == pytest.approx(
+        ref["heldout_loss"], rel=1e-4
+    )
+    assert abs(runs["optax_multisteps"]["heldout_loss"] - ref["heldout_loss"]) > 1e-3
+    # The first microbatch holds the short sequences, the last the long ones.
+    tokens = summary["tokens_per_microbatch_first_batch"]
+    assert tokens == sorted(tokens) and tokens[-1] > 4 * tokens[0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
+        (["--skew", "2"], "--skew must be between 0 and 1, got 2.0"),
+        (["--batch-size", "10", "--microbatches", "4"], "must be divisible"),
+        (["--steps", "many"], "invalid int value"),
+        (["--out", "TMP/file"], "--out must be a directory"),
+    ],
+)
+def test_bad_flags_exit_with_a_message(argv, message, capsys, tmp_path):
+    argv = [a.replace("TMP", str(tmp_path)) for a in argv]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("python -m masked_multistep.demo: ")
+
+
+def test_skew_controls_length_order():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 100, size=64)
+    sorted_order = arrange(np.random.default_rng(1), lengths, 1.0)
+    assert np.all(np.diff(lengths[sorted_order]) >= 0)
+    # At skew 0 the layout is a random permutation, unrelated to the lengths.
+    random_order = arrange(np.random.default_rng(1), lengths, 0.0)
+    assert sorted(random_order) == list(range(64))
+    assert abs(np.corrcoef(np.arange(64), lengths[random_order])[0, 1]) < 0.5
+
+    corpus = make_corpus(np.random.default_rng(0))
+    b = make_batches(
+        np.random.default_rng(0), corpus, num_batches=2, batch_size=16, skew=1.0
+    )
+    assert b.inputs.shape == b.targets.shape == b.mask.shape == (2, 16, 64)
+    counts = b.mask.sum(axis=-1)
+    assert np.all(np.diff(counts, axis=-1) >= 0)
+    # The mask covers exactly the real next tokens; padding is never a target.
+    assert np.all((b.targets != 0) == b.mask)
+    assert np.all(
+        b.inputs[:, :, 1:][b.mask[:, :, :-1]] == b.targets[:, :, :-1][b.mask[:, :, :-1]]
+    )
