@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -33,7 +32,9 @@ class MaskedMultiStepsState(NamedTuple):
       inner_opt_state: the state of the wrapped optimizer.
       acc_grads: running token-weighted mean of the window's gradients, in
         ``accumulator_dtype``. Meaningful where ``acc_count > 0``; the next counted
-        microbatch after a window ends overwrites it.
+        microbatch after a window ends overwrites it. After an inner update it
+        holds that update's values, when they have the accumulator's dtypes (the
+        update reuses its buffer).
       acc_count: sum of the window's counts (``count_dtype``).
       acc_value: running token-weighted mean of the window's ``value`` arguments
         (float32; 0 when no ``value`` is passed).
@@ -79,6 +80,16 @@ def _canonical_schedule(every_k_schedule) -> Callable[[jax.Array], jax.Array]:
         raise ValueError(f"`every_k_schedule` must be >= 1, got {k}")
     k = int(k)
     return lambda step: jnp.asarray(k, jnp.int32)
+
+
+def _same_avals(a: Any, b: Any) -> bool:
+    """Whether two pytrees have the same structure, and leaves the same avals."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(
+        (jnp.shape(x), jnp.result_type(x)) == (jnp.shape(y), jnp.result_type(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 def _check_trees(grads: Any, acc_grads: Any) -> None:
@@ -281,20 +292,7 @@ class MaskedMultiSteps:
           ValueError: if ``count`` is not a numeric scalar, or is concretely
             negative or NaN; if the gradients do not match the state's tree.
         """
-
-        def finish(mean_grads, inner_state, params, **kwargs):
-            return self._opt.update(mean_grads, inner_state, params, **kwargs)
-
-        def skip(mean_grads, inner_state, params, **kwargs):
-            shapes, _ = jax.eval_shape(
-                functools.partial(self._opt.update, **kwargs),
-                mean_grads,
-                inner_state,
-                params,
-            )
-            return otu.zeros_like(shapes)
-
-        return self._step(updates, state, params, count, extra_args, finish, skip)
+        return self._step(updates, state, params, count, extra_args, apply_params=False)
 
     def apply_gradients(
         self,
@@ -324,18 +322,7 @@ class MaskedMultiSteps:
           >>> print(params)  # -(3 * 1 + 1 * 5) / 4
           -2.0
         """
-
-        def finish(mean_grads, inner_state, params, **kwargs):
-            updates, inner_state = self._opt.update(
-                mean_grads, inner_state, params, **kwargs
-            )
-            return optax.apply_updates(params, updates), inner_state
-
-        def skip(mean_grads, inner_state, params, **kwargs):
-            del mean_grads, inner_state, kwargs
-            return params
-
-        return self._step(grads, state, params, count, extra_args, finish, skip)
+        return self._step(grads, state, params, count, extra_args, apply_params=True)
 
     def _check_count(self, count: Any) -> tuple[jax.Array, jax.Array]:
         """The count in ``count_dtype`` and whether it may be accumulated."""
@@ -389,11 +376,13 @@ class MaskedMultiSteps:
         if is_int and value > _INT32_MAX:
             raise ValueError(f"`count` must be < 2**31, got {value}")
 
-    def _step(self, grads, state, params, count, extra_args, finish, skip):
+    def _step(self, grads, state, params, count, extra_args, *, apply_params):
         """Shared body of :meth:`update` and :meth:`apply_gradients`.
 
         Accumulates outside the conditional (one fused pass over the gradients);
-        only the inner optimizer, and whatever ``finish`` does, sits inside it.
+        only the inner optimizer (and, with ``apply_params``, the params' update)
+        sits inside it. Returns ``(updates, state)``, or with ``apply_params``
+        ``(new_params, state)``.
         """
         n, count_ok = self._check_count(count)
         _check_trees(grads, state.acc_grads)
@@ -439,29 +428,59 @@ class MaskedMultiSteps:
         if value is not None:
             dynamic_args["value"] = acc_value.astype(jnp.asarray(value).dtype)
 
-        def apply_branch(acc_grads, inner_state, params, dynamic_args):
+        def inner_update(acc_grads, inner_state, params, dynamic_args):
             mean_grads = otu.cast_like(acc_grads, grads)
-            out, new_inner = finish(
+            updates, new_inner = self._opt.update(
                 mean_grads, inner_state, params, **static_args, **dynamic_args
             )
             # The inner state keeps its dtypes (as in optax.MultiSteps).
-            return out, otu.cast_like(new_inner, inner_state)
+            return updates, otu.cast_like(new_inner, inner_state)
+
+        operands = (acc_grads, state.inner_opt_state, params, dynamic_args)
+        updates_avals, _ = jax.eval_shape(inner_update, *operands)
+        # Once the inner optimizer has read the window's mean, the mean is dead
+        # (`acc_count` resets; the next counted microbatch overwrites it), so the
+        # updates take the accumulator's buffer when they fit it; between windows
+        # it passes through. `update` then returns `where(apply, acc, 0)`, which
+        # XLA fuses into the caller's `optax.apply_updates`, instead of a
+        # separate param-sized output that is filled with zeros on every
+        # microbatch (a temporary as large as the params, page-faulted afresh on
+        # every call on CPU).
+        reuse_acc = _same_avals(updates_avals, acc_grads)
+
+        def apply_branch(acc_grads, inner_state, params, dynamic_args):
+            updates, new_inner = inner_update(
+                acc_grads, inner_state, params, dynamic_args
+            )
+            if reuse_acc:
+                return (), updates, new_inner
+            out = optax.apply_updates(params, updates) if apply_params else updates
+            return out, acc_grads, new_inner
 
         def skip_branch(acc_grads, inner_state, params, dynamic_args):
-            mean_grads = otu.cast_like(acc_grads, grads)
-            out = skip(mean_grads, inner_state, params, **static_args, **dynamic_args)
-            return out, inner_state
+            del dynamic_args
+            if reuse_acc:
+                return (), acc_grads, inner_state
+            # The params pass through untouched: no tree of zeros is added.
+            out = params if apply_params else otu.zeros_like(updates_avals)
+            return out, acc_grads, inner_state
 
         with jax.named_scope("masked_multistep/inner_update"):
-            out, inner_opt_state = jax.lax.cond(
-                apply,
-                apply_branch,
-                skip_branch,
-                acc_grads,
-                state.inner_opt_state,
-                params,
-                dynamic_args,
+            out, acc_grads, inner_opt_state = jax.lax.cond(
+                apply, apply_branch, skip_branch, *operands
             )
+            if reuse_acc and apply_params:
+                # A second conditional reads the updates back from the
+                # accumulator. Fused into the first, the updates would need a
+                # param-sized temporary to feed both the accumulator and the
+                # params; this costs one read of them per window instead.
+                out = jax.lax.cond(
+                    apply, optax.apply_updates, lambda p, u: p, params, acc_grads
+                )
+            elif reuse_acc:
+                out = jax.tree.map(
+                    lambda u: jnp.where(apply, u, jnp.zeros_like(u)), acc_grads
+                )
 
         zero = jnp.zeros([], jnp.int32)
         new_state = MaskedMultiStepsState(

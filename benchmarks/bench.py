@@ -1,0 +1,472 @@
+"""Gradient accumulation, side by side: time per microbatch and compiled memory.
+
+Runs the competitors of ``steps.py`` interleaved in one process (round-robin
+over repeated windows, after a warm-up window each), so that load from other
+processes hits them alike, and reports per model size and window length ``k``:
+
+* the median time per microbatch (the time of a window of ``k`` microbatches,
+  divided by ``k``);
+* its ratio to the floor (gradient plus a bare running-mean accumulate) and to
+  ``optax.MultiSteps``: the median over rounds of the ratio within a round;
+* compiled memory from ``jit(step).lower(...).compile().memory_analysis()``:
+  temporary bytes, and the persistent optimizer state, both relative to the
+  parameters' bytes.
+
+A second table compares in-jit microbatching (``mm.microbatched_value_and_grad``)
+with one full-batch ``jax.value_and_grad`` on an activation-heavy batch.
+
+Usage::
+
+    python benchmarks/bench.py            # the full run (a few minutes)
+    python benchmarks/bench.py --quick    # small sizes, under a minute
+    python benchmarks/bench.py --out results.json
+
+Results are written as JSON to ``benchmarks/results/`` unless ``--out`` says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import optax
+
+import masked_multistep as mm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import steps  # noqa: E402
+
+MB = 1 << 20
+REFERENCE = "optax.MultiSteps"
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    import jaxlib
+
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "optax": optax.__version__,
+        "masked_multistep": mm.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    try:
+        import flax
+
+        info["flax"] = flax.__version__
+    except ImportError:
+        info["flax"] = None
+    return info
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def memory_figures(compiled: Any) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    return {
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+        "alias_bytes": int(m.alias_size_in_bytes),
+    }
+
+
+class Runner:
+    """A compiled competitor with its live (donated) carry and its batches."""
+
+    def __init__(
+        self,
+        comp: steps.Competitor,
+        params: Any,
+        batches: list[Any],
+        cache: dict[Any, Any],
+    ):
+        self.comp = comp
+        self.carry = comp.init(params)
+        self.batches = batches
+        key = (comp.name, jax.tree.structure(params), batches[0]["x"].shape)
+        t0 = time.perf_counter()
+        if comp.k_independent and key in cache:
+            self.compiled = cache[key]
+        else:
+            self.compiled = (
+                jax.jit(comp.step, donate_argnums=0)
+                .lower(self.carry, batches[0])
+                .compile()
+            )
+            cache[key] = self.compiled
+        self.compile_s = time.perf_counter() - t0
+        self.memory = memory_figures(self.compiled)
+        self.memory["state_bytes"] = steps.tree_bytes(comp.opt_state(self.carry))
+
+    def window(self) -> float:
+        """Seconds for one window (``calls_per_window`` calls, all done)."""
+        carry = self.carry
+        t0 = time.perf_counter()
+        for batch in self.batches:
+            carry = self.compiled(carry, batch)
+        jax.block_until_ready(carry)
+        elapsed = time.perf_counter() - t0
+        self.carry = carry
+        return elapsed
+
+
+def interleave(runners: dict[str, Runner], repeats: int) -> dict[str, list[float]]:
+    """Round-robin windows: one warm-up each, then ``repeats`` rounds."""
+    for r in runners.values():
+        r.window()
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, r in runners.items():
+            times[name].append(r.window())
+    return times
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+# ------------------------------------------------------------------- windows
+
+
+def bench_windows(width: int, ks: list[int], repeats: int) -> list[dict[str, Any]]:
+    workload = steps.Workload(width=width)
+    rows = []
+    cache: dict[Any, Any] = {}
+    for k in ks:
+        comps = [make(workload, k) for make in steps.WINDOW_COMPETITORS]
+        runners = {}
+        for comp in comps:
+            if comp.calls_per_window == 1 and k > 1:
+                batches = [workload.batch(0, rows=k * workload.rows)]
+            else:
+                batches = [workload.batch(i) for i in range(k)]
+            runners[comp.name] = Runner(comp, workload.params(), batches, cache)
+        times = interleave(runners, repeats)
+        per_mb = {name: [t / k for t in ts] for name, ts in times.items()}
+        for name, r in runners.items():
+            rows.append(
+                {
+                    "width": width,
+                    "layers": workload.layers,
+                    "num_params": workload.num_params,
+                    "param_bytes": workload.param_bytes,
+                    "k": k,
+                    "competitor": name,
+                    "ms_per_microbatch": 1e3 * statistics.median(per_mb[name]),
+                    "ms_per_microbatch_min": 1e3 * min(per_mb[name]),
+                    "ms_per_microbatch_all": [1e3 * t for t in per_mb[name]],
+                    "x_floor": median_ratio(per_mb[name], per_mb["floor"]),
+                    "x_optax_multisteps": median_ratio(per_mb[name], per_mb[REFERENCE]),
+                    "compile_s": r.compile_s,
+                    **r.memory,
+                }
+            )
+        print(
+            f"  width {width}, k={k:<3d} done (load {load_average()})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return rows
+
+
+def memory_checks(rows: list[dict[str, Any]], width: int, k: int) -> dict[str, Any]:
+    """The deterministic memory claims for one size: temporary bytes of each
+    step, and the persistent state of MaskedMultiSteps taken apart."""
+    figures = {
+        r["competitor"]: r["temp_bytes"]
+        for r in rows
+        if (r["width"], r["k"]) == (width, k)
+    }
+    params = steps.Workload(width=width).params()
+    tx = mm.MaskedMultiSteps(optax.adam(steps.LEARNING_RATE), k)
+    state = tx.init(params)
+    inner = steps.tree_bytes(optax.adam(steps.LEARNING_RATE).init(params))
+    acc = steps.tree_bytes(state.acc_grads)
+    big = {"inner_opt_state", "acc_grads"}
+    scalars = sum(
+        steps.tree_bytes(getattr(state, f)) for f in state._fields if f not in big
+    )
+    return {
+        "width": width,
+        "k": k,
+        "temp_bytes": figures,
+        "state_bytes": steps.tree_bytes(state),
+        "inner_state_bytes": inner,
+        "accumulator_bytes": acc,
+        "scalar_bytes": scalars,
+    }
+
+
+# --------------------------------------------------------------- microbatching
+
+
+def bench_microbatching(
+    width: int, rows: int, splits: list[int], repeats: int
+) -> list[dict[str, Any]]:
+    """Full-batch ``value_and_grad`` against ``microbatched_value_and_grad``."""
+    workload = steps.Workload(width=width, rows=rows)
+    params = workload.params()
+    batch = workload.batch(0)
+    fns = {
+        "value_and_grad (full batch)": jax.value_and_grad(
+            workload.loss_fn, has_aux=True
+        )
+    }
+    for m in splits:
+        fns[f"microbatched, {m} microbatches"] = mm.microbatched_value_and_grad(
+            workload.loss_fn, m
+        )
+    compiled, memory = {}, {}
+    for name, fn in fns.items():
+        compiled[name] = jax.jit(fn).lower(params, batch).compile()
+        memory[name] = memory_figures(compiled[name])
+
+    def once(name):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled[name](params, batch))
+        return time.perf_counter() - t0
+
+    for name in fns:
+        once(name)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name in fns:
+            times[name].append(once(name))
+    full = next(iter(fns))
+    out = []
+    for name in fns:
+        out.append(
+            {
+                "width": width,
+                "rows": rows,
+                "variant": name,
+                "ms_per_batch": 1e3 * statistics.median(times[name]),
+                "ms_per_batch_min": 1e3 * min(times[name]),
+                "x_full_batch": median_ratio(times[name], times[full]),
+                **memory[name],
+            }
+        )
+    return out
+
+
+# -------------------------------------------------------------------- output
+
+
+def fmt_size(width: int, layers: int, num_params: int) -> str:
+    return f"{layers}x{width}² ({num_params / 1e6:.1f}M)"
+
+
+def print_window_table(rows: list[dict[str, Any]]) -> None:
+    header = (
+        f"{'params':>16} {'k':>3}  {'competitor':<27} {'ms/mb':>8} {'x floor':>8} "
+        f"{'x optax':>8} {'temp MB':>8} {'temp/P':>7} {'state/P':>8} "
+        f"{'arg MB':>7} {'out MB':>7} {'alias MB':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    last = None
+    for r in rows:
+        key = (r["width"], r["k"])
+        if last is not None and key != last:
+            print()
+        last = key
+        print(
+            f"{fmt_size(r['width'], r['layers'], r['num_params']):>16} {r['k']:>3}  "
+            f"{r['competitor']:<27} {r['ms_per_microbatch']:>8.2f} "
+            f"{r['x_floor']:>8.2f} {r['x_optax_multisteps']:>8.2f} "
+            f"{r['temp_bytes'] / MB:>8.1f} {r['temp_bytes'] / r['param_bytes']:>7.2f} "
+            f"{r['state_bytes'] / r['param_bytes']:>8.2f} "
+            f"{r['argument_bytes'] / MB:>7.1f} {r['output_bytes'] / MB:>7.1f} "
+            f"{r['alias_bytes'] / MB:>8.1f}"
+        )
+
+
+def print_summary(rows: list[dict[str, Any]]) -> None:
+    """x floor per competitor, one column per (size, k)."""
+    keys = sorted({(r["width"], r["k"]) for r in rows})
+    names = list(dict.fromkeys(r["competitor"] for r in rows))
+    cell = {(r["competitor"], r["width"], r["k"]): r["x_floor"] for r in rows}
+    head = f"{'x floor':<27}" + "".join(f" {f'{w}/k={k}':>10}" for w, k in keys)
+    print(head)
+    print("-" * len(head))
+    for name in names:
+        print(
+            f"{name:<27}"
+            + "".join(
+                f" {cell.get((name, w, k), float('nan')):>10.2f}" for w, k in keys
+            )
+        )
+
+
+def print_memory_checks(checks: list[dict[str, Any]]) -> None:
+    for c in checks:
+        t = c["temp_bytes"]
+        adam = t["adam"]
+        parts = ", ".join(f"{name} {b / adam:.2f}" for name, b in t.items())
+        print(
+            f"width {c['width']}, k={c['k']}: temp bytes / plain adam step's: {parts}"
+        )
+        total = c["inner_state_bytes"] + c["accumulator_bytes"] + c["scalar_bytes"]
+        verdict = "ok" if total == c["state_bytes"] else "MISMATCH"
+        print(
+            f"  MaskedMultiSteps state {c['state_bytes']} B = inner adam "
+            f"{c['inner_state_bytes']} + accumulator {c['accumulator_bytes']} + "
+            f"scalars {c['scalar_bytes']} ({verdict})"
+        )
+
+
+def print_micro_table(rows: list[dict[str, Any]]) -> None:
+    header = f"{'variant':<34} {'ms/batch':>9} {'x full':>7} {'temp MB':>8}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['variant']:<34} {r['ms_per_batch']:>9.2f} {r['x_full_batch']:>7.2f} "
+            f"{r['temp_bytes'] / MB:>8.1f}"
+        )
+
+
+# ---------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, < 1 minute")
+    p.add_argument("--out", type=Path, help="JSON output path")
+    p.add_argument("--widths", type=str, help="comma-separated matrix widths")
+    p.add_argument("--ks", type=str, help="comma-separated window lengths k")
+    p.add_argument("--repeats", type=int, help="timed rounds per configuration")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.quick:
+        widths, ks, repeats = [128, 256], [1, 4], 3
+        micro = {"width": 128, "rows": 512, "splits": [1, 4]}
+    else:
+        widths, ks, repeats = [512, 1024, 2048], [1, 4, 16], 7
+        micro = {"width": 512, "rows": 2048, "splits": [1, 4, 16]}
+    if args.widths:
+        widths = [int(w) for w in args.widths.split(",")]
+    if args.ks:
+        ks = [int(k) for k in args.ks.split(",")]
+    if args.repeats:
+        repeats = args.repeats
+
+    info = machine_info()
+    print(
+        f"CPU: {info['cpu']} ({info['cores']} cores, {info['usable_cores']} usable); "
+        f"backend {info['backend']}; jax {info['jax']}, jaxlib {info['jaxlib']}, "
+        f"optax {info['optax']}, flax {info['flax']}, python {info['python']}"
+    )
+    load_before = load_average()
+    print(f"load average before: {load_before}")
+    print(
+        f"widths {widths}, k {ks}, {repeats} timed rounds (+1 warm-up), "
+        f"{'TrainState' if steps.has_train_state() else 'tx.apply_gradients'} loop",
+        flush=True,
+    )
+    t_start = time.perf_counter()
+
+    window_rows = []
+    for width in widths:
+        window_rows += bench_windows(width, ks, repeats)
+    checks = [memory_checks(window_rows, w, max(ks)) for w in widths]
+    micro_rows = bench_microbatching(
+        micro["width"], micro["rows"], micro["splits"], repeats
+    )
+    load_after = load_average()
+    elapsed = time.perf_counter() - t_start
+
+    print()
+    print("Time per microbatch (median), ratios (median over rounds), compiled memory")
+    print(
+        "P = the parameters' bytes; state = persistent optimizer state (no "
+        "params); arg/out/alias: compiled argument, output and donated bytes"
+    )
+    print()
+    print_window_table(window_rows)
+    print()
+    print_summary(window_rows)
+    print()
+    print_memory_checks(checks)
+    print()
+    print(
+        f"In-jit microbatching: {micro['rows']} rows x {micro['width']} tokens, "
+        f"4 layers of {micro['width']}²; time per full batch"
+    )
+    print()
+    print_micro_table(micro_rows)
+    print()
+    print(f"load average after: {load_after}; total {elapsed:.0f} s")
+
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": info,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "config": {
+            "widths": widths,
+            "ks": ks,
+            "repeats": repeats,
+            "quick": args.quick,
+            "microbatching": micro,
+        },
+        "windows": window_rows,
+        "memory_checks": checks,
+        "microbatching": micro_rows,
+        "elapsed_s": elapsed,
+    }
+    out = args.out
+    if out is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        kind = "quick" if args.quick else "full"
+        out = Path(__file__).resolve().parent / "results" / f"bench-{kind}-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Markdown tables from a ``bench.py`` JSON result (as in ``benchmarks/README.md``).
+
+Usage::
+
+    python benchmarks/report.py benchmarks/results/bench-full-....json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+MB = 1 << 20
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |"]
+    lines.append(
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"
+    )
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    return (
+        f"{m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), backend "
+        f"{m['backend']}; jax {m['jax']}, jaxlib {m['jaxlib']}, optax {m['optax']}, "
+        f"flax {m['flax']}, Python {m['python']}; load average "
+        f"{result['load_average_before']} before, {result['load_average_after']} "
+        f"after; {result['config']['repeats']} rounds; {result['date']}"
+    )
+
+
+def times(result: dict[str, Any]) -> str:
+    rows = result["windows"]
+    keys = sorted({(r["width"], r["k"]) for r in rows})
+    names = list(dict.fromkeys(r["competitor"] for r in rows))
+    cell = {(r["competitor"], r["width"], r["k"]): r for r in rows}
+    header = ["x floor (ms/microbatch)"] + [f"{w}², k={k}" for w, k in keys]
+    body = []
+    for name in names:
+        line = [name]
+        for w, k in keys:
+            r = cell[(name, w, k)]
+            line.append(f"{r['x_floor']:.2f} ({r['ms_per_microbatch']:.1f})")
+        body.append(line)
+    return _table(header, body)
+
+
+def against_optax(result: dict[str, Any]) -> str:
+    """Ratio to optax.MultiSteps at the largest k, one column per size."""
+    k = max(result["config"]["ks"])
+    rows = [r for r in result["windows"] if r["k"] == k]
+    widths = sorted({r["width"] for r in rows})
+    names = list(dict.fromkeys(r["competitor"] for r in rows))
+    cell = {(r["competitor"], r["width"]): r for r in rows}
+    header = [f"x optax.MultiSteps, k={k}"] + [f"{w}²" for w in widths]
+    body = [
+        [name] + [f"{cell[(name, w)]['x_optax_multisteps']:.2f}" for w in widths]
+        for name in names
+    ]
+    return _table(header, body)
+
+
+def memory(result: dict[str, Any]) -> str:
+    rows = [r for r in result["windows"] if r["k"] == max(result["config"]["ks"])]
+    widths = sorted({r["width"] for r in rows})
+    names = list(dict.fromkeys(r["competitor"] for r in rows))
+    cell = {(r["competitor"], r["width"]): r for r in rows}
+    header = ["temp: x P (x adam's)"] + [f"{w}²" for w in widths] + ["state/P"]
+    body = []
+    for name in names:
+        line = [name]
+        for w in widths:
+            r, adam = cell[(name, w)], cell[("adam", w)]
+            line.append(
+                f"{r['temp_bytes'] / r['param_bytes']:.2f} "
+                f"({r['temp_bytes'] / adam['temp_bytes']:.2f})"
+            )
+        line.append(f"{r['state_bytes'] / r['param_bytes']:.2f}")
+        body.append(line)
+    return _table(header, body)
+
+
+def microbatching(result: dict[str, Any]) -> str:
+    body = [
+        [
+            r["variant"],
+            f"{r['ms_per_batch']:.1f}",
+            f"{r['x_full_batch']:.2f}",
+            f"{r['temp_bytes'] / MB:.1f}",
+        ]
+        for r in result["microbatching"]
+    ]
+    return _table(["variant", "ms/batch", "x full batch", "temp MB"], body)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("result", type=Path)
+    result = json.loads(parser.parse_args().result.read_text())
+    print(machine(result))
+    print()
+    print(times(result))
+    print()
+    print(against_optax(result))
+    print()
+    print(memory(result))
+    print()
+    print(microbatching(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""The benchmark's workloads and the jitted train steps it compares.
+
+Every competitor is a pair ``init(params) -> carry`` and ``step(carry, batch) ->
+carry``. The carry (params and optimizer state, or the floor's accumulator) is
+donated to the compiled step, as in a real training loop, so that XLA updates
+it in place.
+
+The window workload is dominated by the optimizer: a few square float32 weight
+matrices and a tiny batch, so that one gradient costs about as much as a pass
+over the parameters. That is where the cost of gradient accumulation itself
+(the running mean, the inner optimizer, the conditional) is visible; with a
+large batch it would vanish behind the gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import masked_multistep as mm
+
+LEARNING_RATE = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A tanh MLP of ``layers`` square ``width x width`` matrices, masked MSE loss.
+
+    A batch has ``rows`` rows of ``width`` "tokens"; about 80% of them are real
+    (the mask), so microbatches carry different token counts.
+    """
+
+    width: int
+    layers: int = 4
+    rows: int = 8
+
+    @property
+    def num_params(self) -> int:
+        return self.layers * self.width * self.width
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 * self.num_params
+
+    def params(self, seed: int = 0) -> dict[str, jax.Array]:
+        keys = jax.random.split(jax.random.PRNGKey(seed), self.layers)
+        scale = 1.0 / np.sqrt(self.width)
+        return {
+            f"w{i}": scale * jax.random.normal(key, (self.width, self.width))
+            for i, key in enumerate(keys)
+        }
+
+    def batch(self, seed: int, rows: int | None = None) -> dict[str, jax.Array]:
+        rows = self.rows if rows is None else rows
+        kx, ky, km = jax.random.split(jax.random.PRNGKey(1000 + seed), 3)
+        shape = (rows, self.width)
+        return {
+            "x": jax.random.normal(kx, shape),
+            "y": jax.random.normal(ky, shape),
+            "mask": jax.random.bernoulli(km, 0.8, shape),
+        }
+
+    def loss_fn(self, params: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+        """``(mean_loss, count)``: the masked mean squared error and its tokens."""
+        h = batch["x"]
+        for i in range(self.layers):
+            h = jnp.tanh(h @ params[f"w{i}"])
+        return mm.masked_mean((h - batch["y"]) ** 2, batch["mask"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Competitor:
+    """One way to train through a window of ``k`` microbatches.
+
+    ``calls_per_window`` is ``k`` for the loops that take one microbatch per call,
+    1 for the in-jit microbatched step (which takes the window's batch at once).
+    ``opt_state`` picks the persistent optimizer state out of the carry.
+    """
+
+    name: str
+    init: Callable[[Any], Any]
+    step: Callable[[Any, Any], Any]
+    calls_per_window: int
+    opt_state: Callable[[Any], Any]
+    # The compiled step does not depend on k (only the window length does).
+    k_independent: bool = False
+
+
+def _grads(workload: Workload, params: Any, batch: Any):
+    (loss, count), grads = jax.value_and_grad(workload.loss_fn, has_aux=True)(
+        params, batch
+    )
+    del loss
+    return grads, count
+
+
+def floor(workload: Workload, k: int) -> Competitor:
+    """The gradient plus a bare running-mean accumulate: no inner optimizer."""
+
+    def init(params):
+        acc = jax.tree.map(jnp.zeros_like, params)
+        return params, acc, jnp.zeros([], jnp.int32)
+
+    def step(carry, batch):
+        params, acc, total = carry
+        grads, count = _grads(workload, params, batch)
+        acc, total = mm.running_mean_update(acc, total, grads, count)
+        return params, acc, total
+
+    return Competitor("floor", init, step, k, lambda c: c[1:], k_independent=True)
+
+
+def adam(workload: Workload, k: int) -> Competitor:
+    """A plain adam step on every microbatch (no accumulation)."""
+    tx = optax.adam(LEARNING_RATE)
+
+    def step(carry, batch):
+        params, opt_state = carry
+        grads, _ = _grads(workload, params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return Competitor(
+        "adam", lambda p: (p, tx.init(p)), step, k, lambda c: c[1], k_independent=True
+    )
+
+
+def optax_multisteps(workload: Workload, k: int) -> Competitor:
+    """``optax.MultiSteps(adam, k)``: ``tx.update`` then ``optax.apply_updates``."""
+    tx = optax.MultiSteps(optax.adam(LEARNING_RATE), every_k_schedule=k)
+
+    def step(carry, batch):
+        params, opt_state = carry
+        grads, _ = _grads(workload, params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return Competitor(
+        "optax.MultiSteps", lambda p: (p, tx.init(p)), step, k, lambda c: c[1]
+    )
+
+
+def masked_multisteps(workload: Workload, k: int) -> Competitor:
+    """``mm.MaskedMultiSteps(adam, k)`` in the plain optax loop."""
+    tx = mm.MaskedMultiSteps(optax.adam(LEARNING_RATE), every_k_schedule=k)
+
+    def step(carry, batch):
+        params, opt_state = carry
+        grads, count = _grads(workload, params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params, count=count)
+        return optax.apply_updates(params, updates), opt_state
+
+    return Competitor(
+        "MaskedMultiSteps update", lambda p: (p, tx.init(p)), step, k, lambda c: c[1]
+    )
+
+
+def has_train_state() -> bool:
+    try:
+        mm.TrainState  # noqa: B018
+    except (AttributeError, ImportError):
+        return False
+    return True
+
+
+def train_state(workload: Workload, k: int) -> Competitor:
+    """``mm.TrainState.apply_gradients`` (``tx.apply_gradients`` without flax)."""
+    tx = mm.MaskedMultiSteps(optax.adam(LEARNING_RATE), every_k_schedule=k)
+
+    if has_train_state():
+
+        def init(params):
+            return mm.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+        def step(state, batch):
+            grads, count = _grads(workload, state.params, batch)
+            return state.apply_gradients(grads=grads, count=count)
+
+        return Competitor(
+            "TrainState.apply_gradients", init, step, k, lambda s: s.opt_state
+        )
+
+    def step_tx(carry, batch):
+        params, opt_state = carry
+        grads, count = _grads(workload, params, batch)
+        return tx.apply_gradients(grads, opt_state, params, count=count)
+
+    return Competitor(
+        "tx.apply_gradients", lambda p: (p, tx.init(p)), step_tx, k, lambda c: c[1]
+    )
+
+
+def in_jit_microbatched(workload: Workload, k: int) -> Competitor:
+    """One call per window: ``microbatched_value_and_grad`` over k microbatches,
+    then one adam step."""
+    tx = optax.adam(LEARNING_RATE)
+    grad_fn = mm.microbatched_value_and_grad(workload.loss_fn, k)
+
+    def step(carry, batch):
+        params, opt_state = carry
+        _, grads = grad_fn(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return Competitor(
+        "in-jit microbatched", lambda p: (p, tx.init(p)), step, 1, lambda c: c[1]
+    )
+
+
+WINDOW_COMPETITORS = (
+    floor,
+    adam,
+    optax_multisteps,
+    masked_multisteps,
+    train_state,
+    in_jit_microbatched,
+)
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes held by the arrays of ``tree``."""
+    return sum(
+        int(np.prod(jnp.shape(x))) * jnp.result_type(x).itemsize
+        for x in jax.tree.leaves(tree)
+    )
