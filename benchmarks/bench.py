@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         widths, ks, repeats = [128, 256], [1, 4], 3
         micro = {"width": 128, "rows": 512, "splits": [1, 4]}
     else:
-        widths, ks, repeats = [512, 1024, 2048], [1, 4, 16], 7
+        widths, ks, repeats = [512, 1024, 2048], [1, 4, 8, 16], 7
         micro = {"width": 512, "rows": 2048, "splits": [1, 4, 16]}
     if args.widths:
         widths = [int(w) for w in args.widths.split(",")]
