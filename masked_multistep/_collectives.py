@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from masked_multistep._running_mean import compute_dtype, safe_fraction
+from masked_multistep._running_mean import compute_dtype, safe_fraction, scalar_count
 
 __all__ = ["weighted_mean_across"]
 
@@ -83,15 +83,7 @@ def weighted_mean_across(
       >>> print(mean, total)  # (1 * 1 + 2 * 4) / 3 on every shard
       [3. 3. 3.] [3 3 3]
     """
-    count = jnp.asarray(count)
-    if count.shape != () or not (
-        jnp.issubdtype(count.dtype, jnp.integer)
-        or jnp.issubdtype(count.dtype, jnp.floating)
-    ):
-        raise ValueError(
-            "`count` must be an integer or floating scalar per shard, got shape "
-            f"{count.shape} and dtype {count.dtype}"
-        )
+    count = scalar_count(count, role=" per shard")
     names = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
     count_varies = names & _varying_axes(count)
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:

@@ -19,7 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_multistep._running_mean import compute_dtype, running_mean_update
+from masked_multistep._running_mean import (
+    compute_dtype,
+    running_mean_update,
+    scalar_count,
+)
 
 __all__ = ["microbatched_value_and_grad"]
 
@@ -91,21 +95,15 @@ def _check_output(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
         count, aux = rest
     else:
         count, aux = rest, None
-    loss, count = jnp.asarray(loss), jnp.asarray(count)
+    loss = jnp.asarray(loss)
     if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
         raise TypeError(
             "The loss returned by `loss_fn` must be a floating scalar (the "
             f"microbatch's mean loss), got shape {loss.shape} and dtype {loss.dtype}"
         )
-    if count.shape != () or not (
-        jnp.issubdtype(count.dtype, jnp.integer)
-        or jnp.issubdtype(count.dtype, jnp.floating)
-    ):
-        raise ValueError(
-            "The count returned by `loss_fn` must be an integer or floating scalar "
-            f"(the microbatch's token count), got shape {count.shape} and dtype "
-            f"{count.dtype}"
-        )
+    count = scalar_count(
+        count, "The count returned by `loss_fn`", " (the microbatch's token count)"
+    )
     for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
         dtype = jnp.result_type(leaf)
         if not (

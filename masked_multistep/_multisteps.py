@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from optax import tree as otu
 
-from masked_multistep._running_mean import running_mean_update
+from masked_multistep._running_mean import running_mean_update, scalar_count
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
 
@@ -341,17 +341,8 @@ class MaskedMultiSteps:
             self._check_concrete_count(count, isinstance(count, numbers.Integral))
             if isinstance(count, numbers.Integral):
                 count = np.int32(count)
-        arr = jnp.asarray(count)
-        if arr.ndim != 0:
-            raise ValueError(
-                f"`count` must be a scalar, got shape {arr.shape} (dtype {arr.dtype})"
-            )
+        arr = scalar_count(count)
         is_int = jnp.issubdtype(arr.dtype, jnp.integer)
-        if not (is_int or jnp.issubdtype(arr.dtype, jnp.floating)):
-            raise ValueError(
-                "`count` must be an integer or floating scalar, got dtype "
-                f"{arr.dtype} (shape {arr.shape})"
-            )
         if not is_int and not jnp.issubdtype(self._count_dtype, jnp.floating):
             raise ValueError(
                 f"`count` has dtype {arr.dtype}, but this MaskedMultiSteps sums counts "

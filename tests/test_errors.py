@@ -52,10 +52,10 @@ def test_missing_count_says_how_to_pass_it(tx):
     [
         (jnp.ones(2, jnp.int32), r"scalar, got shape \(2,\)"),
         (np.ones((1, 1), np.int32), r"scalar, got shape \(1, 1\)"),
-        (jnp.array(True), "integer or floating scalar, got dtype bool"),
+        (jnp.array(True), r"integer or floating scalar, got shape \(\) and dtype bool"),
         (True, "numeric scalar, got True of type bool"),
         ("12", "numeric scalar, got '12' of type str"),
-        (jnp.array(1 + 2j), "integer or floating scalar, got dtype complex64"),
+        (jnp.array(1 + 2j), r"floating scalar, got shape \(\) and dtype complex64"),
         (jnp.float32(3.0), "has dtype float32, but this MaskedMultiSteps sums counts"),
     ],
 )
