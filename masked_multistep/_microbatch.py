@@ -2,10 +2,10 @@
 
 One call splits the batch into ``k`` microbatches and runs them in a ``lax`` loop
 inside the computation, so peak memory follows the microbatch while the result
-is that of the full batch. The loop is ``optax.microbatching.microbatch``; how the
-per-microbatch results combine is an ``optax.microbatching.Accumulator`` built on
-:func:`running_mean_update`, the same token-weighted running mean that
-:class:`MaskedMultiSteps` uses across steps.
+is that of the full batch. The loop is a ``lax.fori_loop`` over the strided split
+of ``optax.microbatching``; how the per-microbatch results combine is an
+``optax.microbatching.Accumulator`` built on :func:`running_mean_update`, the same
+token-weighted running mean that :class:`MaskedMultiSteps` uses across steps.
 """
 
 from __future__ import annotations
@@ -297,13 +297,29 @@ def microbatched_value_and_grad(
 
     def grad_fn(params: optax.Params, batch: Any) -> tuple[Any, optax.Updates]:
         batch_size = _batch_size(batch, k)
-        looped = optax.microbatching.microbatch(
-            per_microbatch,
-            argnums=1,
-            microbatch_size=batch_size // k,
-            accumulator=_token_weighted_accumulator(has_aux),
+        accumulator = _token_weighted_accumulator(has_aux)
+        # Row r * k + j of a leaf is row r of microbatch j: a free (row-major)
+        # reshape to (batch_size // k, k, ...), sliced along axis 1 in the loop.
+        # The same strided split as `optax.microbatching.microbatch`, without its
+        # column-major reshape, which copies the whole batch up front (time, and
+        # a batch-sized temporary).
+        strided = jax.tree.map(
+            lambda x: jnp.reshape(x, (batch_size // k, k, *jnp.shape(x)[1:])), batch
         )
+
+        def microbatch(j):
+            return jax.tree.map(
+                lambda x: jax.lax.dynamic_index_in_dim(x, j, 1, keepdims=False),
+                strided,
+            )
+
+        def body(j, carry):
+            return accumulator.update(carry, per_microbatch(params, microbatch(j)), j)
+
         with jax.named_scope("masked_multistep/microbatch"):
-            return looped(params, batch)
+            carry = accumulator.init(
+                jax.eval_shape(per_microbatch, params, microbatch(0))
+            )
+            return accumulator.finalize(jax.lax.fori_loop(0, k, body, carry))
 
     return grad_fn
