@@ -116,49 +116,37 @@ def floor(workload: Workload, k: int) -> Competitor:
     return Competitor("floor", init, step, k, lambda c: c[1:], k_independent=True)
 
 
-def adam(workload: Workload, k: int) -> Competitor:
-    """A plain adam step on every microbatch (no accumulation)."""
-    tx = optax.adam(LEARNING_RATE)
+def _optax_loop(
+    name: str, tx: Any, workload: Workload, k: int, *, with_count: bool, **kw
+) -> Competitor:
+    """The plain optax loop: ``tx.update`` then ``optax.apply_updates``."""
 
     def step(carry, batch):
         params, opt_state = carry
-        grads, _ = _grads(workload, params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        grads, count = _grads(workload, params, batch)
+        extra = {"count": count} if with_count else {}
+        updates, opt_state = tx.update(grads, opt_state, params, **extra)
         return optax.apply_updates(params, updates), opt_state
 
-    return Competitor(
-        "adam", lambda p: (p, tx.init(p)), step, k, lambda c: c[1], k_independent=True
-    )
+    return Competitor(name, lambda p: (p, tx.init(p)), step, k, lambda c: c[1], **kw)
+
+
+def adam(workload: Workload, k: int) -> Competitor:
+    """A plain adam step on every microbatch (no accumulation)."""
+    tx = optax.adam(LEARNING_RATE)
+    return _optax_loop("adam", tx, workload, k, with_count=False, k_independent=True)
 
 
 def optax_multisteps(workload: Workload, k: int) -> Competitor:
     """``optax.MultiSteps(adam, k)``: ``tx.update`` then ``optax.apply_updates``."""
     tx = optax.MultiSteps(optax.adam(LEARNING_RATE), every_k_schedule=k)
-
-    def step(carry, batch):
-        params, opt_state = carry
-        grads, _ = _grads(workload, params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return Competitor(
-        "optax.MultiSteps", lambda p: (p, tx.init(p)), step, k, lambda c: c[1]
-    )
+    return _optax_loop("optax.MultiSteps", tx, workload, k, with_count=False)
 
 
 def masked_multisteps(workload: Workload, k: int) -> Competitor:
     """``mm.MaskedMultiSteps(adam, k)`` in the plain optax loop."""
     tx = mm.MaskedMultiSteps(optax.adam(LEARNING_RATE), every_k_schedule=k)
-
-    def step(carry, batch):
-        params, opt_state = carry
-        grads, count = _grads(workload, params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params, count=count)
-        return optax.apply_updates(params, updates), opt_state
-
-    return Competitor(
-        "MaskedMultiSteps update", lambda p: (p, tx.init(p)), step, k, lambda c: c[1]
-    )
+    return _optax_loop("MaskedMultiSteps update", tx, workload, k, with_count=True)
 
 
 def has_train_state() -> bool:
