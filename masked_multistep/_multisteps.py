@@ -32,9 +32,9 @@ class MaskedMultiStepsState(NamedTuple):
       inner_opt_state: the state of the wrapped optimizer.
       acc_grads: running token-weighted mean of the window's gradients, in
         ``accumulator_dtype``. Meaningful where ``acc_count > 0``; the next counted
-        microbatch after a window ends overwrites it. After an inner update it
-        holds that update's values, when they have the accumulator's dtypes (the
-        update reuses its buffer).
+        microbatch after a window ends overwrites it. After :meth:`update`
+        applied an inner update it holds that update's values, when they have the
+        accumulator's dtypes (the update reuses its buffer).
       acc_count: sum of the window's counts (``count_dtype``).
       acc_value: running token-weighted mean of the window's ``value`` arguments
         (float32; 0 when no ``value`` is passed).
@@ -430,14 +430,16 @@ class MaskedMultiSteps:
         operands = (acc_grads, state.inner_opt_state, params, dynamic_args)
         updates_avals, _ = jax.eval_shape(inner_update, *operands)
         # Once the inner optimizer has read the window's mean, the mean is dead
-        # (`acc_count` resets; the next counted microbatch overwrites it), so the
-        # updates take the accumulator's buffer when they fit it; between windows
-        # it passes through. `update` then returns `where(apply, acc, 0)`, which
-        # XLA fuses into the caller's `optax.apply_updates`, instead of a
-        # separate param-sized output that is filled with zeros on every
-        # microbatch (a temporary as large as the params, page-faulted afresh on
-        # every call on CPU).
-        reuse_acc = _same_avals(updates_avals, acc_grads)
+        # (`acc_count` resets; the next counted microbatch overwrites it). So in
+        # `update` the updates take the accumulator's buffer when they fit it,
+        # and between windows it passes through; `update` then returns
+        # `where(apply, acc, 0)`, which XLA fuses into the caller's
+        # `optax.apply_updates`, instead of a separate param-sized output filled
+        # with zeros on every microbatch (a temporary as large as the params,
+        # page-faulted afresh on every call on CPU). `apply_gradients` needs no
+        # such output: it adds the updates to the params inside the conditional,
+        # and between windows the params pass through untouched.
+        reuse_acc = not apply_params and _same_avals(updates_avals, acc_grads)
 
         def apply_branch(acc_grads, inner_state, params, dynamic_args):
             updates, new_inner = inner_update(
@@ -452,7 +454,6 @@ class MaskedMultiSteps:
             del dynamic_args
             if reuse_acc:
                 return (), acc_grads, inner_state
-            # The params pass through untouched: no tree of zeros is added.
             out = params if apply_params else otu.zeros_like(updates_avals)
             return out, acc_grads, inner_state
 
@@ -460,15 +461,7 @@ class MaskedMultiSteps:
             out, acc_grads, inner_opt_state = jax.lax.cond(
                 apply, apply_branch, skip_branch, *operands
             )
-            if reuse_acc and apply_params:
-                # A second conditional reads the updates back from the
-                # accumulator. Fused into the first, the updates would need a
-                # param-sized temporary to feed both the accumulator and the
-                # params; this costs one read of them per window instead.
-                out = jax.lax.cond(
-                    apply, optax.apply_updates, lambda p, u: p, params, acc_grads
-                )
-            elif reuse_acc:
+            if reuse_acc:
                 out = jax.tree.map(
                     lambda u: jnp.where(apply, u, jnp.zeros_like(u)), acc_grads
                 )
