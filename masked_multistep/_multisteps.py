@@ -338,8 +338,9 @@ class MaskedMultiSteps:
                     "`count` must be a numeric scalar, got "
                     f"{count!r} of type {type(count).__name__}"
                 )
-            self._check_concrete_count(count, isinstance(count, numbers.Integral))
             if isinstance(count, numbers.Integral):
+                # Range-check before narrowing; other values are checked below.
+                self._check_concrete_count(count, True)
                 count = np.int32(count)
         arr = scalar_count(count)
         is_int = jnp.issubdtype(arr.dtype, jnp.integer)
