@@ -97,12 +97,17 @@ def running_mean_update(
     first = total == 0
     # N / n rather than n / N: with equal weights N / n is the exact integer j, so
     # the update equals optax.MultiSteps' `acc + (g - acc) / j` bit for bit.
-    ratio = safe_fraction(new_total, count)
+    # Where the weight is zero the ratio is 1, not 0: the unselected side of the
+    # `where` below then stays finite, so its cotangent (0 / ratio) is 0, not NaN,
+    # and reverse-mode derivatives through a zero-count microbatch are finite.
+    ratio = jnp.where(take, safe_fraction(new_total, count), 1)
 
     def leaf(m, g):
         dtype = compute_dtype(m.dtype)
         m_c = m.astype(dtype)
-        g_c = g.astype(dtype)
+        # A zero weight must not leak its (possibly NaN) value into the cotangent
+        # of `g` either: zero it before any arithmetic.
+        g_c = jnp.where(take, g.astype(dtype), jnp.zeros_like(m_c))
         new = jnp.where(first, g_c, m_c + (g_c - m_c) / ratio.astype(dtype))
         return jnp.where(take, new, m_c).astype(m.dtype)
 
