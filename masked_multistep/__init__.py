@@ -11,6 +11,7 @@ from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 from masked_multistep._running_mean import running_mean_update
+from masked_multistep._schedules import tokens_schedule
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ __all__ = [
     "masked_mean",
     "microbatched_value_and_grad",
     "running_mean_update",
+    "tokens_schedule",
     "weighted_mean_across",
 ]
 

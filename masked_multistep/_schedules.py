@@ -1,0 +1,76 @@
+"""Learning-rate schedules written in tokens, for windows of varying size."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["tokens_schedule"]
+
+
+def tokens_schedule(
+    schedule: Callable[[jax.Array], jax.typing.ArrayLike],
+    tokens_per_step: float,
+) -> Callable[[jax.Array], jax.Array]:
+    """A schedule written in tokens seen, as a schedule of the optimizer step.
+
+    The inner optimizer's schedules advance once per window. With windows of a
+    fixed number of tokens (or a token budget, which each window meets or
+    overshoots by less than one microbatch) the tokens seen before step ``t``
+    are about ``t · tokens_per_step``, so a schedule written in tokens (a
+    warmup over the first 10⁶ tokens, a decay over 10⁹) becomes::
+
+        step_schedule(t) = schedule(t · tokens_per_step)
+
+    The product is formed in float32. It is an approximation where windows
+    vary in size: pass the mean tokens per window (a token budget plus half a
+    microbatch is a good estimate), or, to follow the exact tokens seen, set
+    the learning rate from the state's tokens count with
+    ``optax.inject_hyperparams`` (see the README's recipe).
+
+    Args:
+      schedule: a function of the tokens seen, e.g. an optax schedule whose
+        ``*_steps`` arguments are token counts.
+      tokens_per_step: tokens per optimizer step (per window), finite and > 0.
+
+    Returns:
+      A schedule of the optimizer step, for the inner optimizer.
+
+    Raises:
+      TypeError: if ``schedule`` is not callable or ``tokens_per_step`` not a
+        real number.
+      ValueError: if ``tokens_per_step`` is not finite and > 0.
+
+    Examples:
+      A linear warmup over the first 4,096 tokens, with 1,024 tokens per
+      window, reaches its peak at the fourth step:
+
+      >>> import optax
+      >>> import masked_multistep as mm
+      >>> warmup = optax.linear_schedule(0.0, 1e-3, transition_steps=4096)
+      >>> lr = mm.tokens_schedule(warmup, tokens_per_step=1024)
+      >>> print(float(lr(2)), float(lr(4)))
+      0.0005 0.001
+    """
+    if not callable(schedule):
+        raise TypeError(f"`schedule` must be callable, got {schedule!r}")
+    if isinstance(tokens_per_step, bool) or not isinstance(
+        tokens_per_step, numbers.Real
+    ):
+        raise TypeError(
+            f"`tokens_per_step` must be a real number, got {tokens_per_step!r}"
+        )
+    if not (math.isfinite(tokens_per_step) and tokens_per_step > 0):
+        raise ValueError(
+            f"`tokens_per_step` must be finite and > 0, got {tokens_per_step}"
+        )
+    rate = float(tokens_per_step)
+
+    def step_schedule(step):
+        return schedule(jnp.asarray(step).astype(jnp.float32) * rate)
+
+    return step_schedule

@@ -1,0 +1,593 @@
+"""When a window closes: window policies as pure functions over scalars.
+
+A policy sees only scalars that every device agrees on (the window's
+microbatch count, token total, the gradient step), so all devices close their
+windows on the same microbatch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "TokensSeen",
+    "WindowPolicy",
+    "WindowScalars",
+    "any_of",
+    "every_k",
+    "microbatch_window",
+    "norm_test",
+    "token_budget",
+]
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+# The largest float32 below 2³¹: a float k clipped to it converts to int32 exactly.
+_F32_BELOW_2_31 = float(np.nextafter(np.float32(2**31), np.float32(0)))
+
+
+def _sanitize_k(k: Any) -> jax.Array:
+    """A schedule's value as an int32 window size in [1, 2³¹ − 1], total.
+
+    NaN counts as 1 (every microbatch closes its own window, so a broken
+    schedule shows at once as an update per microbatch instead of a window that
+    never closes); other floats are rounded to the nearest integer; everything
+    is clipped to [1, 2³¹ − 1].
+    """
+    k = jnp.asarray(k)
+    if k.shape != ():
+        raise ValueError(
+            f"`every_k_schedule(step)` must return a scalar, got shape {k.shape}"
+        )
+    if jnp.issubdtype(k.dtype, jnp.floating):
+        k = jnp.where(jnp.isnan(k), 1, jnp.round(k))
+        return jnp.clip(k, 1, _F32_BELOW_2_31).astype(jnp.int32)
+    if jnp.issubdtype(k.dtype, jnp.integer) and not jnp.issubdtype(k.dtype, jnp.bool_):
+        info = np.iinfo(k.dtype)
+        lo = jnp.asarray(1, k.dtype)
+        hi = jnp.asarray(min(info.max, _INT32_MAX), k.dtype)
+        return jnp.clip(k, lo, hi).astype(jnp.int32)
+    raise TypeError(
+        f"`every_k_schedule(step)` must return an integer or float, got dtype {k.dtype}"
+    )
+
+
+def every_k(
+    every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike],
+) -> Callable[[jax.Array], jax.Array]:
+    """The window size ``k`` as a function of the gradient step.
+
+    Args:
+      every_k_schedule: an integer in ``[1, 2³¹ − 1]`` (checked here), or a
+        callable of ``gradient_step`` returning one. A callable's result is made
+        total under ``jit``: rounded to the nearest integer, clipped to
+        ``[1, 2³¹ − 1]``, NaN counts as 1; a non-scalar raises at trace time.
+
+    Returns:
+      ``k(step) -> int32 scalar``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> print(every_k(4)(jnp.int32(0)), every_k(lambda s: 2.6)(jnp.int32(0)))
+      4 3
+      >>> print(every_k(lambda s: jnp.nan)(jnp.int32(0)))
+      1
+    """
+    if callable(every_k_schedule):
+        return lambda step: _sanitize_k(every_k_schedule(step))
+    k = every_k_schedule
+    if isinstance(k, (jax.Array, np.ndarray, np.generic)) and np.ndim(k) == 0:
+        if not jnp.issubdtype(k.dtype, jnp.integer) or k.dtype == np.bool_:
+            raise TypeError(
+                f"`every_k_schedule` must be an integer or a callable, got {k!r}"
+            )
+        k = int(k)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise TypeError(
+            "`every_k_schedule` must be an integer or a callable of the gradient "
+            f"step, got {every_k_schedule!r} of type {type(every_k_schedule).__name__}"
+        )
+    if k < 1:
+        raise ValueError(f"`every_k_schedule` must be >= 1, got {k}")
+    if k > _INT32_MAX:
+        raise ValueError(
+            f"`every_k_schedule` must be at most 2**31 - 1 (the state counts "
+            f"microbatches in int32), got {k}"
+        )
+    k = int(k)
+    return lambda step: jnp.asarray(k, jnp.int32)
+
+
+# ---------------------------------------------------------------------------
+# Window policies: when does the window close?
+# ---------------------------------------------------------------------------
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_BUDGET_INPUTS = ("tokens_seen", "gradient_step")
+
+
+class WindowScalars(NamedTuple):
+    """What a window policy decides on, once a microbatch has been folded in.
+
+    Every field is a scalar that all devices agree on (counts are replicated,
+    and the statistics are global reductions), so every device closes its
+    window on the same microbatch.
+
+    Attributes:
+      microbatches: int32, the window's microbatches so far, this one included
+        (a count-0 microbatch counts, a skipped one does not).
+      tokens: the window's token total so far, ``Σ nᵢ`` (the state's count dtype).
+      gradient_step: int32, the inner updates applied before this window.
+      counted: int32, the window's microbatches with ``nᵢ > 0`` (``K``), or
+        ``None`` where no policy needs it.
+      grad_sq_norm: ``‖ḡ‖²``, the squared norm of the window's token-mean
+        gradient so far, or ``None`` without window statistics.
+      grad_var_trace: ``tr Σ̂ = S / (K − 1)``, the per-token gradient variance
+        (NaN while ``K < 2``), or ``None`` without window statistics.
+    """
+
+    microbatches: jax.Array
+    tokens: jax.Array
+    gradient_step: jax.Array
+    counted: jax.Array | None = None
+    grad_sq_norm: jax.Array | None = None
+    grad_var_trace: jax.Array | None = None
+
+
+class WindowPolicy(NamedTuple):
+    """When a window closes, as pure functions over :class:`WindowScalars`.
+
+    Written the way optax writes a ``GradientTransformation``: a state that
+    ``init`` builds (fixed shape, ``()`` when the policy keeps none) and pure
+    functions of it.
+
+    Attributes:
+      init: ``() -> policy_state``.
+      closes: ``(policy_state, scalars) -> bool[]``: whether the window closes
+        on the microbatch just folded in.
+      update: ``(policy_state, scalars, closed) -> policy_state``, called after
+        every microbatch with whether it closed the window (``False`` for a
+        skipped microbatch). The policies here change their state only when a
+        window closes.
+      needs_stats: whether ``closes`` reads ``counted``, ``grad_sq_norm`` and
+        ``grad_var_trace``.
+    """
+
+    init: Callable[[], Any]
+    closes: Callable[[Any, WindowScalars], jax.Array]
+    update: Callable[[Any, WindowScalars, jax.Array], Any]
+    needs_stats: bool = False
+
+
+def _no_state() -> tuple[()]:
+    return ()
+
+
+def _keep(policy_state: Any, scalars: WindowScalars, closed: jax.Array) -> Any:
+    del scalars, closed
+    return policy_state
+
+
+def microbatch_window(
+    every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike],
+) -> WindowPolicy:
+    """Closes the window on its ``k``-th microbatch (``optax.MultiSteps``' rule).
+
+    Args:
+      every_k_schedule: ``k``, an integer or a callable of ``gradient_step``;
+        see :func:`every_k` for how a callable's value is made total.
+
+    Returns:
+      A stateless :class:`WindowPolicy`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> policy = microbatch_window(3)
+      >>> s = WindowScalars(jnp.int32(3), jnp.float32(0.0), jnp.int32(0))
+      >>> print(policy.closes(policy.init(), s))
+      True
+    """
+    k_of = every_k(every_k_schedule)
+
+    def closes(policy_state, scalars):
+        del policy_state
+        return scalars.microbatches >= k_of(scalars.gradient_step)
+
+    return WindowPolicy(_no_state, closes, _keep)
+
+
+def _check_number(value: Any, what: str, *, positive: bool = True) -> float | int:
+    """A concrete real number, finite and > 0 (or >= 0); ints stay ints."""
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0:
+        if not isinstance(value, jax.core.Tracer):
+            if value.dtype == np.bool_ or not (
+                jnp.issubdtype(value.dtype, jnp.integer)
+                or jnp.issubdtype(value.dtype, jnp.floating)
+            ):
+                raise TypeError(
+                    f"{what} must be a real number, got dtype {value.dtype}"
+                )
+            value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{what} must be a real number, got {value!r} of type "
+            f"{type(value).__name__}"
+        )
+    value = int(value) if isinstance(value, numbers.Integral) else float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{what} must be finite and {bound}, got {value}")
+    return value
+
+
+def _microbatch_cap(
+    value: int | Callable[[jax.Array], jax.typing.ArrayLike], what: str
+) -> Callable[[jax.Array], jax.Array]:
+    """``every_k(value)``, with errors that name ``what``."""
+    if not callable(value):
+        if (
+            isinstance(value, (jax.Array, np.ndarray, np.generic))
+            and np.ndim(value) == 0
+        ):
+            value = value.item() if jnp.issubdtype(value.dtype, jnp.integer) else value
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(
+                f"{what} must be an integer or a callable of the gradient step, "
+                f"got {value!r}"
+            )
+        if not 1 <= value <= _INT32_MAX:
+            raise ValueError(f"{what} must be in [1, 2**31 - 1], got {value}")
+    return every_k(value)
+
+
+def _sanitize_budget(budget: Any) -> jax.Array:
+    """A budget schedule's value as a float32 token budget, total under jit.
+
+    NaN counts as 0 (the window closes on its first microbatch with tokens, so
+    a broken schedule shows at once as an update per microbatch instead of a
+    window that never closes); the rest is clipped to ``[0, float32 max]``
+    (``+inf`` means no token limit). Integers convert by value.
+    """
+    b = jnp.asarray(budget)
+    if b.shape != ():
+        raise ValueError(
+            f"`tokens_per_window(...)` must return a scalar, got shape {b.shape}"
+        )
+    if b.dtype == jnp.bool_ or not (
+        jnp.issubdtype(b.dtype, jnp.integer) or jnp.issubdtype(b.dtype, jnp.floating)
+    ):
+        raise TypeError(
+            "`tokens_per_window(...)` must return an integer or float, got dtype "
+            f"{b.dtype}"
+        )
+    b = b.astype(jnp.float32)
+    return jnp.clip(jnp.where(jnp.isnan(b), 0.0, b), 0.0, _F32_MAX)
+
+
+def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.Array:
+    """``0 < tokens >= budget``, compared exactly in the tokens' own dtype.
+
+    An integer total is compared with ``ceil(budget)`` (clipped to its range);
+    a float total with the budget rounded to its dtype.
+    """
+    tokens = jnp.asarray(tokens)
+    if jnp.issubdtype(tokens.dtype, jnp.integer):
+        hi = np.iinfo(tokens.dtype).max
+        if isinstance(budget, (int, float)):
+            b = jnp.asarray(min(math.ceil(budget), hi), tokens.dtype)
+        else:
+            # The largest float32 below 2**(bits-1) converts without overflow.
+            top = float(np.nextafter(np.float32(hi), np.float32(0)))
+            b = jnp.minimum(jnp.ceil(budget), top).astype(tokens.dtype)
+    else:
+        b = jnp.asarray(budget).astype(tokens.dtype)
+    return (tokens > 0) & (tokens >= b)
+
+
+class TokensSeen(NamedTuple):
+    """Tokens of all completed windows, as an unevaluated float32 sum ``hi + lo``.
+
+    ``lo`` holds what ``hi`` rounded away (compensated summation, Neumaier
+    1974), so integer totals stay exact far beyond float32's 2²⁴ (to about 2⁴⁸).
+    """
+
+    hi: jax.Array
+    lo: jax.Array
+
+    @property
+    def value(self) -> jax.Array:
+        """The total, rounded to float32."""
+        return self.hi + self.lo
+
+
+def _tokens_seen_init() -> TokensSeen:
+    return TokensSeen(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
+
+
+def _tokens_seen_add(seen: TokensSeen, tokens: jax.Array) -> TokensSeen:
+    """``seen + tokens`` with the rounding error carried in ``lo``.
+
+    Knuth's TwoSum gives the exact error of ``hi + x``; a Fast2Sum then
+    renormalises so that ``|lo| <= ulp(hi) / 2``.
+    """
+    x = jnp.asarray(tokens).astype(jnp.float32)
+    s = seen.hi + x
+    bp = s - seen.hi
+    err = (seen.hi - (s - bp)) + (x - bp)
+    lo = seen.lo + err
+    hi = s + lo
+    return TokensSeen(hi, lo - (hi - s))
+
+
+def token_budget(
+    budget: float | Callable[[jax.Array], jax.typing.ArrayLike],
+    *,
+    by: str = "tokens_seen",
+    max_microbatches: int | Callable[[jax.Array], jax.typing.ArrayLike] | None = None,
+) -> WindowPolicy:
+    """Closes the window on the microbatch that brings its tokens to ``budget``.
+
+    The window closes on the first microbatch after which ``Σ nᵢ >= budget``
+    (and ``Σ nᵢ > 0``: a window never closes by tokens on a count-0
+    microbatch), or, with ``max_microbatches``, on its ``k``-th microbatch,
+    whichever comes first. The window may overshoot the budget by up to one
+    microbatch's tokens.
+
+    Args:
+      budget: tokens per window: a number ``> 0``, or a callable returning one,
+        of the tokens seen in all completed windows (``by="tokens_seen"``, a
+        float32 scalar) or of the gradient step (``by="gradient_step"``). A
+        callable's value is made total under ``jit``: NaN counts as 0 (every
+        microbatch with tokens closes its window), values are clipped to
+        ``[0, float32 max]`` (``inf`` means no token limit), a non-scalar
+        raises ``ValueError`` at trace time.
+      by: what a callable ``budget`` is a function of: ``"tokens_seen"`` or
+        ``"gradient_step"``.
+      max_microbatches: optional cap on the microbatches per window, an integer
+        or a callable of the gradient step (as ``every_k_schedule``).
+
+    Returns:
+      A :class:`WindowPolicy`; its state is a :class:`TokensSeen` when
+      ``budget`` is a callable of the tokens seen, ``()`` otherwise.
+
+    Raises:
+      TypeError: if ``budget`` is neither a real number nor callable.
+      ValueError: if a constant ``budget`` is not finite and ``> 0``, or ``by``
+        is not one of the two inputs.
+
+    Examples:
+      A window of 100 tokens; microbatches of 40, 0 and 70 tokens:
+
+      >>> import jax.numpy as jnp
+      >>> policy = token_budget(100)
+      >>> state = policy.init()
+      >>> for mb, total in [(1, 40), (2, 40), (3, 110)]:
+      ...     s = WindowScalars(jnp.int32(mb), jnp.float32(total), jnp.int32(0))
+      ...     print(bool(policy.closes(state, s)))
+      False
+      False
+      True
+
+      A ramp from 1,000 to 8,000 tokens over the first million tokens seen:
+
+      >>> ramp = token_budget(lambda seen: jnp.interp(seen, jnp.array([0.0, 1e6]),
+      ...                                             jnp.array([1e3, 8e3])))
+    """
+    if by not in _BUDGET_INPUTS:
+        raise ValueError(
+            f"`by` must be one of {', '.join(map(repr, _BUDGET_INPUTS))}, got {by!r}"
+        )
+    track_seen = callable(budget) and by == "tokens_seen"
+    if callable(budget):
+        budget_fn = budget
+
+        def budget_of(policy_state, scalars):
+            x = policy_state.value if track_seen else scalars.gradient_step
+            return _sanitize_budget(budget_fn(x))
+
+    else:
+        constant = _check_number(budget, "`tokens_per_window`")
+
+        def budget_of(policy_state, scalars):
+            del policy_state, scalars
+            return constant
+
+    cap = None
+    if max_microbatches is not None:
+        cap = _microbatch_cap(max_microbatches, "`max_microbatches`")
+
+    def closes(policy_state, scalars):
+        done = _tokens_reached(scalars.tokens, budget_of(policy_state, scalars))
+        if cap is not None:
+            done = done | (scalars.microbatches >= cap(scalars.gradient_step))
+        return done
+
+    if not track_seen:
+        return WindowPolicy(_no_state, closes, _keep)
+
+    def update(policy_state, scalars, closed):
+        added = _tokens_seen_add(policy_state, scalars.tokens)
+        return jax.tree.map(lambda a, b: jnp.where(closed, a, b), added, policy_state)
+
+    return WindowPolicy(_tokens_seen_init, closes, update)
+
+
+def norm_test(
+    theta: float,
+    *,
+    min_tokens: float = 0,
+    min_microbatches: int = 1,
+    max_tokens: float | None = None,
+    max_microbatches: int | Callable[[jax.Array], jax.typing.ArrayLike] | None = None,
+) -> WindowPolicy:
+    """Closes the window once its mean gradient is precise enough: the norm test.
+
+    With ``N = Σ nᵢ`` tokens, ``K`` microbatches with tokens, the token-mean
+    gradient ``ḡ`` and the per-token gradient variance ``tr Σ̂ = S / (K − 1)``
+    (``S = Σ nᵢ ‖gᵢ − ḡ‖²``), the variance of ``ḡ`` is about ``tr Σ̂ / N``, and
+    the window closes on the first microbatch where::
+
+        tr Σ̂ / N  <=  θ² · ‖ḡ‖²        (K >= 2)
+
+    and the minimum budgets are met, or on the one that reaches a maximum
+    budget, whichever comes first. The test is checked as
+    ``tr Σ̂ <= θ² · N · ‖ḡ‖²`` (no division); NaN figures never pass it.
+
+    What θ means: the window's gradient is expected to be off from the true
+    gradient by about ``θ`` times its own norm (root mean square). ``θ = 1``
+    closes at about ``N ≈ tr Σ / |G|²``, the *simple noise scale* of
+    McCandlish et al. (2018): smaller θ, larger windows, less noise. Byrd et
+    al. use θ around 0.5–0.9; Lau et al. (2024) report θ between 0.05 and 0.2
+    for language models, where gradients are noisy.
+
+    The window grows while the gradient is small against its noise (near a
+    minimum, or late in training) and stays short while it is large. Deciding
+    on the same figures that the decision stops on favours windows that happen
+    to look precise (a sequential test's optional-stopping bias); a minimum
+    budget of a few microbatches keeps the variance estimate from deciding on
+    one or two degrees of freedom.
+
+    Args:
+      theta: the tolerance θ, a finite number ``> 0``.
+      min_tokens: the test is not consulted before the window has this many
+        tokens.
+      min_microbatches: nor before it has this many microbatches.
+      max_tokens: optional token budget at which the window closes whatever
+        the test says (as :func:`token_budget`).
+      max_microbatches: optional cap on the microbatches per window, an
+        integer or a callable of the gradient step (as ``every_k_schedule``).
+
+    Returns:
+      A stateless :class:`WindowPolicy` that needs the window statistics.
+
+    Raises:
+      TypeError: if an argument is not a real number (an integer for the
+        microbatch counts).
+      ValueError: if ``theta`` is not finite and ``> 0``, or a budget is
+        negative, or a minimum exceeds its maximum.
+
+    Examples:
+      Four microbatches with tokens; ``tr Σ̂ = 2.0``, ``N = 64``, ``‖ḡ‖² = 0.1``:
+      ``2 / 64 = 0.031 <= 0.5² · 0.1 = 0.025`` fails, so the window stays open;
+      at ``N = 128`` it closes:
+
+      >>> import jax.numpy as jnp
+      >>> policy = norm_test(0.5)
+      >>> def scalars(n):
+      ...     return WindowScalars(jnp.int32(4), jnp.float32(n), jnp.int32(0),
+      ...                          counted=jnp.int32(4), grad_sq_norm=jnp.float32(0.1),
+      ...                          grad_var_trace=jnp.float32(2.0))
+      >>> print(policy.closes((), scalars(64)), policy.closes((), scalars(128)))
+      False True
+
+    References:
+      R. H. Byrd, G. M. Chin, J. Nocedal, Y. Wu, "Sample size selection in
+      optimization methods for machine learning", Mathematical Programming
+      134, 2012.
+
+      R. Bollapragada, R. Byrd, J. Nocedal, "Adaptive sampling strategies for
+      stochastic optimization", SIAM Journal on Optimization 28(4), 2018.
+
+      T. T.-K. Lau, H. Liu, M. Kolar, "Adaptive batch size schedules for
+      distributed training of language models with data and model
+      parallelism", 2024.
+
+      S. McCandlish, J. Kaplan, D. Amodei, "An empirical model of large-batch
+      training", 2018.
+    """
+    theta = float(_check_number(theta, "`norm_test` (theta)"))
+    min_tokens = _check_number(min_tokens, "`min_tokens`", positive=False)
+    if isinstance(min_microbatches, bool) or not isinstance(
+        min_microbatches, numbers.Integral
+    ):
+        raise TypeError(
+            f"`min_microbatches` must be an integer, got {min_microbatches!r}"
+        )
+    if min_microbatches < 1:
+        raise ValueError(f"`min_microbatches` must be >= 1, got {min_microbatches}")
+    min_microbatches = int(min_microbatches)
+    if max_tokens is not None:
+        max_tokens = _check_number(max_tokens, "`max_tokens`")
+        if max_tokens < min_tokens:
+            raise ValueError(
+                f"`max_tokens` ({max_tokens}) is below `min_tokens` ({min_tokens})"
+            )
+    cap = None
+    if max_microbatches is not None:
+        cap = _microbatch_cap(max_microbatches, "`max_microbatches`")
+        if not callable(max_microbatches) and int(max_microbatches) < min_microbatches:
+            raise ValueError(
+                f"`max_microbatches` ({int(max_microbatches)}) is below "
+                f"`min_microbatches` ({min_microbatches})"
+            )
+    theta_sq = theta * theta
+
+    def closes(policy_state, scalars):
+        del policy_state
+        if (
+            scalars.counted is None
+            or scalars.grad_sq_norm is None
+            or scalars.grad_var_trace is None
+        ):
+            raise ValueError(
+                "The norm test needs the window statistics: `counted`, "
+                "`grad_sq_norm` and `grad_var_trace` must be given"
+            )
+        n = jnp.asarray(scalars.tokens).astype(jnp.float32)
+        var = jnp.asarray(scalars.grad_var_trace).astype(jnp.float32)
+        sq = jnp.asarray(scalars.grad_sq_norm).astype(jnp.float32)
+        passes = (scalars.counted >= 2) & (n > 0) & (var <= theta_sq * n * sq)
+        started = scalars.microbatches >= min_microbatches
+        if min_tokens > 0:
+            started = started & _tokens_reached(scalars.tokens, min_tokens)
+        done = passes & started
+        if max_tokens is not None:
+            done = done | _tokens_reached(scalars.tokens, max_tokens)
+        if cap is not None:
+            done = done | (scalars.microbatches >= cap(scalars.gradient_step))
+        return done
+
+    return WindowPolicy(_no_state, closes, _keep, needs_stats=True)
+
+
+def any_of(*policies: WindowPolicy) -> WindowPolicy:
+    """The window closes as soon as any of ``policies`` closes it.
+
+    The state is the tuple of the policies' states (a single policy is
+    returned as it is).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> policy = any_of(microbatch_window(8), token_budget(100))
+      >>> s = WindowScalars(jnp.int32(8), jnp.float32(10.0), jnp.int32(0))
+      >>> print(policy.closes(policy.init(), s))
+      True
+    """
+    if not policies:
+        raise ValueError("`any_of` needs at least one policy")
+    for p in policies:
+        if not isinstance(p, WindowPolicy):
+            raise TypeError(f"`any_of` takes WindowPolicy objects, got {p!r}")
+    if len(policies) == 1:
+        return policies[0]
+
+    def init():
+        return tuple(p.init() for p in policies)
+
+    def closes(policy_state, scalars):
+        done = [p.closes(s, scalars) for p, s in zip(policies, policy_state)]
+        return functools.reduce(jnp.logical_or, done)
+
+    def update(policy_state, scalars, closed):
+        return tuple(
+            p.update(s, scalars, closed) for p, s in zip(policies, policy_state)
+        )
+
+    return WindowPolicy(init, closes, update, any(p.needs_stats for p in policies))

@@ -1,0 +1,548 @@
+"""Window policies: the pure functions close windows where a plain-Python model does.
+
+Each policy is driven over random count sequences (zeros included) by the same
+window mechanics the wrapper uses (fold the microbatch in, ask ``closes``,
+``update``, reset on a close), under ``jit`` and ``lax.scan``, and compared
+with a float64 model of its documented rule.
+"""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import masked_multistep as mm
+from masked_multistep import _windows as w
+
+F32_MAX = float(np.finfo(np.float32).max)
+INT32_MAX = 2**31 - 1
+
+counts_st = st.lists(
+    st.one_of(st.just(0), st.integers(1, 300)), min_size=1, max_size=40
+)
+
+
+# --- plain-Python models ----------------------------------------------------
+
+
+def model_k(k):
+    """every_k's documented sanitisation of a schedule's value."""
+    if isinstance(k, float):
+        if math.isnan(k):
+            return 1
+        if math.isinf(k):
+            return 1 if k < 0 else 2**31 - 128
+        k = round(k)  # half to even, as jnp.round
+        return int(min(max(k, 1), 2**31 - 128))
+    return int(min(max(k, 1), INT32_MAX))
+
+
+def model_budget(b):
+    """token_budget's documented sanitisation of a callable's value (float32)."""
+    b = float(b)
+    if math.isnan(b):
+        return 0.0
+    return float(np.float32(min(max(b, 0.0), F32_MAX)))
+
+
+def model_run(counts, decide):
+    """Window mechanics in Python: ``decide(mb, tokens, step, seen) -> bool``."""
+    mb = tokens = step = seen = 0
+    closes = []
+    for n in counts:
+        mb += 1
+        tokens += n
+        done = bool(decide(mb, tokens, step, seen))
+        closes.append(done)
+        if done:
+            seen += tokens
+            step += tokens > 0
+            mb = tokens = 0
+    return closes
+
+
+def reached(tokens, budget):
+    return tokens > 0 and tokens >= budget
+
+
+# --- the implementation, driven under jit / scan -------------------------------
+
+
+def drive(policy, counts, count_dtype=jnp.float32):
+    """``lax.scan`` over the counts: the close flags and the final policy state."""
+
+    def body(carry, n):
+        pstate, mb, tokens, step = carry
+        mb = mb + 1
+        tokens = tokens + n.astype(count_dtype)
+        s = w.WindowScalars(mb, tokens, step)
+        closed = policy.closes(pstate, s)
+        pstate = policy.update(pstate, s, closed)
+        step = jnp.where(closed & (tokens > 0), step + 1, step)
+        mb = jnp.where(closed, 0, mb)
+        tokens = jnp.where(closed, jnp.zeros_like(tokens), tokens)
+        return (pstate, mb, tokens, step), closed
+
+    zero = jnp.zeros([], jnp.int32)
+    carry = (policy.init(), zero, jnp.zeros([], count_dtype), zero)
+    carry, closes = jax.lax.scan(body, carry, counts)
+    return closes, carry[0]
+
+
+def run(policy, counts, count_dtype=jnp.float32):
+    """The close flags of ``policy`` (a new trace for each policy)."""
+    closes, _ = jax.jit(lambda c: drive(policy, c, count_dtype))(
+        jnp.asarray(counts, jnp.int32)
+    )
+    return [bool(c) for c in closes]
+
+
+MAX_LEN = 40
+_COMPILED = {}
+
+
+def run_traced(make_policy, counts, *args, count_dtype=jnp.float32):
+    """``drive(make_policy(*args), counts)``, compiled once per ``make_policy``.
+
+    The policy's parameters are traced and the counts padded with zeros to
+    ``MAX_LEN`` (later microbatches cannot change earlier decisions), so
+    hypothesis examples share one compilation.
+    """
+    key = (make_policy, jnp.dtype(count_dtype)) + tuple(
+        jnp.result_type(a) for a in args
+    )
+    if key not in _COMPILED:
+        _COMPILED[key] = jax.jit(lambda c, *a: drive(make_policy(*a), c, count_dtype))
+    padded = np.zeros(MAX_LEN, np.int32)
+    padded[: len(counts)] = counts
+    closes, state = _COMPILED[key](padded, *args)
+    return [bool(c) for c in closes[: len(counts)]], state
+
+
+def _table(values):
+    """A schedule table padded to 4 entries: one dtype, and its length."""
+    is_float = any(isinstance(v, float) for v in values)
+    values = [float(v) for v in values] if is_float else list(values)
+    arr = np.zeros(4, np.float32 if is_float else np.int32)
+    arr[: len(values)] = values
+    return values, arr, np.int32(len(values))
+
+
+# --- every_k -------------------------------------------------------------------
+
+k_values = st.one_of(
+    st.integers(-3, 6),
+    st.floats(-2.0, 7.0),
+    st.sampled_from([math.nan, math.inf, -math.inf, 2.5, 3.5, 1e12, 2.0**31]),
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(counts=counts_st, table=st.lists(k_values, min_size=1, max_size=4))
+def test_microbatch_window_schedule_matches_model(counts, table):
+    table, arr, length = _table(table)
+    expected = model_run(
+        counts,
+        lambda mb, tok, step, seen: mb >= model_k(table[step % len(table)]),
+    )
+    assert run_traced(_k_table, counts, arr, length)[0] == expected
+
+
+def _k_table(arr, length):
+    return w.microbatch_window(lambda step: arr[step % length])
+
+
+# --- token_budget ----------------------------------------------------------------
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    counts=counts_st,
+    budget=st.integers(1, 1500),
+    cap=st.one_of(st.none(), st.integers(1, 8)),
+    count_dtype=st.sampled_from([jnp.float32, jnp.int32]),
+)
+def test_token_budget_matches_model(counts, budget, cap, count_dtype):
+    policy = w.token_budget(budget, max_microbatches=cap)
+    assert policy.init() == ()
+
+    def decide(mb, tokens, step, seen):
+        return reached(tokens, budget) or (cap is not None and mb >= cap)
+
+    assert run(policy, counts, count_dtype) == model_run(counts, decide)
+
+
+def test_token_budget_closes_on_the_microbatch_that_reaches_it():
+    policy = w.token_budget(100)
+    # 40 + 0 + 60 = 100 exactly: closes; then 99 + 0 + 0 + 1; then 250 alone.
+    counts = [40, 0, 60, 99, 0, 0, 1, 250, 0]
+    assert run(policy, counts) == [0, 0, 1, 0, 0, 0, 1, 1, 0]
+    # A count-0 microbatch never closes a window by tokens, even an empty one.
+    assert run(policy, [0, 0, 0]) == [False] * 3
+
+
+budget_values = st.one_of(
+    st.integers(-5, 600),
+    st.floats(-10.0, 600.0),
+    st.sampled_from([math.nan, math.inf, -math.inf, 0.5, 1e30]),
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=counts_st,
+    table=st.lists(budget_values, min_size=1, max_size=4),
+    cap=st.one_of(st.none(), st.integers(1, 6)),
+)
+def test_token_budget_of_gradient_step_matches_model(counts, table, cap):
+    table, arr, length = _table(table)
+
+    def decide(mb, tokens, step, seen):
+        b = model_budget(np.float32(table[step % len(table)]))
+        return reached(tokens, b) or (cap is not None and mb >= cap)
+
+    # No cap: a cap larger than the sequence.
+    cap_arg = np.int32(cap if cap is not None else MAX_LEN + 1)
+    closes, state = run_traced(_budget_table, counts, arr, length, cap_arg)
+    assert state == ()
+    assert closes == model_run(counts, decide)
+
+
+def _budget_table(arr, length, cap):
+    return w.token_budget(
+        lambda step: arr[step % length],
+        by="gradient_step",
+        max_microbatches=lambda step: cap,
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=counts_st,
+    start=st.integers(1, 400),
+    slope=st.sampled_from([0.0, 0.25, 0.5, 1.0, -0.5]),
+)
+def test_token_budget_ramp_by_tokens_seen_matches_model(counts, start, slope):
+    # A linear ramp in tokens seen (a decreasing one goes negative: total).
+    def decide(mb, tokens, step, seen):
+        return reached(tokens, model_budget(np.float32(start + slope * seen)))
+
+    args = np.float32(start), np.float32(slope)
+    closes, state = run_traced(_ramp, counts, *args)
+    expected = model_run(counts, decide)
+    assert closes == expected
+    # The state holds the tokens of the completed windows.
+    seen = sum(n for n, c in zip(counts, np.cumsum(expected[::-1])[::-1] > 0) if c)
+    assert isinstance(state, w.TokensSeen)
+    assert float(state.value) == seen
+
+
+def _ramp(start, slope):
+    return w.token_budget(lambda seen: start + slope * seen)
+
+
+def test_tokens_seen_is_exact_far_beyond_float32():
+    seen = w._tokens_seen_init()
+    add = jax.jit(w._tokens_seen_add)
+    total = 0
+    for n in [16_777_217, 3, 1, 2**30 + 1, 7, 2**33 + 5, 1, 1, 1]:
+        seen = add(seen, jnp.float32(n))
+        total += int(np.float32(n))  # what a float32 count holds
+        assert int(np.float64(seen.hi) + np.float64(seen.lo)) == total
+    # A plain float32 sum has drifted.
+    assert int(np.float32(np.float32(2**33) + np.float32(1))) != 2**33 + 1
+
+
+def test_token_budget_with_a_large_integer_total_compares_exactly():
+    # Near 2**31 an int32 total is compared with ceil(budget), not in float32.
+    close = jax.jit(
+        lambda t, b: w._tokens_reached(t, b),
+    )
+    assert not bool(close(jnp.int32(2**24 + 2), jnp.float32(2**24 + 4)))
+    assert bool(close(jnp.int32(2**24 + 4), jnp.float32(2**24 + 4)))
+    assert not bool(w._tokens_reached(jnp.int32(2**24 + 1), 2**24 + 2))
+    assert bool(w._tokens_reached(jnp.int32(INT32_MAX), 2**40))
+    assert bool(close(jnp.int32(INT32_MAX), jnp.float32(F32_MAX)))
+
+
+# --- norm test -------------------------------------------------------------------
+
+
+def window_figures(grads, counts):
+    """float64 two-pass: (N, K, ‖ḡ‖², tr Σ̂) of a window."""
+    counts = np.asarray(counts, np.float64)
+    live = counts > 0
+    n = counts.sum()
+    k = int(live.sum())
+    if n == 0:
+        return 0.0, 0, math.nan, math.nan
+    g = np.asarray(grads, np.float64)[live]
+    c = counts[live]
+    mean = (c[:, None] * g).sum(0) / n
+    s = float((c * ((g - mean) ** 2).sum(-1)).sum())
+    var = s / (k - 1) if k >= 2 else math.nan
+    return float(n), k, float(mean @ mean), var
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    data=st.lists(
+        st.tuples(
+            st.one_of(st.just(0), st.integers(1, 64)),
+            st.lists(st.floats(-3.0, 3.0), min_size=3, max_size=3),
+        ),
+        min_size=1,
+        max_size=24,
+    ),
+    offset=st.floats(-2.0, 2.0),
+    theta=st.sampled_from([0.1, 0.3, 0.5, 1.0]),
+    min_mb=st.integers(1, 4),
+    max_mb=st.one_of(st.none(), st.integers(4, 10)),
+    max_tokens=st.one_of(st.none(), st.integers(64, 600)),
+    min_tokens=st.sampled_from([0, 32]),
+)
+def test_norm_test_matches_model(
+    data, offset, theta, min_mb, max_mb, max_tokens, min_tokens
+):
+    counts = [n for n, _ in data]
+    grads = [np.asarray(g) + offset for _, g in data]  # a common mean direction
+    policy = w.norm_test(
+        theta,
+        min_tokens=min_tokens,
+        min_microbatches=min_mb,
+        max_tokens=max_tokens,
+        max_microbatches=max_mb,
+    )
+    closes_fn = jax.jit(policy.closes)
+    start = 0
+    for i in range(len(counts)):
+        window = slice(start, i + 1)
+        tokens, k, sq, var = window_figures(grads[window], counts[window])
+        mb = i + 1 - start
+        lhs, rhs = var, theta**2 * tokens * sq
+        # Decisions within float32 rounding of the boundary are not compared.
+        assume(not (k >= 2 and abs(lhs - rhs) <= 1e-4 * max(abs(lhs), abs(rhs))))
+        passes = k >= 2 and tokens > 0 and lhs <= rhs
+        expected = (
+            passes and mb >= min_mb and (min_tokens == 0 or reached(tokens, min_tokens))
+        ) or (
+            (max_tokens is not None and reached(tokens, max_tokens))
+            or (max_mb is not None and mb >= max_mb)
+        )
+        s = w.WindowScalars(
+            jnp.int32(mb),
+            jnp.float32(tokens),
+            jnp.int32(0),
+            counted=jnp.int32(k),
+            grad_sq_norm=jnp.float32(sq),
+            grad_var_trace=jnp.float32(var),
+        )
+        assert bool(closes_fn((), s)) == expected, (i, tokens, k, sq, var)
+        if expected:
+            start = i + 1
+
+
+def test_norm_test_needs_two_counted_microbatches_and_never_passes_on_nan():
+    policy = w.norm_test(1.0)
+
+    def s(k, var, sq=1.0, tokens=10.0):
+        return w.WindowScalars(
+            jnp.int32(5),
+            jnp.float32(tokens),
+            jnp.int32(0),
+            counted=jnp.int32(k),
+            grad_sq_norm=jnp.float32(sq),
+            grad_var_trace=jnp.float32(var),
+        )
+
+    assert not bool(policy.closes((), s(1, 0.0)))  # one counted microbatch
+    assert bool(policy.closes((), s(2, 0.0)))
+    assert not bool(policy.closes((), s(3, math.nan)))
+    assert not bool(policy.closes((), s(3, 1.0, sq=math.nan)))
+    assert not bool(policy.closes((), s(3, 1.0, tokens=0.0)))
+    # No noise and no gradient (converged): nothing to wait for.
+    assert bool(policy.closes((), s(3, 0.0, sq=0.0)))
+    with pytest.raises(ValueError, match="window statistics"):
+        policy.closes((), w.WindowScalars(jnp.int32(1), jnp.float32(1), jnp.int32(0)))
+
+
+def test_norm_test_window_grows_as_the_gradient_shrinks_against_its_noise():
+    # Per-token noise of variance σ² per coordinate; the test passes at about
+    # N ≈ d·σ² / (θ²·(|G|² + d·σ²/N)), so halving |G| about quadruples N.
+    policy = w.norm_test(0.5, max_microbatches=10_000)
+    closes_fn = jax.jit(policy.closes)
+    rng = np.random.default_rng(0)
+    d, sigma, n = 8, 1.0, 4
+
+    def window_tokens(g_norm):
+        g_true = np.full(d, g_norm / np.sqrt(d))
+        grads, counts = [], []
+        while True:
+            counts.append(n)
+            grads.append(g_true + rng.normal(0, sigma / np.sqrt(n), d))
+            tokens, k, sq, var = window_figures(grads, counts)
+            s = w.WindowScalars(
+                jnp.int32(len(counts)),
+                jnp.float32(tokens),
+                jnp.int32(0),
+                counted=jnp.int32(k),
+                grad_sq_norm=jnp.float32(sq),
+                grad_var_trace=jnp.float32(var),
+            )
+            if bool(closes_fn((), s)):
+                return tokens
+
+    sizes = {
+        g: np.median([window_tokens(g) for _ in range(15)]) for g in (1, 0.5, 0.25)
+    }
+    predicted = {g: d * sigma**2 / (0.25 * g**2) for g in sizes}
+    assert sizes[1] < sizes[0.5] < sizes[0.25]
+    for g in sizes:
+        # Within a factor 2 of the prediction (optional stopping makes the test
+        # close a little early).
+        assert predicted[g] / 2 <= sizes[g] <= predicted[g] * 1.5, (sizes, predicted)
+
+
+# --- composition, jit --------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(counts=counts_st, budget=st.integers(1, 800), k=st.integers(1, 6))
+def test_any_of_closes_when_either_would(counts, budget, k):
+    def decide(mb, tokens, step, seen):
+        return mb >= k or reached(tokens, budget + seen)
+
+    closes, state = run_traced(_either, counts, np.int32(k), np.float32(budget))
+    assert closes == model_run(counts, decide)
+    assert jax.tree.structure(state) == jax.tree.structure(((), w.TokensSeen(0.0, 0.0)))
+
+
+def _either(k, budget):
+    return w.any_of(
+        w.microbatch_window(lambda step: k), w.token_budget(lambda s: budget + s)
+    )
+
+
+def test_policies_do_not_retrace_and_keep_their_state_shape():
+    policy = w.any_of(
+        w.microbatch_window(lambda s: 2 + s),
+        w.token_budget(lambda seen: 100 + seen / 4),
+        w.norm_test(0.5, max_tokens=10_000),
+    )
+    state = policy.init()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(state, mb, tokens, k, sq, var):
+        s = w.WindowScalars(mb, tokens, jnp.int32(0), k, sq, var)
+        closed = policy.closes(state, s)
+        return closed, policy.update(state, s, closed)
+
+    for i in range(6):
+        closed, new = step(
+            state,
+            jnp.int32(i + 1),
+            jnp.float32(60.0 * i),
+            jnp.int32(i),
+            jnp.float32(1.0),
+            jnp.float32(2.0),
+        )
+        chex.assert_trees_all_equal_shapes_and_dtypes(new, state)
+        state = new
+
+
+def test_tokens_schedule_evaluates_the_schedule_at_step_times_tokens():
+    seen = []
+    sched = mm.tokens_schedule(lambda t: seen.append(t) or t / 1000, 256)
+    assert float(jax.jit(sched)(jnp.int32(3))) == pytest.approx(0.768)
+    assert float(sched(0)) == 0.0
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        mm.tokens_schedule(lambda t: t, 0)
+    with pytest.raises(TypeError, match="tokens_per_step"):
+        mm.tokens_schedule(lambda t: t, True)
+    with pytest.raises(TypeError, match="schedule"):
+        mm.tokens_schedule(3e-4, 256)
+
+
+# --- errors ------------------------------------------------------------------------
+
+
+def _scalars():
+    return w.WindowScalars(jnp.int32(1), jnp.float32(1.0), jnp.int32(0))
+
+
+def test_budget_callable_returning_non_scalar_fails_at_trace_time():
+    policy = w.token_budget(lambda step: jnp.ones(2), by="gradient_step")
+    with pytest.raises(ValueError, match=r"tokens_per_window.*scalar.*\(2,\)"):
+        jax.jit(policy.closes)((), _scalars())
+
+
+@pytest.mark.parametrize("value", [True, 1 + 2j])
+def test_budget_callable_returning_bool_or_complex_is_a_type_error(value):
+    policy = w.token_budget(lambda step: jnp.asarray(value), by="gradient_step")
+    with pytest.raises(TypeError, match="tokens_per_window"):
+        policy.closes((), _scalars())
+
+
+@pytest.mark.parametrize(
+    "budget, error",
+    [
+        (0, ValueError),
+        (-1, ValueError),
+        (math.nan, ValueError),
+        (math.inf, ValueError),
+        (True, TypeError),
+        ("100", TypeError),
+        (np.bool_(True), TypeError),
+    ],
+)
+def test_bad_constant_budget(budget, error):
+    with pytest.raises(error, match="tokens_per_window"):
+        w.token_budget(budget)
+
+
+def test_bad_budget_input_name():
+    with pytest.raises(ValueError, match="`by`.*'tokens'"):
+        w.token_budget(lambda s: 10, by="tokens")
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"theta": 0.0}, ValueError, "theta"),
+        ({"theta": -0.5}, ValueError, "theta"),
+        ({"theta": math.nan}, ValueError, "theta"),
+        ({"theta": "0.5"}, TypeError, "theta"),
+        ({"theta": 0.5, "min_microbatches": 0}, ValueError, "min_microbatches"),
+        ({"theta": 0.5, "min_microbatches": 2.0}, TypeError, "min_microbatches"),
+        ({"theta": 0.5, "min_tokens": -1}, ValueError, "min_tokens"),
+        ({"theta": 0.5, "max_tokens": 0}, ValueError, "max_tokens"),
+        (
+            {"theta": 0.5, "min_tokens": 100, "max_tokens": 50},
+            ValueError,
+            "max_tokens.*min_tokens",
+        ),
+        (
+            {"theta": 0.5, "min_microbatches": 4, "max_microbatches": 2},
+            ValueError,
+            "max_microbatches.*min_microbatches",
+        ),
+        ({"theta": 0.5, "max_microbatches": 0}, ValueError, "max_microbatches"),
+        ({"theta": 0.5, "max_microbatches": 2.5}, TypeError, "max_microbatches"),
+    ],
+)
+def test_bad_norm_test_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        w.norm_test(**kwargs)
+
+
+def test_any_of_refuses_what_is_not_a_policy():
+    with pytest.raises(ValueError, match="at least one"):
+        w.any_of()
+    with pytest.raises(TypeError, match="WindowPolicy"):
+        w.any_of(w.token_budget(10), 3)
