@@ -441,11 +441,16 @@ def norm_test(
     ``tr Σ̂ <= θ² · N · ‖ḡ‖²`` (no division); NaN figures never pass it.
 
     What θ means: the window's gradient is expected to be off from the true
-    gradient by about ``θ`` times its own norm (root mean square). ``θ = 1``
-    closes at about ``N ≈ tr Σ / |G|²``, the *simple noise scale* of
-    McCandlish et al. (2018): smaller θ, larger windows, less noise. Byrd et
-    al. use θ around 0.5–0.9; Lau et al. (2024) report θ between 0.05 and 0.2
-    for language models, where gradients are noisy.
+    gradient ``G`` by about ``θ`` times its own norm (root mean square).
+    Since ``E ‖ḡ‖² = |G|² + tr Σ / N``, the test passes on average once::
+
+        N  >=  (1 − θ²) / θ² · tr Σ / |G|²
+
+    that is, at ``(1 − θ²) / θ²`` times the *simple noise scale*
+    ``B_simple = tr Σ / |G|²`` of McCandlish et al. (2018), in tokens:
+    ``θ = 0.71`` closes at about ``B_simple``, ``θ = 0.5`` at three times it,
+    and with ``θ >= 1`` it passes on average as soon as ``K >= 2`` (the noise
+    in ``‖ḡ‖²`` alone satisfies it), so useful values lie below 1.
 
     The window grows while the gradient is small against its noise (near a
     minimum, or late in training) and stays short while it is large. Deciding

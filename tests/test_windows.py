@@ -372,8 +372,8 @@ def test_norm_test_needs_two_counted_microbatches_and_never_passes_on_nan():
 
 
 def test_norm_test_window_grows_as_the_gradient_shrinks_against_its_noise():
-    # Per-token noise of variance σ² per coordinate; the test passes at about
-    # N ≈ d·σ² / (θ²·(|G|² + d·σ²/N)), so halving |G| about quadruples N.
+    # Per-token noise of variance σ² per coordinate: the test passes at about
+    # N ≈ (1 − θ²)/θ² · d·σ²/|G|², so halving |G| about quadruples N.
     policy = w.norm_test(0.5, max_microbatches=10_000)
     closes_fn = jax.jit(policy.closes)
     rng = np.random.default_rng(0)
@@ -400,7 +400,7 @@ def test_norm_test_window_grows_as_the_gradient_shrinks_against_its_noise():
     sizes = {
         g: np.median([window_tokens(g) for _ in range(15)]) for g in (1, 0.5, 0.25)
     }
-    predicted = {g: d * sigma**2 / (0.25 * g**2) for g in sizes}
+    predicted = {g: 3 * d * sigma**2 / g**2 for g in sizes}  # θ = 0.5
     assert sizes[1] < sizes[0.5] < sizes[0.25]
     for g in sizes:
         # Within a factor 2 of the prediction (optional stopping makes the test
