@@ -12,15 +12,25 @@ from masked_multistep._microbatch import microbatched_value_and_grad
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 from masked_multistep._running_mean import running_mean_update
 from masked_multistep._schedules import tokens_schedule
+from masked_multistep._windows import (
+    WindowPolicy,
+    WindowScalars,
+    norm_test,
+    token_budget,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MaskedMultiSteps",
     "MaskedMultiStepsState",
+    "WindowPolicy",
+    "WindowScalars",
     "masked_mean",
     "microbatched_value_and_grad",
+    "norm_test",
     "running_mean_update",
+    "token_budget",
     "tokens_schedule",
     "weighted_mean_across",
 ]
