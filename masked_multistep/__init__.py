@@ -10,6 +10,10 @@ from masked_multistep._collectives import weighted_mean_across
 from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
+from masked_multistep._per_device import (
+    data_parallel_value_and_grad,
+    per_device_value_and_grad,
+)
 from masked_multistep._running_mean import running_mean_update
 
 __version__ = "0.1.0"
@@ -17,8 +21,10 @@ __version__ = "0.1.0"
 __all__ = [
     "MaskedMultiSteps",
     "MaskedMultiStepsState",
+    "data_parallel_value_and_grad",
     "masked_mean",
     "microbatched_value_and_grad",
+    "per_device_value_and_grad",
     "running_mean_update",
     "weighted_mean_across",
 ]
