@@ -14,6 +14,7 @@ from masked_multistep._per_device import (
     data_parallel_value_and_grad,
     per_device_value_and_grad,
 )
+from masked_multistep._reduction import deferred
 from masked_multistep._running_mean import running_mean_update
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __all__ = [
     "MaskedMultiSteps",
     "MaskedMultiStepsState",
     "data_parallel_value_and_grad",
+    "deferred",
     "masked_mean",
     "microbatched_value_and_grad",
     "per_device_value_and_grad",

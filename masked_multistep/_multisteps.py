@@ -12,6 +12,7 @@ import numpy as np
 import optax
 from optax import tree as otu
 
+from masked_multistep._reduction import Deferred, Local
 from masked_multistep._running_mean import running_mean_update, scalar_count
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
@@ -42,6 +43,9 @@ class MaskedMultiStepsState(NamedTuple):
       num_invalid_counts: microbatches rejected under ``jit`` because their count
         was negative, non-finite or overflowed the window's total.
       skip_state: what ``should_skip_update_fn`` returned last (``()`` without one).
+      reduction_state: with ``reduction=mm.deferred(...)``, each device's token
+        total (:class:`~masked_multistep._reduction.DeferredState`); ``()``
+        otherwise.
     """
 
     mini_step: jax.Array
@@ -53,6 +57,7 @@ class MaskedMultiStepsState(NamedTuple):
     updated: jax.Array
     num_invalid_counts: jax.Array
     skip_state: Any = ()
+    reduction_state: Any = ()
 
 
 def _no_skip(updates, gradient_step, params):
@@ -160,9 +165,16 @@ class MaskedMultiSteps:
       count_dtype: dtype of the window's token total. ``int32`` (default) sums
         integer counts exactly up to 2³¹−1 per window; use a float dtype to pass
         fractional weights.
+      reduction: ``None`` (default): the gradients handed over are already the
+        microbatch's global mean (under ``jit`` with sharded arrays the compiler
+        reduces them, once per microbatch). ``mm.deferred(mesh, axis_name)``:
+        they are every device's own, stacked along a leading device axis (from
+        :func:`per_device_value_and_grad`); each device accumulates its own
+        running mean and the devices are combined once per window.
 
     Raises:
-      TypeError: if ``every_k_schedule`` is neither an integer nor callable.
+      TypeError: if ``every_k_schedule`` is neither an integer nor callable, or
+        ``reduction`` is neither ``None`` nor ``mm.deferred(...)``.
       ValueError: if ``every_k_schedule < 1``, or a dtype is not of the right kind.
 
     Examples:
@@ -196,6 +208,7 @@ class MaskedMultiSteps:
         should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
         accumulator_dtype: jax.typing.DTypeLike = jnp.float32,
         count_dtype: jax.typing.DTypeLike = jnp.int32,
+        reduction: Deferred | None = None,
     ):
         if not (hasattr(opt, "init") and hasattr(opt, "update")):
             raise TypeError(
@@ -211,6 +224,12 @@ class MaskedMultiSteps:
                 "`accumulator_dtype` must be a floating dtype, got "
                 f"{self._accumulator_dtype}"
             )
+        if reduction is not None and not isinstance(reduction, Deferred):
+            raise TypeError(
+                "`reduction` must be None or mm.deferred(mesh, axis_name), got "
+                f"{reduction!r} of type {type(reduction).__name__}"
+            )
+        self._reduction = Local() if reduction is None else reduction
         self._count_dtype = jnp.dtype(count_dtype)
         if not (
             self._count_dtype == jnp.int32
@@ -250,12 +269,13 @@ class MaskedMultiSteps:
             mini_step=jnp.zeros([], jnp.int32),
             gradient_step=gradient_step,
             inner_opt_state=self._opt.init(params),
-            acc_grads=otu.zeros_like(params, dtype=self._accumulator_dtype),
+            acc_grads=self._reduction.init_accumulator(params, self._accumulator_dtype),
             acc_count=jnp.zeros([], self._count_dtype),
             acc_value=jnp.zeros([], jnp.float32),
             updated=jnp.zeros([], jnp.bool_),
             num_invalid_counts=jnp.zeros([], jnp.int32),
             skip_state=skip_state,
+            reduction_state=self._reduction.init(self._count_dtype),
         )
 
     def has_updated(self, state: MaskedMultiStepsState) -> jax.Array:
@@ -376,9 +396,14 @@ class MaskedMultiSteps:
         sits inside it. Returns ``(updates, state)``, or with ``apply_params``
         ``(new_params, state)``.
         """
+        self._reduction.check_grads(grads)
+        count, per_device, devices_ok = self._reduction.split_count(count)
         n, count_ok = self._check_count(count)
+        count_ok = count_ok & devices_ok
         _check_trees(grads, state.acc_grads)
         value = extra_args.pop("value", None)
+        if value is not None:
+            value = self._reduction.global_value(value, per_device)
 
         with jax.named_scope("masked_multistep/accumulate"):
             should_skip, skip_state = self._should_skip_update_fn(
@@ -398,8 +423,13 @@ class MaskedMultiSteps:
             accepted = valid_count & ~should_skip
             n = jnp.where(accepted, n, jnp.zeros_like(n))
 
-            acc_grads, acc_count = running_mean_update(
-                state.acc_grads, state.acc_count, grads, n
+            acc_grads, acc_count, reduction_state = self._reduction.accumulate(
+                state.acc_grads,
+                state.acc_count,
+                state.reduction_state,
+                grads,
+                n,
+                per_device,
             )
             acc_value = state.acc_value
             if value is not None:
@@ -420,15 +450,25 @@ class MaskedMultiSteps:
         if value is not None:
             dynamic_args["value"] = acc_value.astype(jnp.asarray(value).dtype)
 
-        def inner_update(acc_grads, inner_state, params, dynamic_args):
-            mean_grads = otu.cast_like(acc_grads, grads)
+        def inner_update(acc_grads, reduction_state, inner_state, params, dynamic_args):
+            # With a deferred reduction, the devices' means are combined here,
+            # once per window, inside the conditional.
+            mean_grads = otu.cast_like(
+                self._reduction.mean(acc_grads, reduction_state), grads
+            )
             updates, new_inner = self._opt.update(
                 mean_grads, inner_state, params, **static_args, **dynamic_args
             )
             # The inner state keeps its dtypes (as in optax.MultiSteps).
             return updates, otu.cast_like(new_inner, inner_state)
 
-        operands = (acc_grads, state.inner_opt_state, params, dynamic_args)
+        operands = (
+            acc_grads,
+            reduction_state,
+            state.inner_opt_state,
+            params,
+            dynamic_args,
+        )
         updates_avals, _ = jax.eval_shape(inner_update, *operands)
         # Once the inner optimizer has read the window's mean, the mean is dead
         # (`acc_count` resets; the next counted microbatch overwrites it). So in
@@ -442,17 +482,17 @@ class MaskedMultiSteps:
         # and between windows the params pass through untouched.
         reuse_acc = not apply_params and _same_avals(updates_avals, acc_grads)
 
-        def apply_branch(acc_grads, inner_state, params, dynamic_args):
+        def apply_branch(acc_grads, reduction_state, inner_state, params, dynamic_args):
             updates, new_inner = inner_update(
-                acc_grads, inner_state, params, dynamic_args
+                acc_grads, reduction_state, inner_state, params, dynamic_args
             )
             if reuse_acc:
                 return (), updates, new_inner
             out = optax.apply_updates(params, updates) if apply_params else updates
             return out, acc_grads, new_inner
 
-        def skip_branch(acc_grads, inner_state, params, dynamic_args):
-            del dynamic_args
+        def skip_branch(acc_grads, reduction_state, inner_state, params, dynamic_args):
+            del dynamic_args, reduction_state
             if reuse_acc:
                 return (), acc_grads, inner_state
             out = params if apply_params else otu.zeros_like(updates_avals)
@@ -488,5 +528,6 @@ class MaskedMultiSteps:
                 optax.safe_increment(state.num_invalid_counts),
             ),
             skip_state=skip_state,
+            reduction_state=self._reduction.reset(reduction_state, window_done),
         )
         return out, new_state

@@ -11,6 +11,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _helpers import collectives, large
 from jax.sharding import NamedSharding
@@ -178,3 +179,166 @@ def test_bad_arguments(mesh):
     batch["x"] = batch["x"][:NDEV]
     with pytest.raises(ValueError, match=r"divisible by .*devices \(8\) times .*2.*"):
         grad_fn(_params(), batch)
+
+
+# ------------------------------------------------ the wrapper, deferred mode
+
+WINDOWS = 2
+EMPTY_DEVICE = 2  # its rows hold no tokens in any microbatch
+EMPTY_MICROBATCH = 1  # no tokens on any device
+
+
+def _microbatches():
+    out = []
+    for i in range(K * WINDOWS):
+        mb = _batch(NDEV * ROWS, seed=10 + i, empty_device=EMPTY_DEVICE)
+        if i == EMPTY_MICROBATCH:
+            mb["mask"][:] = False
+        out.append(mb)
+    return out
+
+
+def _tx(reduction=None):
+    return mm.MaskedMultiSteps(
+        optax.adamw(1e-1, weight_decay=1e-2), K, reduction=reduction
+    )
+
+
+def _single_device_run(batches):
+    """The reference: one device, each microbatch's full batch, no reduction."""
+    device = jax.devices()[0]
+    tx = _tx()
+    params = jax.device_put(_params(), device)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, mb):
+        (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
+        return tx.apply_gradients(grads, state, params, count=count, value=loss)
+
+    for mb in batches:
+        params, state = step(params, state, jax.device_put(mb, device))
+    assert int(state.gradient_step) == WINDOWS
+    return params, state
+
+
+def _deferred_step(mesh, tx):
+    grad_fn = mm.per_device_value_and_grad(_loss, mesh, "data")
+
+    def step(params, state, mb):
+        (loss, count), grads = grad_fn(params, mb)
+        updates, state = tx.update(grads, state, params, count=count, value=loss)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def _assert_once_per_window(compiled_text):
+    found = large(collectives(compiled_text), min_bytes=4 * H)
+    assert [(c.kind, c.where) for c in found] == [("all-reduce", "branch")], found
+    assert found[0].bytes == PARAM_BYTES
+
+
+def test_plain_loop_deferred_equals_single_device_and_reduces_once(mesh):
+    batches = _microbatches()
+    tx = _tx(mm.deferred(mesh, "data"))
+    step = jax.jit(_deferred_step(mesh, tx), donate_argnums=(0, 1))
+    params = jax.device_put(_params(), NamedSharding(mesh, P()))
+    state = tx.init(params)
+    data = NamedSharding(mesh, P("data"))
+    assert state.acc_grads["w1"].shape == (NDEV, H, D)
+    assert state.acc_grads["w1"].sharding.is_equivalent_to(data, 3)
+    assert state.reduction_state.counts.sharding.is_equivalent_to(data, 1)
+    _assert_once_per_window(
+        step.lower(params, state, jax.device_put(batches[0], data)).compile().as_text()
+    )
+    for i, mb in enumerate(batches):
+        params, state = step(params, state, jax.device_put(mb, data))
+        counts = np.asarray(state.reduction_state.counts)
+        assert counts[EMPTY_DEVICE] == 0
+        if (i + 1) % K:  # mid-window: per-device totals add up to the global one
+            assert counts.sum() == int(state.acc_count) > 0
+        else:
+            assert not counts.any() and int(state.acc_count) == 0
+
+    ref_params, ref_state = _single_device_run(batches)
+    assert int(state.gradient_step) == WINDOWS
+    chex.assert_trees_all_close(params, ref_params, **TOL, strict=True)
+    assert not np.allclose(params["w1"], _params()["w1"])
+
+
+def test_automatic_sharding_reduces_every_microbatch(mesh):
+    """What the deferred mode saves: without it, the compiler all-reduces every
+    microbatch's gradient at the step's top level."""
+    tx = _tx()
+
+    def step(params, state, mb):
+        (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
+        return tx.apply_gradients(grads, state, params, count=count, value=loss)
+
+    params = jax.device_put(_params(), NamedSharding(mesh, P()))
+    mb = jax.device_put(_microbatches()[0], NamedSharding(mesh, P("data")))
+    text = jax.jit(step).lower(params, tx.init(params), mb).compile().as_text()
+    found = large(collectives(text), min_bytes=4 * H)
+    assert {c.where for c in found} == {"step"}, found
+    assert sum(c.bytes for c in found) >= PARAM_BYTES
+
+
+def test_train_state_deferred_equals_single_device(mesh):
+    batches = _microbatches()
+    tx = _tx(mm.deferred(mesh, "data"))
+    grad_fn = mm.per_device_value_and_grad(_loss, mesh, "data")
+    state = mm.TrainState.create(
+        apply_fn=None, params=jax.device_put(_params(), NamedSharding(mesh, P())), tx=tx
+    )
+
+    @jax.jit
+    def train_step(state, mb):
+        (loss, count), grads = grad_fn(state.params, mb)
+        return state.apply_gradients(grads=grads, count=count, value=loss)
+
+    _assert_once_per_window(
+        train_step.lower(
+            state, jax.device_put(batches[0], NamedSharding(mesh, P("data")))
+        )
+        .compile()
+        .as_text()
+    )
+    for mb in batches:
+        state = train_step(state, jax.device_put(mb, NamedSharding(mesh, P("data"))))
+    assert (int(state.step), int(state.gradient_step)) == (K * WINDOWS, WINDOWS)
+    ref_params, _ = _single_device_run(batches)
+    chex.assert_trees_all_close(state.params, ref_params, **TOL, strict=True)
+
+
+def test_nnx_optimizer_deferred_equals_single_device(mesh):
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, params):
+            self.w1 = nnx.Param(params["w1"])
+            self.w2 = nnx.Param(params["w2"])
+
+        def __call__(self, mb):
+            return _loss({"w1": self.w1[...], "w2": self.w2[...]}, mb)
+
+    batches = _microbatches()
+    model = MLP(jax.device_put(_params(), NamedSharding(mesh, P())))
+    optimizer = nnx.Optimizer(model, _tx(mm.deferred(mesh, "data")), wrt=nnx.Param)
+    graphdef, _ = nnx.split(model)
+    grad_fn = mm.per_device_value_and_grad(
+        lambda params, mb: nnx.merge(graphdef, params)(mb), mesh, "data"
+    )
+
+    @nnx.jit
+    def train_step(model, optimizer, mb):
+        (loss, count), grads = grad_fn(nnx.state(model, nnx.Param), mb)
+        optimizer.update(model, grads, count=count, value=loss)
+
+    for mb in batches:
+        train_step(model, optimizer, jax.device_put(mb, NamedSharding(mesh, P("data"))))
+    assert int(optimizer.opt_state.gradient_step[...]) == WINDOWS
+    ref_params, _ = _single_device_run(batches)
+    chex.assert_trees_all_close(
+        {"w1": model.w1[...], "w2": model.w2[...]}, ref_params, **TOL, strict=True
+    )
