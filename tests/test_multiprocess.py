@@ -2,7 +2,10 @@
 
 Two worker processes on 127.0.0.1 (gloo CPU collectives, 2 devices each) train
 on a global 4-device mesh, each feeding only its own rows of every masked
-microbatch. Their final parameters must equal a single-process run on the full
+microbatch: once with the compiler reducing every microbatch's gradient, once
+with the deferred reduction (one per window), checkpointing its per-device
+state mid-window and checking that a restore continues bit-identically. The
+final parameters of both runs must equal a single-process run on the full
 microbatches.
 """
 
@@ -68,6 +71,7 @@ def test_two_processes_match_single_process(tmp_path):
         ),
     }
     outs = [tmp_path / f"params_{i}.npz" for i in range(worker.NUM_PROCESSES)]
+    ckpt = tmp_path / "ckpt"
     logs = [tmp_path / f"worker_{i}.log" for i in range(worker.NUM_PROCESSES)]
     procs = []
     try:
@@ -75,7 +79,14 @@ def test_two_processes_match_single_process(tmp_path):
             with open(logs[i], "wb") as log:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, str(WORKER), str(i), str(port), str(outs[i])],
+                        [
+                            sys.executable,
+                            str(WORKER),
+                            str(i),
+                            str(port),
+                            str(outs[i]),
+                            str(ckpt),
+                        ],
                         env=env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -100,5 +111,8 @@ def test_two_processes_match_single_process(tmp_path):
     assert not np.allclose(reference["w"], worker.init_params()["w"])
     for out in outs:
         with np.load(out) as f:
-            got = {name: f[name] for name in f.files}
-        chex.assert_trees_all_close(got, reference, rtol=1e-5, atol=1e-6, strict=True)
+            for mode in ("auto", "deferred"):
+                got = {name: f[f"{mode}/{name}"] for name in reference}
+                chex.assert_trees_all_close(
+                    got, reference, rtol=1e-5, atol=1e-6, strict=True
+                )
