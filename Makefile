@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # Worker processes for the test suite (pytest-xdist); CI machines have 2 cores.
 JOBS   ?= 2
 
-.PHONY: install test lint demo bench bench-quick clean
+.PHONY: install test lint demo bench bench-quick bench-dp clean
 
 install: $(STAMP)
 
@@ -35,3 +35,6 @@ bench-quick: $(STAMP)
 
 clean:
 	rm -rf $(VENV) demo-output benchmarks/results .pytest_cache .hypothesis
+
+bench-dp: $(STAMP)
+	$(BIN)/python benchmarks/bench_dp.py $(ARGS)

@@ -56,6 +56,10 @@ REFERENCE = "per-microbatch reduction"
 DEFERRED = "deferred"
 HEADLINE = (1024, 8)
 WORKER_TIMEOUT_S = 900
+# One compute thread per process: each process stands for a one-core host, and
+# the two do not oversubscribe the machine's cores (with XLA's default thread
+# pools, 2 processes x 2 threads share 2 cores and timings scatter far more).
+WORKER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,9 +113,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    import jax
-
     import dp_steps
+    import jax
 
     lead = jax.process_index() == 0
 
@@ -120,10 +123,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             print(*a, **kw, flush=True)
 
     info = dp_steps.machine_info()
+    info["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     say(
         f"CPU: {info['cpu']} ({info['cores']} cores); {NUM_PROCESSES} processes x "
         f"{info['local_devices']} {info['backend']} device, gloo on 127.0.0.1; "
-        f"jax {info['jax']}"
+        f"jax {info['jax']}; XLA_FLAGS={info['xla_flags']!r}"
     )
     say(
         f"widths {cfg['widths']}, k {cfg['ks']}, {cfg['repeats']} timed rounds "
@@ -164,7 +168,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                         "ms_per_microbatch_all": [1e3 * t for t in per_mb[name]],
                         "x_per_microbatch": statistics.median(
                             a / b
-                            for a, b in zip(per_mb[name], per_mb[REFERENCE], strict=True)
+                            for a, b in zip(
+                                per_mb[name], per_mb[REFERENCE], strict=True
+                            )
                         ),
                         **r.reductions,
                         "temp_bytes": r.temp_bytes,
@@ -262,9 +268,18 @@ def main(argv: list[str] | None = None) -> int:
         kind = "quick" if cfg["quick"] else "full"
         out = HERE / "results" / f"bench-dp-{kind}-{stamp}.json"
     port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": WORKER_XLA_FLAGS}
+    forwarded = [
+        "--widths",
+        ",".join(map(str, cfg["widths"])),
+        "--ks",
+        ",".join(map(str, cfg["ks"])),
+        "--repeats",
+        str(cfg["repeats"]),
+    ] + (["--quick"] if cfg["quick"] else [])
     procs = []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_suffix(".worker1.log")
     try:
         for i in range(NUM_PROCESSES):
             cmd = [
@@ -278,14 +293,11 @@ def main(argv: list[str] | None = None) -> int:
                 "--out",
                 str(out),
             ]
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    env=env,
-                    stdout=None if i == 0 else subprocess.DEVNULL,
-                    stderr=None if i == 0 else subprocess.PIPE,
-                )
-            )
+            if i == 0:
+                procs.append(subprocess.Popen(cmd, env=env))
+            else:
+                with open(log, "wb") as f:
+                    procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=f))
         deadline = time.monotonic() + WORKER_TIMEOUT_S
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -299,13 +311,15 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(timeout=10)
     codes = [p.returncode for p in procs]
     if codes != [0] * NUM_PROCESSES:
-        err = procs[1].stderr.read().decode(errors="replace") if procs[1].stderr else ""
+        err = log.read_text(errors="replace") if log.exists() else ""
         print(f"worker exit codes {codes}\n{err[-4000:]}", file=sys.stderr)
         return 1
     result = json.loads(out.read_text())
     width, k = HEADLINE
     cell = {
-        r["competitor"]: r for r in result["windows"] if (r["width"], r["k"]) == (width, k)
+        r["competitor"]: r
+        for r in result["windows"]
+        if (r["width"], r["k"]) == (width, k)
     }
     print(f"wrote {out}")
     if DEFERRED in cell:

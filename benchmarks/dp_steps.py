@@ -20,12 +20,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+import steps
 from _helpers import collectives
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import masked_multistep as mm
-import steps
 
 AXIS = "data"
 ROWS_PER_DEVICE = 8
@@ -76,6 +76,8 @@ class Competitor:
     name: str
     init: Callable[[Any], Any]
     step: Callable[[Any, Any], Any]
+    # Runs on this process's own device only, on its own rows (no global mesh).
+    local: bool = False
 
 
 def per_microbatch(mesh, workload: steps.Workload, k: int) -> Competitor:
@@ -108,38 +110,26 @@ def deferred(mesh, workload: steps.Workload, k: int) -> Competitor:
     return Competitor("deferred", lambda p: (p, tx.init(p)), step)
 
 
-def deferred_by_hand(mesh, workload: steps.Workload, k: int) -> Competitor:
-    """TEMPORARY prototype of the deferred mode, written out by hand."""
-    grad_fn = mm.per_device_value_and_grad(workload.loss_fn, mesh, AXIS)
-    devices = NamedSharding(mesh, P(AXIS))
-    size = mesh.shape[AXIS]
-    adam = optax.adam(steps.LEARNING_RATE)
-    from masked_multistep._reduction import mean_over_devices
-
-    def init(params):
-        acc = jax.tree.map(lambda p: jnp.zeros((size, *p.shape), p.dtype), params)
-        acc = jax.device_put((acc, jnp.zeros(size, jnp.int32)), devices)
-        return params, adam.init(params), acc, jnp.zeros([], jnp.int32)
+def floor(mesh, workload: steps.Workload, k: int) -> Competitor:
+    """The deferred step without its reduction: every process trains its own
+    replica on its own rows (``MaskedMultiSteps(adam, k).apply_gradients`` on
+    its local device, the inner update once per window), with no
+    cross-process communication at all."""
+    del mesh
+    tx = mm.MaskedMultiSteps(optax.adam(steps.LEARNING_RATE), k)
 
     def step(carry, batch):
-        params, opt, (acc, total), mini = carry
-        (_, count), grads = grad_fn(params, batch)
-        acc, total = jax.vmap(mm.running_mean_update)(acc, total, grads, count)
-        done = mini + 1 >= k
-        def apply(acc, total, params, opt):
-            mean, _ = mean_over_devices(acc, total)
-            u, opt = adam.update(mean, opt, params)
-            return optax.apply_updates(params, u), opt, jnp.zeros_like(total)
-        def skip(acc, total, params, opt):
-            return params, opt, total
-        params, opt, total = jax.lax.cond(done & (total.sum() > 0), apply, skip, acc, total, params, opt)
-        return params, opt, (acc, total), jnp.where(done, 0, mini + 1)
+        params, state = carry
+        (_, count), grads = jax.value_and_grad(workload.loss_fn, has_aux=True)(
+            params, batch
+        )
+        return tx.apply_gradients(grads, state, params, count=count)
 
-    return Competitor("deferred by hand", init, step)
+    return Competitor("floor", lambda p: (p, tx.init(p)), step, local=True)
 
 
-def floor(mesh, workload: steps.Workload, k: int) -> Competitor:
-    """Per-device gradients into per-device running means: no reduction at all."""
+def accumulate_only(mesh, workload: steps.Workload, k: int) -> Competitor:
+    """Per-device gradients into per-device running means: no optimizer."""
     del k
     grad_fn = mm.per_device_value_and_grad(workload.loss_fn, mesh, AXIS)
     devices = NamedSharding(mesh, P(AXIS))
@@ -154,39 +144,51 @@ def floor(mesh, workload: steps.Workload, k: int) -> Competitor:
         (_, count), grads = grad_fn(params, batch)
         return params, jax.vmap(mm.running_mean_update)(acc, total, grads, count)
 
-    return Competitor("floor", init, step)
+    return Competitor("accumulate only", init, step)
 
 
-COMPETITORS = (per_microbatch, deferred, deferred_by_hand, floor)
+COMPETITORS = (per_microbatch, deferred, floor, accumulate_only)
 
 
 def competitors(mesh, workload: steps.Workload, k: int) -> list[Competitor]:
     return [make(mesh, workload, k) for make in COMPETITORS]
 
 
+def local_batches(mesh, workload: steps.Workload, count: int) -> list[Any]:
+    """``count`` global microbatches, as host arrays of all rows."""
+    rows = ROWS_PER_DEVICE * mesh.shape[AXIS]
+    return [workload.batch(seed, rows=rows) for seed in range(count)]
+
+
+def local_rows(mesh, batch: Any) -> Any:
+    """The rows of ``batch`` that this process's devices hold."""
+    sharding = NamedSharding(mesh, P(AXIS))
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    starts = sorted(
+        {
+            i[0].start or 0
+            for i in sharding.addressable_devices_indices_map((rows,)).values()
+        }
+    )
+    return jax.tree.map(
+        lambda x: jnp.concatenate([x[s : s + ROWS_PER_DEVICE] for s in starts], axis=0),
+        batch,
+    )
+
+
 def global_batches(mesh, workload: steps.Workload, count: int) -> list[Any]:
     """``count`` global microbatches; each process supplies its own rows."""
     sharding = NamedSharding(mesh, P(AXIS))
-    rows = ROWS_PER_DEVICE * mesh.shape[AXIS]
-    local = sorted(
-        {i[0].start or 0 for i in sharding.addressable_devices_indices_map((rows,)).values()}
-    )
-    out = []
-    for seed in range(count):
-        batch = workload.batch(seed, rows=rows)
-        out.append(
-            jax.tree.map(
-                lambda x: jax.make_array_from_process_local_data(
-                    sharding,
-                    jnp.concatenate(
-                        [x[s : s + ROWS_PER_DEVICE] for s in local], axis=0
-                    ),
-                    global_shape=x.shape,
-                ),
-                batch,
-            )
+    return [
+        jax.tree.map(
+            lambda x, g: jax.make_array_from_process_local_data(
+                sharding, x, global_shape=g.shape
+            ),
+            local_rows(mesh, batch),
+            batch,
         )
-    return out
+        for batch in local_batches(mesh, workload, count)
+    ]
 
 
 def reductions(compiled_text: str, k: int) -> dict[str, int]:
@@ -212,9 +214,17 @@ class Runner:
 
     def __init__(self, comp: Competitor, mesh, workload: steps.Workload, k: int):
         self.comp = comp
-        params = jax.device_put(workload.params(), NamedSharding(mesh, P()))
+        if comp.local:
+            device = jax.local_devices()[0]
+            params = jax.device_put(workload.params(), device)
+            self.batches = [
+                jax.device_put(local_rows(mesh, b), device)
+                for b in local_batches(mesh, workload, k)
+            ]
+        else:
+            params = jax.device_put(workload.params(), NamedSharding(mesh, P()))
+            self.batches = global_batches(mesh, workload, k)
         self.carry = comp.init(params)
-        self.batches = global_batches(mesh, workload, k)
         t0 = time.perf_counter()
         lowered = jax.jit(comp.step, donate_argnums=0).lower(
             self.carry, self.batches[0]

@@ -342,3 +342,122 @@ def test_nnx_optimizer_deferred_equals_single_device(mesh):
     chex.assert_trees_all_close(
         {"w1": model.w1[...], "w2": model.w2[...]}, ref_params, **TOL, strict=True
     )
+
+
+def test_fsdp_reduce_every_microbatch_or_defer_is_a_memory_choice(mesh):
+    """Params sharded over the data axis (FSDP): reducing every microbatch keeps
+    the accumulator at 1/D of the gradients per device; deferring needs a full
+    local buffer per device. Compiled figures, per device."""
+    width = 64
+    param_bytes = 2 * width * width * 4
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]
+        return mm.masked_mean((h - b["y"]) ** 2, b["mask"])
+
+    fsdp = NamedSharding(mesh, P("data"))
+    params = jax.device_put({"w1": jnp.eye(width), "w2": jnp.eye(width)}, fsdp)
+    rng = np.random.default_rng(6)
+    batch = jax.device_put(
+        {
+            "x": rng.normal(size=(NDEV * ROWS, width)).astype(np.float32),
+            "y": rng.normal(size=(NDEV * ROWS, width)).astype(np.float32),
+            "mask": rng.random((NDEV * ROWS, width)) < 0.8,
+        },
+        fsdp,
+    )
+    figures = {}
+    for name, reduction in [("every", None), ("deferred", mm.deferred(mesh))]:
+        tx = mm.MaskedMultiSteps(optax.adam(1e-3), K, reduction=reduction)
+        state = tx.init(params)
+        if reduction is None:
+            grad_fn = jax.value_and_grad(loss, has_aux=True)
+        else:
+            grad_fn = mm.per_device_value_and_grad(loss, mesh)
+
+        def step(params, state, batch, tx=tx, grad_fn=grad_fn):
+            (_, count), grads = grad_fn(params, batch)
+            return tx.apply_gradients(grads, state, params, count=count)
+
+        compiled = (
+            jax.jit(step, donate_argnums=(0, 1)).lower(params, state, batch).compile()
+        )
+        memory = compiled.memory_analysis()
+        device = jax.devices()[0]
+        acc = sum(
+            s.data.nbytes
+            for x in jax.tree.leaves(state.acc_grads)
+            for s in x.addressable_shards
+            if s.device == device
+        )
+        found = large(collectives(compiled.as_text()), min_bytes=4 * width)
+        reduced = [c for c in found if c.kind != "all-gather"]
+        figures[name] = (acc, memory.argument_size_in_bytes + memory.temp_size_in_bytes)
+        if reduction is None:
+            assert {c.where for c in reduced} == {"step"}, found
+        else:
+            assert {c.where for c in reduced} == {"branch"}, found
+    assert figures["every"][0] == param_bytes // NDEV
+    assert figures["deferred"][0] == param_bytes
+    # The full local accumulator shows in the compiled footprint too.
+    extra = figures["deferred"][1] - figures["every"][1]
+    assert extra >= (1 - 1 / NDEV) * param_bytes, figures
+
+
+def test_deferred_composes_with_optax_chain(mesh):
+    """An inner chain sees the global mean; the wrapper inside an outer chain
+    takes the per-device counts as an extra argument."""
+    batches = _microbatches()[:K]
+    inner = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
+    data = NamedSharding(mesh, P("data"))
+    grad_fn = mm.per_device_value_and_grad(_loss, mesh, "data")
+    results = []
+    for outer in (False, True):
+        wrapper = mm.MaskedMultiSteps(inner, K, reduction=mm.deferred(mesh, "data"))
+        tx = optax.chain(wrapper.gradient_transformation()) if outer else wrapper
+        params = jax.device_put(_params(), NamedSharding(mesh, P()))
+        state = tx.init(params)
+
+        @jax.jit
+        def step(params, state, mb, tx=tx):
+            (_, count), grads = grad_fn(params, mb)
+            updates, state = tx.update(grads, state, params, count=count)
+            return optax.apply_updates(params, updates), state
+
+        for mb in batches:
+            params, state = step(params, state, jax.device_put(mb, data))
+        results.append(params)
+
+    device = jax.devices()[0]
+    full = jax.tree.map(lambda *xs: np.concatenate(xs), *batches)
+    _, grads = jax.value_and_grad(_loss, has_aux=True)(
+        _params(), jax.device_put(full, device)
+    )
+    updates, _ = inner.update(grads, inner.init(_params()))
+    expected = optax.apply_updates(_params(), updates)
+    for params in results:
+        chex.assert_trees_all_close(params, expected, **TOL)
+
+
+def test_deferred_bad_input(mesh):
+    tx = _tx(mm.deferred(mesh, "data"))
+    params = _params()
+    state = tx.init(params)
+    per_device = jax.tree.map(lambda p: jnp.stack([p] * NDEV), params)
+    counts = jnp.arange(NDEV)
+    with pytest.raises(ValueError, match=r"leading device axis of size 8.*\(16, 3\)"):
+        tx.update(params, state, params, count=counts)
+    with pytest.raises(ValueError, match=r"`count` holds every device's .*shape \(\)"):
+        tx.update(per_device, state, params, count=jnp.array(3))
+    with pytest.raises(ValueError, match=r"non-negative on every device.*-1"):
+        tx.update(per_device, state, params, count=counts.at[3].set(-1))
+    with pytest.raises(ValueError, match=r"`value` is a scalar or one value per"):
+        tx.update(per_device, state, params, count=counts, value=jnp.ones(3))
+    with pytest.raises(TypeError, match=r"`reduction` must be None or mm.deferred"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, reduction="deferred")
+    # Under jit a bad per-device count skips the microbatch on every device.
+    _, new = jax.jit(lambda s, c: tx.update(per_device, s, params, count=c))(
+        state, counts.at[3].set(-1)
+    )
+    assert int(new.num_invalid_counts) == 1 and int(new.mini_step) == 0
+    assert not np.asarray(new.reduction_state.counts).any()
