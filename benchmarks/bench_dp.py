@@ -231,20 +231,78 @@ def report(result: dict[str, Any]) -> None:
         )
     print()
     cell = {(r["width"], r["k"], r["competitor"]): r for r in rows}
+    ms = lambda w, k, name: cell[(w, k, name)]["ms_per_microbatch"]  # noqa: E731
+    print(
+        "deferred against floor + 1.1 t_allreduce / k, with t_allreduce the "
+        "standalone all-reduce above, and (where k = 1 ran) the reduction's cost "
+        "inside a step: per-microbatch reduction minus floor at k = 1"
+    )
     for width, k in sorted({(r["width"], r["k"]) for r in rows}):
-        floor = cell[(width, k, "floor")]["ms_per_microbatch"]
-        deferred = cell[(width, k, DEFERRED)]["ms_per_microbatch"]
-        bound = floor + 1.1 * t_ar[width] / k
-        print(
-            f"width {width}, k={k}: deferred {deferred:.2f} ms/mb; floor + 1.1 "
-            f"t_allreduce/k = {floor:.2f} + {1.1 * t_ar[width] / k:.2f} = "
-            f"{bound:.2f} ms ({'within' if deferred <= bound else 'ABOVE'})"
-        )
+        floor, deferred = ms(width, k, "floor"), ms(width, k, DEFERRED)
+        line = f"width {width}, k={k:<2d}: deferred {deferred:6.2f} ms/mb;"
+        costs = {"standalone": t_ar[width]}
+        if (width, 1, REFERENCE) in cell:
+            costs["in-step"] = ms(width, 1, REFERENCE) - ms(width, 1, "floor")
+        for name, t in costs.items():
+            bound = floor + 1.1 * t / k
+            verdict = "within" if deferred <= bound else "ABOVE"
+            line += (
+                f" {name} {floor:.2f} + 1.1 x {t:.1f} / {k} = {bound:6.2f} ({verdict});"
+            )
+        print(line.rstrip(";"))
+    width, k = HEADLINE
+    if (width, k, "floor") in cell:
+        print()
+        model(cell[(width, k, "floor")])
     print()
     print(
         f"load average after: {result['load_average_after']}; total "
         f"{result['elapsed_s']:.0f} s"
     )
+
+
+MODEL_SIZES = {"1B": 1e9, "7B": 7e9}
+MODEL_GBPS = (25, 100, 400)
+MODEL_HOSTS = (8, 64)
+
+
+def ring_allreduce_s(param_bytes: float, hosts: int, gbps: float) -> float:
+    """Ring all-reduce time: 2 (N - 1) / N * P / bandwidth."""
+    return 2 * (hosts - 1) / hosts * param_bytes / (gbps * 1e9 / 8)
+
+
+def model(floor_row: dict[str, Any]) -> None:
+    """A window's time on N hosts, deferred against per-microbatch reduction.
+
+    Compute per microbatch is the floor measured here, scaled linearly with the
+    number of parameters (same rows per device); float32 gradients.
+    """
+    k = floor_row["k"]
+    rate = floor_row["ms_per_microbatch"] / 1e3 / floor_row["num_params"]
+    print(
+        f"Model: window of k={k} on N hosts; t_compute = the floor measured here "
+        f"({floor_row['ms_per_microbatch']:.1f} ms for "
+        f"{floor_row['num_params'] / 1e6:.1f}M params) scaled by P; float32 "
+        "gradients; ring all-reduce 2(N-1)/N * 4P / bandwidth; deferred "
+        "k*t_c + t_ar against k*(t_c + t_ar)"
+    )
+    header = (
+        f"{'model':>5} {'Gb/s':>5} {'N':>3} {'t_c s':>7} {'t_ar s':>7} "
+        f"{'t_ar/t_c':>8} {'deferred s':>10} {'per-mb s':>9} {'speed-up':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, params in MODEL_SIZES.items():
+        t_c = rate * params
+        for gbps in MODEL_GBPS:
+            for hosts in MODEL_HOSTS:
+                t_ar = ring_allreduce_s(4 * params, hosts, gbps)
+                deferred, per_mb = k * t_c + t_ar, k * (t_c + t_ar)
+                print(
+                    f"{name:>5} {gbps:>5} {hosts:>3} {t_c:>7.2f} {t_ar:>7.2f} "
+                    f"{t_ar / t_c:>8.2f} {deferred:>10.2f} {per_mb:>9.2f} "
+                    f"{per_mb / deferred:>7.2f}x"
+                )
 
 
 # ------------------------------------------------------------------ parent side
