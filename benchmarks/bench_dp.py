@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--widths", type=str, help="comma-separated matrix widths")
     p.add_argument("--ks", type=str, help="comma-separated window lengths k")
     p.add_argument("--repeats", type=int, help="timed rounds per configuration")
+    p.add_argument(
+        "--markdown", type=Path, help="print a result JSON's tables as markdown"
+    )
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -261,6 +264,44 @@ def report(result: dict[str, Any]) -> None:
     )
 
 
+def markdown(result: dict[str, Any]) -> None:
+    """The measured table as markdown: ms per microbatch (x per-microbatch)."""
+    rows = result["windows"]
+    keys = sorted({(r["width"], r["k"]) for r in rows})
+    names = list(dict.fromkeys(r["competitor"] for r in rows))
+    cell = {(r["width"], r["k"], r["competitor"]): r for r in rows}
+    print(
+        "| ms/microbatch (x per-microbatch) | "
+        + " | ".join(f"{w}², k={k}" for w, k in keys)
+        + " |"
+    )
+    print("|---|" + "---:|" * len(keys))
+    for name in names:
+        cells = [
+            f"{cell[(w, k, name)]['ms_per_microbatch']:.1f} "
+            f"({cell[(w, k, name)]['x_per_microbatch']:.2f})"
+            for w, k in keys
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    red = [
+        f"{cell[(w, k, n)]['reductions_per_window']} / "
+        f"{cell[(w, k, n)]['bytes_per_window'] / 2**20:.0f}"
+        for w, k in keys
+        for n in (REFERENCE, DEFERRED)
+    ]
+    print(
+        "| reductions / MiB per window, per-microbatch | "
+        + " | ".join(red[0::2])
+        + " |"
+    )
+    print("| reductions / MiB per window, deferred | " + " | ".join(red[1::2]) + " |")
+    for a in result["allreduce"]:
+        print(
+            f"\none all-reduce of {a['param_bytes'] / 2**20:.0f} MiB "
+            f"(width {a['width']}): {a['ms']:.1f} ms"
+        )
+
+
 MODEL_SIZES = {"1B": 1e9, "7B": 7e9}
 MODEL_GBPS = (25, 100, 400)
 MODEL_HOSTS = (8, 64)
@@ -318,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         worker(args)
+        return 0
+    if args.markdown is not None:
+        markdown(json.loads(args.markdown.read_text()))
         return 0
     cfg = config(args)
     out = args.out
