@@ -17,8 +17,9 @@ wait for the end of a window:
 
 Both run the loss inside ``jax.shard_map`` over the batch's mesh axes only (other
 mesh axes, say a tensor-parallel one, stay under the compiler's automatic
-sharding) and differentiate with respect to ``jax.lax.pcast(params, axes,
-to="varying")``, the device's own gradient, which ``shard_map`` does not sum.
+sharding), with the replication check off (``check_vma=False``): the body holds
+no collective over those axes, so a gradient taken inside it is the device's
+own, never summed over the devices.
 """
 
 from __future__ import annotations
@@ -141,9 +142,11 @@ def per_device_value_and_grad(
         in_specs=(P(), spec),
         out_specs=spec,
         axis_names=frozenset(axes),
-        # The loss runs on local data only, with no collective over `axes`:
-        # nothing is varying-typed to check, and the in-jit microbatch loop's
-        # carry starts from (invariant) zeros.
+        # The body runs on local rows only, with no collective over `axes`, so
+        # the gradient is the device's own. (With the check on, the gradient of
+        # the replicated params would be summed over the devices unless they
+        # were pcast to varying, and the in-jit loop's carry, which starts from
+        # invariant zeros, would not type-check.)
         check_vma=False,
     )
 
