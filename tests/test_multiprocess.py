@@ -10,6 +10,7 @@ microbatches.
 """
 
 import importlib.util
+import json
 import os
 import pathlib
 import socket
@@ -116,3 +117,37 @@ def test_two_processes_match_single_process(tmp_path):
                 chex.assert_trees_all_close(
                     got, reference, rtol=1e-5, atol=1e-6, strict=True
                 )
+
+
+@pytest.mark.slow
+def test_bench_dp_smoke(tmp_path):
+    """`make bench-dp` in miniature: two gloo processes, every competitor, and
+    the reductions per window read from the compiled HLO."""
+    script = WORKER.parents[1] / "benchmarks" / "bench_dp.py"
+    out = tmp_path / "dp.json"
+    args = ["--widths", "64", "--ks", "1,4", "--repeats", "1", "--out", str(out)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(WORKER.parents[1]), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    cell = {(r["k"], r["competitor"]): r for r in result["windows"]}
+    param_bytes = cell[(1, "deferred")]["param_bytes"]
+    for k in (1, 4):
+        per_mb = cell[(k, "per-microbatch reduction")]
+        assert per_mb["reductions_per_window"] == k
+        assert per_mb["bytes_per_window"] >= k * param_bytes
+        deferred = cell[(k, "deferred")]
+        assert deferred["reductions_per_window"] == 1
+        assert param_bytes <= deferred["bytes_per_window"] < param_bytes + 1024
+        assert cell[(k, "floor")]["reductions_per_window"] == 0
