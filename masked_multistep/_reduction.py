@@ -13,10 +13,12 @@ are combined once at its end::
 The second order costs one gradient-sized cross-device reduction per window
 instead of one per microbatch. This module holds the combination over a leading
 device axis (:func:`mean_over_devices`) and the two reductions
-:class:`MaskedMultiSteps` can use: :func:`local` (the gradients it receives are
-already the microbatch's global mean; the default) and :func:`deferred` (each
-device's gradients stay local, stacked along a leading axis of size ``D``
-sharded over the mesh axis, and are combined once per window).
+:class:`MaskedMultiSteps` can use: :class:`Local` (the default, ``reduction=None``:
+the gradients it receives are already the microbatch's global mean) and
+:func:`deferred` (each device's gradients stay local, stacked along a leading
+axis of size ``D`` sharded over the mesh axis, and are combined once per window).
+Both have the same small interface, so the wrapper's state machine does not
+branch on the mode.
 """
 
 from __future__ import annotations
