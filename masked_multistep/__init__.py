@@ -11,8 +11,7 @@ from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 from masked_multistep._running_mean import running_mean_update
-
-__version__ = "0.1.0"
+from masked_multistep._version import __version__ as __version__
 
 __all__ = [
     "MaskedMultiSteps",
