@@ -174,7 +174,7 @@ HELP = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python examples/train_lm.py",
-        description=__doc__.splitlines()[0],
+        description=(__doc__ or "").splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for field in dataclasses.fields(Config):

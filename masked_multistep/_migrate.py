@@ -16,12 +16,13 @@ __all__ = ["from_optax_multisteps"]
 
 
 def _concrete_scalar(x: Any, name: str) -> np.ndarray:
-    if isinstance(x, jax.core.Tracer):
+    try:
+        value = np.asarray(x)
+    except jax.errors.TracerArrayConversionError as err:
         raise TypeError(
             f"from_optax_multisteps reads `{name}`, so it must be called eagerly "
             "(outside jit), once, when switching"
-        )
-    value = np.asarray(x)
+        ) from err
     if value.shape != ():
         raise ValueError(f"`{name}` must be a scalar, got shape {value.shape}")
     return value
