@@ -9,6 +9,7 @@ runs the inner optimizer once per window on exactly the full-batch gradient.
 from masked_multistep._collectives import weighted_mean_across
 from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
+from masked_multistep._migrate import from_optax_multisteps
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 from masked_multistep._running_mean import running_mean_update
 from masked_multistep._version import __version__ as __version__
@@ -16,6 +17,7 @@ from masked_multistep._version import __version__ as __version__
 __all__ = [
     "MaskedMultiSteps",
     "MaskedMultiStepsState",
+    "from_optax_multisteps",
     "masked_mean",
     "microbatched_value_and_grad",
     "running_mean_update",
