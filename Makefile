@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # Worker processes for the test suite (pytest-xdist); CI machines have 2 cores.
 JOBS   ?= 2
 
-.PHONY: install test lint demo bench bench-quick clean
+.PHONY: install test lint typecheck demo bench bench-quick clean
 
 install: $(STAMP)
 
@@ -17,12 +17,17 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/ruff check masked_multistep tests benchmarks
+	$(BIN)/ruff check masked_multistep tests benchmarks tools
+	$(MAKE) typecheck
 	$(BIN)/python -m pytest -n $(JOBS) --durations=15
 
 lint: $(STAMP)
-	$(BIN)/ruff check masked_multistep tests benchmarks
-	$(BIN)/ruff format --check masked_multistep tests benchmarks
+	$(BIN)/ruff check masked_multistep tests benchmarks tools
+	$(BIN)/ruff format --check masked_multistep tests benchmarks tools
+
+# pyright on the package, tests/test_typing.py and the README's python blocks.
+typecheck: $(STAMP)
+	$(BIN)/python tools/typecheck.py
 
 demo: $(STAMP)
 	$(BIN)/python -m masked_multistep.demo $(ARGS)
