@@ -10,7 +10,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 # Worker processes for the test suite (pytest-xdist); CI machines have 2 cores.
 JOBS   ?= 2
 
-.PHONY: install test lint demo docs bench bench-quick clean
+.PHONY: install test lint typecheck demo docs bench bench-quick clean
 
 install: $(STAMP)
 
@@ -21,12 +21,17 @@ $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP): $(VENV)/.installed-%: setup.cfg pyproject.
 	touch $@
 
 test: $(STAMP)
-	$(BIN)/ruff check masked_multistep tests benchmarks docs
+	$(BIN)/ruff check masked_multistep tests benchmarks docs tools examples
+	$(MAKE) typecheck
 	$(BIN)/python -m pytest -n $(JOBS) --durations=15
 
 lint: $(STAMP)
-	$(BIN)/ruff check masked_multistep tests benchmarks docs
-	$(BIN)/ruff format --check masked_multistep tests benchmarks docs
+	$(BIN)/ruff check masked_multistep tests benchmarks docs tools examples
+	$(BIN)/ruff format --check masked_multistep tests benchmarks docs tools examples
+
+# pyright on the package, tests/test_typing.py and the README's python blocks.
+typecheck: $(STAMP)
+	$(BIN)/python tools/typecheck.py
 
 demo: $(DEMO_STAMP)
 	$(BIN)/python -m masked_multistep.demo $(ARGS)

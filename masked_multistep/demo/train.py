@@ -204,7 +204,6 @@ def train_all(
             losses[name].append(loss)
             errors[name].append(relative_error(_recorded(states[name]), g_full))
 
-    heldout = Batches(*(jnp.asarray(x) for x in heldout))
     return {
         name: RunResult(
             train_loss=np.asarray(jax.device_get(losses[name]), np.float64),
