@@ -24,16 +24,15 @@ branch on the mode.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from optax import tree as otu
 
+from masked_multistep import _checks
 from masked_multistep._collectives import weighted_mean_across
 from masked_multistep._running_mean import running_mean_update
 
@@ -114,33 +113,39 @@ class Local:
 
     The default reduction: whatever reduced the devices' gradients (the
     compiler, under ``jit`` with sharded arrays) did so before
-    :class:`MaskedMultiSteps` saw them.
+    :class:`MaskedMultiSteps` saw them. Every method is the identity, or the
+    single-device count contract of ``_checks``.
     """
 
     def __repr__(self) -> str:
-        return "mm.local()"
+        return "None"
 
-    def init_accumulator(self, params: Any, dtype: Any) -> Any:
-        return otu.zeros_like(params, dtype=dtype)
+    def init_accumulator(self, params: Any, leaf_dtype: Callable[[Any], Any]) -> Any:
+        return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=leaf_dtype(p)), params)
 
     def init(self, count_dtype: Any) -> tuple:
         del count_dtype
         return ()
 
-    def check_grads(self, grads: Any) -> None:
-        del grads
+    def check_grads(self, grads: Any, acc_grads: Any) -> None:
+        _checks.check_grads_match(grads, acc_grads)
 
-    def split_count(self, count: Any) -> tuple[Any, None, jax.Array]:
-        return count, None, jnp.ones([], jnp.bool_)
+    def to_count(self, count: Any, count_dtype: Any) -> tuple[Any, Any, None]:
+        n, ok = _checks.to_count(count, count_dtype)
+        return n, ok, None
 
-    def accumulate(self, acc, acc_count, reduction_state, grads, n, per_device):
-        del per_device
+    def value(self, value: Any, local_counts: Any) -> Any:
+        del local_counts
+        return _checks.check_value(value)
+
+    def skip_view(self, grads: Any, local_counts: Any) -> Any:
+        del local_counts
+        return grads
+
+    def accumulate(self, acc, acc_count, reduction_state, grads, n, local_counts):
+        del local_counts
         acc, acc_count = running_mean_update(acc, acc_count, grads, n)
         return acc, acc_count, reduction_state
-
-    def global_value(self, value: Any, per_device: Any) -> Any:
-        del per_device
-        return value
 
     def mean(self, acc: Any, reduction_state: Any) -> Any:
         del reduction_state
@@ -149,6 +154,30 @@ class Local:
     def reset(self, reduction_state: Any, window_done: jax.Array) -> Any:
         del window_done
         return reduction_state
+
+
+def _sum_counts(per_device: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``Σ_d nᵈ`` and whether it is usable (no bad count, no overflow).
+
+    One scalar-sized all-reduce (the ``(D,)`` axis is sharded over the devices)
+    for the total and the number of bad counts together. Integer counts are
+    summed as high and low halves, so a total beyond the dtype's range is
+    detected instead of wrapped (exact for fewer than 2¹⁵ devices).
+    """
+    dtype = per_device.dtype
+    if jnp.issubdtype(dtype, jnp.integer):
+        half = jnp.iinfo(dtype).bits // 2
+        low_mask = (1 << half) - 1
+        hi, lo, num_bad = jnp.sum(
+            jnp.stack([per_device >> half, per_device & low_mask, bad]), axis=1
+        )
+        hi = hi + (lo >> half)
+        fits = hi < (1 << (jnp.iinfo(dtype).bits - 1 - half))
+        total = jnp.where(fits, (hi << half) | (lo & low_mask), 0).astype(dtype)
+    else:
+        total, num_bad = jnp.sum(jnp.stack([per_device, bad]), axis=1)
+        fits = jnp.isfinite(total)
+    return total, fits & (num_bad == 0)
 
 
 class Deferred:
@@ -165,6 +194,9 @@ class Deferred:
     def __repr__(self) -> str:
         axes = self._spec_axes
         return f"mm.deferred(mesh of {dict(self.mesh.shape)}, {axes!r})"
+
+    def __reduce__(self):
+        return (Deferred, (self.mesh, self._spec_axes))
 
     # ------------------------------------------------------------------ state
 
@@ -184,11 +216,12 @@ class Deferred:
                     rest[i] = entry
         return NamedSharding(self.mesh, P(self._spec_axes, *rest))
 
-    def init_accumulator(self, params: Any, dtype: Any) -> Any:
+    def init_accumulator(self, params: Any, leaf_dtype: Callable[[Any], Any]) -> Any:
         def leaf(p):
-            dt = dtype if dtype is not None else jnp.result_type(p)
             return jnp.zeros(
-                (self.size, *jnp.shape(p)), dt, device=self._leading_sharding(p)
+                (self.size, *jnp.shape(p)),
+                leaf_dtype(p),
+                device=self._leading_sharding(p),
             )
 
         return jax.tree.map(leaf, params)
@@ -204,7 +237,7 @@ class Deferred:
 
     # ------------------------------------------------------------- per call
 
-    def check_grads(self, grads: Any) -> None:
+    def check_grads(self, grads: Any, acc_grads: Any) -> None:
         for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
             if jnp.ndim(g) < 1 or jnp.shape(g)[0] != self.size:
                 raise ValueError(
@@ -213,67 +246,60 @@ class Deferred:
                     f"returns them), got shape {jnp.shape(g)} at "
                     f"{jax.tree_util.keystr(path) or '<root>'}"
                 )
+        _checks.check_grads_match(grads, acc_grads)
 
-    def split_count(self, count: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(total, per_device, ok)`` from the ``(D,)`` per-device counts.
+    def to_count(
+        self, count: Any, count_dtype: Any
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(total, ok, per_device)`` from the ``(D,)`` per-device counts.
 
-        ``total`` is the microbatch's global count (the one scalar all-reduce
-        per microbatch); ``ok`` whether every device's count is valid.
+        Each device's count follows the count contract of ``_checks`` (by
+        value, eager ``ValueError`` when concrete); ``total`` is the
+        microbatch's global count (the one scalar all-reduce per microbatch),
+        and ``ok`` whether every device's count is valid and the total fits.
         """
-        if count is None:
-            return count, None, jnp.ones([], jnp.bool_)
-        arr = jnp.asarray(count)
-        kind_ok = jnp.issubdtype(arr.dtype, jnp.integer) or jnp.issubdtype(
-            arr.dtype, jnp.floating
+        per_device, ok = _checks.to_count(
+            count,
+            count_dtype,
+            "With reduction=mm.deferred(...), `count` (every device's token "
+            "count, as mm.per_device_value_and_grad returns it)",
+            shape=(self.size,),
         )
-        if arr.shape != (self.size,) or not kind_ok:
-            raise ValueError(
-                f"With reduction={self!r}, `count` holds every device's token count: "
-                f"an integer or floating array of shape ({self.size},) (as "
-                f"mm.per_device_value_and_grad returns it), got shape {arr.shape} "
-                f"and dtype {arr.dtype}"
-            )
-        if jnp.issubdtype(arr.dtype, jnp.integer):
-            ok = arr >= 0
-        else:
-            ok = jnp.isfinite(arr) & (arr >= 0)
-        if not isinstance(arr, jax.core.Tracer) and not bool(np.all(ok)):
-            raise ValueError(
-                "`count` must be finite and non-negative on every device, got "
-                f"{np.asarray(arr).tolist()}"
-            )
-        per_device = jnp.where(ok, arr, jnp.zeros_like(arr))
-        # One scalar all-reduce for both the total and the validity check.
-        total, num_bad = jnp.sum(
-            jnp.stack([per_device, (~ok).astype(arr.dtype)]), axis=1
-        )
-        return total, per_device, num_bad == 0
+        total, ok = _sum_counts(per_device, (~ok).astype(per_device.dtype))
+        return total, ok, per_device
 
-    def accumulate(self, acc, acc_count, reduction_state, grads, n, per_device):
+    def value(self, value: Any, local_counts: Any) -> Any:
+        """The microbatch's global token-weighted mean of per-device ``value``s."""
+        if value is None or jnp.shape(value) == ():
+            return _checks.check_value(value)
+        if jnp.shape(value) != (self.size,):
+            raise ValueError(
+                f"With reduction={self!r}, `value` is a scalar or one value per "
+                f"device, shape ({self.size},), got shape {jnp.shape(value)}"
+            )
+        mean, _ = mean_over_devices(jnp.asarray(value), local_counts)
+        return _checks.check_value(mean)
+
+    def skip_view(self, grads: Any, local_counts: jax.Array) -> Any:
+        """The gradients a skip function judges: a device without tokens shows
+        zeros (its gradient is meaningless and adds nothing)."""
+
+        def leaf(g):
+            take = (local_counts > 0).reshape((-1,) + (1,) * (g.ndim - 1))
+            return jnp.where(take, g, jnp.zeros_like(g))
+
+        return jax.tree.map(leaf, grads)
+
+    def accumulate(self, acc, acc_count, reduction_state, grads, n, local_counts):
         """Every device's running mean (one :func:`running_mean_update`, mapped
         over the device axis); the global total advances by the global count."""
         take = n > 0
-        per_device = jnp.where(take, per_device, jnp.zeros_like(per_device)).astype(
-            reduction_state.counts.dtype
-        )
+        local_counts = jnp.where(take, local_counts, jnp.zeros_like(local_counts))
         acc, counts = jax.vmap(running_mean_update)(
-            acc, reduction_state.counts, grads, per_device
+            acc, reduction_state.counts, grads, local_counts
         )
         acc_count = jnp.where(take, acc_count + n, acc_count).astype(acc_count.dtype)
         return acc, acc_count, DeferredState(counts)
-
-    def global_value(self, value: Any, per_device: Any) -> Any:
-        """The microbatch's global token-weighted mean of per-device ``value``s."""
-        value = jnp.asarray(value)
-        if value.shape == ():
-            return value
-        if value.shape != (self.size,):
-            raise ValueError(
-                f"With reduction={self!r}, `value` is a scalar or one value per "
-                f"device, shape ({self.size},), got shape {value.shape}"
-            )
-        mean, _ = mean_over_devices(value, per_device)
-        return mean
 
     def mean(self, acc: Any, reduction_state: DeferredState) -> Any:
         """The window's global mean: ``Σ_d (Nᵈ/N)·mᵈ``, one reduction."""

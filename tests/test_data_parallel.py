@@ -447,10 +447,19 @@ def test_deferred_bad_input(mesh):
     counts = jnp.arange(NDEV)
     with pytest.raises(ValueError, match=r"leading device axis of size 8.*\(16, 3\)"):
         tx.update(params, state, params, count=counts)
-    with pytest.raises(ValueError, match=r"`count` holds every device's .*shape \(\)"):
+    with pytest.raises(
+        ValueError, match=r"`count` \(every device's .*shape \(8,\), got shape \(\)"
+    ):
         tx.update(per_device, state, params, count=jnp.array(3))
-    with pytest.raises(ValueError, match=r"non-negative on every device.*-1"):
+    with pytest.raises(
+        ValueError,
+        match=r"`count` \(every device's .*\)\[3\] must be non-negative, got -1",
+    ):
         tx.update(per_device, state, params, count=counts.at[3].set(-1))
+    with pytest.raises(TypeError, match=r"got a bool"):
+        tx.update(per_device, state, params, count=True)
+    with pytest.raises(TypeError, match=r"integer or floating array, got dtype bool"):
+        tx.update(per_device, state, params, count=counts > 2)
     with pytest.raises(ValueError, match=r"`value` is a scalar or one value per"):
         tx.update(per_device, state, params, count=counts, value=jnp.ones(3))
     with pytest.raises(TypeError, match=r"`reduction` must be None or mm.deferred"):
@@ -461,3 +470,39 @@ def test_deferred_bad_input(mesh):
     )
     assert int(new.num_invalid_counts) == 1 and int(new.mini_step) == 0
     assert not np.asarray(new.reduction_state.counts).any()
+
+
+def test_deferred_count_contract(mesh):
+    """Per-device counts follow the single-device contract: converted by value
+    (float32 by default), summed without wrapping, a device without tokens
+    ignored by the skip function even when its gradient is NaN."""
+    params = {"w": jnp.zeros(3)}
+    grads = {"w": jnp.ones((NDEV, 3)).at[5].set(jnp.nan)}
+    counts = np.arange(NDEV, dtype=np.uint64) * (2**40)  # wider than any int32
+    counts[5] = 0
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        2,
+        reduction=mm.deferred(mesh, "data"),
+        should_skip_update_fn=optax.skip_not_finite,
+    )
+    state = tx.init(params)
+    assert state.reduction_state.counts.dtype == jnp.float32
+    _, state = tx.update(grads, state, params, count=counts)
+    expected = np.float32(counts.astype(np.float64))
+    np.testing.assert_array_equal(state.reduction_state.counts, expected)
+    assert float(state.acc_count) == float(np.float32(expected.sum()))
+    assert int(state.mini_step) == 1 and int(state.num_invalid_counts) == 0
+
+    # int32 totals: per-device counts that fit, a global total that does not,
+    # is an invalid microbatch (skipped, counted), never a wrapped total.
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), 2, reduction=mm.deferred(mesh, "data"), count_dtype=jnp.int32
+    )
+    state = tx.init(params)
+    big = jnp.full((NDEV,), 2**30, jnp.int32)
+    _, new = jax.jit(tx.update)({"w": jnp.ones((NDEV, 3))}, state, params, count=big)
+    assert int(new.num_invalid_counts) == 1 and int(new.acc_count) == 0
+    fits = big.at[1:].set(0).at[1].set(2**30 - 1)
+    _, new = jax.jit(tx.update)({"w": jnp.ones((NDEV, 3))}, state, params, count=fits)
+    assert int(new.num_invalid_counts) == 0 and int(new.acc_count) == 2**31 - 1
