@@ -496,7 +496,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         with jax.named_scope("masked_multistep/accumulate"):
             gate = self._gate(grads, state, params, count)
             value = self._reduction.value(
-                extra_args.pop("value", None), gate.local_counts
+                extra_args.pop("value", None), gate.local_counts, gate.n
             )
             acc_grads, acc_count, reduction_state = self._reduction.accumulate(
                 state.acc_grads,
@@ -530,6 +530,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
         operands = (
             acc_grads,
+            acc_count,
             reduction_state,
             state.inner_opt_state,
             params,
@@ -537,7 +538,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
         # What the inner optimizer sees: the window's mean (with a deferred
         # reduction, the devices' running means combined).
-        mean_avals = jax.eval_shape(self._reduction.mean, acc_grads, reduction_state)
+        mean_avals = jax.eval_shape(
+            self._reduction.mean, acc_grads, acc_count, reduction_state
+        )
         inner_operands = (mean_avals, state.inner_opt_state, params, dynamic_args)
         run_with_value = self._inner_update(grads, static_args, with_value=True)
         run_without_value = self._inner_update(grads, static_args, with_value=False)
@@ -582,10 +585,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             out = optax.apply_updates(params, updates) if apply_params else updates
             return out, acc_grads, new_inner
 
-        def close_window(acc_grads, reduction_state, inner_state, params, dynamic_args):
+        def close_window(
+            acc_grads, acc_count, reduction_state, inner_state, params, dynamic_args
+        ):
             # The window's mean, formed only when a window closes: with a
             # deferred reduction, the one cross-device reduction of the window.
-            mean = self._reduction.mean(acc_grads, reduction_state)
+            mean = self._reduction.mean(acc_grads, acc_count, reduction_state)
             # A non-finite mean never reaches the inner optimizer: a stateful
             # one (adam's moments) would carry the NaN into every later update.
             finite = _all_finite(mean)
@@ -594,8 +599,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             )
             return (*out, finite)
 
-        def keep_window(acc_grads, reduction_state, *rest):
-            del reduction_state
+        def keep_window(acc_grads, acc_count, reduction_state, *rest):
+            del acc_count, reduction_state
             return (*hold(None, acc_grads, *rest), jnp.ones([], jnp.bool_))
 
         with jax.named_scope("masked_multistep/inner_update"):

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from masked_multistep import _checks
-from masked_multistep._collectives import weighted_mean_across
+from masked_multistep._collectives import weighted_mean_across, weighted_sum_across
 from masked_multistep._running_mean import running_mean_update
 
 __all__ = [
@@ -75,7 +75,9 @@ def check_mesh_axes(
     return axes, math.prod(mesh.shape[a] for a in axes)
 
 
-def mean_over_devices(tree: Any, counts: jax.Array) -> tuple[Any, jax.Array]:
+def mean_over_devices(
+    tree: Any, counts: jax.Array, total: jax.Array | None = None
+) -> tuple[Any, jax.Array]:
     """Token-weighted mean over a leading device axis: ``Σ_d (nᵈ/N)·xᵈ``, ``N``.
 
     ``tree``'s leaves and ``counts`` carry a leading axis of size ``D`` (one
@@ -83,13 +85,21 @@ def mean_over_devices(tree: Any, counts: jax.Array) -> tuple[Any, jax.Array]:
     same float32 arithmetic, zero-safe: a device with ``nᵈ = 0`` contributes
     nothing even if its entries are NaN). Under ``jit`` with the leading axis
     sharded over a mesh axis, the compiler turns the sum into one cross-device
-    reduction of the combined leaves.
+    reduction of the combined leaves. With ``total`` (``N``, already known to
+    every device) the scalar reduction of the counts is skipped.
     """
-    return jax.vmap(
-        lambda x, n: weighted_mean_across(x, n, _DEVICES),
+    if total is None:
+        return jax.vmap(
+            lambda x, n: weighted_mean_across(x, n, _DEVICES),
+            axis_name=_DEVICES,
+            out_axes=None,
+        )(tree, counts)
+    mean = jax.vmap(
+        lambda x, n: weighted_sum_across(x, n, total, _DEVICES),
         axis_name=_DEVICES,
         out_axes=None,
     )(tree, counts)
+    return mean, total
 
 
 class DeferredState(NamedTuple):
@@ -134,8 +144,8 @@ class Local:
         n, ok = _checks.to_count(count, count_dtype)
         return n, ok, None
 
-    def value(self, value: Any, local_counts: Any) -> Any:
-        del local_counts
+    def value(self, value: Any, local_counts: Any, total: jax.Array) -> Any:
+        del local_counts, total
         return _checks.check_value(value)
 
     def skip_view(self, grads: Any, local_counts: Any) -> Any:
@@ -147,8 +157,8 @@ class Local:
         acc, acc_count = running_mean_update(acc, acc_count, grads, n)
         return acc, acc_count, reduction_state
 
-    def mean(self, acc: Any, reduction_state: Any) -> Any:
-        del reduction_state
+    def mean(self, acc: Any, acc_count: jax.Array, reduction_state: Any) -> Any:
+        del acc_count, reduction_state
         return acc
 
     def reset(self, reduction_state: Any, window_done: jax.Array) -> Any:
@@ -268,8 +278,9 @@ class Deferred:
         total, ok = _sum_counts(per_device, (~ok).astype(per_device.dtype))
         return total, ok, per_device
 
-    def value(self, value: Any, local_counts: Any) -> Any:
-        """The microbatch's global token-weighted mean of per-device ``value``s."""
+    def value(self, value: Any, local_counts: Any, total: jax.Array) -> Any:
+        """The microbatch's global token-weighted mean of per-device ``value``s
+        (``total``: the microbatch's global count, known to every device)."""
         if value is None or jnp.shape(value) == ():
             return _checks.check_value(value)
         if jnp.shape(value) != (self.size,):
@@ -277,7 +288,7 @@ class Deferred:
                 f"With reduction={self!r}, `value` is a scalar or one value per "
                 f"device, shape ({self.size},), got shape {jnp.shape(value)}"
             )
-        mean, _ = mean_over_devices(jnp.asarray(value), local_counts)
+        mean, _ = mean_over_devices(jnp.asarray(value), local_counts, total)
         return _checks.check_value(mean)
 
     def skip_view(self, grads: Any, local_counts: jax.Array) -> Any:
@@ -301,9 +312,15 @@ class Deferred:
         acc_count = jnp.where(take, acc_count + n, acc_count).astype(acc_count.dtype)
         return acc, acc_count, DeferredState(counts)
 
-    def mean(self, acc: Any, reduction_state: DeferredState) -> Any:
-        """The window's global mean: ``Σ_d (Nᵈ/N)·mᵈ``, one reduction."""
-        mean, _ = mean_over_devices(acc, reduction_state.counts)
+    def mean(
+        self, acc: Any, acc_count: jax.Array, reduction_state: DeferredState
+    ) -> Any:
+        """The window's global mean: ``Σ_d (Nᵈ/N)·mᵈ``, one reduction.
+
+        ``N`` is the window's global total ``acc_count``, which every device
+        already holds: the only cross-device traffic is the gradients' sum.
+        """
+        mean, _ = mean_over_devices(acc, reduction_state.counts, acc_count)
         return mean
 
     def reset(self, reduction_state: DeferredState, window_done: jax.Array):

@@ -237,6 +237,12 @@ def _assert_once_per_window(compiled_text):
     found = large(collectives(compiled_text), min_bytes=4 * H)
     assert [(c.kind, c.where) for c in found] == [("all-reduce", "branch")], found
     assert found[0].bytes == PARAM_BYTES
+    # Besides it, per microbatch, two scalar all-reduces: the global token count
+    # (with the number of bad counts), so that every device agrees on the
+    # window's total, and the loss's global mean (`value=`).
+    small = [c for c in collectives(compiled_text) if c not in found]
+    assert [(c.kind, c.where) for c in small] == [("all-reduce", "step")] * 2, small
+    assert sorted(c.bytes for c in small) == [4, 8], small
 
 
 def test_plain_loop_deferred_equals_single_device_and_reduces_once(mesh):
@@ -335,6 +341,13 @@ def test_nnx_optimizer_deferred_equals_single_device(mesh):
         (loss, count), grads = grad_fn(nnx.state(model, nnx.Param), mb)
         optimizer.update(model, grads, count=count, value=loss)
 
+    _assert_once_per_window(
+        train_step.lower(
+            model, optimizer, jax.device_put(batches[0], NamedSharding(mesh, P("data")))
+        )
+        .compile()
+        .as_text()
+    )
     for mb in batches:
         train_step(model, optimizer, jax.device_put(mb, NamedSharding(mesh, P("data"))))
     assert int(optimizer.opt_state.gradient_step[...]) == WINDOWS
@@ -506,3 +519,24 @@ def test_deferred_count_contract(mesh):
     fits = big.at[1:].set(0).at[1].set(2**30 - 1)
     _, new = jax.jit(tx.update)({"w": jnp.ones((NDEV, 3))}, state, params, count=fits)
     assert int(new.num_invalid_counts) == 0 and int(new.acc_count) == 2**31 - 1
+
+
+def test_deferred_nonfinite_window_never_reaches_the_inner_optimizer(mesh):
+    """A device with tokens and a NaN gradient makes the combined mean NaN: the
+    window is counted and dropped, adam's moments stay clean, and the next
+    window updates normally. A NaN on a device without tokens is ignored."""
+    tx = _tx(mm.deferred(mesh, "data"))
+    params = _params()
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    ones = jax.tree.map(lambda p: jnp.ones((NDEV, *p.shape)), params)
+    nan_on_3 = jax.tree.map(lambda g: g.at[3].set(jnp.nan), ones)
+    counts = jnp.ones(NDEV)
+    for i in range(K):
+        _, state = step(nan_on_3 if i == 1 else ones, state, params, count=counts)
+    assert int(state.num_nonfinite_windows) == 1 and int(state.gradient_step) == 0
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.inner_opt_state))
+    for i in range(K):
+        updates, state = step(nan_on_3, state, params, count=counts.at[3].set(0))
+    assert int(state.num_nonfinite_windows) == 1 and int(state.gradient_step) == 1
+    assert all(np.isfinite(u).all() and u.any() for u in jax.tree.leaves(updates))
