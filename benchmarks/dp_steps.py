@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import masked_multistep as mm
+from masked_multistep._reduction import mean_over_devices
 
 AXIS = "data"
 ROWS_PER_DEVICE = 8
@@ -147,7 +148,46 @@ def accumulate_only(mesh, workload: steps.Workload, k: int) -> Competitor:
     return Competitor("accumulate only", init, step)
 
 
-COMPETITORS = (per_microbatch, deferred, floor, accumulate_only)
+def by_hand(mesh, workload: steps.Workload, k: int) -> Competitor:
+    """The deferred step written out without the wrapper (the shape of the
+    prototype in the issue): per-device running means, and at the window's end
+    one token-weighted all-reduce and an adam update. No count checks, no
+    per-microbatch count total, no skip or finiteness logic: what the
+    reduction alone costs."""
+    grad_fn = mm.per_device_value_and_grad(workload.loss_fn, mesh, AXIS)
+    devices = NamedSharding(mesh, P(AXIS))
+    size = mesh.shape[AXIS]
+    opt = optax.adam(steps.LEARNING_RATE)
+
+    def init(params):
+        acc = jax.tree.map(lambda p: jnp.zeros((size, *p.shape), p.dtype), params)
+        local = jax.device_put((acc, jnp.zeros(size, jnp.float32)), devices)
+        return params, opt.init(params), jnp.zeros([], jnp.int32), local
+
+    def close(params, opt_state, acc, counts):
+        mean, _ = mean_over_devices(acc, counts)
+        updates, opt_state = opt.update(mean, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jnp.zeros_like(counts)
+
+    def keep(params, opt_state, acc, counts):
+        del acc
+        return params, opt_state, counts
+
+    def step(carry, batch):
+        params, opt_state, i, (acc, counts) = carry
+        (_, count), grads = grad_fn(params, batch)
+        acc, counts = jax.vmap(mm.running_mean_update)(
+            acc, counts, grads, count.astype(counts.dtype)
+        )
+        params, opt_state, counts = jax.lax.cond(
+            i == k - 1, close, keep, params, opt_state, acc, counts
+        )
+        return params, opt_state, (i + 1) % k, (acc, counts)
+
+    return Competitor("one reduction, by hand", init, step)
+
+
+COMPETITORS = (per_microbatch, deferred, by_hand, floor, accumulate_only)
 
 
 def competitors(mesh, workload: steps.Workload, k: int) -> list[Competitor]:

@@ -150,4 +150,7 @@ def test_bench_dp_smoke(tmp_path):
         deferred = cell[(k, "deferred")]
         assert deferred["reductions_per_window"] == 1
         assert param_bytes <= deferred["bytes_per_window"] < param_bytes + 1024
+        by_hand = cell[(k, "one reduction, by hand")]
+        assert by_hand["reductions_per_window"] == 1
+        assert param_bytes <= by_hand["bytes_per_window"] < param_bytes + 1024
         assert cell[(k, "floor")]["reductions_per_window"] == 0
