@@ -47,9 +47,10 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/bench.py --quick $(ARGS)
 
+# Two processes on 127.0.0.1 (gloo): one gradient reduction per window or per microbatch.
+bench-dp: $(STAMP)
+	$(BIN)/python benchmarks/bench_dp.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) demo-output benchmarks/results .pytest_cache .hypothesis \
 		docs/_build docs/notebooks docs/benchmarks dist
-
-bench-dp: $(STAMP)
-	$(BIN)/python benchmarks/bench_dp.py $(ARGS)
