@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from masked_multistep._count_weight import count_weight, valid_weight
+from masked_multistep._checks import count_weight
 from masked_multistep._running_mean import compute_dtype, safe_fraction
 
 __all__ = ["weighted_mean_across"]
@@ -94,7 +94,7 @@ def weighted_mean_across(
       >>> print(mean, total)  # (1 * 1 + 2 * 4) / 3 on every shard
       [3. 3. 3.] [3. 3. 3.]
     """
-    count = count_weight(count, role=" per shard")
+    count = count_weight(count, "`count` (this shard's token count)")
     names = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
     count_varies = names & _varying_axes(count)
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -116,9 +116,11 @@ def weighted_mean_across(
                 "to get this shard's own gradient."
             )
     with jax.named_scope("masked_multistep/weighted_mean_across"):
-        # Non-positive or non-finite counts carry no tokens: zero them before
-        # the psum so that `total` and the weights agree.
-        take, count = valid_weight(count)
+        # `count_weight` zeroed a traced negative or non-finite count; a shard
+        # with no tokens is left out of the mean and of its derivatives (with
+        # respect to its count too), as if it were not there.
+        take = count > 0
+        count = jnp.where(take, count, jnp.zeros_like(count))
         total = jax.lax.psum(count, axis_name)
         weight = safe_fraction(count, total)
 

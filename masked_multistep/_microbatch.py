@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_multistep._count_weight import count_weight, valid_weight
+from masked_multistep._checks import count_weight
 from masked_multistep._running_mean import compute_dtype, running_mean_update
 
 __all__ = ["microbatched_value_and_grad"]
@@ -203,14 +203,30 @@ def _check_output(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
             "The loss returned by `loss_fn` must be a floating scalar (the "
             f"microbatch's mean loss), got shape {loss.shape} and dtype {loss.dtype}"
         )
-    weight = count_weight(
-        count, "The count returned by `loss_fn`", " (the microbatch's token count)"
-    )
+    weight = count_weight(count, "The count returned by `loss_fn`")
     aux = jax.tree_util.tree_map_with_path(
         lambda path, leaf: _as_aux_leaf(leaf, f"aux{jax.tree_util.keystr(path)}"),
         aux,
     )
     return loss, weight, aux
+
+
+def _check_params(params: Any) -> None:
+    """``params`` holds only floating (or complex) leaves, as ``jax.grad`` needs."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                "`params` must hold only floating (or complex) arrays, the "
+                f"variables to differentiate, got dtype {dtype} at "
+                f"params{jax.tree_util.keystr(path)}. An NNX module that holds "
+                "RNG streams, batch statistics or other non-parameter state: "
+                "pass `params` from `graphdef, params, rest = nnx.split(model, "
+                "nnx.Param, ...)` and rebuild the module in `loss_fn` with "
+                "`nnx.merge(graphdef, params, rest, copy=True)` (then "
+                "`nnx.reseed(module, dropout=rng)` gives each microbatch its own "
+                "dropout key when `grad_fn` is called with `rng=`)"
+            )
 
 
 def _check_rng(rng: Any) -> jax.Array:
@@ -293,9 +309,9 @@ def _token_weighted_accumulator(
         del index
         acc_means, acc_sums, total = carry
         means, sums, weight = _split(value, reductions)
-        # A microbatch with no (or a non-finite, or a negative) count holds no
-        # tokens: it must not move the means, whatever NaN its 0/0 mean produced.
-        _, weight = valid_weight(jnp.asarray(weight).astype(jnp.float32))
+        # A microbatch with no (or a non-finite, or a negative: weight 0) count
+        # holds no tokens: it leaves the means as they were, whatever NaN its 0/0
+        # mean produced.
         acc_means, total = running_mean_update(acc_means, total, means, weight)
         acc_sums = [a + s.astype(a.dtype) for a, s in zip(acc_sums, sums, strict=True)]
         return acc_means, acc_sums, total
@@ -397,15 +413,27 @@ def microbatched_value_and_grad(
         each microbatch draws its own dropout masks, reproducibly for a given
         ``key`` (not the masks the full batch would draw with ``key``). Without
         ``rng``, ``loss_fn`` is called with two arguments.
+      * ``params`` is any pytree of floating arrays, and so is an NNX module
+        whose state is only ``nnx.Param`` (NNX modules are pytrees): pass the
+        module as ``params`` and ``loss_fn`` receives it rebuilt around the
+        traced parameters; the gradients come back as a module of the same
+        class, which ``nnx.Optimizer.update(model, grads)`` takes (example
+        below). A module that also holds RNG streams (``nnx.Rngs``) or batch
+        statistics cannot be differentiated whole (the error says so): split
+        it, ``graphdef, params, rest = nnx.split(model, nnx.Param, ...)``,
+        pass ``params``, and rebuild it in ``loss_fn`` with
+        ``nnx.merge(graphdef, params, rest, copy=True)`` (``copy=True``: the
+        rebuilt module's variables belong to the traced call, so dropout may
+        advance its stream); ``nnx.reseed(module, dropout=rng)`` then gives
+        each microbatch its own key. Either way, state that ``loss_fn`` writes
+        (RNG counters, running batch statistics) is not returned.
 
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
         ``(mean_loss, (count, aux))`` with ``has_aux=True``. ``mean_loss`` is a
         floating scalar; ``count`` an integer or floating scalar. When the
         returned function is called with ``rng``, ``loss_fn`` also takes the
-        keyword argument ``rng`` (a PRNG key). ``params`` is any pytree: an NNX
-        module goes through ``nnx.split`` outside and ``nnx.merge`` inside
-        ``loss_fn`` (see the README).
+        keyword argument ``rng`` (a PRNG key).
       num_microbatches: ``k``, a Python int >= 1 that divides the batch size.
       has_aux: whether ``loss_fn`` returns ``aux`` beside the count.
       aux_reduction: how ``aux`` leaves combine: ``"sum"``, ``"mean"``, or a
@@ -416,12 +444,15 @@ def microbatched_value_and_grad(
       ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``, or
       ``((loss, (count, aux)), grads)`` with ``has_aux=True``. ``batch`` is a
       pytree whose leaves share a leading batch axis; gradients are taken with
-      respect to ``params``; ``count`` is float32.
+      respect to ``params`` (a pytree of floating arrays, or an NNX module of
+      parameters) and have its structure; ``count`` is float32; ``rng`` is a
+      PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``).
 
     Raises:
       TypeError: if ``loss_fn`` is not callable, ``num_microbatches`` is not an
         integer, ``has_aux`` is not a bool, an ``aux_reduction`` leaf is not a
-        string; when called, if ``rng`` is not a PRNG key or ``loss_fn`` cannot
+        string; when called, if ``params`` has a leaf that is not floating
+        (the error names it), ``rng`` is not a PRNG key or ``loss_fn`` cannot
         take it, or ``loss_fn`` returns something other than the documented
         structure, a non-scalar or non-floating loss, a boolean or complex
         count, an ``aux`` leaf that is neither float nor integer, a floating
@@ -469,6 +500,25 @@ def microbatched_value_and_grad(
       >>> print(aux["x_sum"], aux["frac_big"])  # 1 + 2 + 4 + 3, 2 of 4 tokens > 2
       10.0 0.5
 
+      An NNX module in place of ``params``, with dropout: ``rng=`` gives
+      microbatch ``j`` the key ``fold_in(key, j)``, the same on every call:
+
+      >>> import optax
+      >>> from flax import nnx
+      >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+      >>> def model_loss(model, mb, rng):
+      ...     y = nnx.Dropout(0.5)(model(mb["x"][..., None]), rngs=rng)
+      ...     return mm.masked_mean(y[..., 0] ** 2, mb["mask"])
+      >>> grad_fn = jax.jit(mm.microbatched_value_and_grad(model_loss, 2))
+      >>> (loss, count), grads = grad_fn(model, batch, rng=jax.random.key(0))
+      >>> print(type(grads).__name__, count)  # gradients: a module, like `model`
+      Linear 4.0
+      >>> (again, _), _ = grad_fn(model, batch, rng=jax.random.key(0))
+      >>> bool(again == loss)
+      True
+      >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> _ = optimizer.update(model, grads)  # updates `model` in place
+
     References:
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
@@ -500,6 +550,7 @@ def microbatched_value_and_grad(
     def grad_fn(
         params: Any, batch: Any, *, rng: jax.typing.ArrayLike | None = None
     ) -> tuple[Any, Any]:
+        _check_params(params)
         batch_size = _batch_size(batch, k)
         if rng is not None:
             rng = _check_rng(rng)

@@ -311,7 +311,7 @@ def test_bad_batch(batch, match):
             lambda p: (p, jnp.ones(2, jnp.int32)),
             False,
             ValueError,
-            r"count returned by `loss_fn` must be an integer or floating scalar.*"
+            r"count returned by `loss_fn` must be a scalar \(a token count\), got "
             r"shape \(2,\)",
         ),
         (

@@ -191,7 +191,7 @@ def test_weighted_mean_across_float16_does_not_overflow(mesh8):
 
 
 def test_weighted_mean_across_rejects_non_scalar_count(mesh8):
-    with pytest.raises(ValueError, match=r"`count` must be .* scalar .*shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"`count` .* must be a scalar .*shape \(2,\)"):
         jax.vmap(lambda g: mm.weighted_mean_across(g, jnp.ones(2), "i"), axis_name="i")(
             jnp.ones((3, 2))
         )
