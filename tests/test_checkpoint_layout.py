@@ -33,7 +33,11 @@ def _run(tx, params, state, grads, value=None):
     extra = {} if value is None else {"value": jnp.float32(value)}
     for g, n in grads:
         params, state = tx.apply_gradients(
-            {"w": jnp.full(2, g, jnp.float32)}, state, params, count=jnp.int32(n), **extra
+            {"w": jnp.full(2, g, jnp.float32)},
+            state,
+            params,
+            count=jnp.int32(n),
+            **extra,
         )
     return params, state
 
@@ -44,7 +48,9 @@ def test_0_1_checkpoint_fails_clearly_then_converts_and_continues(tmp_path):
     # Four microbatches: one window applied, one microbatch of the next pending.
     params, state = _run(tx, params0, tx.init(params0), GRADS[:4])
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": _as_0_1(state)})
+    checkpointer.save(
+        tmp_path / "ckpt", {"params": params, "opt_state": _as_0_1(state)}
+    )
     checkpointer.wait_until_finished()
 
     template = {"params": params0, "opt_state": tx.init(params0)}
