@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,12 @@ from masked_multistep._running_mean import (
 )
 
 __all__ = ["microbatched_value_and_grad"]
+
+# The types of `loss_fn`'s arguments: the gradients have the params' type (the
+# same pytree), and the batch the microbatches' (the same pytree, k times the
+# rows).
+ParamsT = TypeVar("ParamsT")
+BatchT = TypeVar("BatchT")
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:
@@ -190,11 +196,11 @@ def _token_weighted_accumulator(has_aux: bool) -> optax.microbatching.Accumulato
 
 
 def microbatched_value_and_grad(
-    loss_fn: Callable[[optax.Params, Any], Any],
+    loss_fn: Callable[[ParamsT, BatchT], Any],
     num_microbatches: int,
     *,
     has_aux: bool = False,
-) -> Callable[[optax.Params, Any], tuple[Any, optax.Updates]]:
+) -> Callable[[ParamsT, BatchT], tuple[Any, ParamsT]]:
     """``jax.value_and_grad`` of a masked mean loss, one microbatch at a time.
 
     ``loss_fn(params, microbatch)`` returns the microbatch's mean loss and its
@@ -295,7 +301,7 @@ def microbatched_value_and_grad(
         (loss, (count, aux)), grads = value_and_grad(params, microbatch)
         return loss, count, aux, grads
 
-    def grad_fn(params: optax.Params, batch: Any) -> tuple[Any, optax.Updates]:
+    def grad_fn(params: ParamsT, batch: BatchT) -> tuple[Any, ParamsT]:
         batch_size = _batch_size(batch, k)
         accumulator = _token_weighted_accumulator(has_aux)
         # Row r * k + j of a leaf is row r of microbatch j: a free (row-major)
@@ -320,6 +326,9 @@ def microbatched_value_and_grad(
             carry = accumulator.init(
                 jax.eval_shape(per_microbatch, params, microbatch(0))
             )
-            return accumulator.finalize(jax.lax.fori_loop(0, k, body, carry))
+            out = accumulator.finalize(jax.lax.fori_loop(0, k, body, carry))
+        # optax types `finalize` as returning any pytree; ours returns
+        # `(value, grads)`, the grads a pytree like `params`.
+        return cast("tuple[Any, ParamsT]", out)
 
     return grad_fn
