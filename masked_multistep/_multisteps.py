@@ -37,7 +37,7 @@ class MaskedMultiStepsState(NamedTuple):
       acc_grads: running token-weighted mean of the window's gradients.
         Meaningful where ``acc_count > 0``; the next counted microbatch after a
         window ends overwrites it. It is scratch once a window closes: after
-        :meth:`MaskedMultiSteps.update` applied an inner update it may hold that
+        ``MaskedMultiSteps.update`` applied an inner update it may hold that
         update's values (the update reuses its buffer).
       acc_count: the window's token total (``count_dtype``, float32 by default).
       acc_value: running token-weighted mean of the window's ``value`` arguments
