@@ -35,6 +35,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -140,7 +141,7 @@ def to_count(
         raise TypeError(_MISSING_COUNT)
     if isinstance(count, (bool, np.bool_)):
         raise TypeError(f"{what} must be a number of tokens, got a bool ({count})")
-    if isinstance(count, numbers.Real) and not hasattr(count, "dtype"):
+    if not hasattr(count, "dtype") and isinstance(count, numbers.Real):
         # A Python int of any size or a Python float: check it exactly.
         value = int(count) if isinstance(count, numbers.Integral) else float(count)
         _check_concrete(value, dtype, what)

@@ -107,12 +107,14 @@ def weighted_mean_across(
         if invariant := count_varies - _varying_axes(leaf):
             # Inside shard_map, the gradient of a replicated (invariant) input is
             # already summed over the shards; weighting that sum again is wrong.
+            # (Axis names are any hashables: sorted by their text.)
+            axes = sorted(invariant, key=str)
             raise ValueError(
-                f"{where} is the same on every shard of {sorted(invariant)} while "
+                f"{where} is the same on every shard of {axes} while "
                 "`count` differs: it is already reduced. Inside shard_map the "
                 "gradient with respect to a replicated input is summed over the "
                 "shards automatically; differentiate with respect to "
-                f"`jax.lax.pcast(params, {sorted(invariant)[0]!r}, to='varying')` "
+                f"`jax.lax.pcast(params, {axes[0]!r}, to='varying')` "
                 "to get this shard's own gradient."
             )
     with jax.named_scope("masked_multistep/weighted_mean_across"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, Protocol, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,25 @@ from masked_multistep._checks import count_weight
 from masked_multistep._running_mean import compute_dtype, running_mean_update
 
 __all__ = ["microbatched_value_and_grad"]
+
+# The types of `loss_fn`'s arguments: the gradients have the params' type (the
+# same pytree), and the batch the microbatches' (the same pytree, k times the
+# rows).
+ParamsT = TypeVar("ParamsT")
+BatchT = TypeVar("BatchT")
+BatchT_contra = TypeVar("BatchT_contra", contravariant=True)
+
+
+class GradFn(Protocol[ParamsT, BatchT_contra]):
+    """What :func:`microbatched_value_and_grad` returns."""
+
+    def __call__(
+        self,
+        params: ParamsT,
+        batch: BatchT_contra,
+        *,
+        rng: jax.typing.ArrayLike | None = None,
+    ) -> tuple[Any, ParamsT]: ...
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:
@@ -351,12 +370,12 @@ def _token_weighted_accumulator(
 
 
 def microbatched_value_and_grad(
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
     num_microbatches: int,
     *,
     has_aux: bool = False,
     aux_reduction: AuxReduction = None,
-) -> Callable[..., tuple[Any, Any]]:
+) -> GradFn[ParamsT, BatchT]:
     """``jax.value_and_grad`` of a masked mean loss, one microbatch at a time.
 
     ``loss_fn(params, microbatch)`` returns the microbatch's mean loss and its
@@ -548,8 +567,8 @@ def microbatched_value_and_grad(
         return loss, weight, aux, grads
 
     def grad_fn(
-        params: Any, batch: Any, *, rng: jax.typing.ArrayLike | None = None
-    ) -> tuple[Any, Any]:
+        params: ParamsT, batch: BatchT, *, rng: jax.typing.ArrayLike | None = None
+    ) -> tuple[Any, ParamsT]:
         _check_params(params)
         batch_size = _batch_size(batch, k)
         if rng is not None:
@@ -584,6 +603,9 @@ def microbatched_value_and_grad(
                 return accumulator.update(carry, value, j)
 
             carry = accumulator.init(shapes)
-            return accumulator.finalize(jax.lax.fori_loop(0, k, body, carry))
+            out = accumulator.finalize(jax.lax.fori_loop(0, k, body, carry))
+        # optax types `finalize` as returning any pytree; ours returns
+        # `(value, grads)`, the grads a pytree like `params`.
+        return cast("tuple[Any, ParamsT]", out)
 
     return grad_fn
