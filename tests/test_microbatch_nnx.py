@@ -45,10 +45,35 @@ def _batch():
 
 def _split_loss(graphdef, rest):
     def loss_fn(params, batch, rng=None):
-        model = nnx.merge(graphdef, params, rest)
+        model = nnx.merge(graphdef, params, rest, copy=True)
         return _token_loss(model, batch, rng)
 
     return loss_fn
+
+
+def _assert_same_step(model, grads, f_grads):
+    """One optimizer step with `grads` lands where the full batch's lands."""
+    ref = nnx.clone(model)
+    nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param).update(model, grads)
+    nnx.Optimizer(ref, optax.adam(0.1), wrt=nnx.Param).update(ref, f_grads)
+    chex.assert_trees_all_close(
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+        nnx.to_pure_dict(nnx.state(ref, nnx.Param)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def _per_microbatch_mean(loss_fn, batch, key):
+    """The token mean of microbatch j = rows j::K with key fold_in(key, j)."""
+    parts = [
+        loss_fn(jax.tree.map(lambda a, j=j: a[j::K], batch), jax.random.fold_in(key, j))
+        for j in range(K)
+    ]
+    counts = np.array([float(n) for _, n in parts])
+    losses = np.array([float(v) for v, _ in parts])
+    ok = counts > 0
+    return np.sum(counts[ok] * losses[ok]) / counts.sum(), counts.sum()
 
 
 def test_split_merge_recipe_matches_nnx_value_and_grad():
@@ -67,17 +92,7 @@ def test_split_merge_recipe_matches_nnx_value_and_grad():
     )
     # An nnx.Optimizer takes the gradients as they come: the same step as the
     # full batch's.
-    ref = nnx.clone(model)
-    optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
-    ref_optimizer = nnx.Optimizer(ref, optax.adam(0.1), wrt=nnx.Param)
-    optimizer.update(model, grads)
-    ref_optimizer.update(ref, f_grads)
-    chex.assert_trees_all_close(
-        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-        nnx.to_pure_dict(nnx.state(ref, nnx.Param)),
-        rtol=1e-5,
-        atol=1e-6,
-    )
+    _assert_same_step(model, grads, f_grads)
 
 
 def test_split_merge_recipe_with_dropout_per_microbatch():
@@ -92,28 +107,10 @@ def test_split_merge_recipe_with_dropout_per_microbatch():
     assert float(first[0][0]) != float(deterministic[0][0])
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(first))
     # Microbatch j's loss is the module's with dropout key fold_in(key, j).
-    strided = [jax.tree.map(lambda a, j=j: a[j::K], batch) for j in range(K)]
-    parts = [
-        _token_loss(model, mb, jax.random.fold_in(key, j))
-        for j, mb in enumerate(strided)
-    ]
-    counts = np.array([float(n) for _, n in parts])
-    losses = np.array([float(v) for v, _ in parts])
-    want = np.sum(counts * losses) / counts.sum()
-    np.testing.assert_allclose(float(first[0][0]), want, rtol=1e-5)
-
-
-def _assert_same_step(model, grads, f_grads):
-    """One optimizer step with `grads` lands where the full batch's lands."""
-    ref = nnx.clone(model)
-    nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param).update(model, grads)
-    nnx.Optimizer(ref, optax.adam(0.1), wrt=nnx.Param).update(ref, f_grads)
-    chex.assert_trees_all_close(
-        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-        nnx.to_pure_dict(nnx.state(ref, nnx.Param)),
-        rtol=1e-5,
-        atol=1e-6,
+    want, _ = _per_microbatch_mean(
+        lambda mb, key_j: _token_loss(model, mb, key_j), batch, key
     )
+    np.testing.assert_allclose(float(first[0][0]), want, rtol=1e-5)
 
 
 def test_module_in_place_of_params_matches_nnx_value_and_grad():
@@ -194,17 +191,8 @@ def test_module_with_rng_streams_is_a_clear_error_naming_the_split_recipe():
     chex.assert_trees_all_equal(((loss, count), grads), grad_fn(params, batch, rng=key))
     assert float(loss) != float(grad_fn(params, batch, rng=jax.random.key(5))[0][0])
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
-    parts = [  # microbatch j: rows j::K, dropout key fold_in(key, j)
-        merged_loss(
-            params,
-            jax.tree.map(lambda a, j=j: a[j::K], batch),
-            jax.random.fold_in(key, j),
-        )
-        for j in range(K)
-    ]
-    counts = np.array([float(n) for _, n in parts])
-    losses = np.array([float(v) for v, _ in parts])
-    ok = counts > 0
-    assert int(count) == counts.sum() == int(np.sum(batch["mask"]))
-    want = np.sum(counts[ok] * losses[ok]) / counts.sum()
+    want, total = _per_microbatch_mean(
+        lambda mb, key_j: merged_loss(params, mb, key_j), batch, key
+    )
+    assert int(count) == total == int(np.sum(batch["mask"]))
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
