@@ -8,6 +8,11 @@ runs the inner optimizer once per window on exactly the full-batch gradient.
 
 from typing import TYPE_CHECKING
 
+from masked_multistep._checkpoint import (
+    STATE_0_1_FIELDS,
+    from_state_0_1,
+    state_0_1_target,
+)
 from masked_multistep._collectives import weighted_mean_across
 from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
@@ -34,9 +39,12 @@ if TYPE_CHECKING:
 __all__ = [
     "MaskedMultiSteps",
     "MaskedMultiStepsState",
+    "STATE_0_1_FIELDS",
     "data_parallel_value_and_grad",
     "deferred",
     "from_optax_multisteps",
+    "from_state_0_1",
+    "state_0_1_target",
     "TrainState",
     "masked_mean",
     "microbatched_value_and_grad",

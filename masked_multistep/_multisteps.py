@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ class MaskedMultiStepsState(NamedTuple):
         ``reduction=mm.deferred(...)``, one per device along a leading axis).
         Meaningful where ``acc_count > 0``; the next counted microbatch after a
         window ends overwrites it. It is scratch once a window closes: after
-        :meth:`MaskedMultiSteps.update` applied an inner update it may hold that
+        ``MaskedMultiSteps.update`` applied an inner update it may hold that
         update's values (the update reuses its buffer).
       acc_count: the window's token total (``count_dtype``, float32 by default).
       acc_value: running token-weighted mean of the window's ``value`` arguments
@@ -248,6 +248,36 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
     # A NamedTuple subclass: `init` and `update` are the tuple's fields (what
     # optax and flax call); everything else lives in the instance's __dict__.
+
+    if TYPE_CHECKING:
+        # What a type checker sees of the fields: the signatures of optax's
+        # `TransformInitFn` and `TransformUpdateExtraArgsFn`, returning a
+        # `MaskedMultiStepsState` (a read-only field narrows covariantly), so
+        # `tx.init(params).gradient_step` type-checks while the wrapper stays
+        # assignable to `optax.GradientTransformation`. Declared as static
+        # methods because pyright refuses to redeclare a named tuple's field;
+        # at run time they are the tuple's fields, closures set in `__new__`.
+        @staticmethod
+        def init(params: optax.Params) -> MaskedMultiStepsState: ...
+
+        @staticmethod
+        def update(
+            updates: optax.Updates,
+            state: optax.OptState,
+            params: optax.Params | None = None,
+            *,
+            count: jax.typing.ArrayLike | None = None,
+            **extra_args: Any,
+        ) -> tuple[optax.Updates, MaskedMultiStepsState]: ...
+
+        # The instance's attributes, set in `__new__`.
+        _opt: optax.GradientTransformationExtraArgs
+        _every_k_schedule: Callable[[jax.Array], jax.Array]
+        _should_skip_update_fn: optax.ShouldSkipUpdateFunction
+        _accumulator_dtype: jnp.dtype | None
+        _count_dtype: jnp.dtype
+        _reduction: Local | Deferred
+        _config: tuple[tuple[Any, ...], dict[str, Any]]
 
     def __new__(
         cls,

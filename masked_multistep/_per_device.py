@@ -32,8 +32,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from masked_multistep._microbatch import microbatched_value_and_grad
+from masked_multistep._microbatch import (
+    AuxReduction,
+    _aux_reductions,
+    _check_rng,
+    microbatched_value_and_grad,
+)
 from masked_multistep._reduction import check_mesh_axes, mean_over_devices
+from masked_multistep._running_mean import compute_dtype
 
 __all__ = ["per_device_value_and_grad", "data_parallel_value_and_grad"]
 
@@ -58,7 +64,8 @@ def per_device_value_and_grad(
     *,
     num_microbatches: int = 1,
     has_aux: bool = False,
-) -> Callable[[optax.Params, Any], tuple[Any, optax.Updates]]:
+    aux_reduction: AuxReduction = None,
+) -> Callable[..., tuple[Any, optax.Updates]]:
     """Every device's own ``value_and_grad`` of a masked mean loss, unreduced.
 
     The batch's leading axis is split over the mesh axes ``axis_name`` (``D``
@@ -91,14 +98,21 @@ def per_device_value_and_grad(
         split over.
       num_microbatches: in-jit microbatches per device and call (``k``): each
         device runs :func:`microbatched_value_and_grad` on its rows.
-      has_aux: whether ``loss_fn`` returns ``aux``; it comes back per device
-        (floating leaves token-weighted means, integer leaves sums).
+      has_aux: whether ``loss_fn`` returns ``aux``; it comes back per device,
+        combined over the device's microbatches as ``aux_reduction`` says.
+      aux_reduction: as in :func:`microbatched_value_and_grad`: ``"sum"``,
+        ``"mean"`` or a pytree prefix of ``aux`` with those leaves (required
+        for floating ``aux`` leaves).
 
     Returns:
-      ``grad_fn(params, batch) -> ((loss, count), grads)`` (``((loss, (count,
-      aux)), grads)`` with ``has_aux``), every leaf with a leading axis of size
-      ``D`` sharded over ``axis_name``: ``loss`` and ``count`` have shape
-      ``(D,)``, each gradient leaf ``(D, *param.shape)``.
+      ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``
+      (``((loss, (count, aux)), grads)`` with ``has_aux``), every leaf with a
+      leading axis of size ``D`` sharded over ``axis_name``: ``loss`` and
+      ``count`` (float32) have shape ``(D,)``, each gradient leaf
+      ``(D, *param.shape)``. With ``rng``, device ``d`` uses
+      ``jax.random.fold_in(rng, d)`` as its key (and folds in the microbatch
+      index as :func:`microbatched_value_and_grad` does), so the devices draw
+      different dropout masks.
 
     Raises:
       TypeError: if ``mesh`` is not a ``jax.sharding.Mesh``; and as
@@ -129,17 +143,23 @@ def per_device_value_and_grad(
       True
     """
     axes, num_devices = check_mesh_axes(mesh, axis_name)
-    grad_fn = microbatched_value_and_grad(loss_fn, num_microbatches, has_aux=has_aux)
-    spec = P(axes if len(axes) > 1 else axes[0])
+    grad_fn = microbatched_value_and_grad(
+        loss_fn, num_microbatches, has_aux=has_aux, aux_reduction=aux_reduction
+    )
+    spec = P(axes[0] if len(axes) == 1 else axes)
 
-    def on_device(params, batch):
-        out = grad_fn(params, batch)
+    def on_device(params, batch, rng):
+        if rng is None:
+            out = grad_fn(params, batch)
+        else:
+            device = jax.lax.axis_index(axes)
+            out = grad_fn(params, batch, rng=jax.random.fold_in(rng, device))
         return jax.tree.map(lambda x: jnp.expand_dims(x, 0), out)
 
     mapped = jax.shard_map(
         on_device,
         mesh=mesh,
-        in_specs=(P(), spec),
+        in_specs=(P(), spec, P()),
         out_specs=spec,
         axis_names=frozenset(axes),
         # The body runs on local rows only, with no collective over `axes`, so
@@ -150,32 +170,52 @@ def per_device_value_and_grad(
         check_vma=False,
     )
 
-    def per_device(params: optax.Params, batch: Any) -> tuple[Any, optax.Updates]:
+    def per_device(
+        params: optax.Params, batch: Any, *, rng: jax.typing.ArrayLike | None = None
+    ) -> tuple[Any, optax.Updates]:
         _check_batch(batch, num_devices, num_microbatches)
+        key = None if rng is None else _check_rng(rng)
         with jax.named_scope("masked_multistep/per_device"):
-            return mapped(params, batch)
+            return mapped(params, batch, key)
 
     return per_device
 
 
-def _combine(out: Any, has_aux: bool) -> tuple[Any, optax.Updates]:
-    """Per-device ``((loss, count[, aux]), grads)`` to the global values."""
+def _combine(
+    out: Any, has_aux: bool, aux_reduction: AuxReduction
+) -> tuple[Any, optax.Updates]:
+    """Per-device ``((loss, count[, aux]), grads)`` to the global values.
+
+    Loss, gradients and ``"mean"`` aux leaves are token-weighted means over the
+    devices (one reduction); ``"sum"`` aux leaves are summed.
+    """
     (loss, rest), grads = out
     count, aux = rest if has_aux else (rest, None)
     aux_leaves, aux_def = jax.tree.flatten(aux)
-    floats = [x for x in aux_leaves if jnp.issubdtype(x.dtype, jnp.floating)]
-    (loss, floats, grads), total = mean_over_devices((loss, floats, grads), count)
+    per_device_aux = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), aux
+    )
+    reductions = _aux_reductions(per_device_aux, aux_reduction) if has_aux else ()
+    means = [x for x, r in zip(aux_leaves, reductions, strict=True) if r == "mean"]
+    (loss, means, grads), total = mean_over_devices((loss, means, grads), count)
     if not has_aux:
         return (loss, total), grads
-    floats = iter(floats)
+    means = iter(means)
     aux = jax.tree.unflatten(
         aux_def,
         [
-            next(floats) if jnp.issubdtype(x.dtype, jnp.floating) else x.sum(0)
-            for x in aux_leaves
+            next(means)
+            if r == "mean"
+            else x.sum(0, dtype=_sum_dtype(x.dtype)).astype(x.dtype)
+            for x, r in zip(aux_leaves, reductions, strict=True)
         ],
     )
     return (loss, (total, aux)), grads
+
+
+def _sum_dtype(dtype: Any) -> Any:
+    """Integer sums stay in their dtype; float sums run in at least float32."""
+    return compute_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
 def data_parallel_value_and_grad(
@@ -185,7 +225,8 @@ def data_parallel_value_and_grad(
     *,
     num_microbatches: int = 1,
     has_aux: bool = False,
-) -> Callable[[optax.Params, Any], tuple[Any, optax.Updates]]:
+    aux_reduction: AuxReduction = None,
+) -> Callable[..., tuple[Any, optax.Updates]]:
     """In-jit microbatching over data-parallel devices, reduced once per call.
 
     The result is that of :func:`microbatched_value_and_grad` (``jax.value_and_grad``
@@ -210,13 +251,16 @@ def data_parallel_value_and_grad(
       axis_name: the mesh axis (or tuple of axes) the batch is split over.
       num_microbatches: microbatches per device (``k``); the batch size must be
         divisible by ``D·k``.
-      has_aux: as in :func:`microbatched_value_and_grad`: floating ``aux``
-        leaves come back as token-weighted means, integer leaves summed.
+      has_aux: whether ``loss_fn`` returns ``aux``.
+      aux_reduction: as in :func:`microbatched_value_and_grad`: ``"mean"``
+        leaves come back as token-weighted means over the whole batch,
+        ``"sum"`` leaves summed over every device's microbatches.
 
     Returns:
-      ``grad_fn(params, batch) -> ((loss, count), grads)`` (``((loss, (count,
-      aux)), grads)`` with ``has_aux``), the full batch's values, as
-      :func:`microbatched_value_and_grad` returns them.
+      ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``
+      (``((loss, (count, aux)), grads)`` with ``has_aux``), the full batch's
+      values, as :func:`microbatched_value_and_grad` returns them (``rng``: as
+      in :func:`per_device_value_and_grad`).
 
     Raises:
       TypeError, ValueError: as :func:`per_device_value_and_grad`.
@@ -249,11 +293,14 @@ def data_parallel_value_and_grad(
         axis_name,
         num_microbatches=num_microbatches,
         has_aux=has_aux,
+        aux_reduction=aux_reduction,
     )
 
-    def grad_fn(params: optax.Params, batch: Any) -> tuple[Any, optax.Updates]:
-        out = per_device(params, batch)
+    def grad_fn(
+        params: optax.Params, batch: Any, *, rng: jax.typing.ArrayLike | None = None
+    ) -> tuple[Any, optax.Updates]:
+        out = per_device(params, batch, rng=rng)
         with jax.named_scope("masked_multistep/combine_devices"):
-            return _combine(out, has_aux)
+            return _combine(out, has_aux, aux_reduction)
 
     return grad_fn

@@ -199,7 +199,7 @@ class Deferred:
     def __init__(self, mesh: jax.sharding.Mesh, axis_name: Any = "data"):
         self.mesh = mesh
         self.axes, self.size = check_mesh_axes(mesh, axis_name)
-        self._spec_axes = self.axes if len(self.axes) > 1 else self.axes[0]
+        self._spec_axes = self.axes[0] if len(self.axes) == 1 else self.axes
 
     def __repr__(self) -> str:
         axes = self._spec_axes
@@ -214,7 +214,7 @@ class Deferred:
         """``P(axes, *rest)``: the device axis over ``axes``; the other dims keep
         the parameter's sharding over the other mesh axes (a dim sharded over
         ``axes`` itself, FSDP-style, is held whole by each device)."""
-        rest = [None] * jnp.ndim(leaf)
+        rest: list[Any] = [None] * jnp.ndim(leaf)
         sharding = _sharding_of(leaf)
         if sharding is not None and sharding.mesh.shape == self.mesh.shape:
             spec = tuple(sharding.spec) + (None,) * (
@@ -291,7 +291,7 @@ class Deferred:
         mean, _ = mean_over_devices(jnp.asarray(value), local_counts, total)
         return _checks.check_value(mean)
 
-    def skip_view(self, grads: Any, local_counts: jax.Array) -> Any:
+    def skip_view(self, grads: Any, local_counts: Any) -> Any:
         """The gradients a skip function judges: a device without tokens shows
         zeros (its gradient is meaningless and adds nothing)."""
 

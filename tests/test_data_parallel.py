@@ -49,7 +49,13 @@ def _loss(params, mb):
 
 def _loss_aux(params, mb):
     loss, count = _loss(params, mb)
-    return loss, (count, {"loss": loss, "rows": jnp.sum(mb["mask"].any(-1))})
+    return loss, (
+        count,
+        {"loss": loss, "rows": jnp.sum(mb["mask"].any(-1)), "tokens": count * 1.0},
+    )
+
+
+AUX_REDUCTION = {"loss": "mean", "rows": "sum", "tokens": "sum"}
 
 
 def _batch(rows, seed, empty_device=None, empty_microbatch=None, k=K):
@@ -122,7 +128,9 @@ def test_data_parallel_microbatching_equals_full_batch_and_reduces_once(mesh, em
         mm.data_parallel_value_and_grad(_loss, mesh, "data", num_microbatches=K)
     )
     out = grad_fn(params, sharded)
-    full = _full_batch(_loss, batch, True)
+    (f_loss, f_count), f_grads = _full_batch(_loss, batch, True)
+    # Token totals come back in float32, as from microbatched_value_and_grad.
+    full = (f_loss, f_count.astype(jnp.float32)), f_grads
     chex.assert_trees_all_close(out, full, **TOL, strict=True)
 
     # One gradient-sized all-reduce per call, at the step's top level...
@@ -143,17 +151,56 @@ def test_data_parallel_aux_is_token_weighted_and_summed(mesh):
     sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
     grad_fn = jax.jit(
         mm.data_parallel_value_and_grad(
-            _loss_aux, mesh, "data", num_microbatches=K, has_aux=True
+            _loss_aux,
+            mesh,
+            "data",
+            num_microbatches=K,
+            has_aux=True,
+            aux_reduction=AUX_REDUCTION,
         )
     )
     (loss, (count, aux)), grads = grad_fn(_params(), sharded)
     (f_loss, (f_count, f_aux)), f_grads = _full_batch(_loss_aux, batch, True)
     chex.assert_trees_all_close(
-        (loss, count, aux["loss"], grads),
-        (f_loss, f_count, f_aux["loss"], f_grads),
+        (loss, count, aux["loss"], aux["tokens"], grads),
+        (f_loss, f_count, f_aux["loss"], f_aux["tokens"], f_grads),
         **TOL,
     )
+    assert aux["rows"].dtype == f_aux["rows"].dtype
     assert int(aux["rows"]) == int(f_aux["rows"])  # integers are summed
+    # A floating aux leaf needs to be told how it combines.
+    with pytest.raises(TypeError, match=r"aux\['loss'\] is floating"):
+        mm.data_parallel_value_and_grad(_loss_aux, mesh, has_aux=True)(
+            _params(), sharded
+        )
+
+
+def test_per_device_rng_gives_every_device_its_own_key(mesh):
+    """With rng=, device d runs microbatched_value_and_grad with
+    fold_in(rng, d): the devices draw different masks, reproducibly."""
+
+    def noisy(params, mb, rng):
+        keep = jax.random.bernoulli(rng, 0.5, mb["mask"].shape)
+        return _loss(params, {**mb, "mask": mb["mask"] & keep})
+
+    batch = _batch(NDEV * ROWS * 2, seed=7)
+    batch["mask"][:] = True
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    grad_fn = jax.jit(
+        mm.per_device_value_and_grad(noisy, mesh, "data", num_microbatches=2)
+    )
+    key = jax.random.key(3)
+    (_, count), grads = grad_fn(_params(), sharded, rng=key)
+    (_, again), _ = grad_fn(_params(), sharded, rng=key)
+    np.testing.assert_array_equal(count, again)
+    assert len(set(np.asarray(count).tolist())) > 1  # not the same mask everywhere
+    d = 4
+    rows = jax.tree.map(lambda x: x[d * 2 * ROWS : (d + 1) * 2 * ROWS], batch)
+    (_, own_count), own = jax.jit(mm.microbatched_value_and_grad(noisy, 2))(
+        _params(), rows, rng=jax.random.fold_in(key, d)
+    )
+    assert float(count[d]) == float(own_count)
+    chex.assert_trees_all_close(jax.tree.map(lambda g: g[d], grads), own, **TOL)
 
 
 def test_all_devices_empty_gives_zeros(mesh):
@@ -536,7 +583,7 @@ def test_deferred_nonfinite_window_never_reaches_the_inner_optimizer(mesh):
         _, state = step(nan_on_3 if i == 1 else ones, state, params, count=counts)
     assert int(state.num_nonfinite_windows) == 1 and int(state.gradient_step) == 0
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.inner_opt_state))
-    for i in range(K):
+    for _ in range(K):
         updates, state = step(nan_on_3, state, params, count=counts.at[3].set(0))
     assert int(state.num_nonfinite_windows) == 1 and int(state.gradient_step) == 1
     assert all(np.isfinite(u).all() and u.any() for u in jax.tree.leaves(updates))
