@@ -57,7 +57,7 @@ class MaskedMultiStepsState(NamedTuple):
       policy_state: the window policy's state (``()`` for a fixed ``k``).
       reduction_state: the cross-device reduction's state: ``()`` by default;
         with ``reduction=mm.deferred(...)``, each device's token total behind
-        its running mean (:class:`~masked_multistep._reduction.DeferredState`).
+        its running mean (a ``DeferredState`` with one field, ``counts``).
     """
 
     mini_step: jax.Array

@@ -33,7 +33,6 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from masked_multistep._microbatch import (
-    AuxReduction,
     _aux_reductions,
     _check_rng,
     microbatched_value_and_grad,
@@ -64,7 +63,7 @@ def per_device_value_and_grad(
     *,
     num_microbatches: int = 1,
     has_aux: bool = False,
-    aux_reduction: AuxReduction = None,
+    aux_reduction: Any = None,
 ) -> Callable[..., tuple[Any, optax.Updates]]:
     """Every device's own ``value_and_grad`` of a masked mean loss, unreduced.
 
@@ -182,7 +181,7 @@ def per_device_value_and_grad(
 
 
 def _combine(
-    out: Any, has_aux: bool, aux_reduction: AuxReduction
+    out: Any, has_aux: bool, aux_reduction: Any
 ) -> tuple[Any, optax.Updates]:
     """Per-device ``((loss, count[, aux]), grads)`` to the global values.
 
@@ -225,7 +224,7 @@ def data_parallel_value_and_grad(
     *,
     num_microbatches: int = 1,
     has_aux: bool = False,
-    aux_reduction: AuxReduction = None,
+    aux_reduction: Any = None,
 ) -> Callable[..., tuple[Any, optax.Updates]]:
     """In-jit microbatching over data-parallel devices, reduced once per call.
 
