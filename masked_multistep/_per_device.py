@@ -180,9 +180,7 @@ def per_device_value_and_grad(
     return per_device
 
 
-def _combine(
-    out: Any, has_aux: bool, aux_reduction: Any
-) -> tuple[Any, optax.Updates]:
+def _combine(out: Any, has_aux: bool, aux_reduction: Any) -> tuple[Any, optax.Updates]:
     """Per-device ``((loss, count[, aux]), grads)`` to the global values.
 
     Loss, gradients and ``"mean"`` aux leaves are token-weighted means over the
