@@ -27,29 +27,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["running_mean_update", "safe_fraction", "compute_dtype", "scalar_count"]
+__all__ = ["running_mean_update", "safe_fraction", "compute_dtype"]
 
 
 def compute_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
     """The dtype the update is computed in: at least float32."""
     return jnp.promote_types(dtype, jnp.float32)
-
-
-def scalar_count(count: Any, what: str = "`count`", role: str = "") -> jax.Array:
-    """``count`` as an array, checked (at trace time) to be a numeric scalar.
-
-    Raises ``ValueError`` naming ``what`` (and its ``role``) and what was received.
-    """
-    arr = jnp.asarray(count)
-    if arr.shape != () or not (
-        jnp.issubdtype(arr.dtype, jnp.integer)
-        or jnp.issubdtype(arr.dtype, jnp.floating)
-    ):
-        raise ValueError(
-            f"{what} must be an integer or floating scalar{role}, got shape "
-            f"{arr.shape} and dtype {arr.dtype}"
-        )
-    return arr
 
 
 def safe_fraction(num: jax.Array, den: jax.Array) -> jax.Array:

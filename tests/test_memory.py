@@ -148,9 +148,10 @@ def test_persistent_state_is_inner_state_plus_one_accumulator(
         for leaf in jax.tree.leaves(getattr(state, field)):
             assert leaf.shape == (), (field, leaf.shape)
             scalars += jnp.dtype(leaf.dtype).itemsize
-    # mini_step, gradient_step, num_invalid_counts (int32), acc_count,
-    # acc_value (4 bytes each), updated (bool); no skip_state without a skip fn.
-    assert scalars == 5 * 4 + 1
+    # mini_step, gradient_step, num_invalid_counts, num_nonfinite_windows
+    # (int32), acc_count, acc_value, value_count (4 bytes each), updated (bool);
+    # no skip_state without a skip fn.
+    assert scalars == 7 * 4 + 1
     assert _bytes(state) == inner + accumulator + scalars
 
     # The compiled step updates the params, the inner state and the
