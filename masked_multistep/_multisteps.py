@@ -133,9 +133,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     """Accumulates microbatch gradients weighted by token count, then updates.
 
     Each call of :meth:`update` takes one microbatch's *mean* gradient ``gᵢ`` and
-    its number of real (unmasked) tokens ``nᵢ``. After ``k`` microbatches (a
-    *window*) the inner optimizer is called once, with the gradient of the full
-    batch's token-mean loss::
+    its number of real (unmasked) tokens ``nᵢ``. After ``k`` microbatches, or
+    once the microbatches hold a token budget (a *window*), the inner optimizer
+    is called once, with the gradient of the full batch's token-mean loss::
 
         mean = Σ nᵢ gᵢ / Σ nᵢ
 
@@ -149,6 +149,16 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     ``optax.chain`` the chain forwards ``count=`` to it.
 
     Semantics:
+      * A window closes on the microbatch that completes it by any of the rules
+        given: its ``k``-th microbatch (``every_k_schedule``); the microbatch
+        whose count brings the window's tokens ``Σ nᵢ`` to ``tokens_per_window``
+        or past it (a window never closes by tokens on a count-0 microbatch,
+        and may overshoot the budget by up to one microbatch's tokens). With
+        both, whichever comes first closes it. The rules read only scalars every
+        device agrees on (the window's microbatches and global token total, the
+        gradient step, the tokens seen), so with ``reduction=mm.deferred(...)``
+        all devices close on the same microbatch; the policy's state (the
+        tokens seen, for a budget that depends on them) is ``policy_state``.
       * Between windows the returned updates are zeros (structure and dtype of the
         inner optimizer's updates); the inner optimizer runs only at the end of a
         window, so its state, step count, schedules and weight decay advance once
@@ -160,7 +170,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
       * A window whose counts are all zero applies no update: zeros are returned,
         the inner state and ``gradient_step`` are unchanged.
       * A microbatch with tokens that ``should_skip_update_fn`` rejects is as if
-        it never happened (as in optax).
+        it never happened (as in optax): it neither counts toward ``k`` nor
+        toward the token budget, and never closes a window.
       * The count contract (accepted types, precision, what happens under
         ``jit``) is in ``masked_multistep._checks``: any real scalar, converted
         by value, exact to 2²⁴ tokens per window in the default float32; a bad
@@ -190,7 +201,19 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
       opt: the inner optimizer (``optax.GradientTransformation``).
       every_k_schedule: microbatches per window: an int in ``[1, 2³¹ − 1]``, or a
         callable of ``gradient_step`` returning one (made total under ``jit``:
-        rounded, clipped to ``[1, 2³¹ − 1]``, NaN counts as 1).
+        rounded, clipped to ``[1, 2³¹ − 1]``, NaN counts as 1). With
+        ``tokens_per_window`` or ``norm_test``, the most microbatches a window
+        may hold. At least one of ``every_k_schedule``, ``tokens_per_window``
+        and ``norm_test`` is required.
+      tokens_per_window: tokens per window: a number ``> 0``; a callable of the
+        tokens seen in all completed windows (a float32 scalar) returning the
+        budget, for a budget warmup; or :func:`token_budget` (a budget of the
+        gradient step, ``by="gradient_step"``). A callable's value is made total
+        under ``jit`` (NaN counts as 0, ``inf`` means no token limit).
+      norm_test: close a window once its mean gradient is precise enough by the
+        norm test (Byrd et al. 2012): θ, or :func:`norm_test` with its minimum
+        and maximum budgets. ``every_k_schedule`` and ``tokens_per_window`` are
+        then its maximum window; one of the three must set one.
       should_skip_update_fn: optional optax ``ShouldSkipUpdateFunction``, e.g.
         ``optax.skip_not_finite``.
       accumulator_dtype: dtype of the running mean ``acc_grads``. ``None``
@@ -208,12 +231,14 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         token-weighted, once per window.
 
     Raises:
-      TypeError: if ``opt`` is not a gradient transformation, or
-        ``every_k_schedule`` is neither an integer nor callable, or
-        ``reduction`` is neither ``None`` nor ``mm.deferred(...)``, or an
-        ``optax.MultiSteps``-only keyword is passed.
-      ValueError: if ``every_k_schedule`` is out of range, or a dtype cannot
-        serve.
+      TypeError: if ``opt`` is not a gradient transformation, or no window rule
+        is given, or ``every_k_schedule`` is neither an integer nor callable, or
+        ``tokens_per_window`` or ``norm_test`` is not a number, callable or
+        policy, or ``reduction`` is neither ``None`` nor ``mm.deferred(...)``,
+        or an ``optax.MultiSteps``-only keyword is passed.
+      ValueError: if ``every_k_schedule`` is out of range, or a budget is not
+        finite and ``> 0``, or the norm test has no maximum window, or a dtype
+        cannot serve.
 
     Examples:
       Three microbatches with 1, 1 and 2 tokens; the window's update is the
@@ -241,7 +266,25 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
       >>> print(updates["w"])
       -2.5
 
+      A window of at least 4 tokens: microbatches of 1, 0 and 3 tokens close it
+      on the third, and the next on its own (5 tokens):
+
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=4)
+      >>> state = tx.init(params)
+      >>> for g, n in [(1.0, 1), (jnp.nan, 0), (5.0, 3), (2.0, 5)]:
+      ...     updates, state = tx.update({"w": jnp.array(g)}, state, params,
+      ...                                count=jnp.array(n))
+      ...     print(updates["w"], int(state.gradient_step))
+      0.0 0
+      0.0 0
+      -4.0 1
+      -2.0 2
+
     References:
+      R. H. Byrd, G. M. Chin, J. Nocedal, Y. Wu, "Sample size selection in
+      optimization methods for machine learning", Mathematical Programming
+      134, 2012.
+
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
@@ -272,7 +315,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
         # The instance's attributes, set in `__new__`.
         _opt: optax.GradientTransformationExtraArgs
-        _every_k_schedule: Callable[[jax.Array], jax.Array]
+        _policy: _windows.WindowPolicy
         _should_skip_update_fn: optax.ShouldSkipUpdateFunction
         _accumulator_dtype: jnp.dtype | None
         _count_dtype: jnp.dtype
@@ -282,8 +325,15 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     def __new__(
         cls,
         opt: optax.GradientTransformation,
-        every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike],
+        every_k_schedule: int
+        | Callable[[jax.Array], jax.typing.ArrayLike]
+        | None = None,
         *,
+        tokens_per_window: (
+            float | Callable[[jax.Array], jax.typing.ArrayLike] | _windows.WindowPolicy
+        )
+        | None = None,
+        norm_test: float | _windows.WindowPolicy | None = None,
         should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
         accumulator_dtype: jax.typing.DTypeLike | None = None,
         count_dtype: jax.typing.DTypeLike = jnp.float32,
@@ -301,7 +351,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "`opt` must be an optax GradientTransformation, got "
                 f"{type(opt).__name__}"
             )
-        every_k = _windows.every_k(every_k_schedule)
+        policy = _windows.window_policy(every_k_schedule, tokens_per_window, norm_test)
         acc_dtype = _checks.check_accumulator_dtype(accumulator_dtype)
         cnt_dtype = _checks.check_count_dtype(count_dtype)
         if reduction is not None and not isinstance(reduction, Deferred):
@@ -318,7 +368,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
         self = super().__new__(cls, init, update)
         self._opt = optax.with_extra_args_support(opt)
-        self._every_k_schedule = every_k
+        self._policy = policy
         self._should_skip_update_fn = should_skip_update_fn or _no_skip
         self._accumulator_dtype = acc_dtype
         self._count_dtype = cnt_dtype
@@ -326,6 +376,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         self._config = (
             (opt, every_k_schedule),
             {
+                "tokens_per_window": tokens_per_window,
+                "norm_test": norm_test,
                 "should_skip_update_fn": should_skip_update_fn,
                 "accumulator_dtype": accumulator_dtype,
                 "count_dtype": count_dtype,
@@ -341,14 +393,25 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         return (functools.partial(MaskedMultiSteps, **kwargs), args)
 
     def __repr__(self) -> str:
-        opt, k = self._config[0]
+        (opt, k), kwargs = self._config
         inner = getattr(opt.update, "__qualname__", type(opt).__name__)
         inner = inner.split(".<locals>")[0]
-        k = getattr(k, "__name__", "<schedule>") if callable(k) else k
+
+        def show(rule):
+            if isinstance(rule, _windows.WindowPolicy):
+                return "<policy>"
+            return getattr(rule, "__name__", "<schedule>") if callable(rule) else rule
+
+        rules = [f"every_k_schedule={show(k)}"] if k is not None else []
+        rules += [
+            f"{name}={show(kwargs[name])}"
+            for name in ("tokens_per_window", "norm_test")
+            if kwargs[name] is not None
+        ]
         acc = self._accumulator_dtype or "follows the gradients"
-        reduction = self._config[1]["reduction"]
+        reduction = kwargs["reduction"]
         return (
-            f"MaskedMultiSteps(inner={inner}, every_k_schedule={k}, "
+            f"MaskedMultiSteps(inner={inner}, {', '.join(rules)}, "
             f"accumulator_dtype={acc}, count_dtype={self._count_dtype}"
             + (f", reduction={reduction!r})" if reduction is not None else ")")
         )
@@ -394,6 +457,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             value_count=jnp.zeros([], self._count_dtype),
             num_nonfinite_windows=jnp.zeros([], jnp.int32),
             skip_state=skip_state,
+            policy_state=self._policy.init(),
             reduction_state=self._reduction.init(self._count_dtype),
         )
 
@@ -497,6 +561,20 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         n = jnp.where(counted, n, jnp.zeros_like(n))
         return _Gate(n, local_counts, counted, valid_count, skip_state)
 
+    def _close_now(self, state, gate, acc_count) -> tuple[jax.Array, Any]:
+        """Asks the window policy whether the window closes on this microbatch.
+
+        Only a counted microbatch can close a window; the policy sees the
+        window as it is with this microbatch folded in.
+        """
+        scalars = _windows.WindowScalars(
+            microbatches=jnp.asarray(optax.safe_increment(state.mini_step)),
+            tokens=acc_count,
+            gradient_step=state.gradient_step,
+        )
+        closes = gate.counted & self._policy.closes(state.policy_state, scalars)
+        return closes, self._policy.update(state.policy_state, scalars, closes)
+
     def _inner_update(self, grads, static_args, with_value: bool):
         """The inner optimizer on the window's mean, its state cast back."""
 
@@ -541,9 +619,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 acc_value, value_count = running_mean_update(
                     state.acc_value, state.value_count, value, gate.n
                 )
-            k = self._every_k_schedule(state.gradient_step)
-            # `mini_step >= k - 1`, not `mini_step + 1 >= k`: no overflow at 2³¹.
-            window_done = gate.counted & (state.mini_step >= k - 1)
+            window_done, policy_state = self._close_now(state, gate, acc_count)
             has_tokens = window_done & (acc_count > 0)
 
         static_args = {
@@ -674,6 +750,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 state.num_nonfinite_windows,
             ),
             skip_state=gate.skip_state,
+            policy_state=policy_state,
             reduction_state=self._reduction.reset(reduction_state, window_done),
         )
         return out, new_state

@@ -71,6 +71,6 @@ def tokens_schedule(
     rate = float(tokens_per_step)
 
     def step_schedule(step):
-        return schedule(jnp.asarray(step).astype(jnp.float32) * rate)
+        return jnp.asarray(schedule(jnp.asarray(step).astype(jnp.float32) * rate))
 
     return step_schedule

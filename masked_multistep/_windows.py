@@ -26,6 +26,7 @@ __all__ = [
     "microbatch_window",
     "norm_test",
     "token_budget",
+    "window_policy",
 ]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -158,12 +159,16 @@ class WindowPolicy(NamedTuple):
         window closes.
       needs_stats: whether ``closes`` reads ``counted``, ``grad_sq_norm`` and
         ``grad_var_trace``.
+      bounded: whether the policy sets a maximum window by itself (a number of
+        microbatches or of tokens); the norm test without a maximum budget
+        does not, and could hold a window open forever.
     """
 
     init: Callable[[], Any]
     closes: Callable[[Any, WindowScalars], jax.Array]
     update: Callable[[Any, WindowScalars, jax.Array], Any]
     needs_stats: bool = False
+    bounded: bool = True
 
 
 def _no_state() -> tuple[()]:
@@ -206,15 +211,17 @@ def microbatch_window(
 def _check_number(value: Any, what: str, *, positive: bool = True) -> float | int:
     """A concrete real number, finite and > 0 (or >= 0); ints stay ints."""
     if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0:
-        if not isinstance(value, jax.core.Tracer):
-            if value.dtype == np.bool_ or not (
-                jnp.issubdtype(value.dtype, jnp.integer)
-                or jnp.issubdtype(value.dtype, jnp.floating)
-            ):
-                raise TypeError(
-                    f"{what} must be a real number, got dtype {value.dtype}"
-                )
+        if value.dtype == np.bool_ or not (
+            jnp.issubdtype(value.dtype, jnp.integer)
+            or jnp.issubdtype(value.dtype, jnp.floating)
+        ):
+            raise TypeError(f"{what} must be a real number, got dtype {value.dtype}")
+        try:
             value = value.item()
+        except jax.errors.ConcretizationTypeError:
+            raise TypeError(
+                f"{what} must be a concrete number, not a traced value"
+            ) from None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{what} must be a real number, got {value!r} of type "
@@ -231,20 +238,19 @@ def _microbatch_cap(
     value: int | Callable[[jax.Array], jax.typing.ArrayLike], what: str
 ) -> Callable[[jax.Array], jax.Array]:
     """``every_k(value)``, with errors that name ``what``."""
-    if not callable(value):
-        if (
-            isinstance(value, (jax.Array, np.ndarray, np.generic))
-            and np.ndim(value) == 0
-        ):
-            value = value.item() if jnp.issubdtype(value.dtype, jnp.integer) else value
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(
-                f"{what} must be an integer or a callable of the gradient step, "
-                f"got {value!r}"
-            )
-        if not 1 <= value <= _INT32_MAX:
-            raise ValueError(f"{what} must be in [1, 2**31 - 1], got {value}")
-    return every_k(value)
+    if callable(value):
+        return every_k(value)
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0:
+        value = value.item() if jnp.issubdtype(value.dtype, jnp.integer) else value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{what} must be an integer or a callable of the gradient step, "
+            f"got {value!r}"
+        )
+    k = int(value)
+    if not 1 <= k <= _INT32_MAX:
+        raise ValueError(f"{what} must be in [1, 2**31 - 1], got {k}")
+    return every_k(k)
 
 
 def _sanitize_budget(budget: Any) -> jax.Array:
@@ -385,19 +391,16 @@ def token_budget(
             f"`by` must be one of {', '.join(map(repr, _BUDGET_INPUTS))}, got {by!r}"
         )
     track_seen = callable(budget) and by == "tokens_seen"
+    budget_of: Callable[[Any, WindowScalars], float | int | jax.Array]
     if callable(budget):
         budget_fn = budget
-
-        def budget_of(policy_state, scalars):
-            x = policy_state.value if track_seen else scalars.gradient_step
-            return _sanitize_budget(budget_fn(x))
-
+        if track_seen:
+            budget_of = lambda seen, s: _sanitize_budget(budget_fn(seen.value))  # noqa: E731
+        else:
+            budget_of = lambda _, s: _sanitize_budget(budget_fn(s.gradient_step))  # noqa: E731
     else:
         constant = _check_number(budget, "`tokens_per_window`")
-
-        def budget_of(policy_state, scalars):
-            del policy_state, scalars
-            return constant
+        budget_of = lambda _, s: constant  # noqa: E731
 
     cap = None
     if max_microbatches is not None:
@@ -559,7 +562,12 @@ def norm_test(
             done = done | (scalars.microbatches >= cap(scalars.gradient_step))
         return done
 
-    return WindowPolicy(_no_state, closes, _keep, needs_stats=True)
+    bounded = max_tokens is not None or max_microbatches is not None
+    return WindowPolicy(_no_state, closes, _keep, needs_stats=True, bounded=bounded)
+
+
+# `window_policy` has an argument of the same name.
+_norm_test = norm_test
 
 
 def any_of(*policies: WindowPolicy) -> WindowPolicy:
@@ -595,4 +603,74 @@ def any_of(*policies: WindowPolicy) -> WindowPolicy:
             p.update(s, scalars, closed) for p, s in zip(policies, policy_state)
         )
 
-    return WindowPolicy(init, closes, update, any(p.needs_stats for p in policies))
+    return WindowPolicy(
+        init,
+        closes,
+        update,
+        needs_stats=any(p.needs_stats for p in policies),
+        bounded=any(p.bounded for p in policies),
+    )
+
+
+def window_policy(
+    every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike] | None = None,
+    tokens_per_window: (
+        float | Callable[[jax.Array], jax.typing.ArrayLike] | WindowPolicy | None
+    ) = None,
+    norm_test: float | WindowPolicy | None = None,
+) -> WindowPolicy:
+    """The policy of ``MaskedMultiSteps``' window arguments: whichever closes first.
+
+    Args:
+      every_k_schedule: microbatches per window (see :func:`every_k`), or
+        ``None``.
+      tokens_per_window: a token budget: a number, a callable of the tokens
+        seen (see :func:`token_budget`), a policy that :func:`token_budget`
+        built (e.g. ``by="gradient_step"``), or ``None``.
+      norm_test: the norm test's θ (a number), a policy that :func:`norm_test`
+        built (with its minimum and maximum budgets), or ``None``.
+
+    Returns:
+      :func:`any_of` the given rules.
+
+    Raises:
+      TypeError: if none of the three is given, or one has the wrong type.
+      ValueError: if a value is out of range, or the norm test is given no
+        maximum: neither ``every_k_schedule`` nor ``tokens_per_window`` nor its
+        own ``max_tokens``/``max_microbatches``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> policy = window_policy(8, tokens_per_window=4096)
+      >>> s = WindowScalars(jnp.int32(3), jnp.float32(5000.0), jnp.int32(0))
+      >>> print(policy.closes(policy.init(), s))
+      True
+    """
+    policies = []
+    if every_k_schedule is not None:
+        policies.append(microbatch_window(every_k_schedule))
+    if tokens_per_window is not None:
+        if isinstance(tokens_per_window, WindowPolicy):
+            policies.append(tokens_per_window)
+        else:
+            policies.append(token_budget(tokens_per_window))
+    if norm_test is not None:
+        if isinstance(norm_test, WindowPolicy):
+            policies.append(norm_test)
+        else:
+            policies.append(_norm_test(norm_test))
+    if not policies:
+        raise TypeError(
+            "MaskedMultiSteps needs a rule that closes its windows: pass "
+            "`every_k_schedule` (microbatches per window), `tokens_per_window` "
+            "(a token budget) or `norm_test`; got none of them"
+        )
+    policy = any_of(*policies)
+    if not policy.bounded:
+        raise ValueError(
+            "The norm test needs a maximum window, or a window could stay open "
+            "forever: pass `every_k_schedule` (a maximum number of microbatches), "
+            "`tokens_per_window` (a maximum number of tokens), or "
+            "`norm_test=mm.norm_test(θ, max_tokens=..., max_microbatches=...)`"
+        )
+    return policy

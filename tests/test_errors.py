@@ -23,10 +23,17 @@ def test_k_below_one_is_a_value_error(k):
         mm.MaskedMultiSteps(optax.sgd(1.0), k)
 
 
-@pytest.mark.parametrize("k", [2.0, True, "3", jnp.array(2.0), None], ids=repr)
+@pytest.mark.parametrize("k", [2.0, True, "3", jnp.array(2.0)], ids=repr)
 def test_k_of_the_wrong_type_is_a_type_error(k):
     with pytest.raises(TypeError, match="`every_k_schedule` must be an integer"):
         mm.MaskedMultiSteps(optax.sgd(1.0), k)
+
+
+def test_no_window_rule_is_a_type_error_naming_the_three():
+    with pytest.raises(
+        TypeError, match="`every_k_schedule`.*`tokens_per_window`.*`norm_test`"
+    ):
+        mm.MaskedMultiSteps(optax.sgd(1.0), None)
 
 
 def test_bad_constructor_arguments():
