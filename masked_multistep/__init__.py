@@ -65,19 +65,10 @@ __all__ = [
     "weighted_mean_across",
 ]
 
-_NEEDS_FLAX = (
-    "masked_multistep.TrainState needs flax (>= 0.12), an optional dependency "
-    "that is not installed: `pip install flax`, or from a checkout of this "
-    'repository `pip install ".[flax]"`.'
-)
-
 
 def __getattr__(name: str):
     if name == "TrainState":
-        try:
-            import flax  # noqa: F401
-        except ImportError as err:
-            raise ImportError(_NEEDS_FLAX, name="flax") from err
+        # Without flax this raises an ImportError that says what to install.
         from masked_multistep._train_state import TrainState
 
         globals()["TrainState"] = TrainState

@@ -78,15 +78,20 @@ def running_mean_update(
     new_total = total + count
     take = count > 0
     first = total == 0
-    # N / n rather than n / N: with equal weights N / n is the exact integer j, so
-    # the update equals optax.MultiSteps' `acc + (g - acc) / j` bit for bit.
-    # Where the weight is zero the ratio is 1, not 0: the unselected side of the
-    # `where` below then stays finite, so its cotangent (0 / ratio) is 0, not NaN,
-    # and reverse-mode derivatives through a zero-count microbatch are finite.
-    ratio = jnp.where(take, safe_fraction(new_total, count), 1)
 
     def leaf(m, g):
         dtype = compute_dtype(m.dtype)
+        # N / n rather than n / N: with equal weights N / n is the exact integer
+        # j, so the update equals optax.MultiSteps' `acc + (g - acc) / j` bit for
+        # bit. Where the weight is zero the ratio is 1, not 0: the unselected
+        # side of the `where` below then stays finite, so its cotangent
+        # (0 / ratio) is 0, not NaN, and reverse-mode derivatives through a
+        # zero-count microbatch are finite. It is computed in the leaf's own
+        # precision: a float32 ratio would cap a float64 accumulator (under x64)
+        # at float32 accuracy.
+        real = jnp.finfo(dtype).dtype
+        n, total_n = jnp.asarray(count, real), jnp.asarray(new_total, real)
+        ratio = jnp.where(take, safe_fraction(total_n, n), 1)
         m_c = m.astype(dtype)
         # A zero weight must not leak its (possibly NaN) value into the cotangent
         # of `g` either: zero it before any arithmetic.

@@ -20,10 +20,11 @@ from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 try:
     from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
     from flax.training import train_state as _flax_train_state
-except ImportError as err:  # pragma: no cover - exercised only without flax
+except ImportError as err:
     raise ImportError(
-        "masked_multistep.TrainState needs flax: install it with "
-        "`pip install masked_multistep[flax]` (or `pip install flax`)."
+        "masked_multistep.TrainState needs flax, which is not installed: "
+        "`pip install flax`, or from a checkout of masked_multistep "
+        '`pip install -e ".[flax]"` (`make test` installs it too).'
     ) from err
 
 __all__ = ["TrainState"]
@@ -84,6 +85,7 @@ class TrainState(_flax_train_state.TrainState):
         grads: optax.Updates,
         count: jax.typing.ArrayLike | None = None,
         value: jax.typing.ArrayLike | None = None,
+        extra_args: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> TrainState:
         """Folds in one microbatch's gradients; updates the params at a window's end.
@@ -98,15 +100,19 @@ class TrainState(_flax_train_state.TrainState):
           value: optionally the microbatch's mean loss; token-averaged by
             :class:`MaskedMultiSteps` and passed to its inner optimizer as
             ``value=`` at the end of the window.
-          **kwargs: keywords naming a field of this dataclass are ``replace``-d,
-            as in flax (e.g. ``batch_stats=`` on a subclass); all others go to
-            the optimizer as extra arguments.
+          extra_args: further keyword arguments for the optimizer's update
+            (e.g. ``{"scale": s}`` for an inner optimizer that takes
+            ``scale=``); a :class:`MaskedMultiSteps` hands them to its inner
+            optimizer at the end of the window.
+          **kwargs: fields of this dataclass, ``replace``-d as in flax (e.g.
+            ``batch_stats=`` on a subclass).
 
         Returns:
           The new state, with ``step`` incremented by one.
 
         Raises:
-          TypeError: if ``count`` is missing.
+          TypeError: if ``count`` is missing, or a keyword is neither a field nor
+            one of the above (a misspelt field would otherwise vanish).
         """
         if count is None:
             raise TypeError(
@@ -114,9 +120,23 @@ class TrainState(_flax_train_state.TrainState):
                 "call `state.apply_gradients(grads=grads, count=n)`, got "
                 "count=None."
             )
-        field_names = {f.name for f in dataclasses.fields(self)}
-        replace = {k: v for k, v in kwargs.items() if k in field_names}
-        extra_args = {k: v for k, v in kwargs.items() if k not in field_names}
+        field_names = [f.name for f in dataclasses.fields(self)]
+        unknown = [k for k in kwargs if k not in field_names]
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}.apply_gradients got unexpected keyword "
+                f"argument(s) {', '.join(map(repr, unknown))}: not a field of "
+                f"{type(self).__name__} (fields: {', '.join(field_names)}). Pass "
+                "arguments for the optimizer as `extra_args={...}`."
+            )
+        extra_args = dict(extra_args or {})
+        clash = [k for k in ("count", "value") if k in extra_args]
+        if clash:
+            raise TypeError(
+                f"Pass {', '.join(clash)} to apply_gradients directly, not in "
+                "`extra_args`."
+            )
+        replace = kwargs
         extra_args["count"] = count
         if value is not None:
             extra_args["value"] = value

@@ -30,8 +30,6 @@ __all__ = [
 ]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
-# The largest float32 below 2³¹: a float k clipped to it converts to int32 exactly.
-_F32_BELOW_2_31 = float(np.nextafter(np.float32(2**31), np.float32(0)))
 
 
 def _sanitize_k(k: Any) -> jax.Array:
@@ -48,8 +46,12 @@ def _sanitize_k(k: Any) -> jax.Array:
             f"`every_k_schedule(step)` must return a scalar, got shape {k.shape}"
         )
     if jnp.issubdtype(k.dtype, jnp.floating):
+        k = k.astype(jnp.promote_types(k.dtype, jnp.float32))  # holds 2³¹
         k = jnp.where(jnp.isnan(k), 1, jnp.round(k))
-        return jnp.clip(k, 1, _F32_BELOW_2_31).astype(jnp.int32)
+        # Below 2³¹ the conversion is exact; at or above it, 2³¹ − 1.
+        fits = k < 2.0**31
+        small = jnp.clip(jnp.where(fits, k, 1), 1, None).astype(jnp.int32)
+        return jnp.where(fits, small, _INT32_MAX)
     if jnp.issubdtype(k.dtype, jnp.integer) and not jnp.issubdtype(k.dtype, jnp.bool_):
         info = np.iinfo(k.dtype)
         lo = jnp.asarray(1, k.dtype)

@@ -242,9 +242,12 @@ def test_float_weights_with_float_count_dtype():
 def test_every_k_schedule_accepts_integer_kinds(k):
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), k)
     state = tx.init(PARAMS)
-    for _ in range(3):
+    flags = []
+    for _ in range(6):
         _, state = tx.update(_grads(1.0), state, PARAMS, count=jnp.int32(1))
-    assert bool(tx.has_updated(state))
+        flags.append(bool(tx.has_updated(state)))
+    # k = 3 exactly: a conversion that collapsed k to 1 or 2 would close earlier.
+    assert flags == [False, False, True, False, False, True]
 
 
 def test_callable_schedule_varies_window_size():

@@ -162,7 +162,7 @@ class _StateWithStats(mm.TrainState):
 
 @pytest.mark.parametrize("path", ["fast", "chain"])
 def test_value_and_extra_args_reach_the_inner_optimizer(path):
-    """`value` is token-averaged; other kwargs are forwarded or ``replace``-d.
+    """`value` is token-averaged; `extra_args` are forwarded, fields ``replace``-d.
 
     The fast path goes through the fused `MaskedMultiSteps.apply_gradients`
     (params untouched between windows), the chain through `update`.
@@ -180,7 +180,7 @@ def test_value_and_extra_args_reach_the_inner_optimizer(path):
             grads={"w": jnp.ones(2)},
             count=count,
             value=loss,
-            scale=jnp.array(0.5),
+            extra_args={"scale": jnp.array(0.5)},
             batch_stats={"n": i + 1},
         )
 
@@ -242,10 +242,7 @@ def test_package_imports_without_flax():
         try:
             mm.TrainState
         except ImportError as err:
-            # Names flax and what installs it, also from a checkout.
-            assert "needs flax" in str(err), err
-            assert "pip install flax" in str(err), err
-            assert 'pip install ".[flax]"' in str(err), err
+            assert "which is not installed: `pip install flax`" in str(err), err
         else:
             raise AssertionError("mm.TrainState without flax did not raise")
         try:

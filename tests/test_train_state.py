@@ -1,0 +1,104 @@
+"""`mm.TrainState`: keywords never vanish; a clear message without flax."""
+
+import importlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import masked_multistep as mm
+
+
+class _StateWithStats(mm.TrainState):
+    batch_stats: dict
+
+
+class _Scaled(optax.GradientTransformationExtraArgs):
+    """sgd(1.0) whose update is multiplied by a required `scale=`."""
+
+    def __new__(cls):
+        def init(params):
+            del params
+            return optax.EmptyState()
+
+        def update(updates, state, params=None, *, scale, **extra):
+            del params, extra
+            return jax.tree.map(lambda u: -scale * u, updates), state
+
+        return super().__new__(cls, init, update)
+
+
+def _state(tx=None):
+    return _StateWithStats.create(
+        apply_fn=None,
+        params={"w": jnp.zeros(2)},
+        tx=tx or mm.MaskedMultiSteps(optax.sgd(1.0), 2),
+        batch_stats={"n": 0},
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_misspelt_field_is_a_type_error_naming_it(jit):
+    state = _state()
+
+    def step(state):
+        return state.apply_gradients(
+            grads={"w": jnp.ones(2)}, count=jnp.int32(1), batch_stat={"n": 1}
+        )
+
+    with pytest.raises(
+        TypeError,
+        match=r"unexpected keyword argument\(s\) 'batch_stat': not a field of "
+        r"_StateWithStats \(fields: .*batch_stats",
+    ):
+        (jax.jit(step) if jit else step)(state)
+
+
+def test_several_unknown_keywords_are_all_named():
+    with pytest.raises(TypeError, match=r"'lr', 'sacle'.*extra_args"):
+        _state().apply_gradients(
+            grads={"w": jnp.ones(2)}, count=jnp.int32(1), lr=0.1, sacle=2.0
+        )
+
+
+def test_fields_are_replaced_and_extra_args_reach_the_optimizer():
+    state = _state(mm.MaskedMultiSteps(_Scaled(), 2))
+    for g, n in [(1.0, 3), (5.0, 1)]:
+        state = state.apply_gradients(
+            grads={"w": jnp.full(2, g)},
+            count=jnp.int32(n),
+            extra_args={"scale": jnp.float32(0.5)},
+            batch_stats={"n": int(state.batch_stats["n"]) + 1},
+        )
+    np.testing.assert_allclose(state.params["w"], -0.5 * 2.0)
+    assert state.batch_stats == {"n": 2} and int(state.step) == 2
+
+
+def test_count_and_value_inside_extra_args_are_refused():
+    with pytest.raises(TypeError, match="Pass count to apply_gradients directly"):
+        _state().apply_gradients(
+            grads={"w": jnp.ones(2)}, count=jnp.int32(1), extra_args={"count": 2}
+        )
+
+
+def test_without_flax_the_import_error_says_how_to_install_it(monkeypatch):
+    # Make flax unimportable for the lazy import of `masked_multistep.TrainState`.
+    for name in [m for m in sys.modules if m == "flax" or m.startswith("flax.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "flax", None)
+    monkeypatch.delitem(sys.modules, "masked_multistep._train_state")
+    monkeypatch.delattr(mm, "TrainState", raising=False)
+    expected = (
+        "masked_multistep.TrainState needs flax, which is not installed: "
+        "`pip install flax`, or from a checkout of masked_multistep "
+        '`pip install -e ".[flax]"` (`make test` installs it too).'
+    )
+    with pytest.raises(ImportError) as info:
+        importlib.import_module("masked_multistep._train_state")
+    assert str(info.value) == expected
+    with pytest.raises(ImportError) as info:
+        mm.TrainState  # noqa: B018
+    assert str(info.value) == expected
