@@ -36,9 +36,9 @@ def model_k(k):
         if math.isnan(k):
             return 1
         if math.isinf(k):
-            return 1 if k < 0 else 2**31 - 128
+            return 1 if k < 0 else INT32_MAX
         k = round(k)  # half to even, as jnp.round
-        return int(min(max(k, 1), 2**31 - 128))
+        return int(min(max(k, 1), INT32_MAX))
     return int(min(max(k, 1), INT32_MAX))
 
 
