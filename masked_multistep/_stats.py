@@ -1,0 +1,435 @@
+"""Window statistics: tokens, loss, gradient norm and gradient noise scale.
+
+Microbatch ``i`` of a window has ``nᵢ`` tokens and mean gradient ``gᵢ``;
+``N = Σ nᵢ``, ``ḡ = Σ nᵢ gᵢ / N`` (the window's mean, what the inner optimizer
+sees) and ``K`` is the number of microbatches with ``nᵢ > 0``. If the ``gᵢ`` are
+independent with ``E gᵢ = G`` and ``Cov gᵢ = Σ / nᵢ`` (tokens as independent
+samples with per-token covariance ``Σ``), the weighted spread
+
+    S = Σ nᵢ ‖gᵢ − ḡ‖² = Σ nᵢ ‖gᵢ‖² − N ‖ḡ‖²
+
+has ``E S = (K − 1) tr Σ``, and ``E ‖ḡ‖² = |G|² + tr Σ / N``. Hence the unbiased
+estimators
+
+    tr Σ̂  = S / (K − 1)                (per-token gradient variance)
+    |G|²̂ = ‖ḡ‖² − tr Σ̂ / N            (squared norm of the true gradient)
+    B_simple = tr Σ̂ / |G|²̂            (the "simple" noise scale, in tokens)
+
+of McCandlish et al. (2018). With equal ``nᵢ = n`` they are exactly their
+two-batch estimators with ``B_small = n``, ``B_big = N`` and ``|G_small|²`` the
+mean of the ``‖gᵢ‖²``. ``B_simple`` estimates the critical batch size: batches
+well below it waste steps, batches well above it waste tokens.
+
+The accumulation needs one scalar per microbatch, ``nᵢ ‖gᵢ‖²``, summed over the
+window (``weighted_sq_norms``), and ``‖ḡ‖²`` once per window. ``S`` is formed as
+``Σ nᵢ ‖gᵢ‖² − N ‖ḡ‖²`` rather than by West's update of ``Σ nᵢ ‖gᵢ − m‖²``
+(available as ``running_mean_update(..., with_sq_deviation=True)``): on XLA:CPU a
+reduction over two parameter-sized operands (``g`` and the mean) is not fused
+into the accumulation pass and costs more than the rest of an accumulation step,
+while the reduction of the gradient alone is cheap. The price is cancellation:
+the relative rounding error of ``S`` grows with ``N / B_simple``. Measured against
+a float64 two-pass sum (8 microbatches, 1e5 parameters, float32 state): below
+5e-7 up to ``N = 100·B_simple``, 1e-5 at ``1000·B_simple``, 1e-4 at
+``10⁵·B_simple``; always far below the statistical noise of an estimate from
+``K`` microbatches (relative standard deviation about ``√(2 / (K − 1))``).
+Rounding can make ``S`` slightly negative when the microbatches agree; it is
+clamped at 0.
+
+``B_simple`` from one window is very noisy; McCandlish et al. smooth the
+numerator and the denominator separately with exponential moving averages. The
+state keeps both (debiased like Adam's moments, over the windows whose
+estimates are finite), and reports their ratio as ``smoothed_noise_scale``.
+
+All updates here are total: a microbatch with ``n == 0`` leaves the state
+bit-identical even when its gradient is NaN; undefined estimates are NaN.
+
+References:
+  S. McCandlish, J. Kaplan, D. Amodei and the OpenAI Dota Team, "An Empirical
+  Model of Large-Batch Training", arXiv:1812.06162, 2018 (Appendix A).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from masked_multistep._running_mean import sq_norm
+
+__all__ = [
+    "TokenTotal",
+    "WindowStats",
+    "WindowStatsState",
+    "init_window_stats",
+    "accumulate_window_stats",
+    "close_window_stats",
+    "noise_scale_estimates",
+    "tree_sq_norm",
+]
+
+_F32 = jnp.float32
+# Count dtypes are split into float32 pieces of at most 24 bits, each exact.
+_CHUNK_BITS = 24
+
+
+class TokenTotal(NamedTuple):
+    """A token total kept exactly as the unevaluated sum ``hi + lo`` of two floats.
+
+    A double-float32 (compensated) sum: each addition is exact as long as the
+    total's integer value stays below ``2**48`` (2.8e14 tokens), whatever the
+    count dtype, far beyond the ``2**24`` of one float32 or the ``2**31`` of an
+    int32. ``float(total)`` (or :meth:`value`) gives it as a Python float, exact
+    for integer totals below ``2**53``.
+
+    Attributes:
+      hi: float32, the leading part.
+      lo: float32, the remainder (``|lo| <= ulp(hi) / 2``).
+    """
+
+    hi: jax.Array
+    lo: jax.Array
+
+    def value(self) -> np.ndarray:
+        """The total as a float64 NumPy value (elementwise, if batched)."""
+        return np.asarray(self.hi, np.float64) + np.asarray(self.lo, np.float64)
+
+    def __float__(self) -> float:
+        return float(self.value())
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(s, e)`` with ``s = fl(a + b)`` and ``a + b = s + e`` exactly (Knuth)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _add_exact_piece(total: TokenTotal, x: jax.Array) -> TokenTotal:
+    s, e = _two_sum(total.hi, x)
+    e = e + total.lo
+    hi = s + e
+    return TokenTotal(hi, e - (hi - s))
+
+
+def _float32_pieces(x: jax.Array) -> list[jax.Array]:
+    """Non-negative ``x`` as float32 values, each exact, that sum to ``x``.
+
+    Integers are cut into 24-bit chunks; float64 into its float32 rounding and
+    the (float32-rounded) remainder.
+    """
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        bits = 8 * x.dtype.itemsize
+        mask = (1 << _CHUNK_BITS) - 1
+        pieces = []
+        for shift in range(0, bits, _CHUNK_BITS):
+            chunk = (x >> shift) & jnp.asarray(mask, x.dtype)
+            pieces.append(chunk.astype(_F32) * np.float32(2.0**shift))
+        return pieces
+    if x.dtype.itemsize > 4:
+        hi = x.astype(_F32)
+        return [hi, (x - hi.astype(x.dtype)).astype(_F32)]
+    return [x.astype(_F32)]
+
+
+def _add_tokens(total: TokenTotal, x: jax.Array) -> TokenTotal:
+    for piece in _float32_pieces(x):
+        total = _add_exact_piece(total, piece)
+    return total
+
+
+class WindowStats(NamedTuple):
+    """Statistics of the last completed window (see the module docstring).
+
+    Attributes:
+      tokens: ``N``, the window's token total (the count dtype).
+      microbatches: ``K``, its microbatches with a positive count (int32).
+      loss: token-weighted mean of ``value`` over the window's microbatches that
+        passed one (NaN when none did).
+      grad_sq_norm: ``‖ḡ‖²``, the squared norm of the window's mean gradient
+        (NaN when ``N == 0``).
+      grad_var_trace: ``tr Σ̂ = S / (K − 1)`` (NaN when ``K < 2``).
+      true_grad_sq_norm: ``|G|²̂ = ‖ḡ‖² − tr Σ̂ / N`` (NaN when ``K < 2``); may
+        be negative when the noise swamps the signal.
+      noise_scale: ``B_simple = tr Σ̂ / |G|²̂`` in tokens; NaN when undefined
+        (``K < 2``, or ``|G|²̂ <= 0``: this window cannot resolve the gradient
+        from its noise).
+      smoothed_noise_scale: the ratio of exponential moving averages of
+        ``tr Σ̂`` and ``|G|²̂`` over windows (NaN until a window has a finite
+        estimate, or while the averaged ``|G|²̂ <= 0``).
+      tokens_seen: the tokens of all completed windows, a :class:`TokenTotal`.
+      windows: the number of completed windows (int32, saturating).
+    """
+
+    tokens: jax.Array
+    microbatches: jax.Array
+    loss: jax.Array
+    grad_sq_norm: jax.Array
+    grad_var_trace: jax.Array
+    true_grad_sq_norm: jax.Array
+    noise_scale: jax.Array
+    smoothed_noise_scale: jax.Array
+    tokens_seen: TokenTotal
+    windows: jax.Array
+
+
+class WindowStatsState(NamedTuple):
+    """The statistics' part of the wrapper's state.
+
+    Attributes:
+      weighted_sq_norms: ``Σ nᵢ ‖gᵢ‖²`` over the current window (float32).
+      microbatches: ``K`` of the current window (int32).
+      ema_grad_var_trace: moving average of ``tr Σ̂`` (not debiased).
+      ema_true_grad_sq_norm: moving average of ``|G|²̂`` (not debiased).
+      ema_weight: ``1 − decayᵗ`` after ``t`` averaged windows, the debiasing
+        divisor.
+      last: the :class:`WindowStats` of the last completed window.
+    """
+
+    weighted_sq_norms: jax.Array
+    microbatches: jax.Array
+    ema_grad_var_trace: jax.Array
+    ema_true_grad_sq_norm: jax.Array
+    ema_weight: jax.Array
+    last: WindowStats
+
+
+def _nan() -> jax.Array:
+    return jnp.full([], jnp.nan, _F32)
+
+
+def init_window_stats(count_dtype: jax.typing.DTypeLike = _F32) -> WindowStatsState:
+    """The state before any microbatch: no window completed, estimates NaN.
+
+    Args:
+      count_dtype: the dtype of token counts (of ``WindowStats.tokens``).
+
+    Examples:
+      >>> from masked_multistep._stats import init_window_stats
+      >>> state = init_window_stats()
+      >>> print(state.last.noise_scale, float(state.last.tokens_seen))
+      nan 0.0
+    """
+    zero = jnp.zeros([], _F32)
+    last = WindowStats(
+        tokens=jnp.zeros([], count_dtype),
+        microbatches=jnp.zeros([], jnp.int32),
+        loss=_nan(),
+        grad_sq_norm=_nan(),
+        grad_var_trace=_nan(),
+        true_grad_sq_norm=_nan(),
+        noise_scale=_nan(),
+        smoothed_noise_scale=_nan(),
+        tokens_seen=TokenTotal(jnp.zeros([], _F32), jnp.zeros([], _F32)),
+        windows=jnp.zeros([], jnp.int32),
+    )
+    return WindowStatsState(
+        weighted_sq_norms=zero,
+        microbatches=jnp.zeros([], jnp.int32),
+        ema_grad_var_trace=jnp.zeros([], _F32),
+        ema_true_grad_sq_norm=jnp.zeros([], _F32),
+        ema_weight=jnp.zeros([], _F32),
+        last=last,
+    )
+
+
+def tree_sq_norm(tree: Any) -> jax.Array:
+    """``Σ_leaves ‖leaf‖²`` in at least float32 (real, for complex leaves too).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from masked_multistep._stats import tree_sq_norm
+      >>> print(tree_sq_norm({"a": jnp.array([3.0, 4.0]), "b": jnp.array(1.0)}))
+      26.0
+    """
+    leaves = [sq_norm(jnp.asarray(x)) for x in jax.tree.leaves(tree)]
+    dtype = jnp.result_type(_F32, *(x.dtype for x in leaves))
+    return sum((x.astype(dtype) for x in leaves), jnp.zeros([], dtype))
+
+
+def accumulate_window_stats(
+    state: WindowStatsState, grads: Any, count: jax.Array
+) -> WindowStatsState:
+    """Folds one microbatch's ``n ‖g‖²`` into the current window.
+
+    Args:
+      state: the statistics' state.
+      grads: the microbatch's mean gradient (a pytree).
+      count: its weight ``n`` (already zeroed for skipped microbatches). Zero
+        leaves ``state`` bit-identical, whatever ``grads`` holds.
+
+    Returns:
+      The new state.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from masked_multistep._stats import (
+      ...     init_window_stats, accumulate_window_stats)
+      >>> s = init_window_stats()
+      >>> s = accumulate_window_stats(s, jnp.array([1.0, 2.0]), jnp.float32(3))
+      >>> s = accumulate_window_stats(s, jnp.array([jnp.nan]), jnp.float32(0))
+      >>> print(s.weighted_sq_norms, s.microbatches)  # 3 * (1 + 4)
+      15.0 1
+    """
+    with jax.named_scope("masked_multistep/window_stats"):
+        take = count > 0
+        # Zero a skipped microbatch's gradient before squaring it: it may be
+        # NaN, and NaN * 0 is NaN, in the value and in the cotangent alike.
+        kept = jax.tree.map(lambda g: jnp.where(take, g, jnp.zeros_like(g)), grads)
+        sq = jnp.where(take, tree_sq_norm(kept).astype(_F32), 0)
+        n = jnp.where(take, jnp.asarray(count).astype(_F32), 0)
+        return state._replace(
+            weighted_sq_norms=jnp.where(
+                take, state.weighted_sq_norms + n * sq, state.weighted_sq_norms
+            ),
+            microbatches=jnp.where(
+                take, state.microbatches + 1, state.microbatches
+            ).astype(jnp.int32),
+        )
+
+
+def noise_scale_estimates(
+    sq_deviation: jax.typing.ArrayLike,
+    microbatches: jax.typing.ArrayLike,
+    tokens: jax.typing.ArrayLike,
+    grad_sq_norm: jax.typing.ArrayLike,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The unbiased estimators ``(tr Σ̂, |G|²̂, B_simple)`` of one window.
+
+    ``tr Σ̂ = S / (K − 1)``, ``|G|²̂ = ‖ḡ‖² − tr Σ̂ / N``,
+    ``B_simple = tr Σ̂ / |G|²̂``, in float32 (or wider). Each is NaN where
+    undefined: ``K < 2`` or ``N <= 0`` for all three, and ``|G|²̂ <= 0`` for
+    ``B_simple``.
+
+    Args:
+      sq_deviation: ``S = Σ nᵢ ‖gᵢ − ḡ‖²``.
+      microbatches: ``K``, the microbatches with ``nᵢ > 0``.
+      tokens: ``N = Σ nᵢ``.
+      grad_sq_norm: ``‖ḡ‖²``.
+
+    Returns:
+      ``(grad_var_trace, true_grad_sq_norm, noise_scale)``.
+
+    Examples:
+      Two microbatches of 2 tokens with gradients 1 and 3 (so ``ḡ = 2``,
+      ``S = 2·1 + 2·1 = 4``):
+
+      >>> from masked_multistep._stats import noise_scale_estimates
+      >>> var, true_sq, b = noise_scale_estimates(4.0, 2, 4, 4.0)
+      >>> print(var, true_sq, b)  # 4 / 1, 4 - 4 / 4, 4 / 3
+      4.0 3.0 1.3333334
+
+    References:
+      S. McCandlish et al., "An Empirical Model of Large-Batch Training",
+      arXiv:1812.06162, 2018, Appendix A.1.
+    """
+    dtype = jnp.result_type(_F32, jnp.asarray(sq_deviation).dtype)
+    s = jnp.asarray(sq_deviation, dtype)
+    k = jnp.asarray(microbatches).astype(dtype)
+    n = jnp.asarray(tokens).astype(dtype)
+    g2 = jnp.asarray(grad_sq_norm).astype(dtype)
+    nan = jnp.asarray(jnp.nan, dtype)
+    ok = (k >= 2) & (n > 0)
+    var = jnp.where(ok, s / jnp.where(ok, k - 1, 1), nan)
+    true_sq = jnp.where(ok, g2 - var / jnp.where(ok, n, 1), nan)
+    resolved = ok & (true_sq > 0)
+    scale = jnp.where(resolved, var / jnp.where(resolved, true_sq, 1), nan)
+    return var, true_sq, scale
+
+
+def close_window_stats(
+    state: WindowStatsState,
+    done: jax.Array,
+    *,
+    tokens: jax.Array,
+    grad_sq_norm: jax.Array,
+    loss: jax.Array,
+    decay: float,
+) -> WindowStatsState:
+    """Where ``done``: records the finished window and starts a new one.
+
+    Args:
+      state: the statistics' state, with the window's last microbatch folded in.
+      done: whether the window ends here (a boolean scalar).
+      tokens: the window's ``N`` (count dtype).
+      grad_sq_norm: ``‖ḡ‖²`` of the window's mean (any value where ``N == 0``).
+      loss: the window's token-weighted mean ``value`` (any value where no
+        microbatch passed one: pass NaN).
+      decay: the moving averages' decay per window, in ``[0, 1)``.
+
+    Returns:
+      The new state: unchanged where ``done`` is False.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from masked_multistep._stats import (
+      ...     init_window_stats, accumulate_window_stats, close_window_stats)
+      >>> s = init_window_stats()
+      >>> for g in (1.0, 3.0):
+      ...     s = accumulate_window_stats(s, jnp.array(g), jnp.float32(2))
+      >>> s = close_window_stats(s, jnp.array(True), tokens=jnp.float32(4),
+      ...                        grad_sq_norm=jnp.float32(4.0),
+      ...                        loss=jnp.float32(0.5), decay=0.9)
+      >>> print(s.last.noise_scale, s.last.smoothed_noise_scale, s.microbatches)
+      1.3333334 1.3333334 0
+    """
+    with jax.named_scope("masked_multistep/window_stats"):
+        n = jnp.asarray(tokens)
+        has_tokens = n > 0
+        g2 = jnp.where(has_tokens, jnp.asarray(grad_sq_norm).astype(_F32), jnp.nan)
+        n_f = n.astype(_F32)
+        # S = Σ nᵢ‖gᵢ‖² − N‖ḡ‖², clamped: rounding may leave it just below 0.
+        s = jnp.maximum(state.weighted_sq_norms - n_f * jnp.where(has_tokens, g2, 0), 0)
+        k = state.microbatches
+        var, true_sq, scale = noise_scale_estimates(s, k, n, g2)
+
+        finite = jnp.isfinite(var) & jnp.isfinite(true_sq)
+        fold = done & finite
+        beta = jnp.asarray(decay, _F32)
+        ema_var = jnp.where(
+            fold,
+            beta * state.ema_grad_var_trace + (1 - beta) * jnp.where(finite, var, 0),
+            state.ema_grad_var_trace,
+        )
+        ema_true = jnp.where(
+            fold,
+            beta * state.ema_true_grad_sq_norm
+            + (1 - beta) * jnp.where(finite, true_sq, 0),
+            state.ema_true_grad_sq_norm,
+        )
+        ema_weight = jnp.where(
+            fold, beta * state.ema_weight + (1 - beta), state.ema_weight
+        )
+        # The debiasing divisor cancels in the ratio; it only decides whether
+        # any window has been averaged yet.
+        smooth_ok = (ema_weight > 0) & (ema_true > 0)
+        smoothed = jnp.where(
+            smooth_ok, ema_var / jnp.where(smooth_ok, ema_true, 1), jnp.nan
+        )
+
+        old = state.last
+        new_last = WindowStats(
+            tokens=n.astype(old.tokens.dtype),
+            microbatches=k,
+            loss=jnp.asarray(loss).astype(_F32),
+            grad_sq_norm=g2,
+            grad_var_trace=var,
+            true_grad_sq_norm=true_sq,
+            noise_scale=scale,
+            smoothed_noise_scale=smoothed.astype(_F32),
+            tokens_seen=_add_tokens(old.tokens_seen, n),
+            windows=jnp.where(
+                old.windows < jnp.iinfo(jnp.int32).max, old.windows + 1, old.windows
+            ),
+        )
+        last = jax.tree.map(lambda a, b: jnp.where(done, a, b), new_last, old)
+        return WindowStatsState(
+            weighted_sq_norms=jnp.where(done, 0, state.weighted_sq_norms).astype(_F32),
+            microbatches=jnp.where(done, 0, k).astype(jnp.int32),
+            ema_grad_var_trace=ema_var,
+            ema_true_grad_sq_norm=ema_true,
+            ema_weight=ema_weight,
+            last=last,
+        )
