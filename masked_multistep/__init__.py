@@ -7,20 +7,27 @@ runs the inner optimizer once per window on exactly the full-batch gradient.
 """
 
 from masked_multistep._collectives import weighted_mean_across
+from masked_multistep._inspect import find_state, has_updated, window_stats
 from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 from masked_multistep._running_mean import running_mean_update
+from masked_multistep._stats import TokenTotal, WindowStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MaskedMultiSteps",
     "MaskedMultiStepsState",
+    "TokenTotal",
+    "WindowStats",
+    "find_state",
+    "has_updated",
     "masked_mean",
     "microbatched_value_and_grad",
     "running_mean_update",
     "weighted_mean_across",
+    "window_stats",
 ]
 
 # flax is optional: `TrainState` is imported on first access, so that importing

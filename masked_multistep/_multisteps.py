@@ -13,6 +13,12 @@ import optax
 from optax import tree as otu
 
 from masked_multistep._running_mean import running_mean_update, scalar_count
+from masked_multistep._stats import (
+    accumulate_window_stats,
+    close_window_stats,
+    init_window_stats,
+    tree_sq_norm,
+)
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
 
@@ -42,6 +48,10 @@ class MaskedMultiStepsState(NamedTuple):
       num_invalid_counts: microbatches rejected under ``jit`` because their count
         was negative, non-finite or overflowed the window's total.
       skip_state: what ``should_skip_update_fn`` returned last (``()`` without one).
+      stats: with ``window_stats=True``, a ``WindowStatsState``: the current
+        window's running statistics and the last completed window's
+        :class:`WindowStats` (read them with :func:`window_stats`); ``()``
+        otherwise.
     """
 
     mini_step: jax.Array
@@ -53,6 +63,7 @@ class MaskedMultiStepsState(NamedTuple):
     updated: jax.Array
     num_invalid_counts: jax.Array
     skip_state: Any = ()
+    stats: Any = ()
 
 
 def _no_skip(updates, gradient_step, params):
@@ -160,10 +171,17 @@ class MaskedMultiSteps:
       count_dtype: dtype of the window's token total. ``int32`` (default) sums
         integer counts exactly up to 2³¹−1 per window; use a float dtype to pass
         fractional weights.
+      window_stats: keep each window's statistics (tokens, loss, gradient norm,
+        gradient noise scale) in ``state.stats``; read them with
+        :func:`window_stats`. They cost one squared-norm reduction of each
+        microbatch's gradient and never change the updates.
+      stats_decay: per-window decay of the moving averages behind
+        ``WindowStats.smoothed_noise_scale``, in ``[0, 1)``.
 
     Raises:
       TypeError: if ``every_k_schedule`` is neither an integer nor callable.
-      ValueError: if ``every_k_schedule < 1``, or a dtype is not of the right kind.
+      ValueError: if ``every_k_schedule < 1``, a dtype is not of the right kind,
+        or ``stats_decay`` is outside ``[0, 1)``.
 
     Examples:
       Three microbatches with 1, 1 and 2 tokens; the window's update is the
@@ -196,6 +214,8 @@ class MaskedMultiSteps:
         should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
         accumulator_dtype: jax.typing.DTypeLike = jnp.float32,
         count_dtype: jax.typing.DTypeLike = jnp.int32,
+        window_stats: bool = False,
+        stats_decay: float = 0.9,
     ):
         if not (hasattr(opt, "init") and hasattr(opt, "update")):
             raise TypeError(
@@ -219,6 +239,18 @@ class MaskedMultiSteps:
             raise ValueError(
                 f"`count_dtype` must be int32 or a floating dtype, got {count_dtype}"
             )
+        if not isinstance(window_stats, bool):
+            raise TypeError(
+                f"`window_stats` must be a bool, got {type(window_stats).__name__}"
+            )
+        self._window_stats = window_stats
+        if not (
+            isinstance(stats_decay, numbers.Real)
+            and not isinstance(stats_decay, bool)
+            and 0 <= stats_decay < 1
+        ):
+            raise ValueError(f"`stats_decay` must be in [0, 1), got {stats_decay!r}")
+        self._stats_decay = float(stats_decay)
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -256,6 +288,7 @@ class MaskedMultiSteps:
             updated=jnp.zeros([], jnp.bool_),
             num_invalid_counts=jnp.zeros([], jnp.int32),
             skip_state=skip_state,
+            stats=init_window_stats(self._count_dtype) if self._window_stats else (),
         )
 
     def has_updated(self, state: MaskedMultiStepsState) -> jax.Array:
@@ -398,6 +431,12 @@ class MaskedMultiSteps:
             accepted = valid_count & ~should_skip
             n = jnp.where(accepted, n, jnp.zeros_like(n))
 
+            stats = state.stats
+            if self._window_stats:
+                stats = accumulate_window_stats(stats, grads, n)
+                # Reduce each gradient before the running mean consumes it, so
+                # that no gradient outlives the accumulation pass.
+                stats, grads = jax.lax.optimization_barrier((stats, grads))
             acc_grads, acc_count = running_mean_update(
                 state.acc_grads, state.acc_count, grads, n
             )
@@ -443,29 +482,44 @@ class MaskedMultiSteps:
         reuse_acc = not apply_params and _same_avals(updates_avals, acc_grads)
 
         def apply_branch(acc_grads, inner_state, params, dynamic_args):
+            g2 = ()
+            if self._window_stats:
+                g2 = tree_sq_norm(acc_grads).astype(jnp.float32)
+                g2, acc_grads = jax.lax.optimization_barrier((g2, acc_grads))
             updates, new_inner = inner_update(
                 acc_grads, inner_state, params, dynamic_args
             )
             if reuse_acc:
-                return (), updates, new_inner
+                return (), updates, new_inner, g2
             out = optax.apply_updates(params, updates) if apply_params else updates
-            return out, acc_grads, new_inner
+            return out, acc_grads, new_inner, g2
 
         def skip_branch(acc_grads, inner_state, params, dynamic_args):
             del dynamic_args
+            g2 = jnp.full([], jnp.nan, jnp.float32) if self._window_stats else ()
             if reuse_acc:
-                return (), acc_grads, inner_state
+                return (), acc_grads, inner_state, g2
             out = params if apply_params else otu.zeros_like(updates_avals)
-            return out, acc_grads, inner_state
+            return out, acc_grads, inner_state, g2
 
         with jax.named_scope("masked_multistep/inner_update"):
-            out, acc_grads, inner_opt_state = jax.lax.cond(
+            out, acc_grads, inner_opt_state, grad_sq_norm = jax.lax.cond(
                 apply, apply_branch, skip_branch, *operands
             )
             if reuse_acc:
                 out = jax.tree.map(
                     lambda u: jnp.where(apply, u, jnp.zeros_like(u)), acc_grads
                 )
+
+        if self._window_stats:
+            stats = close_window_stats(
+                stats,
+                window_done,
+                tokens=acc_count,
+                grad_sq_norm=grad_sq_norm,
+                loss=acc_value if value is not None else jnp.float32(jnp.nan),
+                decay=self._stats_decay,
+            )
 
         zero = jnp.zeros([], jnp.int32)
         new_state = MaskedMultiStepsState(
@@ -488,5 +542,6 @@ class MaskedMultiSteps:
                 optax.safe_increment(state.num_invalid_counts),
             ),
             skip_state=skip_state,
+            stats=stats,
         )
         return out, new_state

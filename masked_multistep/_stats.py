@@ -249,6 +249,40 @@ def tree_sq_norm(tree: Any) -> jax.Array:
     return sum((x.astype(dtype) for x in leaves), jnp.zeros([], dtype))
 
 
+@jax.custom_jvp
+def _taken_sq_norm(tree: Any, take: jax.Array) -> jax.Array:
+    """``tree_sq_norm(tree)``, whose derivative is 0 where ``take`` is False.
+
+    A skipped microbatch's gradient may be NaN, and ``NaN * 0`` is NaN in a
+    cotangent as in a value. Zeroing the gradient with a ``where`` before the
+    reduction would fix that, but XLA:CPU then writes the selected gradient to
+    a temporary buffer as large as the gradient; the custom derivative keeps
+    the forward pass a bare reduction of the gradient.
+    """
+    del take
+    return tree_sq_norm(tree)
+
+
+@_taken_sq_norm.defjvp
+def _taken_sq_norm_jvp(primals, tangents):
+    tree, take = primals
+    d_tree, _ = tangents
+    kept = jax.tree.map(lambda g: jnp.where(take, g, jnp.zeros_like(g)), tree)
+    out = tree_sq_norm(tree)
+
+    def inner(g, dg):
+        dg = jnp.asarray(dg)
+        if jnp.issubdtype(dg.dtype, jax.dtypes.float0):
+            return jnp.zeros([], out.dtype)
+        prod = jnp.conj(g) * dg if jnp.iscomplexobj(g) else g * dg
+        return jnp.sum(jnp.real(prod)).astype(out.dtype)
+
+    dots = [
+        inner(g, dg) for g, dg in zip(jax.tree.leaves(kept), jax.tree.leaves(d_tree))
+    ]
+    return out, 2 * sum(dots, jnp.zeros([], out.dtype))
+
+
 def accumulate_window_stats(
     state: WindowStatsState, grads: Any, count: jax.Array
 ) -> WindowStatsState:
@@ -275,10 +309,7 @@ def accumulate_window_stats(
     """
     with jax.named_scope("masked_multistep/window_stats"):
         take = count > 0
-        # Zero a skipped microbatch's gradient before squaring it: it may be
-        # NaN, and NaN * 0 is NaN, in the value and in the cotangent alike.
-        kept = jax.tree.map(lambda g: jnp.where(take, g, jnp.zeros_like(g)), grads)
-        sq = jnp.where(take, tree_sq_norm(kept).astype(_F32), 0)
+        sq = jnp.where(take, _taken_sq_norm(grads, take).astype(_F32), 0)
         n = jnp.where(take, jnp.asarray(count).astype(_F32), 0)
         return state._replace(
             weighted_sq_norms=jnp.where(

@@ -157,3 +157,33 @@ def test_persistent_state_is_inner_state_plus_one_accumulator(
     # accumulator in place, in the donated buffers.
     memory = _memory(_apply_gradients_loop(tx))
     assert memory.alias_size_in_bytes >= PARAM_BYTES + inner + accumulator
+
+
+# The statistics' own scalars (the current window, the last completed one and
+# the moving averages) may add a few hundred bytes of scalar temporaries.
+STATS_SCALAR_SLACK = 1024
+
+
+@pytest.mark.parametrize(
+    "loop", [_apply_gradients_loop, _train_state_loop], ids=["apply", "train_state"]
+)
+def test_window_statistics_need_no_extra_scratch_memory(loop):
+    if loop is _train_state_loop:
+        pytest.importorskip("flax")
+    plain = _memory(loop(mm.MaskedMultiSteps(_adam(), K))).temp_size_in_bytes
+    stats = _memory(
+        loop(mm.MaskedMultiSteps(_adam(), K, window_stats=True))
+    ).temp_size_in_bytes
+    assert plain <= stats <= plain + STATS_SCALAR_SLACK, (stats, plain)
+
+
+def test_window_statistics_in_the_plain_update_loop_cost_less_than_the_params():
+    """`update` hands the inner update back in the dead accumulator's buffer;
+    reading the window's mean for ‖ḡ‖² keeps XLA from doing that in place, so
+    this loop needs more scratch memory with statistics: 0.75 MB more here
+    (three of the four weight matrices), less than the parameters' bytes."""
+    plain = _memory(_optax_loop(mm.MaskedMultiSteps(_adam(), K))).temp_size_in_bytes
+    stats = _memory(
+        _optax_loop(mm.MaskedMultiSteps(_adam(), K, window_stats=True))
+    ).temp_size_in_bytes
+    assert stats < plain + PARAM_BYTES, (stats, plain, PARAM_BYTES)

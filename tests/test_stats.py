@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import masked_multistep as mm
@@ -241,3 +242,245 @@ def test_reverse_mode_derivatives_are_finite_through_empty_microbatches():
 
     grad = jax.grad(spread)(jnp.array([0.5, -1.0]))
     assert np.all(np.isfinite(grad)), grad
+
+
+# ------------------------------------------------------------------ the wrapper
+
+D = 5
+WINDOW = 3
+# (count, gradient is NaN): unequal counts, empty NaN microbatches, a window
+# with one counted microbatch and a window with none.
+PLAN = [
+    (4, False), (0, True), (9, False),
+    (2, False), (7, False), (1, False),
+    (0, True), (6, False), (0, False),
+    (0, True), (0, True), (0, False),
+    (3, False), (5, False),
+]  # fmt: skip
+
+
+def _plan_data(seed=0, plan=PLAN):
+    rng = np.random.default_rng(seed)
+    grads, counts, values = [], [], []
+    for n, bad in plan:
+        g = rng.normal(loc=0.4, size=D).astype(np.float32)
+        grads.append(np.full(D, np.nan, np.float32) if bad else g)
+        counts.append(n)
+        values.append(np.float32(rng.uniform(1, 3)))
+    return np.asarray(grads), np.asarray(counts, np.int32), np.asarray(values)
+
+
+def _run(tx, grads, counts, values, apply_params=False, params=None):
+    """Feeds the plan through ``tx`` under jit; returns outputs and states."""
+    params = jnp.zeros(D) if params is None else params
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, g, n, v):
+        if apply_params:
+            return tx.apply_gradients(g, state, params, count=n, value=v)
+        updates, state = tx.update(g, state, params, count=n, value=v)
+        return optax.apply_updates(params, updates), state
+
+    outs, states = [], []
+    for g, n, v in zip(grads, counts, values, strict=True):
+        params, state = step(params, state, g, n, v)
+        outs.append(params)
+        states.append(state)
+    return outs, states
+
+
+def _without_stats(state):
+    return state._replace(stats=())
+
+
+@pytest.mark.parametrize("apply_params", [False, True], ids=["update", "apply"])
+def test_statistics_never_change_the_updates(apply_params):
+    data = _plan_data()
+    inner = optax.adam(0.1)
+    plain = mm.MaskedMultiSteps(inner, WINDOW)
+    stats = mm.MaskedMultiSteps(inner, WINDOW, window_stats=True)
+    outs_a, states_a = _run(plain, *data, apply_params=apply_params)
+    outs_b, states_b = _run(stats, *data, apply_params=apply_params)
+    for a, b, sa, sb in zip(outs_a, outs_b, states_a, states_b, strict=True):
+        assert np.array_equal(a, b)
+        for x, y in zip(
+            jax.tree.leaves(sa), jax.tree.leaves(_without_stats(sb)), strict=True
+        ):
+            assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True)
+    assert states_a[-1].stats == ()
+
+
+def test_wrapper_reports_each_completed_window_until_the_next():
+    grads, counts, values = _plan_data()
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), WINDOW, window_stats=True)
+    _, states = _run(tx, grads, counts, values)
+    seen = 0
+    previous = _stats.init_window_stats(jnp.int32).last
+    for i, state in enumerate(states):
+        last = mm.window_stats(state)
+        if (i + 1) % WINDOW:
+            # Mid-window: still the previous window's figures.
+            for a, b in zip(jax.tree.leaves(last), jax.tree.leaves(previous)):
+                assert np.array_equal(a, b, equal_nan=True)
+            continue
+        sl = slice(i + 1 - WINDOW, i + 1)
+        g, n, v = grads[sl], counts[sl], values[sl]
+        ref = _one_window(jnp.asarray(g), jnp.asarray(n))
+        seen += int(n.sum())
+        assert int(last.tokens) == n.sum()
+        assert int(last.microbatches) == np.count_nonzero(n)
+        assert int(last.windows) == (i + 1) // WINDOW
+        assert float(last.tokens_seen) == seen
+        if n.sum():
+            np.testing.assert_allclose(last.loss, np.sum(n * v) / n.sum(), rtol=1e-6)
+        for name in ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm"):
+            np.testing.assert_allclose(
+                getattr(last, name), getattr(ref, name), rtol=1e-5
+            )
+        previous = last
+    # Windows: K = 2, 3, 1 (NaN variance), 0 (no tokens) in turn.
+    assert [int(mm.window_stats(s).microbatches) for s in states[2::3]] == [2, 3, 1, 0]
+
+
+def test_skipped_and_non_finite_microbatches():
+    grads, counts, values = _plan_data(plan=[(3, False)] * 6)
+    grads[1] = np.inf
+    # With optax.skip_not_finite the bad microbatch never happened.
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1),
+        WINDOW,
+        should_skip_update_fn=optax.skip_not_finite,
+        window_stats=True,
+    )
+    _, states = _run(tx, grads, counts, values)
+    first = mm.window_stats(states[3])  # the window of microbatches 0, 2, 3
+    ref = _one_window(jnp.asarray(grads[[0, 2, 3]]), jnp.asarray(counts[[0, 2, 3]]))
+    assert int(first.microbatches) == 3
+    np.testing.assert_allclose(first.grad_var_trace, ref.grad_var_trace, rtol=1e-5)
+    # Without it, the non-finite gradient spoils its window's statistics only.
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), WINDOW, window_stats=True)
+    _, states = _run(tx, grads, counts, values)
+    assert np.isnan(mm.window_stats(states[2]).noise_scale)
+    assert np.isfinite(mm.window_stats(states[5]).grad_var_trace)
+    assert float(mm.window_stats(states[5]).tokens_seen) == 18.0
+
+
+def test_statistics_under_scan_and_vmap():
+    grads, counts, values = _plan_data()
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), WINDOW, window_stats=True)
+    params = jnp.zeros(D)
+
+    def run(g, n, v):
+        def body(state, xs):
+            _, state = tx.update(xs[0], state, params, count=xs[1], value=xs[2])
+            return state, None
+
+        return jax.lax.scan(body, tx.init(params), (g, n, v))[0]
+
+    _, states = _run(tx, grads, counts, values)
+    scanned = jax.jit(run)(grads, counts, values)
+    for a, b in zip(
+        jax.tree.leaves(states[-1].stats), jax.tree.leaves(scanned.stats), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    # Two independent runs side by side; the second sees the plan reversed.
+    batched = jax.jit(jax.vmap(run))(
+        np.stack([grads, grads[::-1]]),
+        np.stack([counts, counts[::-1]]),
+        np.stack([values, values[::-1]]),
+    )
+    reverse = jax.jit(run)(grads[::-1], counts[::-1], values[::-1])
+    for a, b, c in zip(
+        jax.tree.leaves(batched.stats),
+        jax.tree.leaves(scanned.stats),
+        jax.tree.leaves(reverse.stats),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a[0], b, rtol=1e-6)
+        np.testing.assert_allclose(a[1], c, rtol=1e-6)
+
+
+def test_window_stats_and_has_updated_find_nested_states():
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+    grads = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([0.5, 0.0, -1.0])}
+    mmtx = mm.MaskedMultiSteps(optax.sgd(0.1), 1, window_stats=True)
+    nested = {
+        "chain": optax.chain(
+            optax.clip_by_global_norm(10.0), mmtx.gradient_transformation()
+        ),
+        "inject": optax.inject_hyperparams(
+            lambda learning_rate: mm.MaskedMultiSteps(
+                optax.sgd(learning_rate), 1, window_stats=True
+            ).gradient_transformation()
+        )(learning_rate=0.1),
+        "multi_transform": optax.multi_transform(
+            {"mm": mmtx.gradient_transformation(), "sgd": optax.sgd(0.1)},
+            {"a": "mm", "b": "sgd"},
+        ),
+    }
+    for name, tx in nested.items():
+        state = tx.init(params)
+        assert not bool(mm.has_updated(state)), name
+        _, state = tx.update(grads, state, params, count=jnp.array(2))
+        assert bool(mm.has_updated(state)), name
+        stats = mm.window_stats(state)
+        assert int(stats.tokens) == 2 and int(stats.windows) == 1, name
+
+    with pytest.raises(ValueError, match="exactly one MaskedMultiStepsState"):
+        mm.window_stats((mmtx.init(params), mmtx.init(params)))
+    with pytest.raises(ValueError, match="exactly one MaskedMultiStepsState"):
+        mm.has_updated(optax.adam(0.1).init(params))
+    with pytest.raises(ValueError, match="window_stats=True"):
+        mm.window_stats(mm.MaskedMultiSteps(optax.sgd(0.1), 1).init(params))
+
+
+def test_window_stats_in_flax_train_states():
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2, window_stats=True)
+    state = mm.TrainState.create(apply_fn=None, params=jnp.zeros(3), tx=tx)
+    for g, n in [(1.0, 2), (3.0, 2)]:
+        state = state.apply_gradients(grads=jnp.full(3, g), count=jnp.array(n))
+    assert bool(mm.has_updated(state))
+    np.testing.assert_allclose(mm.window_stats(state).grad_var_trace, 12.0)
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    for n in (2, 5):
+        optimizer.update(model, grads, count=jnp.array(n))
+    stats = mm.window_stats(optimizer.opt_state)
+    assert isinstance(stats.tokens, jax.Array) and int(stats.tokens) == 7
+    assert float(stats.grad_var_trace) == 0.0  # equal gradients: no spread
+    assert bool(mm.has_updated(optimizer.opt_state))
+
+
+def test_checkpoint_mid_window_restores_the_statistics(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    grads, counts, values = _plan_data()
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), WINDOW, window_stats=True)
+    _, states = _run(tx, grads, counts, values)
+    saved = states[4]  # mid-window, after one completed window
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", saved)
+        checkpointer.wait_until_finished()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(jnp.zeros(D)))
+        restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+    assert isinstance(restored.stats, _stats.WindowStatsState)
+    params = jnp.zeros(D)
+    state = restored
+    for g, n, v in zip(grads[5:], counts[5:], values[5:], strict=True):
+        _, state = tx.update(g, state, params, count=n, value=v)
+    for a, b in zip(
+        jax.tree.leaves(state.stats), jax.tree.leaves(states[-1].stats), strict=True
+    ):
+        assert np.array_equal(a, b, equal_nan=True)
+
+
+def test_constructor_checks_the_statistics_arguments():
+    with pytest.raises(TypeError, match="`window_stats` must be a bool, got int"):
+        mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=1)
+    with pytest.raises(ValueError, match=r"`stats_decay` must be in \[0, 1\), got 1"):
+        mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=1)
