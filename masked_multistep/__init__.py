@@ -12,7 +12,7 @@ from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 from masked_multistep._running_mean import running_mean_update
-from masked_multistep._stats import TokenTotal, WindowStats
+from masked_multistep._stats import TokenTotal, WindowStats, noise_scale_estimates
 
 __version__ = "0.1.0"
 
@@ -24,6 +24,7 @@ __all__ = [
     "find_state",
     "has_updated",
     "masked_mean",
+    "noise_scale_estimates",
     "microbatched_value_and_grad",
     "running_mean_update",
     "weighted_mean_across",

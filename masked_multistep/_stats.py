@@ -347,8 +347,8 @@ def noise_scale_estimates(
       Two microbatches of 2 tokens with gradients 1 and 3 (so ``ḡ = 2``,
       ``S = 2·1 + 2·1 = 4``):
 
-      >>> from masked_multistep._stats import noise_scale_estimates
-      >>> var, true_sq, b = noise_scale_estimates(4.0, 2, 4, 4.0)
+      >>> import masked_multistep as mm
+      >>> var, true_sq, b = mm.noise_scale_estimates(4.0, 2, 4, 4.0)
       >>> print(var, true_sq, b)  # 4 / 1, 4 - 4 / 4, 4 / 3
       4.0 3.0 1.3333334
 
