@@ -2,30 +2,44 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# One stamp per extra installed into .venv: `make demo` installs only the demo's
+# extra, `make docs` the docs', `make test` (and the rest) the development stack.
+STAMP      := $(VENV)/.installed-dev
+DEMO_STAMP := $(VENV)/.installed-demo
+DOCS_STAMP := $(VENV)/.installed-docs
 # Worker processes for the test suite (pytest-xdist); CI machines have 2 cores.
 JOBS   ?= 2
 
-.PHONY: install test lint demo bench bench-quick clean
+.PHONY: install test lint typecheck demo docs bench bench-quick clean
 
 install: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml constraints.txt
+$(STAMP) $(DEMO_STAMP) $(DOCS_STAMP): $(VENV)/.installed-%: setup.cfg pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
-	touch $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$*]"
+	touch $@
 
 test: $(STAMP)
-	$(BIN)/ruff check masked_multistep tests benchmarks
+	$(BIN)/ruff check masked_multistep tests benchmarks docs tools examples
+	$(MAKE) typecheck
 	$(BIN)/python -m pytest -n $(JOBS) --durations=15
 
 lint: $(STAMP)
-	$(BIN)/ruff check masked_multistep tests benchmarks
-	$(BIN)/ruff format --check masked_multistep tests benchmarks
+	$(BIN)/ruff check masked_multistep tests benchmarks docs tools examples
+	$(BIN)/ruff format --check masked_multistep tests benchmarks docs tools examples
 
-demo: $(STAMP)
+# pyright on the package, tests/test_typing.py and the README's python blocks.
+typecheck: $(STAMP)
+	$(BIN)/python tools/typecheck.py
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m masked_multistep.demo $(ARGS)
+
+# The stored notebooks are rendered as they are; `make test` executes them.
+docs: $(DOCS_STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
+	@echo "open docs/_build/html/index.html"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench.py $(ARGS)
@@ -34,4 +48,5 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/bench.py --quick $(ARGS)
 
 clean:
-	rm -rf $(VENV) demo-output benchmarks/results .pytest_cache .hypothesis
+	rm -rf $(VENV) demo-output benchmarks/results .pytest_cache .hypothesis \
+		docs/_build docs/notebooks docs/benchmarks dist

@@ -6,23 +6,37 @@ loss. :class:`MaskedMultiSteps` weights each microbatch by its token count and
 runs the inner optimizer once per window on exactly the full-batch gradient.
 """
 
+from typing import TYPE_CHECKING
+
 from masked_multistep._collectives import weighted_mean_across
 from masked_multistep._inspect import find_state, has_updated, window_stats
 from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
+from masked_multistep._migrate import from_optax_multisteps
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 from masked_multistep._running_mean import running_mean_update
 from masked_multistep._stats import TokenTotal, WindowStats, noise_scale_estimates
+from masked_multistep._version import __version__ as __version__
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    # Type checkers see the real class; at run time it is imported on first
+    # access (`__getattr__` below), so that `import masked_multistep` neither
+    # needs flax, an optional dependency, nor pays for importing it.
+    from masked_multistep._train_state import TrainState
 
+
+# The same in every environment: `TrainState` is listed whether or not flax is
+# installed; without flax, accessing it raises an ImportError that says what
+# to install.
 __all__ = [
     "MaskedMultiSteps",
     "MaskedMultiStepsState",
     "TokenTotal",
     "WindowStats",
     "find_state",
+    "from_optax_multisteps",
     "has_updated",
+    "TrainState",
     "masked_mean",
     "noise_scale_estimates",
     "microbatched_value_and_grad",
@@ -31,16 +45,19 @@ __all__ = [
     "window_stats",
 ]
 
-# flax is optional: `TrainState` is imported on first access, so that importing
-# the package neither needs flax nor pays for importing it.
-from importlib.util import find_spec as _find_spec  # noqa: E402
-
-if _find_spec("flax") is not None:
-    __all__ += ["TrainState"]
+_NEEDS_FLAX = (
+    "masked_multistep.TrainState needs flax (>= 0.12), an optional dependency "
+    "that is not installed: `pip install flax`, or from a checkout of this "
+    'repository `pip install ".[flax]"`.'
+)
 
 
 def __getattr__(name: str):
     if name == "TrainState":
+        try:
+            import flax  # noqa: F401
+        except ImportError as err:
+            raise ImportError(_NEEDS_FLAX, name="flax") from err
         from masked_multistep._train_state import TrainState
 
         globals()["TrainState"] = TrainState

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from masked_multistep import _stats
 from masked_multistep._running_mean import (
     compute_dtype,
     running_mean_update,
@@ -121,14 +122,18 @@ def _is_float(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _token_weighted_accumulator(has_aux: bool) -> optax.microbatching.Accumulator:
+def _token_weighted_accumulator(
+    has_aux: bool, with_stats: bool = False
+) -> optax.microbatching.Accumulator:
     """Folds per-microbatch ``(loss, count, aux, grads)`` into full-batch values.
 
     The loss, the gradients and the floating ``aux`` leaves go through one
     :func:`running_mean_update` weighted by the microbatch's count; integer
     ``aux`` leaves are summed. The running means are kept in at least float32
     and cast back to the per-microbatch dtypes by ``finalize``, which returns
-    ``microbatched_value_and_grad``'s output structure.
+    ``microbatched_value_and_grad``'s output structure. With ``with_stats``,
+    the carry also holds the window statistics (``_stats``), and ``finalize``
+    appends the call's :class:`WindowStats` to that output.
     """
     # One accumulator serves one call: `init` records the per-microbatch output
     # avals that `finalize` casts back to.
@@ -148,11 +153,12 @@ def _token_weighted_accumulator(has_aux: bool) -> optax.microbatching.Accumulato
             jax.tree.map(lambda s: jnp.zeros(s.shape, compute_dtype(s.dtype)), means),
             [jnp.zeros(s.shape, s.dtype) for s in sums],
             jnp.zeros([], count.dtype),
+            _stats.init_window_stats(count.dtype) if with_stats else (),
         )
 
     def update(carry, value, index):
         del index
-        acc_means, acc_sums, total = carry
+        acc_means, acc_sums, total, stats = carry
         means, sums, count = split(value)
         # A microbatch with no (or a non-finite, or a negative) count holds no
         # tokens: it must not move the means, whatever NaN its 0/0 mean produced.
@@ -161,10 +167,29 @@ def _token_weighted_accumulator(has_aux: bool) -> optax.microbatching.Accumulato
         )
         acc_means, total = running_mean_update(acc_means, total, means, count)
         acc_sums = [a + s for a, s in zip(acc_sums, sums, strict=True)]
-        return acc_means, acc_sums, total
+        if with_stats:
+            stats = _stats.accumulate_window_stats(stats, value[3], count)
+        return acc_means, acc_sums, total, stats
 
     def finalize(carry):
-        (loss, float_aux, grads), int_aux, count = carry
+        out = _finalize(carry)
+        if not with_stats:
+            return out
+        (loss, _, grads), _, count, stats = carry
+        # The call is one window: its statistics, from the float32 (or wider)
+        # means, before they are cast back.
+        stats = _stats.close_window_stats(
+            stats,
+            jnp.ones([], jnp.bool_),
+            tokens=count,
+            grad_sq_norm=_stats.tree_sq_norm(grads),
+            loss=jnp.where(count > 0, loss, jnp.nan),
+            decay=0.0,
+        )
+        return (*out, stats.last)
+
+    def _finalize(carry):
+        (loss, float_aux, grads), int_aux, count, _ = carry
         loss_s, _, aux_s, grads_s = avals[0]
         loss = loss.astype(loss_s.dtype)
         grads = jax.tree.map(lambda g, s: g.astype(s.dtype), grads, grads_s)
@@ -194,7 +219,8 @@ def microbatched_value_and_grad(
     num_microbatches: int,
     *,
     has_aux: bool = False,
-) -> Callable[[optax.Params, Any], tuple[Any, optax.Updates]]:
+    with_stats: bool = False,
+) -> Callable[[optax.Params, Any], tuple[Any, ...]]:
     """``jax.value_and_grad`` of a masked mean loss, one microbatch at a time.
 
     ``loss_fn(params, microbatch)`` returns the microbatch's mean loss and its
@@ -229,6 +255,13 @@ def microbatched_value_and_grad(
         Per-example outputs with a batch axis are not gathered: compute those in
         a separate forward pass.
       * The total ``count`` has the dtype of the per-microbatch counts.
+      * ``with_stats=True`` also returns the call's :class:`WindowStats`, the
+        statistics :class:`MaskedMultiSteps` keeps per window (the call is one
+        window of ``k`` microbatches): tokens, microbatches with tokens, loss,
+        ``‖ḡ‖²`` and the gradient noise scale ``B_simple`` with its parts. It
+        costs one squared-norm reduction of each microbatch's gradient.
+        ``smoothed_noise_scale`` is this call's ``noise_scale``; smooth over
+        calls with :class:`MaskedMultiSteps` or your own moving average.
 
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
@@ -236,18 +269,21 @@ def microbatched_value_and_grad(
         floating scalar; ``count`` an integer or floating scalar.
       num_microbatches: ``k``, a Python int >= 1 that divides the batch size.
       has_aux: whether ``loss_fn`` returns ``aux`` beside the count.
+      with_stats: also return the call's :class:`WindowStats`.
 
     Returns:
       ``grad_fn(params, batch) -> ((loss, count), grads)``, or
-      ``((loss, (count, aux)), grads)`` with ``has_aux=True``. ``batch`` is a
-      pytree whose leaves share a leading batch axis; gradients are taken with
-      respect to ``params``.
+      ``((loss, (count, aux)), grads)`` with ``has_aux=True``; with
+      ``with_stats=True`` a third element, the :class:`WindowStats`. ``batch``
+      is a pytree whose leaves share a leading batch axis; gradients are taken
+      with respect to ``params``.
 
     Raises:
       TypeError: if ``loss_fn`` is not callable, ``num_microbatches`` is not an
-        integer, ``has_aux`` is not a bool, or (when called) ``loss_fn`` returns
-        something other than the documented structure, a non-scalar or
-        non-floating loss, or an ``aux`` leaf that is neither float nor integer.
+        integer, ``has_aux`` or ``with_stats`` is not a bool, or (when called)
+        ``loss_fn`` returns something other than the documented structure, a
+        non-scalar or non-floating loss, or an ``aux`` leaf that is neither
+        float nor integer.
       ValueError: if ``num_microbatches < 1``; when called, if ``batch`` has no
         leaves, a scalar leaf, leaves of different batch sizes, a batch size not
         divisible by ``num_microbatches``, or ``loss_fn``'s count is not a
@@ -272,6 +308,20 @@ def microbatched_value_and_grad(
       >>> print(loss, count, grad)
       5.0 4 2.5
 
+      With ``with_stats=True`` the call also returns its :class:`WindowStats`.
+      Here microbatch 0 (rows 0, 2) has 4 tokens of ``x = 1`` and microbatch 1
+      (rows 1, 3) 4 tokens of ``x = 3``: gradients 1 and 3, mean 2, spread
+      ``S = 4·1² + 4·1² = 8`` over ``K − 1 = 1``, ``|G|² = 4 − 8 / 8 = 3``:
+
+      >>> batch = {"x": jnp.array([[1.0, 1.0], [3.0, 3.0], [1.0, 1.0], [3.0, 3.0]]),
+      ...          "mask": jnp.ones((4, 2), bool)}
+      >>> grad_fn = jax.jit(mm.microbatched_value_and_grad(loss_fn, 2,
+      ...                                                  with_stats=True))
+      >>> (loss, count), grad, stats = grad_fn(jnp.array(2.0), batch)
+      >>> print(grad, stats.microbatches, stats.grad_var_trace,
+      ...       stats.true_grad_sq_norm, stats.noise_scale)
+      2.0 2 8.0 3.0 2.6666667
+
     References:
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
@@ -284,6 +334,8 @@ def microbatched_value_and_grad(
     k = _check_num_microbatches(num_microbatches)
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}")
+    if not isinstance(with_stats, bool):
+        raise TypeError(f"`with_stats` must be a bool, got {with_stats!r}")
 
     def normalized_loss(params, microbatch):
         loss, count, aux = _check_output(loss_fn(params, microbatch), has_aux)
@@ -297,7 +349,7 @@ def microbatched_value_and_grad(
 
     def grad_fn(params: optax.Params, batch: Any) -> tuple[Any, optax.Updates]:
         batch_size = _batch_size(batch, k)
-        accumulator = _token_weighted_accumulator(has_aux)
+        accumulator = _token_weighted_accumulator(has_aux, with_stats)
         # Row r * k + j of a leaf is row r of microbatch j: a free (row-major)
         # reshape to (batch_size // k, k, ...), sliced along axis 1 in the loop.
         # The same strided split as `optax.microbatching.microbatch`, without its

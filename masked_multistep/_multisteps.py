@@ -1,57 +1,61 @@
-"""`MaskedMultiSteps`: token-weighted gradient accumulation for optax."""
+"""`MaskedMultiSteps`: token-weighted gradient accumulation for optax.
+
+The module is the state machine only: argument checks and the count contract
+live in ``_checks``, the window-closing rule in ``_windows``, the arithmetic in
+``_running_mean`` and the window statistics in ``_stats``.
+"""
 
 from __future__ import annotations
 
-import numbers
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from optax import tree as otu
 
-from masked_multistep._running_mean import running_mean_update, scalar_count
-from masked_multistep._stats import (
-    accumulate_window_stats,
-    close_window_stats,
-    init_window_stats,
-    tree_sq_norm,
-)
+from masked_multistep import _checks, _stats, _windows
+from masked_multistep._running_mean import running_mean_update
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
-
-_INT32_MAX = np.iinfo(np.int32).max
 
 
 class MaskedMultiStepsState(NamedTuple):
     """State of :class:`MaskedMultiSteps`.
 
-    Field names follow ``optax.MultiStepsState``; the token-weighting adds
-    ``acc_count`` and ``acc_value``, and ``updated`` and ``num_invalid_counts``
-    make what happened observable.
+    Field names follow ``optax.MultiStepsState``; the token weighting adds the
+    counts, and ``updated``, ``num_invalid_counts`` and ``num_nonfinite_windows``
+    make what happened observable. The layout is part of the checkpoint format.
 
     Attributes:
-      mini_step: microbatches seen in the current window (skipped ones excluded).
+      mini_step: microbatches counted in the current window (skipped ones
+        excluded).
       gradient_step: inner optimizer updates applied so far.
       inner_opt_state: the state of the wrapped optimizer.
-      acc_grads: running token-weighted mean of the window's gradients, in
-        ``accumulator_dtype``. Meaningful where ``acc_count > 0``; the next counted
-        microbatch after a window ends overwrites it. After :meth:`update`
-        applied an inner update it holds that update's values, when they have the
-        accumulator's dtypes (the update reuses its buffer).
-      acc_count: sum of the window's counts (``count_dtype``).
+      acc_grads: running token-weighted mean of the window's gradients.
+        Meaningful where ``acc_count > 0``; the next counted microbatch after a
+        window ends overwrites it. It is scratch once a window closes: after
+        :meth:`MaskedMultiSteps.update` applied an inner update it may hold that
+        update's values (the update reuses its buffer).
+      acc_count: the window's token total (``count_dtype``, float32 by default).
       acc_value: running token-weighted mean of the window's ``value`` arguments
-        (float32; 0 when no ``value`` is passed).
+        (float32), over the microbatches that passed one.
       updated: whether the last ``update`` applied an inner update.
       num_invalid_counts: microbatches rejected under ``jit`` because their count
         was negative, non-finite or overflowed the window's total.
-      skip_state: what ``should_skip_update_fn`` returned last (``()`` without one).
-      stats: with ``window_stats=True``, a ``WindowStatsState``: the current
-        window's running statistics and the last completed window's
-        :class:`WindowStats` (read them with :func:`window_stats`); ``()``
-        otherwise.
+      value_count: the token total behind ``acc_value``.
+      num_nonfinite_windows: windows whose mean gradient was not finite, and
+        which were therefore not handed to the inner optimizer.
+      skip_state: what ``should_skip_update_fn`` returned last (``()`` without
+        one).
+      stats: with ``window_stats=True``, the window statistics'
+        ``WindowStatsState`` (the current window's running sums and the last
+        completed window's :class:`WindowStats`; read them with
+        :func:`masked_multistep.window_stats`); ``()`` otherwise.
+      policy_state: the window policy's state (``()`` for a fixed ``k``).
+      reduction_state: the cross-device reduction's state (``()`` on one device).
     """
 
     mini_step: jax.Array
@@ -62,35 +66,26 @@ class MaskedMultiStepsState(NamedTuple):
     acc_value: jax.Array
     updated: jax.Array
     num_invalid_counts: jax.Array
+    value_count: jax.Array
+    num_nonfinite_windows: jax.Array
     skip_state: Any = ()
     stats: Any = ()
+    policy_state: Any = ()
+    reduction_state: Any = ()
+
+
+class _Gate(NamedTuple):
+    """What the checks decided about one microbatch."""
+
+    n: jax.Array  # the count to accumulate (0 unless `counted`)
+    counted: jax.Array  # the microbatch belongs to the window (mini_step advances)
+    valid_count: jax.Array  # the count was usable
+    skip_state: Any
 
 
 def _no_skip(updates, gradient_step, params):
     del updates, gradient_step, params
     return jnp.zeros([], jnp.bool_), ()
-
-
-def _canonical_schedule(every_k_schedule) -> Callable[[jax.Array], jax.Array]:
-    if callable(every_k_schedule):
-        # Total arithmetic under jit: a schedule returning k < 1 means k = 1.
-        return lambda step: jnp.maximum(jnp.asarray(every_k_schedule(step)), 1)
-    k = every_k_schedule
-    if isinstance(k, (jax.Array, np.ndarray, np.generic)) and np.ndim(k) == 0:
-        if not jnp.issubdtype(k.dtype, jnp.integer):
-            raise TypeError(
-                f"`every_k_schedule` must be an integer or a callable, got {k!r}"
-            )
-        k = int(k)
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise TypeError(
-            "`every_k_schedule` must be an integer or a callable of the gradient "
-            f"step, got {every_k_schedule!r} of type {type(every_k_schedule).__name__}"
-        )
-    if k < 1:
-        raise ValueError(f"`every_k_schedule` must be >= 1, got {k}")
-    k = int(k)
-    return lambda step: jnp.asarray(k, jnp.int32)
 
 
 def _same_avals(a: Any, b: Any) -> bool:
@@ -103,27 +98,35 @@ def _same_avals(a: Any, b: Any) -> bool:
     )
 
 
-def _check_trees(grads: Any, acc_grads: Any) -> None:
-    g_def, a_def = jax.tree.structure(grads), jax.tree.structure(acc_grads)
-    if g_def != a_def:
-        raise ValueError(
-            "The gradients' tree structure does not match the state's: got "
-            f"{g_def}, expected {a_def} (the structure of the params passed to init)"
-        )
-    for path, g, a in zip(
-        jax.tree_util.tree_flatten_with_path(grads)[0],
-        jax.tree.leaves(grads),
-        jax.tree.leaves(acc_grads),
-        strict=True,
-    ):
-        if jnp.shape(g) != jnp.shape(a):
-            raise ValueError(
-                f"The gradient at {jax.tree_util.keystr(path[0])} has shape "
-                f"{jnp.shape(g)}, but the state expects {jnp.shape(a)}"
-            )
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones([], jnp.bool_)
 
 
-class MaskedMultiSteps:
+def _accumulator_dtype(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
+    """The accumulator dtype of one leaf: never less precise than the gradient.
+
+    ``None`` follows the leaf (at least float32); complex leaves always get a
+    complex accumulator, so the imaginary part is never dropped.
+    """
+    leaf_dtype = jnp.dtype(leaf_dtype)
+    if accumulator_dtype is None:
+        return jnp.promote_types(leaf_dtype, jnp.float32)
+    if jnp.issubdtype(leaf_dtype, jnp.complexfloating):
+        return jnp.promote_types(accumulator_dtype, leaf_dtype)
+    return accumulator_dtype
+
+
+# `optax.MultiSteps` keywords with no meaning here, and why.
+_OPTAX_ONLY_KEYWORDS = {
+    "use_grad_mean": (
+        "MaskedMultiSteps always keeps a running (token-weighted) mean, which "
+        "cannot overflow in low precision; drop `use_grad_mean`"
+    ),
+}
+
+
+class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     """Accumulates microbatch gradients weighted by token count, then updates.
 
     Each call of :meth:`update` takes one microbatch's *mean* gradient ``gᵢ`` and
@@ -138,55 +141,83 @@ class MaskedMultiSteps:
     instead averages the ``gᵢ`` with equal weight, which over-weights short
     microbatches. With all counts equal the two agree.
 
+    The wrapper is itself an ``optax.GradientTransformationExtraArgs``: it goes
+    wherever optax and flax expect a gradient transformation, and inside
+    ``optax.chain`` the chain forwards ``count=`` to it.
+
     Semantics:
       * Between windows the returned updates are zeros (structure and dtype of the
         inner optimizer's updates); the inner optimizer runs only at the end of a
         window, so its state, step count, schedules and weight decay advance once
         per window.
       * ``count == 0`` adds nothing, even if the gradient is NaN (an all-masked
-        microbatch gives 0/0); ``mini_step`` advances.
+        microbatch gives 0/0), and always counts toward its window (``mini_step``
+        advances), whatever ``should_skip_update_fn`` says about its meaningless
+        gradient (the skip function's state is then left as it was).
       * A window whose counts are all zero applies no update: zeros are returned,
         the inner state and ``gradient_step`` are unchanged.
-      * A microbatch that ``should_skip_update_fn`` rejects is as if it never
-        happened (as in optax).
-      * Under ``jit``, a negative, non-finite or overflowing count is treated as a
-        skipped microbatch and counted in ``state.num_invalid_counts``. Concrete
-        bad counts raise ``ValueError``.
-      * A non-finite gradient with a positive count spoils its window's update,
-        as it would for the plain optimizer; the next window starts clean.
-      * ``value=`` (the microbatch's mean loss), if passed, is averaged with the
-        same weights and handed to the inner optimizer as ``value=`` at the end of
-        the window; other extra arguments go to the inner optimizer unchanged.
+      * A microbatch with tokens that ``should_skip_update_fn`` rejects is as if
+        it never happened (as in optax).
+      * The count contract (accepted types, precision, what happens under
+        ``jit``) is in ``masked_multistep._checks``: any real scalar, converted
+        by value, exact to 2²⁴ tokens per window in the default float32; a bad
+        concrete count raises ``ValueError``; under ``jit`` it is skipped and
+        counted in ``state.num_invalid_counts``.
+      * A window whose mean gradient is not finite (a NaN or inf gradient with a
+        positive count) is not handed to the inner optimizer: zeros are returned,
+        the inner state (adam's moments too) is untouched, the window is counted
+        in ``state.num_nonfinite_windows``, and the next window starts clean.
+      * ``value=`` (the microbatch's mean loss, a scalar), if passed, is averaged
+        with the same weights over the microbatches that pass one, and handed to
+        the inner optimizer as ``value=`` at the end of the window. An inner
+        optimizer that needs ``value=`` (``optax.contrib.reduce_on_plateau``)
+        receives the window's mean also when the closing microbatch passes none
+        (NaN if no microbatch of the window passed one). Other extra arguments go
+        to the inner optimizer unchanged.
+      * With ``window_stats=True`` each completed window's statistics (tokens,
+        microbatches, loss, ‖ḡ‖², the gradient noise scale; see
+        :class:`WindowStats`) are kept in ``state.stats`` until the next window
+        completes. They never change the updates. A window that ends without
+        tokens, or with a non-finite mean, still completes: its tokens, loss
+        and ``tokens_seen`` are counted, its noise-scale estimates are NaN and
+        the smoothed noise scale skips it.
+
+    Where clipping goes: ``MaskedMultiSteps(optax.chain(clip, adam), k)`` clips
+    the window's full-batch gradient, which is what the full batch would see;
+    ``optax.chain(clip, MaskedMultiSteps(adam, k))`` clips every microbatch's
+    gradient before accumulating, which is no longer the full-batch gradient.
 
     Pass ``count`` as a ``jax.Array`` (e.g. from :func:`masked_mean`) to a jitted
     step: a Python int is a different type to ``jit`` and costs a retrace.
 
     Args:
       opt: the inner optimizer (``optax.GradientTransformation``).
-      every_k_schedule: microbatches per window: an int, or a callable of
-        ``gradient_step`` returning one (values below 1 count as 1).
+      every_k_schedule: microbatches per window: an int in ``[1, 2³¹ − 1]``, or a
+        callable of ``gradient_step`` returning one (made total under ``jit``:
+        rounded, clipped to ``[1, 2³¹ − 1]``, NaN counts as 1).
       should_skip_update_fn: optional optax ``ShouldSkipUpdateFunction``, e.g.
         ``optax.skip_not_finite``.
-      accumulator_dtype: dtype of the running mean ``acc_grads`` (float32).
-      count_dtype: dtype of the window's token total. ``int32`` (default) sums
-        integer counts exactly up to 2³¹−1 per window; use a float dtype to pass
-        fractional weights.
+      accumulator_dtype: dtype of the running mean ``acc_grads``. ``None``
+        (default) follows each gradient leaf, at least float32 (float64
+        gradients under x64 accumulate in float64; complex stays complex).
+      count_dtype: dtype of the window's token total: float32 (default; integer
+        and fractional counts, integers exact to 2²⁴ per window), int32 (exact
+        to 2³¹ − 1, integer counts only), or float64/int64 under x64.
       window_stats: keep each window's statistics (tokens, loss, gradient norm,
         gradient noise scale) in ``state.stats``; read them with
-        :func:`window_stats`. They never change the updates, and cost one
-        squared-norm reduction of each microbatch's gradient plus one of each
-        window's mean: 1.05-1.17x the time of an optimizer-dominated step with
-        :meth:`apply_gradients` on CPU, no extra scratch memory. With
-        :meth:`update`, reading the mean keeps XLA from reusing the
-        accumulator's buffer for the inner update: that step then needs scratch
-        memory like the parameters and about twice the time.
+        :func:`masked_multistep.window_stats`. They never change the updates
+        and need no parameter-sized memory: one squared-norm reduction of each
+        microbatch's gradient and one of each window's mean.
       stats_decay: per-window decay of the moving averages behind
         ``WindowStats.smoothed_noise_scale``, in ``[0, 1)``.
 
     Raises:
-      TypeError: if ``every_k_schedule`` is neither an integer nor callable.
-      ValueError: if ``every_k_schedule < 1``, a dtype is not of the right kind,
-        or ``stats_decay`` is outside ``[0, 1)``.
+      TypeError: if ``opt`` is not a gradient transformation, or
+        ``every_k_schedule`` is neither an integer nor callable, or an
+        ``optax.MultiSteps``-only keyword is passed, or ``window_stats`` is not
+        a bool.
+      ValueError: if ``every_k_schedule`` is out of range, a dtype cannot
+        serve, or ``stats_decay`` is outside ``[0, 1)``.
 
     Examples:
       Three microbatches with 1, 1 and 2 tokens; the window's update is the
@@ -205,57 +236,98 @@ class MaskedMultiSteps:
       -2.5 True
 
       ``optax.MultiSteps`` would have applied ``-(1 + 1 + 4) / 3 = -2.0``.
+      Float counts (flax's float loss weights) work the same way:
+
+      >>> state = tx.init(params)
+      >>> for g, n in [(1.0, 0.5), (1.0, 0.5), (4.0, 1.0)]:
+      ...     updates, state = tx.update({"w": jnp.array(g)}, state, params,
+      ...                                count=jnp.float32(n))
+      >>> print(updates["w"])
+      -2.5
 
     References:
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
 
-    def __init__(
-        self,
+    # A NamedTuple subclass: `init` and `update` are the tuple's fields (what
+    # optax and flax call); everything else lives in the instance's __dict__.
+
+    def __new__(
+        cls,
         opt: optax.GradientTransformation,
         every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike],
         *,
         should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
-        accumulator_dtype: jax.typing.DTypeLike = jnp.float32,
-        count_dtype: jax.typing.DTypeLike = jnp.int32,
+        accumulator_dtype: jax.typing.DTypeLike | None = None,
+        count_dtype: jax.typing.DTypeLike = jnp.float32,
         window_stats: bool = False,
         stats_decay: float = 0.9,
-    ):
+        **unknown: Any,
+    ) -> MaskedMultiSteps:
+        for key in unknown:
+            why = _OPTAX_ONLY_KEYWORDS.get(key)
+            raise TypeError(
+                f"MaskedMultiSteps got an unexpected keyword argument {key!r}"
+                + (f": {why}." if why else ".")
+            )
         if not (hasattr(opt, "init") and hasattr(opt, "update")):
             raise TypeError(
                 "`opt` must be an optax GradientTransformation, got "
                 f"{type(opt).__name__}"
             )
+        every_k = _windows.every_k(every_k_schedule)
+        acc_dtype = _checks.check_accumulator_dtype(accumulator_dtype)
+        cnt_dtype = _checks.check_count_dtype(count_dtype)
+        recorder = _stats.recorder(window_stats, stats_decay)
+
+        def init(params: optax.Params) -> MaskedMultiStepsState:
+            return self._init(params)
+
+        def update(updates, state, params=None, **extra_args):
+            return self._update(updates, state, params, **extra_args)
+
+        self = super().__new__(cls, init, update)
         self._opt = optax.with_extra_args_support(opt)
-        self._every_k_schedule = _canonical_schedule(every_k_schedule)
+        self._every_k_schedule = every_k
         self._should_skip_update_fn = should_skip_update_fn or _no_skip
-        self._accumulator_dtype = jnp.dtype(accumulator_dtype)
-        if not jnp.issubdtype(self._accumulator_dtype, jnp.floating):
-            raise ValueError(
-                "`accumulator_dtype` must be a floating dtype, got "
-                f"{self._accumulator_dtype}"
+        self._accumulator_dtype = acc_dtype
+        self._count_dtype = cnt_dtype
+        self._stats = recorder
+        self._config = (
+            (opt, every_k_schedule),
+            {
+                "should_skip_update_fn": should_skip_update_fn,
+                "accumulator_dtype": accumulator_dtype,
+                "count_dtype": count_dtype,
+                "window_stats": window_stats,
+                "stats_decay": stats_decay,
+            },
+        )
+        return self
+
+    def __reduce__(self):
+        # Rebuild from the constructor's arguments (the tuple's fields are
+        # closures over this instance, not constructor arguments).
+        args, kwargs = self._config
+        return (functools.partial(MaskedMultiSteps, **kwargs), args)
+
+    def __repr__(self) -> str:
+        opt, k = self._config[0]
+        inner = getattr(opt.update, "__qualname__", type(opt).__name__)
+        inner = inner.split(".<locals>")[0]
+        k = getattr(k, "__name__", "<schedule>") if callable(k) else k
+        acc = self._accumulator_dtype or "follows the gradients"
+        return (
+            f"MaskedMultiSteps(inner={inner}, every_k_schedule={k}, "
+            f"accumulator_dtype={acc}, count_dtype={self._count_dtype}"
+            + (
+                f", window_stats=True, stats_decay={self._stats.decay}"
+                if self._stats.enabled
+                else ""
             )
-        self._count_dtype = jnp.dtype(count_dtype)
-        if not (
-            self._count_dtype == jnp.int32
-            or jnp.issubdtype(self._count_dtype, jnp.floating)
-        ):
-            raise ValueError(
-                f"`count_dtype` must be int32 or a floating dtype, got {count_dtype}"
-            )
-        if not isinstance(window_stats, bool):
-            raise TypeError(
-                f"`window_stats` must be a bool, got {type(window_stats).__name__}"
-            )
-        self._window_stats = window_stats
-        if not (
-            isinstance(stats_decay, numbers.Real)
-            and not isinstance(stats_decay, bool)
-            and 0 <= stats_decay < 1
-        ):
-            raise ValueError(f"`stats_decay` must be in [0, 1), got {stats_decay!r}")
-        self._stats_decay = float(stats_decay)
+            + ")"
+        )
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -263,9 +335,10 @@ class MaskedMultiSteps:
         return self._opt
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
-        """This wrapper as an ``optax.GradientTransformationExtraArgs``.
+        """This wrapper as a plain ``optax.GradientTransformationExtraArgs``.
 
-        Use it inside ``optax.chain``: ``count=`` then travels as an extra argument.
+        The wrapper already is one; this returns the bare ``(init, update)``
+        pair, for code that wants exactly that type.
 
         Examples:
           >>> import jax.numpy as jnp, optax
@@ -277,30 +350,37 @@ class MaskedMultiSteps:
         """
         return optax.GradientTransformationExtraArgs(self.init, self.update)
 
-    def init(self, params: optax.Params) -> MaskedMultiStepsState:
-        """The initial state for ``params``."""
+    def _init(self, params: optax.Params) -> MaskedMultiStepsState:
         gradient_step = jnp.zeros([], jnp.int32)
         _, skip_state = self._should_skip_update_fn(
             otu.zeros_like(params), gradient_step, params
+        )
+        acc_grads = jax.tree.map(
+            lambda p: jnp.zeros_like(
+                p, dtype=_accumulator_dtype(p.dtype, self._accumulator_dtype)
+            ),
+            params,
         )
         return MaskedMultiStepsState(
             mini_step=jnp.zeros([], jnp.int32),
             gradient_step=gradient_step,
             inner_opt_state=self._opt.init(params),
-            acc_grads=otu.zeros_like(params, dtype=self._accumulator_dtype),
+            acc_grads=acc_grads,
             acc_count=jnp.zeros([], self._count_dtype),
             acc_value=jnp.zeros([], jnp.float32),
             updated=jnp.zeros([], jnp.bool_),
             num_invalid_counts=jnp.zeros([], jnp.int32),
+            value_count=jnp.zeros([], self._count_dtype),
+            num_nonfinite_windows=jnp.zeros([], jnp.int32),
             skip_state=skip_state,
-            stats=init_window_stats(self._count_dtype) if self._window_stats else (),
+            stats=self._stats.init(self._count_dtype),
         )
 
     def has_updated(self, state: MaskedMultiStepsState) -> jax.Array:
         """True exactly when the last :meth:`update` applied an inner update."""
         return jnp.asarray(state.updated)
 
-    def update(
+    def _update(
         self,
         updates: optax.Updates,
         state: MaskedMultiStepsState,
@@ -311,12 +391,15 @@ class MaskedMultiSteps:
     ) -> tuple[optax.Updates, MaskedMultiStepsState]:
         """Folds in one microbatch; at the window's end, runs the inner optimizer.
 
+        This is the ``update`` of the gradient transformation:
+        ``tx.update(grads, state, params, count=n, **extra_args)``.
+
         Args:
           updates: the microbatch's *mean* gradient (a pytree like the params).
           state: the current state.
           params: the current params, passed to the inner optimizer.
           count: the number of real tokens behind ``updates`` (or any non-negative
-            weight), a scalar. Required.
+            weight), a real scalar. Required.
           **extra_args: ``value=`` (the microbatch's mean loss) is token-averaged
             over the window; everything else goes to the inner optimizer at the end
             of the window.
@@ -326,9 +409,10 @@ class MaskedMultiSteps:
           window that saw tokens, zeros of the same structure and dtype otherwise.
 
         Raises:
-          TypeError: if ``count`` is missing.
-          ValueError: if ``count`` is not a numeric scalar, or is concretely
-            negative or NaN; if the gradients do not match the state's tree.
+          TypeError: if ``count`` is missing or of the wrong kind.
+          ValueError: if ``count`` is not a scalar, or is concretely negative,
+            non-finite or too large; if ``value`` is not a scalar; if the
+            gradients do not match the state's tree.
         """
         return self._step(updates, state, params, count, extra_args, apply_params=False)
 
@@ -362,49 +446,50 @@ class MaskedMultiSteps:
         """
         return self._step(grads, state, params, count, extra_args, apply_params=True)
 
-    def _check_count(self, count: Any) -> tuple[jax.Array, jax.Array]:
-        """The count in ``count_dtype`` and whether it may be accumulated."""
-        if count is None:
-            raise TypeError(
-                "MaskedMultiSteps.update needs the microbatch's token count: call "
-                "`tx.update(grads, state, params, count=n)` (inside optax.chain, "
-                "pass `count=n` to the chain's update)."
-            )
-        if not hasattr(count, "dtype"):
-            if not isinstance(count, numbers.Real) or isinstance(count, bool):
-                raise ValueError(
-                    "`count` must be a numeric scalar, got "
-                    f"{count!r} of type {type(count).__name__}"
-                )
-            if isinstance(count, numbers.Integral):
-                # Range-check before narrowing; other values are checked below.
-                self._check_concrete_count(count, True)
-                count = np.int32(count)
-        arr = scalar_count(count)
-        is_int = jnp.issubdtype(arr.dtype, jnp.integer)
-        if not is_int and not jnp.issubdtype(self._count_dtype, jnp.floating):
-            raise ValueError(
-                f"`count` has dtype {arr.dtype}, but this MaskedMultiSteps sums counts "
-                f"in {self._count_dtype}: pass integer token counts, or construct it "
-                "with count_dtype=jnp.float32 for fractional weights."
-            )
-        if not isinstance(arr, jax.core.Tracer):
-            self._check_concrete_count(arr.item(), is_int)
-        if is_int and arr.dtype.itemsize > 4:
-            # Without x64 this never happens; with it, clip before narrowing.
-            arr = jnp.clip(arr, -1, _INT32_MAX)
-        n = arr.astype(self._count_dtype)
-        ok = jnp.isfinite(n) & (n >= 0) if not is_int else (n >= 0)
-        return n, ok
+    # The state machine: gate, accumulate, decide, emit.
 
-    @staticmethod
-    def _check_concrete_count(value: float, is_int: bool) -> None:
-        if not np.isfinite(value) or value < 0:
+    def _gate(self, grads, state, params, count) -> _Gate:
+        """Whether this microbatch counts, and with how many tokens."""
+        n, count_ok = _checks.to_count(count, self._count_dtype)
+        should_skip, skip_state = self._should_skip_update_fn(
+            grads, state.gradient_step, params
+        )
+        should_skip = jnp.asarray(should_skip)
+        if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
             raise ValueError(
-                f"`count` must be a finite non-negative number, got {value}"
+                "`should_skip_update_fn` must return a boolean scalar, got dtype "
+                f"{should_skip.dtype} and shape {should_skip.shape}"
             )
-        if is_int and value > _INT32_MAX:
-            raise ValueError(f"`count` must be < 2**31, got {value}")
+        if jnp.issubdtype(self._count_dtype, jnp.integer):
+            fits = n <= jnp.iinfo(self._count_dtype).max - state.acc_count
+        else:
+            fits = jnp.isfinite(state.acc_count + n)
+        valid_count = count_ok & fits
+        # A microbatch without tokens always counts toward its window: the skip
+        # function's verdict on its meaningless (often 0/0) gradient is ignored,
+        # and its state kept.
+        empty = valid_count & (n == 0)
+        counted = valid_count & (empty | ~should_skip)
+        skip_state = jax.tree.map(
+            lambda new, old: jnp.where(empty, old, new), skip_state, state.skip_state
+        )
+        n = jnp.where(counted, n, jnp.zeros_like(n))
+        return _Gate(n, counted, valid_count, skip_state)
+
+    def _inner_update(self, grads, static_args, with_value: bool):
+        """The inner optimizer on the window's mean, its state cast back."""
+
+        def inner_update(acc_grads, inner_state, params, dynamic_args):
+            mean_grads = otu.cast_like(acc_grads, grads)
+            if not with_value:
+                dynamic_args = {k: v for k, v in dynamic_args.items() if k != "value"}
+            updates, new_inner = self._opt.update(
+                mean_grads, inner_state, params, **static_args, **dynamic_args
+            )
+            # The inner state keeps its dtypes (as in optax.MultiSteps).
+            return updates, otu.cast_like(new_inner, inner_state)
+
+        return inner_update
 
     def _step(self, grads, state, params, count, extra_args, *, apply_params):
         """Shared body of :meth:`update` and :meth:`apply_gradients`.
@@ -414,43 +499,25 @@ class MaskedMultiSteps:
         sits inside it. Returns ``(updates, state)``, or with ``apply_params``
         ``(new_params, state)``.
         """
-        n, count_ok = self._check_count(count)
-        _check_trees(grads, state.acc_grads)
-        value = extra_args.pop("value", None)
+        _checks.check_grads_match(grads, state.acc_grads)
+        extra_args = dict(extra_args)
+        value = _checks.check_value(extra_args.pop("value", None))
 
         with jax.named_scope("masked_multistep/accumulate"):
-            should_skip, skip_state = self._should_skip_update_fn(
-                grads, state.gradient_step, params
-            )
-            should_skip = jnp.asarray(should_skip)
-            if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
-                raise ValueError(
-                    "`should_skip_update_fn` must return a boolean scalar, got dtype "
-                    f"{should_skip.dtype} and shape {should_skip.shape}"
-                )
-            if jnp.issubdtype(self._count_dtype, jnp.integer):
-                fits = n <= _INT32_MAX - state.acc_count
-            else:
-                fits = jnp.isfinite(state.acc_count + n)
-            valid_count = count_ok & fits
-            accepted = valid_count & ~should_skip
-            n = jnp.where(accepted, n, jnp.zeros_like(n))
-
-            stats = state.stats
-            if self._window_stats:
-                stats = accumulate_window_stats(stats, grads, n)
+            gate = self._gate(grads, state, params, count)
             acc_grads, acc_count = running_mean_update(
-                state.acc_grads, state.acc_count, grads, n
+                state.acc_grads, state.acc_count, grads, gate.n
             )
-            acc_value = state.acc_value
+            stats = self._stats.accumulate(state.stats, grads, gate.n)
+            acc_value, value_count = state.acc_value, state.value_count
             if value is not None:
-                acc_value, _ = running_mean_update(
-                    state.acc_value, state.acc_count, jnp.asarray(value), n
+                acc_value, value_count = running_mean_update(
+                    state.acc_value, state.value_count, value, gate.n
                 )
-
             k = self._every_k_schedule(state.gradient_step)
-            window_done = accepted & (state.mini_step + 1 >= k)
-            apply = window_done & (acc_count > 0)
+            # `mini_step >= k - 1`, not `mini_step + 1 >= k`: no overflow at 2³¹.
+            window_done = gate.counted & (state.mini_step >= k - 1)
+            has_tokens = window_done & (acc_count > 0)
 
         static_args = {
             key: v for key, v in extra_args.items() if not isinstance(v, jax.Array)
@@ -458,24 +525,35 @@ class MaskedMultiSteps:
         dynamic_args = {
             key: v for key, v in extra_args.items() if isinstance(v, jax.Array)
         }
-        if value is not None:
-            dynamic_args["value"] = acc_value.astype(jnp.asarray(value).dtype)
-
-        def inner_update(acc_grads, inner_state, params, dynamic_args):
-            mean_grads = otu.cast_like(acc_grads, grads)
-            updates, new_inner = self._opt.update(
-                mean_grads, inner_state, params, **static_args, **dynamic_args
-            )
-            # The inner state keeps its dtypes (as in optax.MultiSteps).
-            return updates, otu.cast_like(new_inner, inner_state)
-
+        # The window's token-weighted loss over the microbatches that passed one
+        # (NaN if none did).
+        window_value = jnp.where(value_count > 0, acc_value, jnp.nan)
+        dynamic_args["value"] = window_value.astype(
+            value.dtype if value is not None and _is_float(value) else jnp.float32
+        )
         operands = (acc_grads, state.inner_opt_state, params, dynamic_args)
+        run_with_value = self._inner_update(grads, static_args, with_value=True)
+        run_without_value = self._inner_update(grads, static_args, with_value=False)
+        if value is not None:
+            inner_update = run_with_value
+        else:
+            # Statically: an inner optimizer that runs without `value=` gets none
+            # (a choice between the two at run time would compile the inner
+            # update twice and triple the step's scratch memory); one that needs
+            # it (reduce_on_plateau, polyak_sgd) gets the window's mean.
+            try:
+                jax.eval_shape(run_without_value, *operands)
+            except TypeError:
+                inner_update = run_with_value
+            else:
+                inner_update = run_without_value
+
         updates_avals, _ = jax.eval_shape(inner_update, *operands)
         # Once the inner optimizer has read the window's mean, the mean is dead
         # (`acc_count` resets; the next counted microbatch overwrites it). So in
         # `update` the updates take the accumulator's buffer when they fit it,
         # and between windows it passes through; `update` then returns
-        # `where(apply, acc, 0)`, which XLA fuses into the caller's
+        # `where(updated, acc, 0)`, which XLA fuses into the caller's
         # `optax.apply_updates`, instead of a separate param-sized output filled
         # with zeros on every microbatch (a temporary as large as the params,
         # page-faulted afresh on every call on CPU). `apply_gradients` needs no
@@ -483,70 +561,94 @@ class MaskedMultiSteps:
         # and between windows the params pass through untouched.
         reuse_acc = not apply_params and _same_avals(updates_avals, acc_grads)
 
-        def apply_branch(acc_grads, inner_state, params, dynamic_args):
-            g2 = ()
-            if self._window_stats:
-                # ‖ḡ‖² for the statistics, read from the mean before the inner
-                # optimizer does; once per window. The barrier orders the two
-                # reads: without it XLA keeps copies of the accumulator.
-                g2 = tree_sq_norm(acc_grads).astype(jnp.float32)
-                g2, acc_grads = jax.lax.optimization_barrier((g2, acc_grads))
+        def hold(acc_grads, inner_state, params, dynamic_args):
+            del dynamic_args
+            if reuse_acc:
+                return (), acc_grads, inner_state
+            out = params if apply_params else otu.zeros_like(updates_avals)
+            return out, acc_grads, inner_state
+
+        def run(acc_grads, inner_state, params, dynamic_args):
             updates, new_inner = inner_update(
                 acc_grads, inner_state, params, dynamic_args
             )
             if reuse_acc:
-                return (), updates, new_inner, g2
+                return (), updates, new_inner
             out = optax.apply_updates(params, updates) if apply_params else updates
-            return out, acc_grads, new_inner, g2
+            return out, acc_grads, new_inner
 
-        def skip_branch(acc_grads, inner_state, params, dynamic_args):
-            del dynamic_args
-            g2 = jnp.full([], jnp.nan, jnp.float32) if self._window_stats else ()
-            if reuse_acc:
-                return (), acc_grads, inner_state, g2
-            out = params if apply_params else otu.zeros_like(updates_avals)
-            return out, acc_grads, inner_state, g2
+        def close_window(acc_grads, inner_state, params, dynamic_args):
+            # A non-finite mean never reaches the inner optimizer: a stateful
+            # one (adam's moments) would carry the NaN into every later update.
+            finite = _all_finite(acc_grads)
+            # ‖ḡ‖² for the statistics (`()` without them), read before the
+            # inner optimizer overwrites the mean.
+            mean_sq_norm, finite = self._stats.read_mean(acc_grads, finite)
+            out = jax.lax.cond(
+                finite, run, hold, acc_grads, inner_state, params, dynamic_args
+            )
+            return (*out, finite, mean_sq_norm)
+
+        def keep_window(*operands):
+            return (
+                *hold(*operands),
+                jnp.ones([], jnp.bool_),
+                self._stats.no_mean_sq_norm(),
+            )
 
         with jax.named_scope("masked_multistep/inner_update"):
-            out, acc_grads, inner_opt_state, grad_sq_norm = jax.lax.cond(
-                apply, apply_branch, skip_branch, *operands
+            out, acc_grads, inner_opt_state, finite, mean_sq_norm = jax.lax.cond(
+                has_tokens, close_window, keep_window, *operands
             )
+            updated = has_tokens & finite
             if reuse_acc:
                 out = jax.tree.map(
-                    lambda u: jnp.where(apply, u, jnp.zeros_like(u)), acc_grads
+                    lambda u: jnp.where(updated, u, jnp.zeros_like(u)), acc_grads
                 )
 
-        if self._window_stats:
-            stats = close_window_stats(
-                stats,
-                window_done,
-                tokens=acc_count,
-                grad_sq_norm=grad_sq_norm,
-                loss=acc_value if value is not None else jnp.float32(jnp.nan),
-                decay=self._stats_decay,
-            )
+        stats = self._stats.close(
+            stats,
+            window_done,
+            tokens=acc_count,
+            mean_sq_norm=mean_sq_norm,
+            loss=window_value,
+        )
 
         zero = jnp.zeros([], jnp.int32)
-        new_state = MaskedMultiStepsState(
+        new_state = state._replace(
             mini_step=jnp.where(
                 window_done,
                 zero,
-                jnp.where(accepted, state.mini_step + 1, state.mini_step),
+                jnp.where(
+                    gate.counted, optax.safe_increment(state.mini_step), state.mini_step
+                ),
             ).astype(jnp.int32),
             gradient_step=jnp.where(
-                apply, optax.safe_increment(state.gradient_step), state.gradient_step
+                updated, optax.safe_increment(state.gradient_step), state.gradient_step
             ),
             inner_opt_state=inner_opt_state,
             acc_grads=acc_grads,
             acc_count=jnp.where(window_done, jnp.zeros_like(acc_count), acc_count),
             acc_value=jnp.where(window_done, jnp.zeros_like(acc_value), acc_value),
-            updated=apply,
+            value_count=jnp.where(
+                window_done, jnp.zeros_like(value_count), value_count
+            ),
+            updated=updated,
             num_invalid_counts=jnp.where(
-                valid_count,
+                gate.valid_count,
                 state.num_invalid_counts,
                 optax.safe_increment(state.num_invalid_counts),
             ),
-            skip_state=skip_state,
+            num_nonfinite_windows=jnp.where(
+                has_tokens & ~finite,
+                optax.safe_increment(state.num_nonfinite_windows),
+                state.num_nonfinite_windows,
+            ),
+            skip_state=gate.skip_state,
             stats=stats,
         )
         return out, new_state
+
+
+def _is_float(x: jax.Array) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)

@@ -99,3 +99,109 @@ def test_skew_controls_length_order():
     assert np.all(
         b.inputs[:, :, 1:][b.mask[:, :, :-1]] == b.targets[:, :, :-1][b.mask[:, :, :-1]]
     )
+
+
+def test_demo_requirements_are_the_demo_extra():
+    import configparser
+    import pathlib
+    import re
+
+    from masked_multistep.demo import cli
+
+    cfg = configparser.ConfigParser()
+    cfg.read(pathlib.Path(__file__).resolve().parent.parent / "setup.cfg")
+    extra = cfg["options.extras_require"]["demo"].split()
+    assert {re.split(r"[<>=!~\[]", r)[0] for r in extra} == set(cli.REQUIREMENTS)
+
+
+@pytest.mark.parametrize("module", ["flax", "matplotlib", "tqdm"])
+def test_missing_requirement_says_what_to_install(
+    module, monkeypatch, capsys, tmp_path
+):
+    import sys
+
+    # `None` in sys.modules makes `import module` raise ModuleNotFoundError.
+    monkeypatch.setitem(sys.modules, module, None)
+    out = tmp_path / "out"
+    assert main(["--steps", "1", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"missing: {module}." in err
+    assert "`make demo`" in err and '`pip install -e ".[demo]"`' in err
+    assert not out.exists()  # stopped before training
+
+
+# A meta-path finder that makes one top-level package look uninstalled: its
+# import raises ModuleNotFoundError, as it does in an environment without it.
+_BLOCKER = """
+import importlib.abc, importlib.machinery, runpy, sys
+
+blocked = sys.argv.pop(1)
+
+class Missing(importlib.abc.Loader):
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"No module named {spec.name!r}", name=spec.name)
+
+    def exec_module(self, module):
+        pass
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == blocked:
+            return importlib.machinery.ModuleSpec(name, Missing())
+        return None
+
+sys.modules.pop(blocked, None)
+sys.meta_path.insert(0, Block())
+runpy.run_module("masked_multistep.demo", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+def test_python_m_demo_without_tqdm_names_the_extra(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKER, "tqdm", "--steps", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "needs the `demo` extra (flax, matplotlib, tqdm); missing: tqdm." in (
+        proc.stderr
+    )
+    assert '`pip install -e ".[demo]"`' in proc.stderr and "`make demo`" in proc.stderr
+    assert not out.exists()
+
+
+def test_nothing_compiles_while_the_progress_bar_runs():
+    import jax
+
+    from masked_multistep.demo import train
+
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    seen = {}
+
+    def progress(n):
+        seen["at_start"] = len(compiles)
+        yield from range(n)
+        seen["at_end"] = len(compiles)
+
+    # A configuration of its own, so that its step functions compile here.
+    config = train.Config(steps=2, microbatches=3, batch_size=12, heldout_size=24)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        train.train_all(config, progress=progress)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert seen["at_start"] > 0  # the step functions compiled before the bar
+    assert seen["at_end"] == seen["at_start"]  # and nothing while it ran

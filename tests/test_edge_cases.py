@@ -72,14 +72,39 @@ def test_all_zero_window_applies_nothing_and_next_window_is_clean(adam_tx):
     assert int(state.gradient_step) == 1
 
 
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_nonfinite_window_is_not_handed_to_the_inner_optimizer(bad):
+    # adam would carry a NaN in its moments into every later update.
+    tx = mm.MaskedMultiSteps(optax.adam(1.0), 2)
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(2))
+    inner_before = state.inner_opt_state
+    updates, state = update(_grads(bad), state, PARAMS, count=jnp.int32(2))
+    assert not bool(tx.has_updated(state))
+    assert int(state.num_nonfinite_windows) == 1
+    assert int(state.gradient_step) == 0 and int(state.mini_step) == 0
+    assert int(state.acc_count) == 0
+    for u in jax.tree.leaves(updates):
+        np.testing.assert_array_equal(u, 0.0)
+    _assert_bit_identical(state.inner_opt_state, inner_before)
+    # The run goes on: the next window is clean and applied.
+    _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(1))
+    updates, state = update(_grads(4.0), state, PARAMS, count=jnp.int32(3))
+    assert bool(tx.has_updated(state)) and int(state.gradient_step) == 1
+    for u in jax.tree.leaves(updates):
+        assert np.all(np.isfinite(u)) and np.all(u != 0)
+
+
 def test_nonfinite_gradient_spoils_its_window_only():
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
     update = jax.jit(tx.update)
     state = tx.init(PARAMS)
     _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(2))
     updates, state = update(_grads(jnp.nan), state, PARAMS, count=jnp.int32(2))
-    assert bool(tx.has_updated(state))
-    assert all(np.all(np.isnan(u)) for u in jax.tree.leaves(updates))
+    assert not bool(tx.has_updated(state))
+    assert int(state.num_nonfinite_windows) == 1
+    assert all(np.all(u == 0) for u in jax.tree.leaves(updates))
     # optax.MultiSteps keeps `(1 - emit) * NaN == NaN` in its accumulator forever;
     # here the next window starts clean.
     _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(1))

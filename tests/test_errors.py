@@ -36,55 +36,97 @@ def test_bad_constructor_arguments():
         mm.MaskedMultiSteps(lambda g: g, 2)
     with pytest.raises(ValueError, match="`accumulator_dtype` must be a floating"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype=jnp.int32)
-    with pytest.raises(ValueError, match="`count_dtype` must be int32 or a floating"):
+    with pytest.raises(ValueError, match="`count_dtype` must be one of"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=jnp.int8)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int16, jnp.uint32])
+def test_count_dtypes_that_cannot_hold_counts_are_refused(dtype):
+    # A float16 total rounds 2049 to 2048; bfloat16 rounds 257 to 256.
+    with pytest.raises(
+        ValueError, match=f"`count_dtype` must be one of.*got {jnp.dtype(dtype)}"
+    ):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=dtype)
+
+
+def test_64_bit_count_dtypes_need_x64():
+    with pytest.raises(ValueError, match="jax_enable_x64"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=jnp.float64)
+
+
+def test_k_too_large_for_the_state_is_refused_in_the_constructor():
+    with pytest.raises(ValueError, match=r"at most 2\*\*31 - 1.*got 2147483648"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2**31)
+    mm.MaskedMultiSteps(optax.sgd(1.0), 2**31 - 1)
+
+
+def test_optax_multisteps_keywords_are_explained():
+    with pytest.raises(TypeError, match="'use_grad_mean'.*always keeps a running"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, use_grad_mean=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lr'"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, lr=0.1)
 
 
 def test_missing_count_says_how_to_pass_it(tx):
     with pytest.raises(TypeError, match=r"count=n"):
         tx.update(GRADS, tx.init(PARAMS), PARAMS)
-    with pytest.raises(TypeError, match=r"count=n"):
+    with pytest.raises(TypeError, match=r"count=n.*masked_multistep.TrainState"):
         jax.jit(tx.update)(GRADS, tx.init(PARAMS), PARAMS)
 
 
 @pytest.mark.parametrize(
-    "count,match",
+    "count,error,match",
     [
-        (jnp.ones(2, jnp.int32), r"scalar, got shape \(2,\)"),
-        (np.ones((1, 1), np.int32), r"scalar, got shape \(1, 1\)"),
-        (jnp.array(True), r"integer or floating scalar, got shape \(\) and dtype bool"),
-        (True, "numeric scalar, got True of type bool"),
-        ("12", "numeric scalar, got '12' of type str"),
-        (jnp.array(1 + 2j), r"floating scalar, got shape \(\) and dtype complex64"),
-        (jnp.float32(3.0), "has dtype float32, but this MaskedMultiSteps sums counts"),
-    ],
-)
-def test_bad_count_types_fail_at_trace_time(tx, count, match):
-    state = tx.init(PARAMS)
-    with pytest.raises(ValueError, match=match):
-        tx.update(GRADS, state, PARAMS, count=count)
-    if hasattr(count, "dtype"):
-        with pytest.raises(ValueError, match=match):
-            jax.jit(tx.update)(GRADS, state, PARAMS, count=count)
-
-
-@pytest.mark.parametrize(
-    "count,match",
-    [
-        (-1, "finite non-negative number, got -1"),
-        (jnp.int32(-5), "finite non-negative number, got -5"),
-        (float("nan"), "finite non-negative number, got nan"),
-        (float("inf"), "finite non-negative number, got inf"),
-        (2**31, r"< 2\*\*31"),
+        (jnp.ones(2, jnp.int32), ValueError, r"scalar .*, got shape \(2,\)"),
+        (np.ones((1, 1), np.int32), ValueError, r"scalar .*, got shape \(1, 1\)"),
+        (jnp.array(True), TypeError, r"integer or floating scalar, got dtype bool"),
+        (True, TypeError, r"number of tokens, got a bool \(True\)"),
+        (np.bool_(True), TypeError, r"bool"),
+        ("12", TypeError, "real scalar, got '12' of type str"),
+        (
+            jnp.array(1 + 2j),
+            TypeError,
+            r"integer or floating scalar, got dtype complex64",
+        ),
     ],
     ids=repr,
 )
-def test_concrete_bad_count_values_raise(count, match):
-    tx = mm.MaskedMultiSteps(
-        optax.sgd(1.0),
-        2,
-        count_dtype=jnp.float32 if isinstance(count, float) else jnp.int32,
-    )
+def test_bad_count_types_fail_at_trace_time(tx, count, error, match):
+    state = tx.init(PARAMS)
+    with pytest.raises(error, match=match):
+        tx.update(GRADS, state, PARAMS, count=count)
+    if hasattr(count, "dtype"):
+        with pytest.raises(error, match=match):
+            jax.jit(tx.update)(GRADS, state, PARAMS, count=count)
+
+
+def test_fractional_count_with_an_integer_count_dtype_is_clear():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=jnp.int32)
+    state = tx.init(PARAMS)
+    with pytest.raises(TypeError, match="has dtype float32, but this MaskedMultiSteps"):
+        jax.jit(tx.update)(GRADS, state, PARAMS, count=jnp.float32(3.0))
+    with pytest.raises(ValueError, match=r"fractional \(2.5\)"):
+        tx.update(GRADS, state, PARAMS, count=2.5)
+
+
+@pytest.mark.parametrize(
+    "count,count_dtype,match",
+    [
+        (-1, jnp.float32, "non-negative, got -1"),
+        (jnp.int32(-5), jnp.float32, "non-negative, got -5"),
+        (np.int8(-5), jnp.float32, "non-negative, got -5"),
+        (float("nan"), jnp.float32, "finite non-negative number, got nan"),
+        (float("inf"), jnp.float32, "finite non-negative number, got inf"),
+        (np.float64(np.inf), jnp.float32, "finite non-negative number, got inf"),
+        (2**31, jnp.int32, r"at most 2147483647 for count_dtype int32"),
+        (np.int64(2**32 + 5), jnp.int32, r"at most 2147483647.*got 4294967301"),
+        (np.uint64(2**63), jnp.int32, r"at most 2147483647"),
+        (10**40, jnp.float32, "too large for count_dtype float32"),
+    ],
+    ids=repr,
+)
+def test_concrete_bad_count_values_raise(count, count_dtype, match):
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=count_dtype)
     with pytest.raises(ValueError, match=match):
         tx.update(GRADS, tx.init(PARAMS), PARAMS, count=count)
 
@@ -117,7 +159,8 @@ def test_bad_count_under_jit_is_a_counted_skip(count_dtype, bad):
         np.testing.assert_array_equal(u, 0)
 
 
-def test_window_total_overflow_is_a_counted_skip(tx):
+def test_window_total_overflow_is_a_counted_skip():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=jnp.int32)
     update = jax.jit(tx.update)
     state = tx.init(PARAMS)
     _, state = update(GRADS, state, PARAMS, count=jnp.int32(2**31 - 10))

@@ -96,11 +96,11 @@ def test_equal_counts_give_mccandlish_two_batch_estimators():
     np.testing.assert_allclose(last.grad_sq_norm, g_big_sq, rtol=1e-6)
 
 
-@pytest.mark.parametrize("tokens_per_noise_scale", [1, 10, 100])
+@pytest.mark.parametrize("tokens_per_noise_scale", [1, 10, 100, 1000])
 def test_spread_matches_float64_two_pass(tokens_per_noise_scale):
     """S = Σ nᵢ‖gᵢ − ḡ‖² from the float32 state against a float64 two-pass sum,
-    at N / B_simple = 1, 10 and 100 (S is formed by a subtraction whose
-    cancellation grows with N / B_simple)."""
+    at N / B_simple = 1 to 1000 (S is formed by a subtraction whose
+    cancellation grows with N / B_simple: about 1e-4 at 10⁴, see _stats)."""
     rng = np.random.default_rng(2)
     k, d = 8, 100_000
     counts = rng.integers(1, 500, size=k).astype(np.int32)
@@ -484,3 +484,209 @@ def test_constructor_checks_the_statistics_arguments():
         mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=1)
     with pytest.raises(ValueError, match=r"`stats_decay` must be in \[0, 1\), got 1"):
         mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=1)
+
+
+# --------------------------------------------- the Core semantics, with statistics
+
+# A plan with a non-finite gradient in a counted microbatch (its window is not
+# handed to the inner optimizer), empty NaN microbatches, and a window with one.
+PLAN_NONFINITE = [
+    (4, False), (3, False), (5, False),
+    (2, False), (0, True), (6, False),
+    (3, False), (2, False), (4, False),
+]  # fmt: skip
+
+
+def _nonfinite_plan_data():
+    grads, counts, values = _plan_data(seed=4, plan=PLAN_NONFINITE)
+    grads[3, 1] = np.inf  # window 1: a counted microbatch with an inf element
+    return grads, counts, values
+
+
+@pytest.mark.parametrize("apply_params", [False, True], ids=["update", "apply"])
+@pytest.mark.parametrize(
+    "skip", [None, optax.skip_not_finite], ids=["no-skip", "skip-not-finite"]
+)
+def test_statistics_never_change_the_updates_with_non_finite_windows(
+    apply_params, skip
+):
+    data = _nonfinite_plan_data()
+    inner = optax.adam(0.1)
+    plain = mm.MaskedMultiSteps(inner, WINDOW, should_skip_update_fn=skip)
+    stats = mm.MaskedMultiSteps(
+        inner, WINDOW, should_skip_update_fn=skip, window_stats=True
+    )
+    outs_a, states_a = _run(plain, *data, apply_params=apply_params)
+    outs_b, states_b = _run(stats, *data, apply_params=apply_params)
+    for a, b, sa, sb in zip(outs_a, outs_b, states_a, states_b, strict=True):
+        assert np.array_equal(a, b)
+        for x, y in zip(
+            jax.tree.leaves(sa), jax.tree.leaves(_without_stats(sb)), strict=True
+        ):
+            assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True)
+    expected_nonfinite = 0 if skip else 1
+    assert int(states_b[-1].num_nonfinite_windows) == expected_nonfinite
+
+
+def test_a_non_finite_window_is_recorded_without_estimates():
+    """The window whose mean is not finite (not handed to the inner optimizer)
+    still completes: its tokens, microbatches, loss and tokens_seen count; its
+    ‖ḡ‖² is the non-finite value; its estimates are NaN and the smoothing skips
+    it."""
+    grads, counts, values = _nonfinite_plan_data()
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), WINDOW, window_stats=True)
+    _, states = _run(tx, grads, counts, values)
+    before, bad, after = (mm.window_stats(states[i]) for i in (2, 5, 8))
+    assert not bool(states[5].updated) and int(states[5].num_nonfinite_windows) == 1
+    assert int(bad.tokens) == 8 and int(bad.microbatches) == 2
+    assert int(bad.windows) == 2 and float(bad.tokens_seen) == 12 + 8
+    np.testing.assert_allclose(bad.loss, (2 * values[3] + 6 * values[5]) / 8, rtol=1e-6)
+    assert not np.isfinite(bad.grad_sq_norm)
+    for x in (bad.grad_var_trace, bad.true_grad_sq_norm, bad.noise_scale):
+        assert np.isnan(x)
+    # The moving averages skipped it: the smoothed figure is still the first
+    # window's, and the third window folds in as the second averaged one.
+    assert float(bad.smoothed_noise_scale) == float(before.smoothed_noise_scale)
+    assert np.isclose(float(states[5].stats.ema_weight), 1 - DECAY)
+    assert np.isclose(float(states[8].stats.ema_weight), 1 - DECAY**2)
+    assert np.isfinite(after.grad_var_trace) and bool(states[8].updated)
+
+
+def test_loss_is_the_token_weighted_mean_over_microbatches_that_passed_a_value():
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 4, window_stats=True)
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    # (count, value or None): the value-less microbatches weigh nothing in the
+    # loss, a count-0 microbatch neither (its NaN value included).
+    plan = [(2, 1.0), (3, None), (0, float("nan")), (6, 4.0)]
+    for n, v in plan:
+        extra = {} if v is None else {"value": jnp.float32(v)}
+        _, state = tx.update(jnp.ones(2), state, params, count=jnp.array(n), **extra)
+    stats = mm.window_stats(state)
+    assert int(stats.tokens) == 11 and int(stats.microbatches) == 3
+    np.testing.assert_allclose(stats.loss, (2 * 1.0 + 6 * 4.0) / 8, rtol=1e-6)
+    # No microbatch passed a value: the loss is NaN.
+    for _ in range(4):
+        _, state = tx.update(jnp.ones(2), state, params, count=jnp.array(1))
+    assert np.isnan(mm.window_stats(state).loss)
+
+
+def test_count_zero_microbatches_count_toward_the_window_whatever_the_skip_says():
+    """optax.skip_not_finite would skip the NaN gradient of an empty microbatch;
+    the window counts it anyway, and the statistics see no tokens from it."""
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1),
+        3,
+        should_skip_update_fn=optax.skip_not_finite,
+        window_stats=True,
+    )
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    for g, n in [([1.0, 0.0], 2), ([np.nan, np.nan], 0), ([0.0, 3.0], 1)]:
+        _, state = tx.update(jnp.array(g), state, params, count=jnp.array(n))
+    assert bool(state.updated)
+    stats = mm.window_stats(state)
+    ref = _one_window(jnp.array([[1.0, 0.0], [0.0, 3.0]]), jnp.array([2, 1], jnp.int32))
+    assert int(stats.microbatches) == 2 and int(stats.tokens) == 3
+    np.testing.assert_allclose(stats.grad_var_trace, ref.grad_var_trace, rtol=1e-6)
+
+
+@pytest.mark.parametrize("count_dtype", [jnp.float32, jnp.int32])
+def test_statistics_follow_the_count_dtype(count_dtype):
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1), 2, count_dtype=count_dtype, window_stats=True
+    )
+    params = jnp.zeros(3)
+    state = tx.init(params)
+    for g, n in [(1.0, 2), (3.0, 2)]:
+        _, state = tx.update(jnp.full(3, g), state, params, count=n)
+    stats = mm.window_stats(state)
+    assert stats.tokens.dtype == jnp.dtype(count_dtype) and int(stats.tokens) == 4
+    np.testing.assert_allclose(stats.grad_var_trace, 12.0)  # 2·3 + 2·3 over 1
+
+
+def test_microbatched_value_and_grad_returns_the_same_statistics():
+    """One call of `microbatched_value_and_grad(..., with_stats=True)` is one
+    window: its statistics equal the wrapper's over the same microbatches."""
+    rng = np.random.default_rng(5)
+    k, rows, width = 4, 16, 6
+    # Unequal counts (microbatch j is rows j, j + 4, ...); microbatch 1 empty.
+    mask = rng.uniform(size=(rows,)) < 0.7
+    mask[[0, 2, 3]] = True
+    mask[1::k] = False
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(rows, width)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(rows,)), jnp.float32),
+        "mask": jnp.asarray(mask),
+    }
+
+    def loss_fn(w, mb):
+        return mm.masked_mean((mb["x"] @ w - mb["y"]) ** 2, mb["mask"])
+
+    w = jnp.asarray(rng.normal(size=width), jnp.float32)
+    grad_fn = jax.jit(mm.microbatched_value_and_grad(loss_fn, k, with_stats=True))
+    (loss, count), grads, stats = grad_fn(w, batch)
+    assert isinstance(stats, mm.WindowStats)
+
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), k, window_stats=True)
+    state = tx.init(w)
+    for j in range(k):
+        mb = jax.tree.map(lambda x, j=j: x[j::k], batch)
+        (lj, nj), gj = jax.value_and_grad(loss_fn, has_aux=True)(w, mb)
+        _, state = tx.update(gj, state, w, count=nj, value=lj)
+    ref = mm.window_stats(state)
+    assert int(stats.microbatches) == int(ref.microbatches) == k - 1  # one empty
+    assert int(stats.tokens) == int(ref.tokens) == int(count)
+    assert int(stats.windows) == 1 and float(stats.tokens_seen) == int(count)
+    np.testing.assert_allclose(stats.loss, loss, rtol=1e-6)
+    for name in (
+        "loss",
+        "grad_sq_norm",
+        "grad_var_trace",
+        "true_grad_sq_norm",
+        "noise_scale",
+    ):
+        np.testing.assert_allclose(
+            getattr(stats, name), getattr(ref, name), rtol=2e-5, err_msg=name
+        )
+    np.testing.assert_allclose(stats.smoothed_noise_scale, stats.noise_scale)
+    # Without with_stats the output is unchanged.
+    plain = jax.jit(mm.microbatched_value_and_grad(loss_fn, k))(w, batch)
+    assert len(plain) == 2
+    np.testing.assert_array_equal(plain[1], grads)
+    with pytest.raises(TypeError, match="`with_stats` must be a bool, got 1"):
+        mm.microbatched_value_and_grad(loss_fn, k, with_stats=1)
+
+
+def test_switching_from_optax_multisteps_mid_window_keeps_the_statistics_unbiased():
+    """The converted window holds the optax.MultiSteps mean as one microbatch
+    of `acc_count` tokens."""
+    params = jnp.zeros(2)
+    old = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=3)
+    old_state = old.init(params)
+    g = np.array([[1.0, 2.0], [3.0, 0.0], [-1.0, 5.0]], np.float32)
+    for gi in g[:2]:
+        _, old_state = old.update(jnp.asarray(gi), old_state, params)
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 3, window_stats=True)
+    state = mm.from_optax_multisteps(old_state, tx, params, acc_count=2 * 4)
+    _, state = tx.update(jnp.asarray(g[2]), state, params, count=jnp.array(5))
+    stats = mm.window_stats(state)
+    ref = _one_window(
+        jnp.asarray(np.stack([g[:2].mean(axis=0), g[2]])),
+        jnp.array([8, 5], jnp.int32),
+    )
+    assert int(stats.microbatches) == 2 and int(stats.tokens) == 13
+    for name in ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm"):
+        np.testing.assert_allclose(getattr(stats, name), getattr(ref, name), rtol=1e-6)
+
+
+def test_repr_and_copies_keep_the_statistics_options():
+    import copy
+
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=0.5)
+    assert "window_stats=True, stats_decay=0.5" in repr(tx)
+    assert "window_stats" not in repr(mm.MaskedMultiSteps(optax.sgd(0.1), 2))
+    # A copy is rebuilt from the constructor's arguments (`__reduce__`).
+    again = copy.deepcopy(tx)
+    assert again is not tx and repr(again) == repr(tx)
+    assert isinstance(again.init(jnp.zeros(2)).stats, _stats.WindowStatsState)

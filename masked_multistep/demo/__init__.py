@@ -9,7 +9,8 @@ the full-batch gradient, and writes a plot and a JSON of the numbers.
 
 Modules: ``data`` (the synthetic corpus), ``model`` (the language model),
 ``train`` (the three runs), ``report`` (table, plot, JSON) and ``cli`` (the
-command line). Needs the ``dev`` extras (flax, matplotlib, tqdm).
+command line). Needs the ``demo`` extra (flax, matplotlib, tqdm): ``make demo``
+or ``pip install -e ".[demo]"`` from a checkout.
 """
 
 from masked_multistep.demo.cli import main

@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import sys
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "REQUIREMENTS"]
+
+# What the demo needs beyond the package: the `demo` extra in setup.cfg.
+REQUIREMENTS = ("flax", "matplotlib", "tqdm")
+
+INSTALL_HINT = (
+    "From a checkout of masked_multistep: `make demo` (installs into .venv and runs "
+    'the demo), or `pip install -e ".[demo]"`; elsewhere: `pip install '
+    + " ".join(REQUIREMENTS)
+    + "`."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,9 +72,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def missing_requirements() -> list[str]:
+    """The modules of ``REQUIREMENTS`` that cannot be imported, with the reason.
+
+    Each is imported (the demo needs all of them anyway), so a package that is
+    installed but broken is reported too.
+    """
+    missing = []
+    for name in REQUIREMENTS:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            missing.append(name if err.name == name else f"{name} ({err})")
+    return missing
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the demo; returns the exit status."""
     args = parse_args(argv)
+    # Checked before anything runs, so that a missing plotting library does not
+    # surface only after the training.
+    missing = missing_requirements()
+    if missing:
+        print(
+            f"python -m masked_multistep.demo needs the `demo` extra "
+            f"({', '.join(REQUIREMENTS)}); missing: {', '.join(missing)}.\n"
+            f"{INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        return 1
     # Imported here so that `--help` and bad flags answer at once.
     from tqdm import tqdm
 
@@ -75,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         skew=args.skew,
         seed=args.seed,
     )
+    # The bar starts after `train_all` has compiled every step function, so its
+    # rate and time estimate are those of training, not of compilation.
+    print("compiling the three runs' steps...", file=sys.stderr, flush=True)
     results = train.train_all(
         config, progress=lambda n: tqdm(range(n), desc="training", unit="step")
     )

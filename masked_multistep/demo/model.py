@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import flax.linen as nn
 import jax
 import optax
@@ -64,6 +66,7 @@ def token_mean_loss(
     mask: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """Mean next-token cross-entropy over the real tokens, and their count."""
-    logits = model.apply({"params": params}, inputs)
+    # `apply` without `mutable=` returns the output alone, not (output, state).
+    logits = cast(jax.Array, model.apply({"params": params}, inputs))
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return mm.masked_mean(losses, mask)

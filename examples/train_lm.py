@@ -1,0 +1,438 @@
+"""Train a small transformer language model with token-weighted accumulation.
+
+A complete Flax NNX training script on the package's synthetic corpus
+(``masked_multistep.demo.data``: variable-length sequences from topic-dependent
+Markov chains, padded and masked). Each optimizer update ("window") sees one
+batch of ``--batch-size`` sequences, sorted by length and fed as ``k =
+--microbatches`` microbatches of very different token counts;
+``mm.MaskedMultiSteps`` weights each microbatch by its count, so every update
+uses the gradient of the whole batch's token-mean loss. What it shows:
+
+* the masked token-mean loss (``mm.masked_mean``) and its token count;
+* gradient clipping in the right place: *inside* the wrapper,
+  ``MaskedMultiSteps(optax.chain(clip_by_global_norm(c), adamw(schedule)), k)``,
+  so the window's full-batch gradient is clipped (clipping each microbatch
+  before the wrapper would not give the full-batch gradient);
+* a warmup-cosine learning rate that advances once per window, read back from
+  the optimizer state (``optax.inject_hyperparams``);
+* one log line per window: its token-weighted loss, its tokens, the learning
+  rate its update used; also appended to ``OUT/metrics.jsonl``;
+* orbax checkpoints every ``--checkpoint-every`` windows, and ``--resume``.
+  A checkpoint may also fall in the middle of a window (``--stop-after``, the
+  way a preemption handler saves): the optimizer state holds the half-accumulated
+  window, and the resumed run continues bit for bit as if never stopped.
+
+Usage (from a checkout, with the ``flax`` extra and ``orbax-checkpoint``)::
+
+    python examples/train_lm.py --windows 200 --out /tmp/lm
+    python examples/train_lm.py --windows 200 --out /tmp/lm --stop-after 301
+    python examples/train_lm.py --windows 200 --out /tmp/lm --resume
+
+The data of window ``w`` are drawn from a generator seeded with ``(seed, w)``,
+so the data position is just the number of microbatches done, which the
+checkpoint stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+import masked_multistep as mm
+from masked_multistep.demo.data import (
+    Batches,
+    Corpus,
+    arrange,
+    make_corpus,
+    sample_sequences,
+    to_batches,
+)
+
+# --------------------------------------------------------------------------- model
+
+
+class Block(nnx.Module):
+    """Pre-norm causal self-attention and MLP, each with a residual connection."""
+
+    def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
+        self.attention_norm = nnx.LayerNorm(d_model, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(
+            num_heads, d_model, decode=False, keep_rngs=False, rngs=rngs
+        )
+        self.mlp_norm = nnx.LayerNorm(d_model, rngs=rngs)
+        self.mlp_in = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
+        self.mlp_out = nnx.Linear(4 * d_model, d_model, rngs=rngs)
+
+    def __call__(self, x: jax.Array, causal_mask: jax.Array) -> jax.Array:
+        x = x + self.attention(self.attention_norm(x), mask=causal_mask)
+        return x + self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(x))))
+
+
+class TransformerLM(nnx.Module):
+    """Token and learned position embeddings, blocks, a tied output layer.
+
+    Maps ``(batch, seq_len)`` tokens to ``(batch, seq_len, vocab_size)`` logits;
+    position ``t`` sees tokens ``0..t`` only (sequences are right-padded, so a
+    real token never attends to padding).
+    """
+
+    def __init__(self, config: Config, *, rngs: nnx.Rngs):
+        d = config.d_model
+        self.embed = nnx.Embed(config.vocab_size, d, rngs=rngs)
+        self.positions = nnx.Param(
+            nnx.initializers.normal(0.02)(rngs.params(), (config.seq_len, d))
+        )
+        self.blocks = nnx.List(
+            [Block(d, config.num_heads, rngs=rngs) for _ in range(config.num_layers)]
+        )
+        self.final_norm = nnx.LayerNorm(d, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens) + self.positions[None, : tokens.shape[-1]]
+        causal_mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, causal_mask)
+        return self.embed.attend(self.final_norm(x))
+
+
+def loss_fn(model: TransformerLM, inputs, targets, mask):
+    """Next-token cross-entropy averaged over the real tokens, and their count."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(model(inputs), targets)
+    return mm.masked_mean(losses, mask)
+
+
+@nnx.jit
+def train_step(model, optimizer, inputs, targets, mask):
+    """One microbatch: its mean gradient and token count go to the optimizer.
+
+    The params change only on the window's last microbatch, where the inner
+    optimizer runs once on the token-weighted mean of the window's gradients.
+    """
+    grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+    (loss, count), grads = grad_fn(model, inputs, targets, mask)
+    optimizer.update(model, grads, count=count, value=loss)
+    return loss, count
+
+
+@nnx.jit
+def eval_loss(model, inputs, targets, mask):
+    return loss_fn(model, inputs, targets, mask)[0]
+
+
+# ---------------------------------------------------------------------- settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What defines a run: a resumed run must use the same values."""
+
+    windows: int = 200
+    microbatches: int = 4
+    batch_size: int = 32
+    seq_len: int = 64
+    vocab_size: int = 64
+    d_model: int = 64
+    num_heads: int = 4
+    num_layers: int = 2
+    learning_rate: float = 3e-3
+    warmup: int = 10
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    skew: float = 1.0
+    seed: int = 0
+
+
+HELP = {
+    "windows": "optimizer updates (windows of k microbatches) to train for",
+    "microbatches": "microbatches per window (k)",
+    "batch_size": "sequences per window, split into k microbatches",
+    "seq_len": "model input length (tokens)",
+    "vocab_size": "token ids, padding and topic markers included",
+    "d_model": "model width",
+    "num_heads": "attention heads",
+    "num_layers": "transformer blocks",
+    "learning_rate": "peak learning rate of the warmup-cosine schedule",
+    "warmup": "windows of linear warmup (then cosine decay to 10%% of the peak)",
+    "weight_decay": "adamw weight decay",
+    "clip_norm": "clip each window's full-batch gradient to this global norm",
+    "skew": "length skew between microbatches: 0 = random, 1 = sorted by length",
+    "seed": "data and initialisation seed",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python examples/train_lm.py",
+        description=(__doc__ or "").splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for field in dataclasses.fields(Config):
+        flag = "--" + field.name.replace("_", "-")
+        kind = type(field.default)
+        parser.add_argument(
+            flag, type=kind, default=field.default, help=HELP[field.name]
+        )
+    parser.add_argument("--out", default="train-lm-output", help="output directory")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=50, help="save every N windows"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --out (start afresh if none)",
+    )
+    parser.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="save a checkpoint and stop after this many microbatches in all "
+        "(may be mid-window), as a preemption handler would",
+    )
+    parser.add_argument(
+        "--eval-sequences", type=int, default=256, help="held-out sequences"
+    )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    positive = ["windows", "microbatches", "batch_size", "seq_len", "d_model"]
+    positive += ["num_heads", "num_layers", "checkpoint_every", "eval_sequences"]
+    for name in positive:
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} must be >= 1, got {getattr(args, name)}")
+    if args.batch_size % args.microbatches:
+        parser.error(
+            f"--batch-size ({args.batch_size}) must be divisible by "
+            f"--microbatches ({args.microbatches})"
+        )
+    if args.d_model % args.num_heads:
+        parser.error(
+            f"--d-model ({args.d_model}) must be divisible by --num-heads "
+            f"({args.num_heads})"
+        )
+    if not 0 <= args.warmup < args.windows:
+        parser.error(
+            f"--warmup must be in [0, --windows), got {args.warmup} "
+            f"with --windows {args.windows}"
+        )
+    if not 0.0 <= args.skew <= 1.0:
+        parser.error(f"--skew must be between 0 and 1, got {args.skew}")
+    if args.vocab_size < 8:
+        parser.error(f"--vocab-size must be >= 8, got {args.vocab_size}")
+    if args.clip_norm <= 0:
+        parser.error(f"--clip-norm must be > 0, got {args.clip_norm}")
+    if args.stop_after is not None and args.stop_after < 1:
+        parser.error(f"--stop-after must be >= 1, got {args.stop_after}")
+    return args
+
+
+# -------------------------------------------------------------------------- data
+
+
+@functools.cache
+def make_optimizer(config: Config) -> mm.MaskedMultiSteps:
+    """Clip and adamw *inside* the wrapper: both act on the full-batch gradient.
+
+    The schedule's step is the inner optimizer's count, which advances once per
+    window, so ``--warmup`` and the decay are in windows. (Cached: the optimizer
+    is part of the compiled step's static structure, so runs with the same
+    settings in one process share one compilation.)
+    """
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=config.learning_rate,
+        warmup_steps=config.warmup,
+        decay_steps=config.windows,
+        end_value=0.1 * config.learning_rate,
+    )
+    adamw = optax.inject_hyperparams(optax.adamw)(
+        learning_rate=schedule, weight_decay=config.weight_decay
+    )
+    inner = optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw)
+    return mm.MaskedMultiSteps(inner, every_k_schedule=config.microbatches)
+
+
+def learning_rate_used(optimizer: nnx.Optimizer) -> float:
+    """The learning rate of the last inner update (``inject_hyperparams`` state)."""
+    adamw_state = optimizer.opt_state.inner_opt_state[1]  # the chain's second part
+    return float(adamw_state.hyperparams["learning_rate"][...])
+
+
+def window_batch(corpus: Corpus, config: Config, window: int) -> Batches:
+    """Window ``window``'s batch, sorted by length according to ``--skew``."""
+    rng = np.random.default_rng([config.seed, 1, window])
+    tokens, lengths = sample_sequences(rng, corpus, config.batch_size)
+    return to_batches(tokens[arrange(rng, lengths, config.skew)])
+
+
+def microbatch(batch: Batches, index: int, k: int) -> Batches:
+    """The ``index``-th of ``k`` consecutive slices: short sequences first."""
+    size = len(batch.inputs) // k
+    return Batches(*(x[index * size : (index + 1) * size] for x in batch))
+
+
+# -------------------------------------------------------------------- checkpoints
+
+# Not part of the run's definition: may change between a run and its resumption.
+RUN_CONTROL = ("out", "checkpoint_every", "resume", "stop_after", "eval_sequences")
+
+
+def save(manager, microbatches_done, model, optimizer, window_meter, config):
+    """Model, optimizer state (pending window included), position and log."""
+    meta = {
+        "microbatches_done": microbatches_done,
+        "window_meter": window_meter,
+        "config": dataclasses.asdict(config),
+    }
+    manager.save(
+        microbatches_done,
+        args=ocp.args.Composite(
+            model=ocp.args.StandardSave(nnx.state(model)),
+            optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
+            meta=ocp.args.JsonSave(meta),
+        ),
+    )
+
+
+def restore(manager, model, optimizer, config) -> tuple[int, dict]:
+    """Restores the latest checkpoint into ``model`` and ``optimizer``.
+
+    Returns the number of microbatches done and the pending window's meter.
+    """
+    step = manager.latest_step()
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    saved = meta["meta"]["config"]
+    changed = [k for k, v in dataclasses.asdict(config).items() if saved[k] != v]
+    if changed:
+        flags = ", ".join(
+            f"--{k.replace('_', '-')} {saved[k]} (now {getattr(config, k)})"
+            for k in changed
+        )
+        raise SystemExit(f"--resume: the checkpoint was trained with {flags}")
+    abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            model=ocp.args.StandardRestore(abstract(nnx.state(model))),
+            optimizer=ocp.args.StandardRestore(abstract(nnx.state(optimizer))),
+        ),
+    )
+    nnx.update(model, restored["model"])
+    nnx.update(optimizer, restored["optimizer"])
+    return meta["meta"]["microbatches_done"], meta["meta"]["window_meter"]
+
+
+# ------------------------------------------------------------------------- train
+
+
+@dataclasses.dataclass
+class Result:
+    model: TransformerLM
+    optimizer: nnx.Optimizer
+    microbatches_done: int
+    heldout_loss: float | None
+
+
+def train(args: argparse.Namespace, print_fn=print) -> Result:
+    config = Config(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)}
+    )
+    out = pathlib.Path(args.out).absolute()
+    k = config.microbatches
+    total = config.windows * k
+    corpus = make_corpus(
+        np.random.default_rng([config.seed, 0]),
+        vocab_size=config.vocab_size,
+        seq_len=config.seq_len,
+    )
+
+    model = TransformerLM(config, rngs=nnx.Rngs(config.seed))
+    optimizer = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
+
+    manager = ocp.CheckpointManager(
+        out / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=3)
+    )
+    metrics = out / "metrics.jsonl"
+    done = 0
+    # The window's token-weighted loss, accumulated on the host in float64.
+    meter = {"loss_sum": 0.0, "tokens": 0}
+    if manager.latest_step() is not None:
+        if not args.resume:
+            raise SystemExit(
+                f"{out} already holds checkpoints: pass --resume to continue "
+                "that run, or choose another --out"
+            )
+        done, meter = restore(manager, model, optimizer, config)
+        print_fn(
+            f"resumed after {done} microbatches ({done // k} windows + {done % k})"
+        )
+        # Drop the log lines of windows after the checkpoint: they run again.
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        kept = [s for s in lines if json.loads(s)["window"] <= done // k]
+        metrics.write_text("".join(s + "\n" for s in kept))
+    elif metrics.exists():
+        metrics.unlink()
+
+    stop = total if args.stop_after is None else min(args.stop_after, total)
+    batch = None
+    for step in range(done, stop):
+        window, index = divmod(step, k)
+        if batch is None or index == 0:
+            batch = window_batch(corpus, config, window)
+        loss, count = train_step(model, optimizer, *microbatch(batch, index, k))
+        meter["loss_sum"] += float(loss) * int(count)
+        meter["tokens"] += int(count)
+
+        if index == k - 1:  # the window's update has just been applied
+            record = {
+                "window": window + 1,
+                "loss": meter["loss_sum"] / max(meter["tokens"], 1),
+                "tokens": meter["tokens"],
+                "learning_rate": learning_rate_used(optimizer),
+            }
+            meter = {"loss_sum": 0.0, "tokens": 0}
+            print_fn(
+                f"window {record['window']:5d}  loss {record['loss']:.4f}  "
+                f"tokens {record['tokens']:6d}  lr {record['learning_rate']:.2e}"
+            )
+            with metrics.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        periodic = index == k - 1 and (window + 1) % args.checkpoint_every == 0
+        if periodic or step + 1 == stop:
+            save(manager, step + 1, model, optimizer, meter, config)
+    if stop < total:
+        print_fn(f"stopped after {stop} microbatches: continue with --resume")
+    manager.wait_until_finished()
+    manager.close()
+
+    heldout_loss = None
+    if stop == total:
+        tokens, _ = sample_sequences(
+            np.random.default_rng([config.seed, 2]), corpus, args.eval_sequences
+        )
+        heldout_loss = float(eval_loss(model, *to_batches(tokens)))
+        print_fn(f"held-out loss {heldout_loss:.4f} after {config.windows} windows")
+    return Result(model, optimizer, stop, heldout_loss)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    train(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Argument checks and the count contract, in one place.
+
+One rule for the exception class: ``TypeError`` for the wrong kind or dtype,
+``ValueError`` for a wrong value or shape. Configuration is checked when the
+wrapper is built, shapes and dtypes at trace time, concrete values eagerly.
+
+The count contract (what :class:`MaskedMultiSteps` accepts as ``count=``):
+
+* any real scalar: a Python ``int`` or ``float``, a numpy or jax scalar of any
+  integer dtype (8 to 64 bits, signed or unsigned) or floating dtype. Booleans,
+  complex numbers and arrays of other shapes are refused.
+* It is converted *by value* to the state's count dtype (never through a
+  narrower integer type, so nothing is wrapped or clipped). With the default
+  ``float32``, integer token totals are exact up to 2²⁴ (16,777,216) per
+  window; beyond that they are rounded to float32's 24-bit precision (relative
+  error ≤ 6e-8 in a weight, far below the gradient's own rounding).
+  ``count_dtype=jnp.int32`` is exact up to 2³¹ − 1 per window and refuses
+  fractional counts; ``float64``/``int64`` need ``jax_enable_x64``.
+* A concrete negative, NaN, infinite or too large count raises ``ValueError``.
+  Under ``jit``, where the value is unknown, such a count (or one that would
+  overflow the window's total) is treated as a skipped microbatch and counted
+  in ``state.num_invalid_counts``; it is never accumulated.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "check_accumulator_dtype",
+    "check_count_dtype",
+    "check_grads_match",
+    "check_value",
+    "to_count",
+]
+
+# The count dtypes a state may use: they hold token totals exactly (integers) or
+# to 24/53 bits (floats). float16/bfloat16 would round 257 to 256.
+_COUNT_DTYPES = ("float32", "float64", "int32", "int64")
+
+
+def _x64() -> bool:
+    return bool(jax.config.read("jax_enable_x64"))
+
+
+def check_count_dtype(count_dtype: Any) -> jnp.dtype:
+    """``count_dtype`` as a numpy dtype, refusing those that cannot hold counts."""
+    try:
+        dtype = jnp.dtype(count_dtype)
+    except TypeError as err:
+        raise TypeError(f"`count_dtype` must be a dtype, got {count_dtype!r}") from err
+    if dtype.name not in _COUNT_DTYPES:
+        raise ValueError(
+            f"`count_dtype` must be one of {', '.join(_COUNT_DTYPES)}, got {dtype}: "
+            "counts need an exact integer or at least float32 representation "
+            "(float16 rounds 2049 to 2048 and overflows at 65504)."
+        )
+    if dtype.itemsize == 8 and not _x64():
+        raise ValueError(
+            f"`count_dtype={dtype}` needs `jax.config.update('jax_enable_x64', True)`"
+        )
+    return dtype
+
+
+def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
+    """``None`` (follow each gradient leaf) or a floating dtype."""
+    if accumulator_dtype is None:
+        return None
+    dtype = jnp.dtype(accumulator_dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"`accumulator_dtype` must be a floating dtype or None, got {dtype}"
+        )
+    return dtype
+
+
+def _kind(dtype: Any) -> str:
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return "bool"
+    if jnp.issubdtype(dtype, jnp.integer):
+        return "int"
+    if jnp.issubdtype(dtype, jnp.floating):
+        return "float"
+    return "other"
+
+
+_MISSING_COUNT = (
+    "MaskedMultiSteps.update needs the microbatch's token count: call "
+    "`tx.update(grads, state, params, count=n)`. Inside `optax.chain`, pass "
+    "`count=n` to the chain's update (the wrapper is an optax "
+    "GradientTransformationExtraArgs, so the chain forwards it). flax's "
+    "`train_state.TrainState.apply_gradients` passes no extra arguments: use "
+    "`masked_multistep.TrainState`, whose `apply_gradients(grads=..., count=n)` does."
+)
+
+
+def _check_concrete(value: int | float, dtype: jnp.dtype, what: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite non-negative number, got {value}")
+    if value < 0:
+        raise ValueError(f"{what} must be non-negative, got {value}")
+    if jnp.issubdtype(dtype, jnp.integer):
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(
+                f"{what} is fractional ({value}), but counts are summed in {dtype}: "
+                "use the default count_dtype (float32) for fractional weights"
+            )
+        if value > np.iinfo(dtype).max:
+            raise ValueError(
+                f"{what} must be at most {np.iinfo(dtype).max} for count_dtype "
+                f"{dtype}, got {value}"
+            )
+    elif float(min(value, 1e300)) > float(np.finfo(dtype).max):
+        raise ValueError(f"{what} is too large for count_dtype {dtype}, got {value}")
+
+
+def to_count(
+    count: Any, dtype: jnp.dtype, what: str = "`count`"
+) -> tuple[jax.Array, jax.Array]:
+    """``count`` converted by value to ``dtype``, and whether it may be used.
+
+    Concrete counts are checked eagerly (``ValueError``); traced ones return a
+    validity flag (finite, non-negative, representable in ``dtype``), with the
+    count replaced by zero where it is invalid.
+    """
+    if count is None:
+        raise TypeError(_MISSING_COUNT)
+    if isinstance(count, (bool, np.bool_)):
+        raise TypeError(f"{what} must be a number of tokens, got a bool ({count})")
+    if isinstance(count, numbers.Real) and not hasattr(count, "dtype"):
+        # A Python int of any size or a Python float: check it exactly.
+        value = int(count) if isinstance(count, numbers.Integral) else float(count)
+        _check_concrete(value, dtype, what)
+        return jnp.asarray(np.asarray(value).astype(dtype)), jnp.ones([], jnp.bool_)
+    if not hasattr(count, "dtype") or not hasattr(count, "shape"):
+        raise TypeError(
+            f"{what} must be a real scalar, got {count!r} of type "
+            f"{type(count).__name__}"
+        )
+    if tuple(count.shape) != ():
+        raise ValueError(
+            f"{what} must be a scalar (the microbatch's token count), got shape "
+            f"{tuple(count.shape)}"
+        )
+    kind = _kind(count.dtype)
+    if kind not in ("int", "float"):
+        raise TypeError(
+            f"{what} must be an integer or floating scalar, got dtype {count.dtype}"
+        )
+    if kind == "float" and jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            f"{what} has dtype {count.dtype}, but this MaskedMultiSteps sums counts "
+            f"in {dtype}: pass integer counts, or use the default count_dtype "
+            "(float32), which takes integer and fractional counts alike"
+        )
+    if not isinstance(count, jax.core.Tracer):
+        # Concrete (numpy or jax): `.item()` is exact for every integer dtype.
+        _check_concrete(np.asarray(count).item(), dtype, what)
+        if isinstance(count, (np.ndarray, np.generic)):
+            # Convert on the host: jnp.asarray would narrow int64 to int32 first.
+            return jnp.asarray(np.asarray(count).astype(dtype)), jnp.ones([], jnp.bool_)
+    arr = count
+    if jnp.issubdtype(dtype, jnp.integer):
+        # Range-check in the count's own dtype before any narrowing.
+        info = np.iinfo(arr.dtype)
+        ok = jnp.ones([], jnp.bool_)
+        if info.min < 0:
+            ok = arr >= 0
+        if info.max > np.iinfo(dtype).max:
+            ok = ok & (arr <= np.iinfo(dtype).max)
+        n = jnp.where(ok, arr, jnp.zeros_like(arr)).astype(dtype)
+        return n, ok
+    n = arr.astype(dtype)  # by value, for every integer and float dtype
+    ok = jnp.isfinite(n) & (n >= 0)
+    if jnp.issubdtype(arr.dtype, jnp.signedinteger):
+        ok = ok & (arr >= 0)
+    return jnp.where(ok, n, jnp.zeros_like(n)), ok
+
+
+def check_value(value: Any) -> jax.Array | None:
+    """``value=`` (a microbatch's mean loss) as a real scalar array."""
+    if value is None:
+        return None
+    arr = jnp.asarray(value)
+    if arr.shape != ():
+        raise ValueError(
+            "`value` must be a scalar (the microbatch's mean loss), got shape "
+            f"{arr.shape}"
+        )
+    if _kind(arr.dtype) not in ("int", "float"):
+        raise TypeError(f"`value` must be a real number, got dtype {arr.dtype}")
+    return arr
+
+
+def check_grads_match(grads: Any, acc_grads: Any) -> None:
+    """The gradients have the structure and shapes of the accumulator."""
+    g_def, a_def = jax.tree.structure(grads), jax.tree.structure(acc_grads)
+    if g_def != a_def:
+        raise ValueError(
+            "The gradients' tree structure does not match the state's: got "
+            f"{g_def}, expected {a_def} (the structure of the params passed to init)"
+        )
+    for (path, g), a in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0],
+        jax.tree.leaves(acc_grads),
+        strict=True,
+    ):
+        if jnp.shape(g) != jnp.shape(a):
+            raise ValueError(
+                f"The gradient at {jax.tree_util.keystr(path)} has shape "
+                f"{jnp.shape(g)}, but the state expects {jnp.shape(a)}"
+            )

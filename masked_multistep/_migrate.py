@@ -1,0 +1,246 @@
+"""Switching a run from ``optax.MultiSteps`` to :class:`MaskedMultiSteps`."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
+
+__all__ = ["from_optax_multisteps"]
+
+
+def _concrete_scalar(x: Any, name: str) -> np.ndarray:
+    try:
+        value = np.asarray(x)
+    except jax.errors.TracerArrayConversionError as err:
+        raise TypeError(
+            f"from_optax_multisteps reads `{name}`, so it must be called eagerly "
+            "(outside jit), once, when switching"
+        ) from err
+    if value.shape != ():
+        raise ValueError(f"`{name}` must be a scalar, got shape {value.shape}")
+    return value
+
+
+def _check_acc_count(acc_count: Any, mini_step: int) -> np.ndarray | None:
+    """``acc_count`` as a concrete non-negative scalar; checked against mini_step."""
+    if acc_count is None:
+        if mini_step > 0:
+            raise ValueError(
+                f"The optax.MultiSteps state is in the middle of a window "
+                f"(mini_step={mini_step}): pass `acc_count=`, the number of tokens "
+                f"behind the {mini_step} microbatch gradients it has accumulated "
+                f"(e.g. {mini_step} * tokens per microbatch)"
+            )
+        return None
+    if isinstance(acc_count, bool) or not (
+        isinstance(acc_count, numbers.Real) or hasattr(acc_count, "dtype")
+    ):
+        raise TypeError(
+            "`acc_count` must be a real number, got "
+            f"{acc_count!r} of type {type(acc_count).__name__}"
+        )
+    value = _concrete_scalar(acc_count, "acc_count")
+    if value.dtype == np.bool_ or not (
+        np.issubdtype(value.dtype, np.integer)
+        or np.issubdtype(value.dtype, np.floating)
+    ):
+        raise TypeError(
+            "`acc_count` must be an integer or floating scalar, got dtype "
+            f"{value.dtype}"
+        )
+    if not np.isfinite(value) or value < 0:
+        raise ValueError(f"`acc_count` must be finite and >= 0, got {value}")
+    if mini_step == 0 and value != 0:
+        raise ValueError(
+            f"The optax.MultiSteps state is at a window boundary (mini_step=0), so "
+            f"its window holds no tokens, but `acc_count` is {value}"
+        )
+    if mini_step > 0 and value == 0:
+        raise ValueError(
+            f"`acc_count` is 0, but the optax.MultiSteps state holds {mini_step} "
+            "accumulated microbatch(es): their gradients would be dropped. Pass the "
+            "number of tokens behind them."
+        )
+    return value
+
+
+def _same_tree(name: str, got: Any, expected: Any, hint: str) -> None:
+    got_def, expected_def = jax.tree.structure(got), jax.tree.structure(expected)
+    if got_def != expected_def:
+        raise ValueError(
+            f"The optax.MultiSteps state's `{name}` has tree structure {got_def}, "
+            f"but `tx.init(params)` gives {expected_def}: {hint}"
+        )
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        if jnp.shape(g) != jnp.shape(e):
+            raise ValueError(
+                f"The optax.MultiSteps state's `{name}` holds a leaf of shape "
+                f"{jnp.shape(g)} where `tx.init(params)` has {jnp.shape(e)}: {hint}"
+            )
+
+
+def from_optax_multisteps(
+    state: optax.MultiStepsState,
+    tx: MaskedMultiSteps,
+    params: optax.Params,
+    *,
+    acc_count: jax.typing.ArrayLike | None = None,
+    use_grad_mean: bool = True,
+) -> MaskedMultiStepsState:
+    """Converts an ``optax.MultiSteps`` state, so that a run can switch mid-run.
+
+    The inner optimizer's state, ``gradient_step``, ``mini_step`` and
+    ``skip_state`` carry over unchanged, so schedules, moments and the position
+    in the current window continue where ``optax.MultiSteps`` left them. Build
+    ``tx`` with the same inner optimizer (and ``should_skip_update_fn``) as the
+    ``optax.MultiSteps`` the state came from.
+
+    At a window boundary (``state.mini_step == 0``) nothing else is needed. In
+    the middle of a window, ``optax.MultiSteps`` holds the plain mean
+    ``(g₁ + … + gₘ) / m`` of the ``m = mini_step`` microbatch gradients seen so
+    far (their sum with ``use_grad_mean=False``); ``acc_count`` says how many
+    tokens stand behind them, and that mean becomes the window's running mean
+    with weight ``acc_count``. When those ``m`` microbatches held equal counts
+    ``n`` (``acc_count = m·n``), the window then ends exactly as if
+    :class:`MaskedMultiSteps` had been used all along. With unequal counts
+    their tokens cannot be told apart any more: they keep the equal weights
+    ``optax.MultiSteps`` gave them, with ``acc_count`` as their total.
+
+    The window's ``value`` mean (``acc_value``) starts empty: ``optax.MultiSteps``
+    keeps no loss. With ``window_stats=True`` the window's statistics count the
+    accumulated mean as one microbatch of ``acc_count`` tokens (its spread
+    within is lost), so the first window's noise-scale estimates stay unbiased;
+    no earlier window is recorded. ``has_updated`` of the result agrees with
+    ``optax.MultiSteps.has_updated`` of ``state``.
+
+    Call it eagerly, once; it allocates one fresh state with ``tx.init(params)``.
+    For a state inside ``optax.chain``, convert the chain's element that is the
+    ``optax.MultiStepsState`` (and chain ``tx.gradient_transformation()``).
+
+    Args:
+      state: an ``optax.MultiStepsState``, with arrays as leaves.
+      tx: the :class:`MaskedMultiSteps` to continue with.
+      params: the current params (for ``tx.init``: structure, dtypes, shardings).
+      acc_count: the number of tokens (or total weight) behind the gradients
+        accumulated in the current window. Required when ``state.mini_step > 0``;
+        must be omitted or 0 at a window boundary.
+      use_grad_mean: the ``use_grad_mean`` the ``optax.MultiSteps`` was built
+        with (optax's default, ``True``: ``acc_grads`` is a mean; ``False``: a
+        sum).
+
+    Returns:
+      A :class:`MaskedMultiStepsState` for ``tx``.
+
+    Raises:
+      TypeError: if ``state`` is not an ``optax.MultiStepsState``, ``tx`` not a
+        :class:`MaskedMultiSteps`, ``acc_count`` not a real scalar, or the call
+        is traced by ``jit``.
+      ValueError: if ``acc_count`` is missing mid-window, nonzero at a window
+        boundary, zero mid-window, negative or not finite; or if the state's
+        gradients, inner state or skip state do not match ``tx.init(params)``.
+
+    Examples:
+      Two microbatches of 5 tokens each went to ``optax.MultiSteps``; the third
+      goes to ``MaskedMultiSteps``, and the window ends as if it had been used
+      from the start:
+
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import masked_multistep as mm
+      >>> params = {"w": jnp.zeros(2)}
+      >>> old = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=3)
+      >>> old_state = old.init(params)
+      >>> for g in (1.0, 2.0):
+      ...     _, old_state = old.update({"w": jnp.full(2, g)}, old_state, params)
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=3)
+      >>> state = mm.from_optax_multisteps(old_state, tx, params, acc_count=2 * 5)
+      >>> params, state = tx.apply_gradients({"w": jnp.full(2, 6.0)}, state,
+      ...                                    params, count=jnp.array(10))
+      >>> print(params["w"])  # -(5·1 + 5·2 + 10·6) / 20
+      [-3.75 -3.75]
+    """
+    if not isinstance(state, optax.MultiStepsState):
+        raise TypeError(
+            "`state` must be an optax.MultiStepsState (the state of "
+            f"optax.MultiSteps), got {type(state).__name__}"
+        )
+    if not isinstance(tx, MaskedMultiSteps):
+        raise TypeError(
+            f"`tx` must be a masked_multistep.MaskedMultiSteps, got {type(tx).__name__}"
+        )
+    if not isinstance(use_grad_mean, bool):
+        raise TypeError(
+            f"`use_grad_mean` must be a bool, got {type(use_grad_mean).__name__}"
+        )
+    mini_step = _concrete_scalar(state.mini_step, "state.mini_step")
+    if not np.issubdtype(mini_step.dtype, np.integer) or mini_step < 0:
+        raise ValueError(
+            "`state.mini_step` must be a non-negative integer, got "
+            f"{mini_step} of dtype {mini_step.dtype}"
+        )
+    mini_step = int(mini_step)
+    count = _check_acc_count(acc_count, mini_step)
+
+    fresh = tx.init(params)
+    _same_tree(
+        "acc_grads",
+        state.acc_grads,
+        fresh.acc_grads,
+        "`params` must be the params the optax.MultiSteps state was built for",
+    )
+    _same_tree(
+        "inner_opt_state",
+        state.inner_opt_state,
+        fresh.inner_opt_state,
+        "build `tx` with the inner optimizer that optax.MultiSteps wrapped",
+    )
+    _same_tree(
+        "skip_state",
+        state.skip_state,
+        fresh.skip_state,
+        "build `tx` with the should_skip_update_fn that optax.MultiSteps used",
+    )
+
+    if mini_step == 0:
+        # optax.MultiSteps zeroes its accumulator when a window ends; so is ours.
+        acc_grads = fresh.acc_grads
+        new_count = fresh.acc_count
+    else:
+        divisor = 1 if use_grad_mean else mini_step
+        acc_grads = jax.tree.map(
+            lambda a, f: (
+                jnp.asarray(a, jnp.promote_types(a.dtype, jnp.float32)) / divisor
+            ).astype(f.dtype),
+            state.acc_grads,
+            fresh.acc_grads,
+        )
+        new_count = jnp.asarray(count, fresh.acc_count.dtype)
+        if jnp.issubdtype(new_count.dtype, jnp.integer) and new_count != count:
+            raise ValueError(
+                f"`acc_count` is {count}, which {new_count.dtype} counts cannot "
+                "hold: construct `tx` with a float count_dtype for fractional or "
+                "very large counts"
+            )
+
+    gradient_step = jnp.asarray(state.gradient_step, fresh.gradient_step.dtype)
+    replacements = dict(
+        mini_step=jnp.asarray(mini_step, fresh.mini_step.dtype),
+        gradient_step=gradient_step,
+        inner_opt_state=state.inner_opt_state,
+        acc_grads=acc_grads,
+        acc_count=new_count,
+        skip_state=state.skip_state,
+        # The statistics see the accumulated mean as one microbatch.
+        stats=tx._stats.accumulate(fresh.stats, acc_grads, new_count),
+    )
+    if "updated" in fresh._fields:
+        # What optax.MultiSteps.has_updated would say of `state`.
+        replacements["updated"] = jnp.asarray((mini_step == 0) & (gradient_step > 0))
+    return fresh._replace(**replacements)
