@@ -70,6 +70,10 @@ nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(jax|jnp|np|numpy|optax|flax|nnx|chex|orbax|typing|collections)\..*"),
     (r"py:.*", r"(Any|Callable|Sequence|Mapping|NamedTuple|ArrayTree|ArrayLike)"),
+    # Type variables in signatures (`microbatched_value_and_grad`'s params and
+    # batch types) and the protocol of the function it returns (its docstring
+    # describes it): not documented entries of their own.
+    (r"py:class", r"masked_multistep\._microbatch\.(ParamsT|BatchT|GradFn\w*)"),
     # MaskedMultiStepsState's docstring says :meth:`update` for
     # MaskedMultiSteps.update; remove this line once it names the class.
     ("py:meth", "update"),

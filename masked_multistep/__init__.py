@@ -8,6 +8,11 @@ runs the inner optimizer once per window on exactly the full-batch gradient.
 
 from typing import TYPE_CHECKING
 
+from masked_multistep._checkpoint import (
+    STATE_0_1_FIELDS,
+    from_state_0_1,
+    state_0_1_target,
+)
 from masked_multistep._collectives import weighted_mean_across
 from masked_multistep._inspect import find_state, has_updated, window_stats
 from masked_multistep._masked_mean import masked_mean
@@ -31,11 +36,14 @@ if TYPE_CHECKING:
 __all__ = [
     "MaskedMultiSteps",
     "MaskedMultiStepsState",
+    "STATE_0_1_FIELDS",
     "TokenTotal",
     "WindowStats",
     "find_state",
     "from_optax_multisteps",
+    "from_state_0_1",
     "has_updated",
+    "state_0_1_target",
     "TrainState",
     "masked_mean",
     "noise_scale_estimates",

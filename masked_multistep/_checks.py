@@ -20,6 +20,12 @@ The count contract (what :class:`MaskedMultiSteps` accepts as ``count=``):
   Under ``jit``, where the value is unknown, such a count (or one that would
   overflow the window's total) is treated as a skipped microbatch and counted
   in ``state.num_invalid_counts``; it is never accumulated.
+
+The same contract, with ``float32``, holds for the counts that
+:func:`microbatched_value_and_grad` (returned by ``loss_fn``) and
+:func:`weighted_mean_across` (one per shard) weight by (:func:`count_weight`):
+their returned totals are float32, exact to 2²⁴ tokens and never wrapped; a
+traced invalid count weighs 0 (that microbatch or shard contributes nothing).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,6 +44,7 @@ __all__ = [
     "check_count_dtype",
     "check_grads_match",
     "check_value",
+    "count_weight",
     "to_count",
 ]
 
@@ -133,7 +141,7 @@ def to_count(
         raise TypeError(_MISSING_COUNT)
     if isinstance(count, (bool, np.bool_)):
         raise TypeError(f"{what} must be a number of tokens, got a bool ({count})")
-    if isinstance(count, numbers.Real) and not hasattr(count, "dtype"):
+    if not hasattr(count, "dtype") and isinstance(count, numbers.Real):
         # A Python int of any size or a Python float: check it exactly.
         value = int(count) if isinstance(count, numbers.Integral) else float(count)
         _check_concrete(value, dtype, what)
@@ -145,8 +153,7 @@ def to_count(
         )
     if tuple(count.shape) != ():
         raise ValueError(
-            f"{what} must be a scalar (the microbatch's token count), got shape "
-            f"{tuple(count.shape)}"
+            f"{what} must be a scalar (a token count), got shape {tuple(count.shape)}"
         )
     kind = _kind(count.dtype)
     if kind not in ("int", "float"):
@@ -181,6 +188,23 @@ def to_count(
     if jnp.issubdtype(arr.dtype, jnp.signedinteger):
         ok = ok & (arr >= 0)
     return jnp.where(ok, n, jnp.zeros_like(n)), ok
+
+
+_WEIGHT_DTYPE = jnp.dtype(jnp.float32)
+
+
+def count_weight(count: Any, what: str) -> jax.Array:
+    """``count`` as a float32 weight: :func:`to_count` to float32, 0 if invalid.
+
+    The weight of a microbatch (or shard) in a token-weighted mean: any integer
+    dtype converted by value (a numpy ``int64`` of 2**32 + 5 stays 2**32 + 5),
+    a concrete bad count refused, a traced negative, NaN or infinite one
+    weighing 0. Derivatives with respect to a floating count pass through.
+    """
+    if count is None:
+        raise TypeError(f"{what} must be a number of tokens, got None")
+    weight, _ = to_count(count, _WEIGHT_DTYPE, what)
+    return weight
 
 
 def check_value(value: Any) -> jax.Array | None:

@@ -8,7 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from masked_multistep._running_mean import compute_dtype, safe_fraction, scalar_count
+from masked_multistep._checks import count_weight
+from masked_multistep._running_mean import compute_dtype, safe_fraction
 
 __all__ = ["weighted_mean_across"]
 
@@ -47,8 +48,16 @@ def weighted_mean_across(
 
     Zero-safe: a shard with ``nᵈ = 0`` contributes nothing, even if its ``gᵈ``
     holds NaN or inf (an all-masked shard's ``0/0``); if every count is zero
-    the mean is zeros, not NaN. Negative or NaN counts (only possible from a
-    bug upstream) count as zero.
+    the mean is zeros, not NaN. A traced count that is negative, NaN or
+    infinite (only possible from a bug upstream) contributes nothing either.
+    Reverse-mode derivatives (with respect to ``tree`` and to float counts)
+    are finite and equal those of leaving the empty shards out.
+
+    Counts are weights in float32: ``count`` may be any integer (8-64 bit,
+    signed or unsigned, numpy or jax) or floating scalar, and is converted by
+    value, never through int32. ``total`` is float32: exact for integer totals
+    up to 2**24 (16,777,216 tokens), rounded to float32 precision (relative
+    6e-8) beyond, never wrapped.
 
     Args:
       tree: pytree of floating arrays, this shard's means.
@@ -59,16 +68,18 @@ def weighted_mean_across(
 
     Returns:
       ``(mean, total)``: ``mean`` with ``tree``'s structure, shapes and dtypes,
-      the same on every shard; ``total = Σ nᵈ`` in ``count``'s dtype.
+      the same on every shard; ``total = Σ nᵈ``, a float32 scalar.
 
     Raises:
-      ValueError: if ``count`` is not a numeric scalar; or if, inside
+      TypeError: if a leaf of ``tree`` is not floating, or ``count`` is
+        boolean, complex or not numeric.
+      ValueError: if ``count`` is not a scalar, or is concrete (not traced) and
+        negative, non-finite or beyond float32's range; or if, inside
         ``shard_map``, a leaf of ``tree`` is invariant over ``axis_name`` while
         ``count`` varies. That leaf is already reduced: the gradient with
         respect to a replicated input is summed over shards automatically.
         Differentiate with respect to
         ``jax.lax.pcast(params, axis_name, to="varying")`` instead.
-      TypeError: if a leaf of ``tree`` is not floating.
 
     Examples:
       Three shards with 1, 2 and 0 tokens; the empty one's NaN is ignored:
@@ -81,9 +92,9 @@ def weighted_mean_across(
       ...     lambda g, n: mm.weighted_mean_across(g, n, "shards"),
       ...     axis_name="shards")(grads, counts)
       >>> print(mean, total)  # (1 * 1 + 2 * 4) / 3 on every shard
-      [3. 3. 3.] [3 3 3]
+      [3. 3. 3.] [3. 3. 3.]
     """
-    count = scalar_count(count, role=" per shard")
+    count = count_weight(count, "`count` (this shard's token count)")
     names = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
     count_varies = names & _varying_axes(count)
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -96,17 +107,20 @@ def weighted_mean_across(
         if invariant := count_varies - _varying_axes(leaf):
             # Inside shard_map, the gradient of a replicated (invariant) input is
             # already summed over the shards; weighting that sum again is wrong.
+            # (Axis names are any hashables: sorted by their text.)
+            axes = sorted(invariant, key=str)
             raise ValueError(
-                f"{where} is the same on every shard of {sorted(invariant)} while "
+                f"{where} is the same on every shard of {axes} while "
                 "`count` differs: it is already reduced. Inside shard_map the "
                 "gradient with respect to a replicated input is summed over the "
                 "shards automatically; differentiate with respect to "
-                f"`jax.lax.pcast(params, {sorted(invariant)[0]!r}, to='varying')` "
+                f"`jax.lax.pcast(params, {axes[0]!r}, to='varying')` "
                 "to get this shard's own gradient."
             )
     with jax.named_scope("masked_multistep/weighted_mean_across"):
-        # Non-positive (or NaN) counts carry no tokens: zero them before the psum
-        # so that `total` and the weights agree.
+        # `count_weight` zeroed a traced negative or non-finite count; a shard
+        # with no tokens is left out of the mean and of its derivatives (with
+        # respect to its count too), as if it were not there.
         take = count > 0
         count = jnp.where(take, count, jnp.zeros_like(count))
         total = jax.lax.psum(count, axis_name)
@@ -115,9 +129,10 @@ def weighted_mean_across(
         def leaf(g):
             g = jnp.asarray(g)
             dtype = compute_dtype(g.dtype)
-            # `where`, not `weight * g` alone: NaN * 0 is NaN.
-            term = jnp.where(take, weight.astype(dtype) * g.astype(dtype), 0)
-            return jax.lax.psum(term, axis_name).astype(g.dtype)
+            # Zero an empty shard's (possibly NaN) value before multiplying:
+            # NaN * 0 is NaN, in the value and in the weight's cotangent.
+            g_c = jnp.where(take, g.astype(dtype), jnp.zeros((), dtype))
+            return jax.lax.psum(weight.astype(dtype) * g_c, axis_name).astype(g.dtype)
 
         mean = jax.tree.map(leaf, tree)
     return mean, total

@@ -18,7 +18,7 @@ def masked_mean(
 
     ``mean = Σ mask·values / Σ mask``, with ``mean = 0`` when nothing is set
     (never ``0/0``), and masked-out entries ignored even when they hold NaN or
-    inf. The pair is exactly what :meth:`MaskedMultiSteps.update` takes: the
+    inf. The pair is exactly what ``MaskedMultiSteps.update`` takes: the
     microbatch's mean loss, and its token count as ``count``.
 
     Args:

@@ -10,9 +10,10 @@ token-weighted running mean that :class:`MaskedMultiSteps` uses across steps.
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, Literal, Protocol, TypeVar, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +21,41 @@ import numpy as np
 import optax
 
 from masked_multistep import _stats
-from masked_multistep._running_mean import (
-    compute_dtype,
-    running_mean_update,
-    scalar_count,
-)
+from masked_multistep._checks import count_weight
+from masked_multistep._running_mean import compute_dtype, running_mean_update
 
 __all__ = ["microbatched_value_and_grad"]
+
+# The types of `loss_fn`'s arguments: the gradients have the params' type (the
+# same pytree), and the batch the microbatches' (the same pytree, k times the
+# rows).
+ParamsT = TypeVar("ParamsT")
+BatchT = TypeVar("BatchT")
+BatchT_contra = TypeVar("BatchT_contra", contravariant=True)
+
+
+class GradFn(Protocol[ParamsT, BatchT_contra]):
+    """What :func:`microbatched_value_and_grad` returns."""
+
+    def __call__(
+        self,
+        params: ParamsT,
+        batch: BatchT_contra,
+        *,
+        rng: jax.typing.ArrayLike | None = None,
+    ) -> tuple[Any, ParamsT]: ...
+
+
+class GradFnWithStats(Protocol[ParamsT, BatchT_contra]):
+    """What :func:`microbatched_value_and_grad` returns with ``with_stats=True``."""
+
+    def __call__(
+        self,
+        params: ParamsT,
+        batch: BatchT_contra,
+        *,
+        rng: jax.typing.ArrayLike | None = None,
+    ) -> tuple[Any, ParamsT, _stats.WindowStats]: ...
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:
@@ -78,8 +107,112 @@ def _batch_size(batch: Any, num_microbatches: int) -> int:
     return size
 
 
+_REDUCTIONS = ("sum", "mean")
+
+AuxReduction = Any
+"""``"sum"``, ``"mean"``, or a pytree prefix of ``aux`` with those leaves."""
+
+
+def _check_aux_reduction(aux_reduction: AuxReduction, has_aux: bool) -> None:
+    """Checks the leaves of ``aux_reduction`` (when the function is built)."""
+    if aux_reduction is None:
+        return
+    if not has_aux:
+        raise ValueError(
+            "`aux_reduction` says how `aux` leaves combine, so it needs "
+            f"has_aux=True; got aux_reduction={aux_reduction!r} with has_aux=False"
+        )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(aux_reduction)[0]:
+        name = f"aux_reduction{jax.tree_util.keystr(path)}"
+        if not isinstance(leaf, str):
+            raise TypeError(
+                f"`aux_reduction` leaves must be 'sum' or 'mean', got {leaf!r} of "
+                f"type {type(leaf).__name__} at {name}"
+            )
+        if leaf not in _REDUCTIONS:
+            raise ValueError(
+                f"`aux_reduction` leaves must be 'sum' or 'mean', got {leaf!r} at "
+                f"{name}"
+            )
+
+
+def _as_aux_leaf(leaf: Any, name: str) -> jax.Array:
+    """An ``aux`` leaf as an array: Python float as float32, int as int32."""
+    if isinstance(leaf, bool) or isinstance(leaf, np.bool_):
+        raise TypeError(
+            "`aux` leaves must be floating or integer arrays, got the bool "
+            f"{leaf!r} at {name}"
+        )
+    if isinstance(leaf, float):
+        return jnp.asarray(leaf, jnp.float32)
+    if isinstance(leaf, int):
+        if not np.iinfo(np.int32).min <= leaf <= np.iinfo(np.int32).max:
+            raise ValueError(
+                f"The Python int {leaf} at {name} does not fit in int32 (Python "
+                "int `aux` leaves are int32); return it as an array of the dtype "
+                "you need"
+            )
+        return jnp.asarray(leaf, jnp.int32)
+    leaf = jnp.asarray(leaf)
+    if not (
+        jnp.issubdtype(leaf.dtype, jnp.floating)
+        or jnp.issubdtype(leaf.dtype, jnp.integer)
+    ):
+        raise TypeError(
+            "`aux` leaves must be floating or integer arrays, got dtype "
+            f"{leaf.dtype} at {name}"
+        )
+    return leaf
+
+
+def _aux_reductions(aux: Any, aux_reduction: AuxReduction) -> tuple[str, ...]:
+    """``"sum"`` or ``"mean"`` for each leaf of ``aux``, in flattening order."""
+    paths = [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(aux)
+    ]
+    leaves = jax.tree.leaves(aux)
+    if aux_reduction is None:
+        reductions = ["sum"] * len(leaves)
+    else:
+        try:
+            expanded = jax.tree.map(
+                lambda r, sub: jax.tree.map(lambda _: r, sub), aux_reduction, aux
+            )
+        except (ValueError, TypeError) as err:
+            raise ValueError(
+                "`aux_reduction` must be 'sum', 'mean', or a pytree prefix of "
+                "`aux` with those leaves; got "
+                f"{jax.tree.structure(aux_reduction)} for `aux` of structure "
+                f"{jax.tree.structure(aux)}"
+            ) from err
+        reductions = jax.tree.leaves(expanded)
+    for path, leaf, reduction in zip(paths, leaves, reductions, strict=True):
+        is_float = jnp.issubdtype(leaf.dtype, jnp.floating)
+        if aux_reduction is None and is_float:
+            raise TypeError(
+                f"aux{path} is floating ({leaf.dtype}): say how it combines over "
+                "the microbatches with `aux_reduction`: 'mean' (weighted by the "
+                "token counts like the loss: a metric computed as a masked mean, "
+                "such as accuracy) or 'sum' (a metric summed over tokens, as "
+                "Flax's examples return them); e.g. aux_reduction='sum', or a "
+                "dict/tuple of 'sum' and 'mean' shaped like `aux`. Integer "
+                "leaves are summed by default."
+            )
+        if reduction == "mean" and not is_float:
+            raise TypeError(
+                f"aux{path} is an integer ({leaf.dtype}) but `aux_reduction` "
+                "says 'mean': a token-weighted mean needs a floating leaf; use "
+                "'sum', or return the leaf as a float"
+            )
+    return tuple(reductions)
+
+
 def _check_output(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
-    """Splits ``loss_fn``'s output into ``(loss, count, aux)``, checking each."""
+    """Splits ``loss_fn``'s output into ``(loss, weight, aux)``, checking each.
+
+    ``weight`` is the count as float32 (converted by value); ``aux`` leaves are
+    arrays (Python floats become float32, ints int32).
+    """
     expected = "(mean_loss, (count, aux))" if has_aux else "(mean_loss, count)"
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise TypeError(
@@ -102,125 +235,183 @@ def _check_output(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
             "The loss returned by `loss_fn` must be a floating scalar (the "
             f"microbatch's mean loss), got shape {loss.shape} and dtype {loss.dtype}"
         )
-    count = scalar_count(
-        count, "The count returned by `loss_fn`", " (the microbatch's token count)"
+    weight = count_weight(count, "The count returned by `loss_fn`")
+    aux = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _as_aux_leaf(leaf, f"aux{jax.tree_util.keystr(path)}"),
+        aux,
     )
-    for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
+    return loss, weight, aux
+
+
+def _check_params(params: Any) -> None:
+    """``params`` holds only floating (or complex) leaves, as ``jax.grad`` needs."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         dtype = jnp.result_type(leaf)
-        if not (
-            jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
-        ):
+        if not jnp.issubdtype(dtype, jnp.inexact):
             raise TypeError(
-                "`aux` leaves must be floating (token-weighted mean over "
-                "microbatches) or integer (summed over microbatches), got dtype "
-                f"{dtype} at aux{jax.tree_util.keystr(path)}"
+                "`params` must hold only floating (or complex) arrays, the "
+                f"variables to differentiate, got dtype {dtype} at "
+                f"params{jax.tree_util.keystr(path)}. An NNX module that holds "
+                "RNG streams, batch statistics or other non-parameter state: "
+                "pass `params` from `graphdef, params, rest = nnx.split(model, "
+                "nnx.Param, ...)` and rebuild the module in `loss_fn` with "
+                "`nnx.merge(graphdef, params, rest, copy=True)` (then "
+                "`nnx.reseed(module, dropout=rng)` gives each microbatch its own "
+                "dropout key when `grad_fn` is called with `rng=`)"
             )
-    return loss, count, aux
 
 
-def _is_float(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.floating)
+def _check_rng(rng: Any) -> jax.Array:
+    """``rng`` as a PRNG key array: a typed key or a raw ``uint32`` key."""
+    try:
+        key = jnp.asarray(rng)
+    except TypeError as err:
+        raise TypeError(
+            "`rng` must be a PRNG key (jax.random.key(...) or "
+            f"jax.random.PRNGKey(...)), got {type(rng).__name__}"
+        ) from err
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if not (
+        (typed and key.shape == ())
+        or (key.dtype == jnp.uint32 and key.ndim == 1 and key.size >= 2)
+    ):
+        raise TypeError(
+            "`rng` must be a single PRNG key (jax.random.key(...) or "
+            f"jax.random.PRNGKey(...)), got shape {key.shape} and dtype {key.dtype}"
+        )
+    return key
+
+
+def _check_accepts_rng(loss_fn: Callable[..., Any]) -> None:
+    """Raises if ``loss_fn`` visibly cannot take the ``rng`` keyword."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # builtins and the like: just call it
+        return
+    try:
+        signature.bind(None, None, rng=None)
+    except TypeError as err:
+        raise TypeError(
+            "`grad_fn` was called with `rng`, so `loss_fn` is called as "
+            "loss_fn(params, microbatch, rng=key), but its signature "
+            f"{signature} does not accept an `rng` keyword argument"
+        ) from err
+
+
+def _split(value: Any, reductions: tuple[str, ...]) -> tuple[Any, list, Any]:
+    """``(means, sums, weight)``: the leaves to average, those to sum, the weight."""
+    loss, weight, aux, grads = value
+    leaves = jax.tree.leaves(aux)
+    means = (loss, [x for x, r in zip(leaves, reductions) if r == "mean"], grads)
+    sums = [x for x, r in zip(leaves, reductions) if r == "sum"]
+    return means, sums, weight
+
+
+def _sum_dtype(dtype: Any) -> Any:
+    """Integer sums stay in their dtype; float sums run in at least float32."""
+    return compute_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
 def _token_weighted_accumulator(
-    has_aux: bool, with_stats: bool = False
+    value_shapes: Any, reductions: tuple[str, ...], has_aux: bool
 ) -> optax.microbatching.Accumulator:
-    """Folds per-microbatch ``(loss, count, aux, grads)`` into full-batch values.
+    """Folds per-microbatch ``(loss, weight, aux, grads)`` into full-batch values.
 
-    The loss, the gradients and the floating ``aux`` leaves go through one
-    :func:`running_mean_update` weighted by the microbatch's count; integer
-    ``aux`` leaves are summed. The running means are kept in at least float32
-    and cast back to the per-microbatch dtypes by ``finalize``, which returns
-    ``microbatched_value_and_grad``'s output structure. With ``with_stats``,
-    the carry also holds the window statistics (``_stats``), and ``finalize``
-    appends the call's :class:`WindowStats` to that output.
+    The loss, the gradients and the ``"mean"`` aux leaves go through one
+    :func:`running_mean_update` weighted by the microbatch's count; ``"sum"``
+    aux leaves are summed over every microbatch. The carry holds the running
+    means in at least float32, the sums and the float32 weight total.
+    ``finalize`` casts back to the dtypes of ``value_shapes`` (one microbatch's
+    ``(loss, count, aux, grads)`` as ``jax.ShapeDtypeStruct``; static, never
+    written by ``init``: all four functions are pure) and returns
+    ``microbatched_value_and_grad``'s output structure; ``aggregate`` folds a
+    stack of values (leading microbatch axis) into one value of the same
+    structure, as ``optax.microbatching.micro_vmap`` requires.
     """
-    # One accumulator serves one call: `init` records the per-microbatch output
-    # avals that `finalize` casts back to.
-    avals = []
 
-    def split(value):
-        loss, count, aux, grads = value
-        aux_leaves = jax.tree.leaves(aux)
-        means = (loss, [x for x in aux_leaves if _is_float(x)], grads)
-        sums = [x for x in aux_leaves if not _is_float(x)]
-        return means, sums, count
-
-    def init(shapes):
-        avals[:] = [shapes]
-        means, sums, count = split(shapes)
+    def init(value):
+        means, sums, _ = _split(value, reductions)
         return (
             jax.tree.map(lambda s: jnp.zeros(s.shape, compute_dtype(s.dtype)), means),
-            [jnp.zeros(s.shape, s.dtype) for s in sums],
-            jnp.zeros([], count.dtype),
-            _stats.init_window_stats(count.dtype) if with_stats else (),
+            [jnp.zeros(s.shape, _sum_dtype(s.dtype)) for s in sums],
+            jnp.zeros((), jnp.float32),
         )
 
     def update(carry, value, index):
         del index
-        acc_means, acc_sums, total, stats = carry
-        means, sums, count = split(value)
-        # A microbatch with no (or a non-finite, or a negative) count holds no
-        # tokens: it must not move the means, whatever NaN its 0/0 mean produced.
-        count = jnp.where(jnp.isfinite(count) & (count > 0), count, 0).astype(
-            total.dtype
+        acc_means, acc_sums, total = carry
+        means, sums, weight = _split(value, reductions)
+        # A microbatch with no (or a non-finite, or a negative: weight 0) count
+        # holds no tokens: it leaves the means as they were, whatever NaN its 0/0
+        # mean produced.
+        acc_means, total = running_mean_update(acc_means, total, means, weight)
+        acc_sums = [a + s.astype(a.dtype) for a, s in zip(acc_sums, sums, strict=True)]
+        return acc_means, acc_sums, total
+
+    def combined(carry):
+        """The carry as one value ``(loss, total, aux, grads)`` in its dtypes."""
+        (loss, mean_aux, grads), sum_aux, total = carry
+        loss_s, _, aux_s, grads_s = value_shapes
+        mean_it, sum_it = iter(mean_aux), iter(sum_aux)
+        aux_leaves = [
+            next(mean_it if r == "mean" else sum_it).astype(s.dtype)
+            for s, r in zip(jax.tree.leaves(aux_s), reductions, strict=True)
+        ]
+        return (
+            loss.astype(loss_s.dtype),
+            total,
+            jax.tree.unflatten(jax.tree.structure(aux_s), aux_leaves),
+            jax.tree.map(lambda g, s: g.astype(s.dtype), grads, grads_s),
         )
-        acc_means, total = running_mean_update(acc_means, total, means, count)
-        acc_sums = [a + s for a, s in zip(acc_sums, sums, strict=True)]
-        if with_stats:
-            stats = _stats.accumulate_window_stats(stats, value[3], count)
-        return acc_means, acc_sums, total, stats
 
     def finalize(carry):
-        out = _finalize(carry)
-        if not with_stats:
-            return out
-        (loss, _, grads), _, count, stats = carry
-        # The call is one window: its statistics, from the float32 (or wider)
-        # means, before they are cast back.
-        stats = _stats.close_window_stats(
-            stats,
-            jnp.ones([], jnp.bool_),
-            tokens=count,
-            grad_sq_norm=_stats.tree_sq_norm(grads),
-            loss=jnp.where(count > 0, loss, jnp.nan),
-            decay=0.0,
-        )
-        return (*out, stats.last)
-
-    def _finalize(carry):
-        (loss, float_aux, grads), int_aux, count, _ = carry
-        loss_s, _, aux_s, grads_s = avals[0]
-        loss = loss.astype(loss_s.dtype)
-        grads = jax.tree.map(lambda g, s: g.astype(s.dtype), grads, grads_s)
-        if not has_aux:
-            return (loss, count), grads
-        float_it, int_it = iter(float_aux), iter(int_aux)
-        aux = jax.tree.map(
-            lambda s: next(float_it).astype(s.dtype) if _is_float(s) else next(int_it),
-            aux_s,
-        )
-        return (loss, (count, aux)), grads
+        loss, total, aux, grads = combined(carry)
+        if has_aux:
+            return (loss, (total, aux)), grads
+        return (loss, total), grads
 
     def aggregate(stacked):
-        # Only `optax.microbatching.micro_vmap` calls this: fold the stacked
-        # per-microbatch values with the same update.
-        carry = init(
-            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
+        one = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked
         )
-        carry, _ = jax.lax.scan(lambda c, v: (update(c, v, None), None), carry, stacked)
-        return finalize(carry)
+        carry, _ = jax.lax.scan(
+            lambda c, v: (update(c, v, None), None), init(one), stacked
+        )
+        return combined(carry)
 
     return optax.microbatching.Accumulator(init, update, finalize, aggregate)
 
 
+@overload
 def microbatched_value_and_grad(
-    loss_fn: Callable[[optax.Params, Any], Any],
+    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
     num_microbatches: int,
     *,
     has_aux: bool = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: Literal[False] = False,
+) -> GradFn[ParamsT, BatchT]: ...
+
+
+@overload
+def microbatched_value_and_grad(
+    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    num_microbatches: int,
+    *,
+    has_aux: bool = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: Literal[True],
+) -> GradFnWithStats[ParamsT, BatchT]: ...
+
+
+def microbatched_value_and_grad(
+    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    num_microbatches: int,
+    *,
+    has_aux: bool = False,
+    aux_reduction: AuxReduction = None,
     with_stats: bool = False,
-) -> Callable[[optax.Params, Any], tuple[Any, ...]]:
+) -> GradFn[ParamsT, BatchT] | GradFnWithStats[ParamsT, BatchT]:
     """``jax.value_and_grad`` of a masked mean loss, one microbatch at a time.
 
     ``loss_fn(params, microbatch)`` returns the microbatch's mean loss and its
@@ -244,50 +435,101 @@ def microbatched_value_and_grad(
         so each loop step runs data-parallel on all devices with no resharding.
         The combined result does not depend on the split (only rounding does); to
         reproduce a microbatch on the host, take ``batch[j::k]``.
+      * Counts are weights in float32, and the returned total ``count`` is a
+        float32 scalar: ``loss_fn`` may return any integer (8-64 bit, signed or
+        unsigned) or floating count, converted by value (never through int32),
+        so the total is exact for integer counts up to 2**24 (16,777,216
+        tokens) and rounded to float32 precision (relative 6e-8) beyond, never
+        wrapped. ``int(count)`` gives the token total.
       * A microbatch whose count is not positive (``0``, and also negative or
-        non-finite) contributes nothing, even if its mean loss and gradients are
-        NaN (an all-masked microbatch gives ``0/0``). If no microbatch has tokens,
-        loss, gradients and float ``aux`` are zeros and the count is ``0``.
-      * ``aux`` (with ``has_aux=True``): floating leaves are token-weighted means
-        over the microbatches, like the loss, so a metric computed as a masked
-        mean over the same tokens (accuracy, say) is its full-batch value; integer
-        leaves (counts of correct tokens, say) are summed. Other dtypes raise.
-        Per-example outputs with a batch axis are not gathered: compute those in
-        a separate forward pass.
-      * The total ``count`` has the dtype of the per-microbatch counts.
+        non-finite) contributes nothing to the means, even if its mean loss and
+        gradients are NaN (an all-masked microbatch gives ``0/0``). If no
+        microbatch has tokens, loss, gradients and ``"mean"`` aux are zeros and
+        the count is ``0``. Reverse-mode derivatives through the outputs (a
+        gradient-norm penalty, say) are finite and equal those of leaving the
+        empty microbatches out, provided ``loss_fn``'s own derivatives are
+        (compute its mean with :func:`masked_mean`, not ``sum / count``).
+      * ``aux`` (with ``has_aux=True``): each leaf is either summed over the
+        microbatches (``"sum"``: counts of correct tokens, the metric sums
+        Flax's examples return; every microbatch is added, whatever its count,
+        as the full batch's sum would) or averaged weighted by the token counts
+        like the loss (``"mean"``: a metric computed as a masked mean over the
+        same tokens, such as accuracy, comes back as its full-batch value).
+        ``aux_reduction`` says which: ``"sum"``, ``"mean"``, or a pytree prefix
+        of ``aux`` with those leaves (``{"acc": "mean", "hits": "sum"}``).
+        Without it, integer leaves are summed and a floating leaf raises a
+        ``TypeError`` naming it: the library cannot tell a sum from a mean.
+        ``"mean"`` needs a floating leaf. Python floats in ``aux`` are float32,
+        Python ints int32. Sums of floats run in at least float32; every leaf
+        comes back in its own dtype. Per-example outputs with a batch axis are
+        not gathered: compute those in a separate forward pass.
+      * Randomness: ``grad_fn(params, batch, rng=key)`` calls
+        ``loss_fn(params, microbatch_j, rng=jax.random.fold_in(key, j))``, so
+        each microbatch draws its own dropout masks, reproducibly for a given
+        ``key`` (not the masks the full batch would draw with ``key``). Without
+        ``rng``, ``loss_fn`` is called with two arguments.
+      * ``params`` is any pytree of floating arrays, and so is an NNX module
+        whose state is only ``nnx.Param`` (NNX modules are pytrees): pass the
+        module as ``params`` and ``loss_fn`` receives it rebuilt around the
+        traced parameters; the gradients come back as a module of the same
+        class, which ``nnx.Optimizer.update(model, grads)`` takes (example
+        below). A module that also holds RNG streams (``nnx.Rngs``) or batch
+        statistics cannot be differentiated whole (the error says so): split
+        it, ``graphdef, params, rest = nnx.split(model, nnx.Param, ...)``,
+        pass ``params``, and rebuild it in ``loss_fn`` with
+        ``nnx.merge(graphdef, params, rest, copy=True)`` (``copy=True``: the
+        rebuilt module's variables belong to the traced call, so dropout may
+        advance its stream); ``nnx.reseed(module, dropout=rng)`` then gives
+        each microbatch its own key. Either way, state that ``loss_fn`` writes
+        (RNG counters, running batch statistics) is not returned.
       * ``with_stats=True`` also returns the call's :class:`WindowStats`, the
         statistics :class:`MaskedMultiSteps` keeps per window (the call is one
         window of ``k`` microbatches): tokens, microbatches with tokens, loss,
         ``‖ḡ‖²`` and the gradient noise scale ``B_simple`` with its parts. It
         costs one squared-norm reduction of each microbatch's gradient.
         ``smoothed_noise_scale`` is this call's ``noise_scale``; smooth over
-        calls with :class:`MaskedMultiSteps` or your own moving average.
+        calls with your own moving averages.
 
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
         ``(mean_loss, (count, aux))`` with ``has_aux=True``. ``mean_loss`` is a
-        floating scalar; ``count`` an integer or floating scalar.
+        floating scalar; ``count`` an integer or floating scalar. When the
+        returned function is called with ``rng``, ``loss_fn`` also takes the
+        keyword argument ``rng`` (a PRNG key).
       num_microbatches: ``k``, a Python int >= 1 that divides the batch size.
       has_aux: whether ``loss_fn`` returns ``aux`` beside the count.
+      aux_reduction: how ``aux`` leaves combine: ``"sum"``, ``"mean"``, or a
+        pytree prefix of ``aux`` with those leaves. Required when ``aux`` has a
+        floating leaf; integer leaves default to ``"sum"``.
       with_stats: also return the call's :class:`WindowStats`.
 
     Returns:
-      ``grad_fn(params, batch) -> ((loss, count), grads)``, or
-      ``((loss, (count, aux)), grads)`` with ``has_aux=True``; with
-      ``with_stats=True`` a third element, the :class:`WindowStats`. ``batch``
-      is a pytree whose leaves share a leading batch axis; gradients are taken
-      with respect to ``params``.
+      ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``, or
+      ``((loss, (count, aux)), grads)`` with ``has_aux=True``. ``batch`` is a
+      pytree whose leaves share a leading batch axis; gradients are taken with
+      respect to ``params`` (a pytree of floating arrays, or an NNX module of
+      parameters) and have its structure; ``count`` is float32; ``rng`` is a
+      PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``). With
+      ``with_stats=True``, a third element: the :class:`WindowStats`.
 
     Raises:
       TypeError: if ``loss_fn`` is not callable, ``num_microbatches`` is not an
-        integer, ``has_aux`` or ``with_stats`` is not a bool, or (when called)
-        ``loss_fn`` returns something other than the documented structure, a
-        non-scalar or non-floating loss, or an ``aux`` leaf that is neither
-        float nor integer.
-      ValueError: if ``num_microbatches < 1``; when called, if ``batch`` has no
-        leaves, a scalar leaf, leaves of different batch sizes, a batch size not
-        divisible by ``num_microbatches``, or ``loss_fn``'s count is not a
-        numeric scalar.
+        integer, ``has_aux`` or ``with_stats`` is not a bool, an
+        ``aux_reduction`` leaf is not a
+        string; when called, if ``params`` has a leaf that is not floating
+        (the error names it), ``rng`` is not a PRNG key or ``loss_fn`` cannot
+        take it, or ``loss_fn`` returns something other than the documented
+        structure, a non-scalar or non-floating loss, a boolean or complex
+        count, an ``aux`` leaf that is neither float nor integer, a floating
+        ``aux`` leaf without ``aux_reduction``, or an integer one marked
+        ``"mean"``.
+      ValueError: if ``num_microbatches < 1``, an ``aux_reduction`` leaf is
+        neither ``"sum"`` nor ``"mean"``, or ``aux_reduction`` is given without
+        ``has_aux``; when called, if ``batch`` has no leaves, a scalar leaf,
+        leaves of different batch sizes, a batch size not divisible by
+        ``num_microbatches``, ``aux_reduction`` is not a prefix of ``aux``, or
+        ``loss_fn``'s count is not a scalar (or is a constant that is negative,
+        non-finite or beyond float32's range).
 
     Examples:
       Four rows with 1, 0, 2 and 1 real tokens, two microbatches (rows 0, 2 and
@@ -302,11 +544,45 @@ def microbatched_value_and_grad(
       >>> grad_fn = jax.jit(mm.microbatched_value_and_grad(loss_fn, 2))
       >>> (loss, count), grad = grad_fn(jnp.array(2.0), batch)
       >>> print(loss, count, grad)  # 2 * (1 + 2 + 4 + 3) / 4, 4, (1 + 2 + 4 + 3) / 4
-      5.0 4 2.5
+      5.0 4.0 2.5
       >>> (loss, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(
       ...     jnp.array(2.0), batch)  # the full batch at once: the same values
       >>> print(loss, count, grad)
       5.0 4 2.5
+
+      A metric sum (``"sum"``) and a masked-mean metric (``"mean"``) as aux:
+
+      >>> def loss_with_aux(w, mb):
+      ...     loss, n = mm.masked_mean(w * mb["x"], mb["mask"])
+      ...     big = (mb["x"] > 2) & mb["mask"]
+      ...     frac_big, _ = mm.masked_mean(big.astype(jnp.float32), mb["mask"])
+      ...     return loss, (n, {"x_sum": jnp.sum(jnp.where(mb["mask"], mb["x"], 0)),
+      ...                       "frac_big": frac_big})
+      >>> grad_fn = mm.microbatched_value_and_grad(
+      ...     loss_with_aux, 2, has_aux=True,
+      ...     aux_reduction={"x_sum": "sum", "frac_big": "mean"})
+      >>> (loss, (count, aux)), grad = jax.jit(grad_fn)(jnp.array(2.0), batch)
+      >>> print(aux["x_sum"], aux["frac_big"])  # 1 + 2 + 4 + 3, 2 of 4 tokens > 2
+      10.0 0.5
+
+      An NNX module in place of ``params``, with dropout: ``rng=`` gives
+      microbatch ``j`` the key ``fold_in(key, j)``, the same on every call:
+
+      >>> import optax
+      >>> from flax import nnx
+      >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+      >>> def model_loss(model, mb, rng):
+      ...     y = nnx.Dropout(0.5)(model(mb["x"][..., None]), rngs=rng)
+      ...     return mm.masked_mean(y[..., 0] ** 2, mb["mask"])
+      >>> grad_fn = jax.jit(mm.microbatched_value_and_grad(model_loss, 2))
+      >>> (loss, count), grads = grad_fn(model, batch, rng=jax.random.key(0))
+      >>> print(type(grads).__name__, count)  # gradients: a module, like `model`
+      Linear 4.0
+      >>> (again, _), _ = grad_fn(model, batch, rng=jax.random.key(0))
+      >>> bool(again == loss)
+      True
+      >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> _ = optimizer.update(model, grads)  # updates `model` in place
 
       With ``with_stats=True`` the call also returns its :class:`WindowStats`.
       Here microbatch 0 (rows 0, 2) has 4 tokens of ``x = 1`` and microbatch 1
@@ -336,20 +612,30 @@ def microbatched_value_and_grad(
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}")
     if not isinstance(with_stats, bool):
         raise TypeError(f"`with_stats` must be a bool, got {with_stats!r}")
+    _check_aux_reduction(aux_reduction, has_aux)
 
-    def normalized_loss(params, microbatch):
-        loss, count, aux = _check_output(loss_fn(params, microbatch), has_aux)
-        return loss, (count, aux)
+    def normalized_loss(params, microbatch, key):
+        if key is None:
+            out = loss_fn(params, microbatch)
+        else:
+            out = loss_fn(params, microbatch, rng=key)
+        loss, weight, aux = _check_output(out, has_aux)
+        return loss, (weight, aux)
 
     value_and_grad = jax.value_and_grad(normalized_loss, has_aux=True)
 
-    def per_microbatch(params, microbatch):
-        (loss, (count, aux)), grads = value_and_grad(params, microbatch)
-        return loss, count, aux, grads
+    def per_microbatch(params, microbatch, key):
+        (loss, (weight, aux)), grads = value_and_grad(params, microbatch, key)
+        return loss, weight, aux, grads
 
-    def grad_fn(params: optax.Params, batch: Any) -> tuple[Any, optax.Updates]:
+    def grad_fn(
+        params: ParamsT, batch: BatchT, *, rng: jax.typing.ArrayLike | None = None
+    ) -> tuple[Any, ParamsT]:
+        _check_params(params)
         batch_size = _batch_size(batch, k)
-        accumulator = _token_weighted_accumulator(has_aux, with_stats)
+        if rng is not None:
+            rng = _check_rng(rng)
+            _check_accepts_rng(loss_fn)
         # Row r * k + j of a leaf is row r of microbatch j: a free (row-major)
         # reshape to (batch_size // k, k, ...), sliced along axis 1 in the loop.
         # The same strided split as `optax.microbatching.microbatch`, without its
@@ -365,13 +651,31 @@ def microbatched_value_and_grad(
                 strided,
             )
 
-        def body(j, carry):
-            return accumulator.update(carry, per_microbatch(params, microbatch(j)), j)
+        def key(j):
+            return None if rng is None else jax.random.fold_in(rng, j)
 
         with jax.named_scope("masked_multistep/microbatch"):
-            carry = accumulator.init(
-                jax.eval_shape(per_microbatch, params, microbatch(0))
+            shapes = jax.eval_shape(per_microbatch, params, microbatch(0), key(0))
+            accumulator = _token_weighted_accumulator(
+                shapes, _aux_reductions(shapes[2], aux_reduction), has_aux
             )
-            return accumulator.finalize(jax.lax.fori_loop(0, k, body, carry))
+            if with_stats:
+                accumulator = _stats.with_window_stats(
+                    accumulator,
+                    grads_and_weight=lambda value: (value[3], value[1]),
+                    # ((loss, mean aux, grads), sum aux, total): the means in
+                    # at least float32, before `finalize` casts them back.
+                    window_of=lambda c: (c[0][0], c[2], c[0][2]),
+                )
+
+            def body(j, carry):
+                value = per_microbatch(params, microbatch(j), key(j))
+                return accumulator.update(carry, value, j)
+
+            carry = accumulator.init(shapes)
+            out = accumulator.finalize(jax.lax.fori_loop(0, k, body, carry))
+        # optax types `finalize` as returning any pytree; ours returns
+        # `(value, grads)`, the grads a pytree like `params`.
+        return cast("tuple[Any, ParamsT]", out)
 
     return grad_fn

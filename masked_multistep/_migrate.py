@@ -238,7 +238,7 @@ def from_optax_multisteps(
         acc_count=new_count,
         skip_state=state.skip_state,
         # The statistics see the accumulated mean as one microbatch.
-        stats=tx._stats.accumulate(fresh.stats, acc_grads, new_count),
+        stats=tx._recorder.accumulate(fresh.stats, acc_grads, new_count),
     )
     if "updated" in fresh._fields:
         # What optax.MultiSteps.has_updated would say of `state`.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ class MaskedMultiStepsState(NamedTuple):
       acc_grads: running token-weighted mean of the window's gradients.
         Meaningful where ``acc_count > 0``; the next counted microbatch after a
         window ends overwrites it. It is scratch once a window closes: after
-        :meth:`MaskedMultiSteps.update` applied an inner update it may hold that
+        ``MaskedMultiSteps.update`` applied an inner update it may hold that
         update's values (the update reuses its buffer).
       acc_count: the window's token total (``count_dtype``, float32 by default).
       acc_value: running token-weighted mean of the window's ``value`` arguments
@@ -253,6 +253,36 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     # A NamedTuple subclass: `init` and `update` are the tuple's fields (what
     # optax and flax call); everything else lives in the instance's __dict__.
 
+    if TYPE_CHECKING:
+        # What a type checker sees of the fields: the signatures of optax's
+        # `TransformInitFn` and `TransformUpdateExtraArgsFn`, returning a
+        # `MaskedMultiStepsState` (a read-only field narrows covariantly), so
+        # `tx.init(params).gradient_step` type-checks while the wrapper stays
+        # assignable to `optax.GradientTransformation`. Declared as static
+        # methods because pyright refuses to redeclare a named tuple's field;
+        # at run time they are the tuple's fields, closures set in `__new__`.
+        @staticmethod
+        def init(params: optax.Params) -> MaskedMultiStepsState: ...
+
+        @staticmethod
+        def update(
+            updates: optax.Updates,
+            state: optax.OptState,
+            params: optax.Params | None = None,
+            *,
+            count: jax.typing.ArrayLike | None = None,
+            **extra_args: Any,
+        ) -> tuple[optax.Updates, MaskedMultiStepsState]: ...
+
+        # The instance's attributes, set in `__new__`.
+        _opt: optax.GradientTransformationExtraArgs
+        _every_k_schedule: Callable[[jax.Array], jax.Array]
+        _should_skip_update_fn: optax.ShouldSkipUpdateFunction
+        _accumulator_dtype: jnp.dtype | None
+        _count_dtype: jnp.dtype
+        _recorder: _stats.Recorder
+        _config: tuple[tuple[Any, ...], dict[str, Any]]
+
     def __new__(
         cls,
         opt: optax.GradientTransformation,
@@ -293,7 +323,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         self._should_skip_update_fn = should_skip_update_fn or _no_skip
         self._accumulator_dtype = acc_dtype
         self._count_dtype = cnt_dtype
-        self._stats = recorder
+        self._recorder = recorder
         self._config = (
             (opt, every_k_schedule),
             {
@@ -322,8 +352,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             f"MaskedMultiSteps(inner={inner}, every_k_schedule={k}, "
             f"accumulator_dtype={acc}, count_dtype={self._count_dtype}"
             + (
-                f", window_stats=True, stats_decay={self._stats.decay}"
-                if self._stats.enabled
+                f", window_stats=True, stats_decay={self._recorder.decay}"
+                if self._recorder.enabled
                 else ""
             )
             + ")"
@@ -373,7 +403,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             value_count=jnp.zeros([], self._count_dtype),
             num_nonfinite_windows=jnp.zeros([], jnp.int32),
             skip_state=skip_state,
-            stats=self._stats.init(self._count_dtype),
+            stats=self._recorder.init(self._count_dtype),
         )
 
     def has_updated(self, state: MaskedMultiStepsState) -> jax.Array:
@@ -508,7 +538,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             acc_grads, acc_count = running_mean_update(
                 state.acc_grads, state.acc_count, grads, gate.n
             )
-            stats = self._stats.accumulate(state.stats, grads, gate.n)
+            stats = self._recorder.accumulate(state.stats, grads, gate.n)
             acc_value, value_count = state.acc_value, state.value_count
             if value is not None:
                 acc_value, value_count = running_mean_update(
@@ -583,7 +613,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             finite = _all_finite(acc_grads)
             # ‖ḡ‖² for the statistics (`()` without them), read before the
             # inner optimizer overwrites the mean.
-            mean_sq_norm, finite = self._stats.read_mean(acc_grads, finite)
+            mean_sq_norm, finite = self._recorder.read_mean(acc_grads, finite)
             out = jax.lax.cond(
                 finite, run, hold, acc_grads, inner_state, params, dynamic_args
             )
@@ -593,7 +623,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             return (
                 *hold(*operands),
                 jnp.ones([], jnp.bool_),
-                self._stats.no_mean_sq_norm(),
+                self._recorder.no_mean_sq_norm(),
             )
 
         with jax.named_scope("masked_multistep/inner_update"):
@@ -606,7 +636,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                     lambda u: jnp.where(updated, u, jnp.zeros_like(u)), acc_grads
                 )
 
-        stats = self._stats.close(
+        stats = self._recorder.close(
             stats,
             window_done,
             tokens=acc_count,

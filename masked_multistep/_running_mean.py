@@ -31,40 +31,17 @@ References:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
 
-__all__ = [
-    "running_mean_update",
-    "safe_fraction",
-    "compute_dtype",
-    "scalar_count",
-    "sq_norm",
-]
+__all__ = ["running_mean_update", "safe_fraction", "compute_dtype", "sq_norm"]
 
 
 def compute_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
     """The dtype the update is computed in: at least float32."""
     return jnp.promote_types(dtype, jnp.float32)
-
-
-def scalar_count(count: Any, what: str = "`count`", role: str = "") -> jax.Array:
-    """``count`` as an array, checked (at trace time) to be a numeric scalar.
-
-    Raises ``ValueError`` naming ``what`` (and its ``role``) and what was received.
-    """
-    arr = jnp.asarray(count)
-    if arr.shape != () or not (
-        jnp.issubdtype(arr.dtype, jnp.integer)
-        or jnp.issubdtype(arr.dtype, jnp.floating)
-    ):
-        raise ValueError(
-            f"{what} must be an integer or floating scalar{role}, got shape "
-            f"{arr.shape} and dtype {arr.dtype}"
-        )
-    return arr
 
 
 def safe_fraction(num: jax.Array, den: jax.Array) -> jax.Array:
@@ -87,6 +64,28 @@ def sq_norm(x: jax.Array) -> jax.Array:
     if jnp.issubdtype(dtype, jnp.complexfloating):
         return jnp.sum(jnp.square(x.real) + jnp.square(x.imag))
     return jnp.sum(jnp.square(x))
+
+
+@overload
+def running_mean_update(
+    mean: Any,
+    total: jax.Array,
+    value: Any,
+    count: jax.Array,
+    *,
+    with_sq_deviation: Literal[False] = False,
+) -> tuple[Any, jax.Array]: ...
+
+
+@overload
+def running_mean_update(
+    mean: Any,
+    total: jax.Array,
+    value: Any,
+    count: jax.Array,
+    *,
+    with_sq_deviation: Literal[True],
+) -> tuple[Any, jax.Array, jax.Array]: ...
 
 
 def running_mean_update(

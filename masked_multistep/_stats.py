@@ -61,11 +61,13 @@ References:
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from masked_multistep._running_mean import sq_norm
 
@@ -77,8 +79,10 @@ __all__ = [
     "accumulate_window_stats",
     "close_window_stats",
     "noise_scale_estimates",
+    "Recorder",
     "recorder",
     "tree_sq_norm",
+    "with_window_stats",
 ]
 
 _F32 = jnp.float32
@@ -487,7 +491,7 @@ def close_window_stats(
         )
 
 
-class _Recorder(NamedTuple):
+class Recorder(NamedTuple):
     """What :class:`MaskedMultiSteps` calls at three points of its state
     machine: on each microbatch (:meth:`accumulate`), on the window's mean
     before the inner optimizer reads it (:meth:`mean_sq_norm`), and once the
@@ -548,7 +552,7 @@ class _Recorder(NamedTuple):
         )
 
 
-def recorder(window_stats: Any, stats_decay: Any) -> _Recorder:
+def recorder(window_stats: Any, stats_decay: Any) -> Recorder:
     """The statistics' hooks for :class:`MaskedMultiSteps`, arguments checked.
 
     Raises:
@@ -560,10 +564,58 @@ def recorder(window_stats: Any, stats_decay: Any) -> _Recorder:
             f"`window_stats` must be a bool, got {type(window_stats).__name__} "
             f"{window_stats!r}"
         )
-    if not (
-        isinstance(stats_decay, numbers.Real)
-        and not isinstance(stats_decay, bool)
-        and 0 <= stats_decay < 1
-    ):
+    ok = isinstance(stats_decay, numbers.Real) and not isinstance(stats_decay, bool)
+    decay = float(stats_decay) if ok else float("nan")
+    if not 0 <= decay < 1:
         raise ValueError(f"`stats_decay` must be in [0, 1), got {stats_decay!r}")
-    return _Recorder(window_stats, float(stats_decay))
+    return Recorder(window_stats, decay)
+
+
+def with_window_stats(
+    accumulator: optax.microbatching.Accumulator,
+    grads_and_weight: Callable[[Any], tuple[Any, jax.Array]],
+    window_of: Callable[[Any], tuple[jax.Array, jax.Array, Any]],
+) -> optax.microbatching.Accumulator:
+    """``accumulator`` with the window statistics of its microbatches beside it.
+
+    For :func:`microbatched_value_and_grad`: one call is one window. The carry
+    becomes ``(carry, WindowStatsState)``; ``update`` also folds ``n ‖g‖²`` of
+    each microbatch in; ``finalize`` returns the wrapped ``finalize``'s output
+    with the call's :class:`WindowStats` appended (``smoothed_noise_scale`` is
+    the call's own ``noise_scale``: there is one window).
+
+    Args:
+      accumulator: the accumulator to extend.
+      grads_and_weight: a microbatch's value -> ``(gradient, weight)``; a weight
+        that is not positive adds nothing.
+      window_of: the wrapped carry -> ``(mean loss, weight total, mean
+        gradient)``, in the precision they were accumulated in.
+    """
+
+    def init(value):
+        _, weight = grads_and_weight(value)
+        return accumulator.init(value), init_window_stats(weight.dtype)
+
+    def update(carry, value, index):
+        inner, stats = carry
+        grads, weight = grads_and_weight(value)
+        stats = accumulate_window_stats(stats, grads, weight)
+        return accumulator.update(inner, value, index), stats
+
+    def finalize(carry):
+        inner, stats = carry
+        loss, total, mean = window_of(inner)
+        stats = close_window_stats(
+            stats,
+            jnp.ones([], jnp.bool_),
+            tokens=total,
+            grad_sq_norm=tree_sq_norm(mean),
+            loss=jnp.where(total > 0, loss, jnp.nan),
+            decay=0.0,
+        )
+        out = cast("tuple[Any, ...]", accumulator.finalize(inner))
+        return (*out, stats.last)
+
+    return optax.microbatching.Accumulator(
+        init, update, finalize, accumulator.aggregate
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import optax
@@ -121,13 +121,20 @@ class TrainState(_flax_train_state.TrainState):
         if value is not None:
             extra_args["value"] = value
 
-        owg = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
-        grads_with_opt = grads["params"] if owg else grads
-        params_with_opt = self.params["params"] if owg else self.params
+        # The gradients of fp8 params, `{"params": ..., OVERWRITE_WITH_GRADIENT: ...}`.
+        owg: Mapping[Any, Any] | None = (
+            grads
+            if isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
+            else None
+        )
+        grads_with_opt = grads if owg is None else owg["params"]
+        params_with_opt = self.params if owg is None else self.params["params"]
 
         if isinstance(self.tx, MaskedMultiSteps):
+            # flax types `opt_state` as any pytree; a MaskedMultiSteps' is its state.
+            opt_state = cast(MaskedMultiStepsState, self.opt_state)
             new_params_with_opt, new_opt_state = self.tx.apply_gradients(
-                grads_with_opt, self.opt_state, params_with_opt, **extra_args
+                grads_with_opt, opt_state, params_with_opt, **extra_args
             )
         else:
             tx = optax.with_extra_args_support(self.tx)
@@ -136,12 +143,12 @@ class TrainState(_flax_train_state.TrainState):
             )
             new_params_with_opt = optax.apply_updates(params_with_opt, updates)
 
-        if owg:
+        if owg is not None:
             # As in flax: fp8 "overwrite with gradient" variables take the
             # gradient itself as their new value.
             new_params = {
                 "params": new_params_with_opt,
-                OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT],
+                OVERWRITE_WITH_GRADIENT: owg[OVERWRITE_WITH_GRADIENT],
             }
         else:
             new_params = new_params_with_opt

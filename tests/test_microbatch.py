@@ -75,7 +75,17 @@ def _grad_fn(k):
 
 @functools.cache
 def _full_grad_fn():
-    return jax.jit(jax.value_and_grad(_loss, has_aux=True))
+    return jax.jit(_with_float_count(jax.value_and_grad(_loss, has_aux=True)))
+
+
+def _with_float_count(value_and_grad):
+    """``jax.value_and_grad``'s int32 count as the float32 total returned here."""
+
+    def wrapped(*args):
+        (loss, count), grads = value_and_grad(*args)
+        return (loss, count.astype(jnp.float32)), grads
+
+    return wrapped
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -84,13 +94,13 @@ def test_equals_full_batch_value_and_grad(k):
     full = _full_grad_fn()(params, batch)
     out = _grad_fn(k)(params, batch)
     (loss, count), grads = out
-    assert count.dtype == jnp.int32 and count.shape == ()
+    assert count.dtype == jnp.float32 and count.shape == ()
     assert int(count) == int(np.sum(_skewed_mask(k)))
     assert np.isfinite(float(loss))
     chex.assert_trees_all_close(out, full, rtol=2e-6, atol=1e-6, strict=True)
 
 
-def test_aux_float_is_token_weighted_mean_and_int_is_summed():
+def test_aux_mean_is_token_weighted_and_int_is_summed():
     mask = _skewed_mask(4)
     params, batch = _params(), _batch(mask)
 
@@ -107,13 +117,25 @@ def test_aux_float_is_token_weighted_mean_and_int_is_summed():
         return loss, (count, aux)
 
     (loss, (count, aux)), grads = jax.jit(
-        mm.microbatched_value_and_grad(loss_fn, 4, has_aux=True)
+        mm.microbatched_value_and_grad(
+            loss_fn,
+            4,
+            has_aux=True,
+            aux_reduction={
+                "accuracy": "mean",
+                "num_hits": "sum",
+                "per_feature": "mean",
+            },
+        )
     )(params, batch)
     (f_loss, (f_count, f_aux)), f_grads = jax.jit(
         jax.value_and_grad(loss_fn, has_aux=True)
     )(params, batch)
     chex.assert_trees_all_close(
-        ((loss, count), grads), ((f_loss, f_count), f_grads), rtol=2e-6, strict=True
+        ((loss, count), grads),
+        ((f_loss, f_count.astype(jnp.float32)), f_grads),
+        rtol=2e-6,
+        strict=True,
     )
     # Full-batch values: a masked-mean metric and a summed integer count.
     chex.assert_trees_all_close(
@@ -169,7 +191,7 @@ def test_all_masked_batch_gives_zeros():
     chex.assert_trees_all_close(
         ((loss, count), grads),
         (
-            (jnp.zeros(()), jnp.zeros((), jnp.int32)),
+            (jnp.zeros(()), jnp.zeros((), jnp.float32)),
             jax.tree.map(jnp.zeros_like, params),
         ),
         strict=True,
@@ -289,13 +311,13 @@ def test_bad_batch(batch, match):
             lambda p: (p, jnp.ones(2, jnp.int32)),
             False,
             ValueError,
-            r"count returned by `loss_fn` must be an integer or floating scalar.*"
+            r"count returned by `loss_fn` must be a scalar \(a token count\), got "
             r"shape \(2,\)",
         ),
         (
             lambda p: (p, jnp.array(True)),
             False,
-            ValueError,
+            TypeError,
             r"count returned by `loss_fn`.*dtype bool",
         ),
         (
@@ -315,7 +337,8 @@ def test_bad_batch(batch, match):
             lambda p: (p, (jnp.array(1), {"ok": jnp.array(True)})),
             True,
             TypeError,
-            r"`aux` leaves must be floating .* or integer .*dtype bool at aux\['ok'\]",
+            r"`aux` leaves must be floating or integer arrays, got dtype bool at "
+            r"aux\['ok'\]",
         ),
     ],
 )

@@ -166,7 +166,7 @@ def test_weighted_mean_across_shard_map_ignores_empty_nan_shard(mesh8):
     ok = counts > 0
     ref = (counts[ok, None] * grads[ok].astype(np.float64)).sum(0) / counts.sum()
     assert (mean.dtype, mean.shape) == (jnp.float32, (3,))
-    assert (total.dtype, total.shape) == (jnp.int32, ())
+    assert (total.dtype, total.shape) == (jnp.float32, ())
     assert int(total) == counts.sum()
     np.testing.assert_allclose(np.asarray(mean), ref, rtol=1e-6)
 
@@ -175,7 +175,7 @@ def test_weighted_mean_across_all_zero_counts_give_zeros(mesh8):
     grads = jnp.full((8, 2), jnp.nan)
     mean, total = _shard_mapped_mean(mesh8, grads, jnp.zeros(8, jnp.int32))
     chex.assert_trees_all_close(
-        (mean, total), (jnp.zeros(2), jnp.zeros((), jnp.int32)), strict=True
+        (mean, total), (jnp.zeros(2), jnp.zeros((), jnp.float32)), strict=True
     )
 
 
@@ -191,7 +191,7 @@ def test_weighted_mean_across_float16_does_not_overflow(mesh8):
 
 
 def test_weighted_mean_across_rejects_non_scalar_count(mesh8):
-    with pytest.raises(ValueError, match=r"`count` must be .* scalar .*shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"`count` .* must be a scalar .*shape \(2,\)"):
         jax.vmap(lambda g: mm.weighted_mean_across(g, jnp.ones(2), "i"), axis_name="i")(
             jnp.ones((3, 2))
         )
@@ -220,9 +220,10 @@ def test_microbatched_value_and_grad_on_fsdp_mesh(mesh):
     sharded_batch = jax.device_put(batch, NamedSharding(mesh, BATCH_SPEC))
     out = jax.jit(mm.microbatched_value_and_grad(_loss, 4))(params, sharded_batch)
     device = jax.devices()[0]
-    full = jax.jit(jax.value_and_grad(_loss, has_aux=True))(
+    (loss, count), grads = jax.jit(jax.value_and_grad(_loss, has_aux=True))(
         jax.device_put(_params(), device), jax.device_put(batch, device)
     )
+    full = (loss, count.astype(jnp.float32)), grads  # the total is float32
     chex.assert_trees_all_close(out, full, rtol=1e-5, atol=1e-6, strict=True)
 
 
@@ -258,7 +259,10 @@ def test_weighted_mean_across_of_shard_gradients_equals_full_batch(mesh8):
             )
         )(_params(), batch)
 
-    full = jax.jit(jax.value_and_grad(_loss, has_aux=True))(_params(), batch)
+    (loss, count), grads = jax.jit(jax.value_and_grad(_loss, has_aux=True))(
+        _params(), batch
+    )
+    full = (loss, count.astype(jnp.float32)), grads  # the total is float32
     chex.assert_trees_all_close(run(True), full, rtol=1e-5, atol=1e-6, strict=True)
     # Without the cast, shard_map already summed the gradients over the shards.
     with pytest.raises(ValueError, match=r"tree\['w1'\] is the same on every shard"):

@@ -3,8 +3,13 @@
 This file is type-checked by ``make typecheck`` (pyright, tools/typecheck.py)
 as well as run by pytest: each test is code a user writes with annotations,
 and ``typing.assert_type`` pins what the checker infers (at run time it only
-returns its argument).
+returns its argument). Wrong usage carries a ``# pyright: ignore[rule]``
+comment, and an unneeded one is an error in this file (the comment below), so
+each such line asserts that the checker does report the error; pytest checks
+that the same line fails at run time.
 """
+
+# pyright: reportUnnecessaryTypeIgnoreComment=error
 
 from __future__ import annotations
 
@@ -26,16 +31,20 @@ from masked_multistep._train_state import TrainState
 TYPECHECK = pathlib.Path(__file__).resolve().parent.parent / "tools" / "typecheck.py"
 
 
-def test_all_is_constant_and_every_name_resolves():
-    assert mm.__all__ == [
+def test_all_is_a_literal_list_and_every_name_resolves():
+    # A literal list, the same with or without flax (checkers read it as it is
+    # written); `TrainState` is in it either way.
+    assert {
         "MaskedMultiSteps",
         "MaskedMultiStepsState",
         "TrainState",
+        "from_optax_multisteps",
         "masked_mean",
         "microbatched_value_and_grad",
         "running_mean_update",
         "weighted_mean_across",
-    ]
+    } <= set(mm.__all__)
+    assert len(set(mm.__all__)) == len(mm.__all__)
     for name in mm.__all__:
         assert getattr(mm, name) is not None, name
 
@@ -60,12 +69,38 @@ def test_masked_multisteps_is_accepted_where_a_gradient_transformation_is():
     tx = mm.MaskedMultiSteps(optax.adam(1e-2), every_k_schedule=2)
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    chained = optax.chain(optax.clip_by_global_norm(1.0), tx.gradient_transformation())
-    as_gt: optax.GradientTransformation = tx.gradient_transformation()
-    state = chained.init({"w": jnp.zeros(2)})
-    _, state = chained.update({"w": jnp.ones(2)}, state, count=jnp.array(1))
+    as_gt: optax.GradientTransformation = tx
+    as_gt_extra: optax.GradientTransformationExtraArgs = tx
+    # The wrapper itself inside optax.chain (which forwards `count=` to it),
+    # and its bare (init, update) pair.
+    for link in (tx, tx.gradient_transformation()):
+        chained = optax.chain(optax.clip_by_global_norm(1.0), link)
+        state = chained.init({"w": jnp.zeros(2)})
+        _, state = chained.update({"w": jnp.ones(2)}, state, count=jnp.array(1))
+        # optax types a chain's state as any pytree: it is a tuple of states.
+        assert isinstance(state, tuple)
+        assert isinstance(state[1], mm.MaskedMultiStepsState)
     assert isinstance(optimizer.opt_state, mm.MaskedMultiStepsState)
     assert isinstance(as_gt.init({"w": jnp.zeros(2)}), mm.MaskedMultiStepsState)
+    assert as_gt_extra is tx
+
+
+def test_init_and_update_are_typed_with_the_wrappers_state():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    params = {"w": jnp.zeros(())}
+    state = tx.init(params)
+    assert_type(state, mm.MaskedMultiStepsState)
+    assert_type(state.gradient_step, jax.Array)
+    updates, state = tx.update({"w": jnp.ones(())}, state, params, count=3)
+    assert_type(updates, optax.Updates)
+    assert_type(state, mm.MaskedMultiStepsState)
+    params, state = tx.apply_gradients(
+        {"w": jnp.ones(())}, state, params, count=jnp.array(1)
+    )
+    assert_type(state, mm.MaskedMultiStepsState)
+    assert int(state.gradient_step) == 1 and bool(tx.has_updated(state))
+    # The bare pair is typed as optax types any transformation.
+    assert_type(tx.gradient_transformation().init(params), optax.OptState)
 
 
 def test_typed_loss_fn_for_microbatched_value_and_grad():
@@ -80,9 +115,78 @@ def test_typed_loss_fn_for_microbatched_value_and_grad():
     grad_fn = mm.microbatched_value_and_grad(loss_fn, 2)
     batch = {"x": jnp.arange(4.0), "mask": jnp.array([True, True, False, True])}
     (loss, count), grads = grad_fn({"w": jnp.ones(())}, batch)
+    assert_type(grads, dict[str, jax.Array])  # the params' type
     assert int(count) == 3
     assert float(loss) == pytest.approx((0.0 + 1.0 + 3.0) / 3)
     assert float(grads["w"]) == pytest.approx((0.0 + 1.0 + 3.0) / 3)
+
+
+def test_window_stats_are_typed():
+    def loss_fn(
+        params: dict[str, jax.Array], batch: dict[str, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        return mm.masked_mean(batch["x"] * params["w"], batch["mask"])
+
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 2, with_stats=True)
+    batch = {"x": jnp.arange(4.0), "mask": jnp.array([True, True, False, True])}
+    (_, count), grads, stats = grad_fn({"w": jnp.ones(())}, batch)
+    assert_type(grads, dict[str, jax.Array])
+    assert_type(stats, mm.WindowStats)
+    assert int(stats.tokens) == int(count) == 3
+
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=1, window_stats=True)
+    opt_state = optax.chain(optax.identity(), tx).init({"w": jnp.zeros(())})
+    assert_type(mm.window_stats(opt_state), mm.WindowStats)
+    assert_type(mm.find_state(opt_state), mm.MaskedMultiStepsState)
+    assert_type(mm.has_updated(opt_state), jax.Array)
+
+
+def test_typed_loss_fn_with_rng_for_microbatched_value_and_grad():
+    # `loss_fn` takes the per-microbatch key as a third argument; the returned
+    # function takes `rng=` and still types the gradients like the params.
+    def loss_fn(
+        params: dict[str, jax.Array], batch: dict[str, jax.Array], rng: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        keep = jax.random.bernoulli(rng, 0.5, batch["x"].shape)
+        return mm.masked_mean(batch["x"] * params["w"] * keep, batch["mask"])
+
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 2)
+    batch = {"x": jnp.arange(4.0), "mask": jnp.array([True, True, False, True])}
+    key = jax.random.key(0)
+    (_, count), grads = grad_fn({"w": jnp.ones(())}, batch, rng=key)
+    assert_type(grads, dict[str, jax.Array])
+    assert int(count) == 3
+    assert jnp.array_equal(
+        grads["w"], grad_fn({"w": jnp.ones(())}, batch, rng=key)[1]["w"]
+    )
+
+
+def test_wrong_usage_is_reported_by_the_checker_and_fails_at_run_time():
+    # Each `# pyright: ignore[...]` must be needed (see the module docstring).
+    with pytest.raises(TypeError, match="optax GradientTransformation"):
+        mm.MaskedMultiSteps("adam", 2)  # pyright: ignore[reportArgumentType]
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    params = {"w": jnp.zeros(())}
+    state = tx.init(params)
+    with pytest.raises(AttributeError, match="gradient_steps"):
+        state.gradient_steps  # pyright: ignore[reportAttributeAccessIssue]  # noqa: B018
+    with pytest.raises(AttributeError):
+        tx.apply_gradients(
+            params,
+            params,  # pyright: ignore[reportArgumentType]
+            params,
+            count=1,
+        )
+
+    def loss_fn(
+        params: dict[str, jax.Array], batch: dict[str, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        return mm.masked_mean(batch["x"] * params["w"], batch["mask"])
+
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 2)
+    batch = {"x": jnp.arange(4.0), "mask": jnp.ones(4, bool)}
+    with pytest.raises(TypeError, match="string indexing"):
+        grad_fn(jnp.ones(()), batch)  # pyright: ignore[reportArgumentType]
 
 
 @pytest.mark.slow

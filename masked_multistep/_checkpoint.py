@@ -1,0 +1,123 @@
+"""Reading checkpoints written with an older state layout.
+
+The fields of :class:`MaskedMultiStepsState` are part of the checkpoint format:
+restoring a checkpoint of another layout against ``tx.init(params)`` fails in
+orbax (or ``flax.serialization``) with an error that lists the fields it found
+missing. A checkpoint of version 0.1 can still be read: restore its wrapper
+state against :func:`state_0_1_target` and convert it with
+:func:`from_state_0_1`; training then continues where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from masked_multistep import _stats
+from masked_multistep._multisteps import MaskedMultiStepsState
+
+__all__ = ["STATE_0_1_FIELDS", "from_state_0_1", "state_0_1_target"]
+
+#: The fields of a version 0.1 ``MaskedMultiStepsState``, in order.
+STATE_0_1_FIELDS = (
+    "mini_step",
+    "gradient_step",
+    "inner_opt_state",
+    "acc_grads",
+    "acc_count",
+    "acc_value",
+    "updated",
+    "num_invalid_counts",
+    "skip_state",
+)
+
+
+def _check_template(template: Any) -> None:
+    if not isinstance(template, MaskedMultiStepsState):
+        raise TypeError(
+            "`template` must be a MaskedMultiStepsState (from `tx.init(params)`), "
+            f"got {type(template).__name__}"
+        )
+
+
+def state_0_1_target(template: MaskedMultiStepsState) -> dict[str, Any]:
+    """The tree to restore a version 0.1 wrapper state into.
+
+    Args:
+      template: a state of the current layout, ``tx.init(params)`` (or its
+        abstract form), for the same inner optimizer and parameters.
+
+    Returns:
+      A ``dict`` keyed by the 0.1 field names, with the template's values: pass
+      it (through ``ocp.utils.to_shape_dtype_struct`` for orbax) where the state
+      sits in the restore target. Orbax converts the 0.1 integer token total to
+      the current count dtype by value.
+    """
+    _check_template(template)
+    return {name: getattr(template, name) for name in STATE_0_1_FIELDS}
+
+
+def from_state_0_1(
+    restored: Mapping[str, Any], template: MaskedMultiStepsState
+) -> MaskedMultiStepsState:
+    """A version 0.1 wrapper state, restored as a ``dict``, in the current layout.
+
+    The fields 0.1 had keep their restored values (the pending window included);
+    the fields added since take the template's initial values. In 0.1 the
+    window's ``value`` was averaged over every counted token (a microbatch that
+    passed none added a zero), so its weight total ``value_count`` is the
+    window's token total where the restored ``acc_value`` is not zero, and zero
+    (no value passed) where it is. With window statistics, the pending window's
+    mean counts as one microbatch of its tokens (0.1 kept no statistics).
+
+    Args:
+      restored: the restored 0.1 state: a mapping with exactly the keys of
+        :data:`STATE_0_1_FIELDS`, e.g. restored against
+        :func:`state_0_1_target`.
+      template: ``tx.init(params)`` for the same inner optimizer and parameters.
+
+    Returns:
+      A :class:`MaskedMultiStepsState` that continues the 0.1 run.
+
+    Raises:
+      TypeError: if ``template`` is not a state, or ``restored`` not a mapping.
+      ValueError: if ``restored`` does not have the 0.1 fields.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import masked_multistep as mm
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2)
+      >>> params = {"w": jnp.zeros(())}
+      >>> template = tx.init(params)
+      >>> old = mm.state_0_1_target(template)   # stands for a restored checkpoint
+      >>> old = {**old, "mini_step": jnp.int32(1), "acc_count": jnp.float32(3),
+      ...        "acc_grads": {"w": jnp.float32(2.0)}}
+      >>> state = mm.from_state_0_1(old, template)
+      >>> updates, state = tx.update({"w": jnp.float32(6.0)}, state, params,
+      ...                            count=jnp.float32(1))
+      >>> print(updates["w"])  # (3·2 + 1·6) / 4
+      -3.0
+    """
+    _check_template(template)
+    if not isinstance(restored, Mapping):
+        raise TypeError(
+            "`restored` must be the 0.1 state as a mapping of its fields (restore "
+            f"it against `state_0_1_target(template)`), got {type(restored).__name__}"
+        )
+    if set(restored) != set(STATE_0_1_FIELDS):
+        raise ValueError(
+            "`restored` is not a masked_multistep 0.1 state: expected the fields "
+            f"{sorted(STATE_0_1_FIELDS)}, got {sorted(map(str, restored))}"
+        )
+    state = template._replace(**dict(restored))
+    count_dtype = template.acc_count.dtype
+    acc_count = jnp.asarray(state.acc_count).astype(count_dtype)
+    value_count = jnp.where(state.acc_value != 0, acc_count, jnp.zeros_like(acc_count))
+    stats = state.stats
+    if isinstance(stats, _stats.WindowStatsState):
+        # 0.1 kept no statistics: the pending window's mean counts as one
+        # microbatch of its tokens.
+        stats = _stats.accumulate_window_stats(stats, state.acc_grads, acc_count)
+    return state._replace(acc_count=acc_count, value_count=value_count, stats=stats)

@@ -1,0 +1,106 @@
+"""A checkpoint of the 0.1 state layout: a clear error, then a way to continue.
+
+The 0.1 state is rebuilt here as a NamedTuple of the 0.1 fields (what orbax
+and flax.serialization wrote for it): the same name, the same field order, an
+int32 token total.
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import serialization
+
+import masked_multistep as mm
+
+State01 = collections.namedtuple("MaskedMultiStepsState", mm.STATE_0_1_FIELDS)
+
+GRADS = [(1.0, 5), (-2.0, 1), (4.0, 2), (0.5, 3), (3.0, 1), (-1.0, 4)]
+
+
+def _as_0_1(state):
+    """The 0.1 layout of a state: its 0.1 fields, the token total in int32."""
+    fields = {name: getattr(state, name) for name in mm.STATE_0_1_FIELDS}
+    fields["acc_count"] = state.acc_count.astype(jnp.int32)
+    return State01(**fields)
+
+
+def _run(tx, params, state, grads, value=None):
+    extra = {} if value is None else {"value": jnp.float32(value)}
+    for g, n in grads:
+        params, state = tx.apply_gradients(
+            {"w": jnp.full(2, g, jnp.float32)},
+            state,
+            params,
+            count=jnp.int32(n),
+            **extra,
+        )
+    return params, state
+
+
+def test_0_1_checkpoint_fails_clearly_then_converts_and_continues(tmp_path):
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), every_k_schedule=3)
+    params0 = {"w": jnp.zeros(2)}
+    # Four microbatches: one window applied, one microbatch of the next pending.
+    params, state = _run(tx, params0, tx.init(params0), GRADS[:4])
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(
+        tmp_path / "ckpt", {"params": params, "opt_state": _as_0_1(state)}
+    )
+    checkpointer.wait_until_finished()
+
+    template = {"params": params0, "opt_state": tx.init(params0)}
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    # The current layout against a 0.1 checkpoint: an error naming the new fields.
+    with pytest.raises(ValueError, match="num_nonfinite_windows"):
+        checkpointer.restore(tmp_path / "ckpt", abstract)
+
+    old_target = {
+        "params": params0,
+        "opt_state": mm.state_0_1_target(template["opt_state"]),
+    }
+    restored = checkpointer.restore(
+        tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, old_target)
+    )
+    checkpointer.close()
+    converted = mm.from_state_0_1(restored["opt_state"], template["opt_state"])
+    assert isinstance(converted, mm.MaskedMultiStepsState)
+    assert converted.acc_count.dtype == state.acc_count.dtype
+    assert int(converted.mini_step) == 1 and float(converted.acc_count) == 3.0
+
+    # Continuing from the converted state is the uninterrupted run.
+    want, want_state = _run(tx, params, state, GRADS[4:])
+    got, got_state = _run(tx, restored["params"], converted, GRADS[4:])
+    assert bool(tx.has_updated(got_state))
+    np.testing.assert_array_equal(got["w"], want["w"])
+    for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_0_1_flax_serialization_fails_clearly_then_converts():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    params = {"w": jnp.zeros(2)}
+    _, state = _run(tx, params, tx.init(params), GRADS[:1], value=2.5)
+    data = serialization.to_bytes(_as_0_1(state))
+    template = tx.init(params)
+    with pytest.raises(ValueError, match="field names"):
+        serialization.from_bytes(template, data)
+    restored = serialization.from_bytes(mm.state_0_1_target(template), data)
+    converted = mm.from_state_0_1(restored, template)
+    for a, b in zip(jax.tree.leaves(converted), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_from_state_0_1_refuses_what_is_not_a_0_1_state():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    template = tx.init({"w": jnp.zeros(2)})
+    with pytest.raises(ValueError, match="not a masked_multistep 0.1 state"):
+        mm.from_state_0_1(template._asdict(), template)
+    with pytest.raises(TypeError, match="`restored` must be"):
+        mm.from_state_0_1(_as_0_1(template), template)
+    with pytest.raises(TypeError, match="`template` must be"):
+        mm.state_0_1_target({"w": 1})

@@ -1,0 +1,198 @@
+"""`microbatched_value_and_grad` with an NNX module.
+
+Two ways: a module whose state is only `nnx.Param` goes in place of `params`
+(NNX modules are pytrees; the gradients come back as a module); any module
+goes through `nnx.split(model, nnx.Param, ...)`, whose parameters (an
+`nnx.State`) are differentiated while `loss_fn` rebuilds the module with
+`nnx.merge`. Both match `nnx.value_and_grad` on the full batch, and an
+`nnx.Optimizer` takes the gradients as they come.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _flax_data import D_IN, D_OUT, K, make_windows
+from flax import nnx
+
+import masked_multistep as mm
+
+
+class _MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(D_IN, 8, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)
+        self.out = nnx.Linear(8, D_OUT, rngs=rngs)
+
+    def __call__(self, x, rng=None):
+        h = nnx.relu(self.hidden(x))
+        h = self.dropout(h, deterministic=rng is None, rngs=rng)
+        return self.out(h)
+
+
+def _token_loss(model, batch, rng=None):
+    x = jnp.where(batch["mask"][..., None], batch["x"], 0.0)
+    per_token = jnp.sum((model(x, rng) - batch["y"]) ** 2, axis=-1)
+    return mm.masked_mean(per_token, batch["mask"])
+
+
+def _batch():
+    x, y, mask = make_windows()[1]  # 8 rows; microbatch 1 (rows 1, 5) is empty
+    return {"x": x, "y": jnp.where(mask[..., None], y, 0.0), "mask": mask}
+
+
+def _split_loss(graphdef, rest):
+    def loss_fn(params, batch, rng=None):
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        return _token_loss(model, batch, rng)
+
+    return loss_fn
+
+
+def _assert_same_step(model, grads, f_grads):
+    """One optimizer step with `grads` lands where the full batch's lands."""
+    ref = nnx.clone(model)
+    nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param).update(model, grads)
+    nnx.Optimizer(ref, optax.adam(0.1), wrt=nnx.Param).update(ref, f_grads)
+    chex.assert_trees_all_close(
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+        nnx.to_pure_dict(nnx.state(ref, nnx.Param)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def _per_microbatch_mean(loss_fn, batch, key):
+    """The token mean of microbatch j = rows j::K with key fold_in(key, j)."""
+    parts = [
+        loss_fn(jax.tree.map(lambda a, j=j: a[j::K], batch), jax.random.fold_in(key, j))
+        for j in range(K)
+    ]
+    counts = np.array([float(n) for _, n in parts])
+    losses = np.array([float(v) for v, _ in parts])
+    ok = counts > 0
+    return np.sum(counts[ok] * losses[ok]) / counts.sum(), counts.sum()
+
+
+def test_split_merge_recipe_matches_nnx_value_and_grad():
+    model = _MLP(nnx.Rngs(0))
+    batch = _batch()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    grad_fn = jax.jit(mm.microbatched_value_and_grad(_split_loss(graphdef, rest), K))
+    (loss, count), grads = grad_fn(params, batch)
+    (f_loss, f_count), f_grads = nnx.value_and_grad(_token_loss, has_aux=True)(
+        model, batch
+    )
+    assert int(count) == int(f_count) == int(np.sum(batch["mask"]))
+    np.testing.assert_allclose(float(loss), float(f_loss), rtol=1e-6)
+    chex.assert_trees_all_close(
+        nnx.to_pure_dict(grads), nnx.to_pure_dict(f_grads), rtol=1e-5, atol=1e-6
+    )
+    # An nnx.Optimizer takes the gradients as they come: the same step as the
+    # full batch's.
+    _assert_same_step(model, grads, f_grads)
+
+
+def test_split_merge_recipe_with_dropout_per_microbatch():
+    model = _MLP(nnx.Rngs(1))
+    batch = _batch()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    grad_fn = jax.jit(mm.microbatched_value_and_grad(_split_loss(graphdef, rest), K))
+    key = jax.random.key(5)
+    first = grad_fn(params, batch, rng=key)
+    chex.assert_trees_all_equal(first, grad_fn(params, batch, rng=key))
+    deterministic = grad_fn(params, batch)
+    assert float(first[0][0]) != float(deterministic[0][0])
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(first))
+    # Microbatch j's loss is the module's with dropout key fold_in(key, j).
+    want, _ = _per_microbatch_mean(
+        lambda mb, key_j: _token_loss(model, mb, key_j), batch, key
+    )
+    np.testing.assert_allclose(float(first[0][0]), want, rtol=1e-5)
+
+
+def test_module_in_place_of_params_matches_nnx_value_and_grad():
+    model = _MLP(nnx.Rngs(2))
+    batch = _batch()
+    grad_fn = jax.jit(mm.microbatched_value_and_grad(_token_loss, K))
+    (loss, count), grads = grad_fn(model, batch)
+    (f_loss, f_count), f_grads = nnx.value_and_grad(_token_loss, has_aux=True)(
+        model, batch
+    )
+    assert type(grads) is _MLP  # the gradients are a module, like `model`
+    assert int(count) == int(f_count) == int(np.sum(batch["mask"]))
+    np.testing.assert_allclose(float(loss), float(f_loss), rtol=1e-6)
+    chex.assert_trees_all_close(
+        nnx.to_pure_dict(nnx.state(grads, nnx.Param)),
+        nnx.to_pure_dict(f_grads),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    _assert_same_step(model, grads, f_grads)
+
+
+def test_module_in_place_of_params_with_dropout_per_microbatch():
+    model = _MLP(nnx.Rngs(3))
+    batch = _batch()
+    grad_fn = jax.jit(mm.microbatched_value_and_grad(_token_loss, K))
+    key = jax.random.key(11)
+    first = grad_fn(model, batch, rng=key)
+    chex.assert_trees_all_equal(first, grad_fn(model, batch, rng=key))
+    assert float(first[0][0]) != float(grad_fn(model, batch)[0][0])
+    # The same numbers as the split/merge recipe with the same key.
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    split_fn = jax.jit(mm.microbatched_value_and_grad(_split_loss(graphdef, rest), K))
+    (loss, count), grads = split_fn(params, batch, rng=key)
+    assert (float(first[0][0]), float(first[0][1])) == (float(loss), float(count))
+    chex.assert_trees_all_equal(
+        nnx.to_pure_dict(nnx.state(first[1], nnx.Param)), nnx.to_pure_dict(grads)
+    )
+
+
+class _WithRngs(nnx.Module):
+    """A module that keeps its dropout RNG stream: not only parameters."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(D_IN, D_OUT, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.hidden(x))
+
+
+def test_module_with_rng_streams_is_a_clear_error_naming_the_split_recipe():
+    model = _WithRngs(nnx.Rngs(0, dropout=1))
+
+    def loss_fn(model, batch):
+        x = jnp.where(batch["mask"][..., None], batch["x"], 0.0)
+        per_token = jnp.sum((model(x) - batch["y"]) ** 2, axis=-1)
+        return mm.masked_mean(per_token, batch["mask"])
+
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, K)
+    with pytest.raises(
+        TypeError,
+        match=r"`params` must hold only floating .* got dtype uint32 at "
+        r"params\.dropout\.rngs\.count.*nnx\.split\(model, nnx\.Param, \.\.\.\)",
+    ):
+        grad_fn(model, _batch())
+    # The recipe the error names works, with a dropout key per microbatch.
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def merged_loss(params, batch, rng):
+        module = nnx.merge(graphdef, params, rest, copy=True)
+        nnx.reseed(module, dropout=rng)
+        return loss_fn(module, batch)
+
+    grad_fn = jax.jit(mm.microbatched_value_and_grad(merged_loss, K))
+    batch, key = _batch(), jax.random.key(4)
+    (loss, count), grads = grad_fn(params, batch, rng=key)
+    chex.assert_trees_all_equal(((loss, count), grads), grad_fn(params, batch, rng=key))
+    assert float(loss) != float(grad_fn(params, batch, rng=jax.random.key(5))[0][0])
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    want, total = _per_microbatch_mean(
+        lambda mb, key_j: merged_loss(params, mb, key_j), batch, key
+    )
+    assert int(count) == total == int(np.sum(batch["mask"]))
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
