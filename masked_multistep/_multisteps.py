@@ -348,15 +348,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         inner = inner.split(".<locals>")[0]
         k = getattr(k, "__name__", "<schedule>") if callable(k) else k
         acc = self._accumulator_dtype or "follows the gradients"
+        rec = self._recorder
+        stats = f", window_stats=True, stats_decay={rec.decay}" if rec.enabled else ""
         return (
             f"MaskedMultiSteps(inner={inner}, every_k_schedule={k}, "
-            f"accumulator_dtype={acc}, count_dtype={self._count_dtype}"
-            + (
-                f", window_stats=True, stats_decay={self._recorder.decay}"
-                if self._recorder.enabled
-                else ""
-            )
-            + ")"
+            f"accumulator_dtype={acc}, count_dtype={self._count_dtype}{stats})"
         )
 
     @property
