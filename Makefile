@@ -10,7 +10,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 # Worker processes for the test suite (pytest-xdist); CI machines have 2 cores.
 JOBS   ?= 2
 
-.PHONY: install test lint typecheck demo docs bench bench-quick clean
+.PHONY: install test lint typecheck demo docs bench bench-quick bench-dp clean
 
 install: $(STAMP)
 
@@ -46,6 +46,10 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/bench.py --quick $(ARGS)
+
+# Two processes on 127.0.0.1 (gloo): one gradient reduction per window or per microbatch.
+bench-dp: $(STAMP)
+	$(BIN)/python benchmarks/bench_dp.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) demo-output benchmarks/results .pytest_cache .hypothesis \

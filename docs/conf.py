@@ -74,6 +74,9 @@ nitpick_ignore_regex = [
     # batch types) and the protocol of the function it returns (its docstring
     # describes it): not documented entries of their own.
     (r"py:class", r"masked_multistep\._microbatch\.(ParamsT|BatchT|GradFn\w*)"),
+    # The type of `MaskedMultiSteps(reduction=...)`: built by `mm.deferred`,
+    # whose entry documents it.
+    (r"py:class", r"masked_multistep\._reduction\.Deferred"),
     # MaskedMultiStepsState's docstring says :meth:`update` for
     # MaskedMultiSteps.update; remove this line once it names the class.
     ("py:meth", "update"),

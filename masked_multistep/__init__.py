@@ -19,6 +19,11 @@ from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
 from masked_multistep._migrate import from_optax_multisteps
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
+from masked_multistep._per_device import (
+    data_parallel_value_and_grad,
+    per_device_value_and_grad,
+)
+from masked_multistep._reduction import deferred
 from masked_multistep._running_mean import running_mean_update
 from masked_multistep._stats import TokenTotal, WindowStats, noise_scale_estimates
 from masked_multistep._version import __version__ as __version__
@@ -39,6 +44,8 @@ __all__ = [
     "STATE_0_1_FIELDS",
     "TokenTotal",
     "WindowStats",
+    "data_parallel_value_and_grad",
+    "deferred",
     "find_state",
     "from_optax_multisteps",
     "from_state_0_1",
@@ -48,6 +55,7 @@ __all__ = [
     "masked_mean",
     "noise_scale_estimates",
     "microbatched_value_and_grad",
+    "per_device_value_and_grad",
     "running_mean_update",
     "weighted_mean_across",
     "window_stats",

@@ -129,19 +129,32 @@ def _check_concrete(value: int | float, dtype: jnp.dtype, what: str) -> None:
 
 
 def to_count(
-    count: Any, dtype: jnp.dtype, what: str = "`count`"
+    count: Any, dtype: jnp.dtype, what: str = "`count`", shape: tuple = ()
 ) -> tuple[jax.Array, jax.Array]:
     """``count`` converted by value to ``dtype``, and whether it may be used.
 
     Concrete counts are checked eagerly (``ValueError``); traced ones return a
     validity flag (finite, non-negative, representable in ``dtype``), with the
-    count replaced by zero where it is invalid.
+    count replaced by zero where it is invalid. ``shape`` other than ``()``
+    takes an array of counts (one per device), checked element by element; the
+    flag then has that shape.
     """
     if count is None:
         raise TypeError(_MISSING_COUNT)
     if isinstance(count, (bool, np.bool_)):
         raise TypeError(f"{what} must be a number of tokens, got a bool ({count})")
-    if not hasattr(count, "dtype") and isinstance(count, numbers.Real):
+    if shape != ():
+        if not hasattr(count, "dtype") or tuple(count.shape) != shape:
+            got = (
+                f"shape {tuple(count.shape)} and dtype {count.dtype}"
+                if hasattr(count, "dtype")
+                else f"{count!r} of type {type(count).__name__}"
+            )
+            raise ValueError(
+                f"{what} must be an integer or floating array of shape {shape}, "
+                f"got {got}"
+            )
+    elif not hasattr(count, "dtype") and isinstance(count, numbers.Real):
         # A Python int of any size or a Python float: check it exactly.
         value = int(count) if isinstance(count, numbers.Integral) else float(count)
         _check_concrete(value, dtype, what)
@@ -151,14 +164,15 @@ def to_count(
             f"{what} must be a real scalar, got {count!r} of type "
             f"{type(count).__name__}"
         )
-    if tuple(count.shape) != ():
+    if tuple(count.shape) != shape:
         raise ValueError(
             f"{what} must be a scalar (a token count), got shape {tuple(count.shape)}"
         )
     kind = _kind(count.dtype)
     if kind not in ("int", "float"):
         raise TypeError(
-            f"{what} must be an integer or floating scalar, got dtype {count.dtype}"
+            f"{what} must be an integer or floating "
+            f"{'scalar' if shape == () else 'array'}, got dtype {count.dtype}"
         )
     if kind == "float" and jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(
@@ -167,16 +181,23 @@ def to_count(
             "(float32), which takes integer and fractional counts alike"
         )
     if not isinstance(count, jax.core.Tracer):
-        # Concrete (numpy or jax): `.item()` is exact for every integer dtype.
-        _check_concrete(np.asarray(count).item(), dtype, what)
+        # Concrete (numpy or jax): `.tolist()` is exact for every integer dtype.
+        values = np.asarray(count).tolist()
+        if shape == ():
+            _check_concrete(values, dtype, what)
+        else:
+            for i, value in enumerate(np.ravel(np.asarray(values, dtype=object))):
+                _check_concrete(value, dtype, f"{what}[{i}]")
         if isinstance(count, (np.ndarray, np.generic)):
             # Convert on the host: jnp.asarray would narrow int64 to int32 first.
-            return jnp.asarray(np.asarray(count).astype(dtype)), jnp.ones([], jnp.bool_)
+            return jnp.asarray(np.asarray(count).astype(dtype)), jnp.ones(
+                shape, jnp.bool_
+            )
     arr = count
     if jnp.issubdtype(dtype, jnp.integer):
         # Range-check in the count's own dtype before any narrowing.
         info = np.iinfo(arr.dtype)
-        ok = jnp.ones([], jnp.bool_)
+        ok = jnp.ones(shape, jnp.bool_)
         if info.min < 0:
             ok = arr >= 0
         if info.max > np.iinfo(dtype).max:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from masked_multistep._checks import count_weight
 from masked_multistep._running_mean import compute_dtype, safe_fraction
 
-__all__ = ["weighted_mean_across"]
+__all__ = ["weighted_mean_across", "weighted_sum_across"]
 
 
 def _varying_axes(x: Any) -> frozenset:
@@ -121,18 +121,34 @@ def weighted_mean_across(
         # `count_weight` zeroed a traced negative or non-finite count; a shard
         # with no tokens is left out of the mean and of its derivatives (with
         # respect to its count too), as if it were not there.
-        take = count > 0
-        count = jnp.where(take, count, jnp.zeros_like(count))
+        count = jnp.where(count > 0, count, jnp.zeros_like(count))
         total = jax.lax.psum(count, axis_name)
-        weight = safe_fraction(count, total)
-
-        def leaf(g):
-            g = jnp.asarray(g)
-            dtype = compute_dtype(g.dtype)
-            # Zero an empty shard's (possibly NaN) value before multiplying:
-            # NaN * 0 is NaN, in the value and in the weight's cotangent.
-            g_c = jnp.where(take, g.astype(dtype), jnp.zeros((), dtype))
-            return jax.lax.psum(weight.astype(dtype) * g_c, axis_name).astype(g.dtype)
-
-        mean = jax.tree.map(leaf, tree)
+        mean = weighted_sum_across(tree, count, total, axis_name)
     return mean, total
+
+
+def weighted_sum_across(
+    tree: Any,
+    count: jax.Array,
+    total: jax.Array,
+    axis_name: Hashable | Sequence[Hashable],
+) -> Any:
+    """``Σ (nᵈ / N)·gᵈ`` over ``axis_name`` when every shard already knows ``N``.
+
+    The arithmetic of :func:`weighted_mean_across` without its scalar ``psum``
+    of the counts: one ``psum`` of the weighted tree. ``total`` must be the same
+    on every shard (``Σ nᵈ``); a shard with ``nᵈ <= 0`` contributes nothing,
+    even if its ``gᵈ`` is NaN, and a zero ``total`` gives zeros.
+    """
+    take = count > 0
+    weight = safe_fraction(jnp.where(take, count, jnp.zeros_like(count)), total)
+
+    def leaf(g):
+        g = jnp.asarray(g)
+        dtype = compute_dtype(g.dtype)
+        # Zero an empty shard's (possibly NaN) value before multiplying:
+        # NaN * 0 is NaN, in the value and in the weight's cotangent.
+        g_c = jnp.where(take, g.astype(dtype), jnp.zeros((), dtype))
+        return jax.lax.psum(weight.astype(dtype) * g_c, axis_name).astype(g.dtype)
+
+    return jax.tree.map(leaf, tree)

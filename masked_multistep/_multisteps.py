@@ -2,7 +2,9 @@
 
 The module is the state machine only: argument checks and the count contract
 live in ``_checks``, the window-closing rule in ``_windows``, the arithmetic in
-``_running_mean`` and the window statistics in ``_stats``.
+``_running_mean``, how the devices agree on a window's mean (locally, or
+deferred to the window's end) in ``_reduction``, and the window statistics in
+``_stats``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import optax
 from optax import tree as otu
 
 from masked_multistep import _checks, _stats, _windows
+from masked_multistep._reduction import Deferred, Local
 from masked_multistep._running_mean import running_mean_update
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
@@ -34,7 +37,8 @@ class MaskedMultiStepsState(NamedTuple):
         excluded).
       gradient_step: inner optimizer updates applied so far.
       inner_opt_state: the state of the wrapped optimizer.
-      acc_grads: running token-weighted mean of the window's gradients.
+      acc_grads: running token-weighted mean of the window's gradients (with
+        ``reduction=mm.deferred(...)``, one per device along a leading axis).
         Meaningful where ``acc_count > 0``; the next counted microbatch after a
         window ends overwrites it. It is scratch once a window closes: after
         ``MaskedMultiSteps.update`` applied an inner update it may hold that
@@ -55,7 +59,9 @@ class MaskedMultiStepsState(NamedTuple):
         completed window's :class:`WindowStats`; read them with
         :func:`masked_multistep.window_stats`); ``()`` otherwise.
       policy_state: the window policy's state (``()`` for a fixed ``k``).
-      reduction_state: the cross-device reduction's state (``()`` on one device).
+      reduction_state: the cross-device reduction's state: ``()`` by default;
+        with ``reduction=mm.deferred(...)``, each device's token total behind
+        its running mean (a ``DeferredState`` with one field, ``counts``).
     """
 
     mini_step: jax.Array
@@ -77,7 +83,8 @@ class MaskedMultiStepsState(NamedTuple):
 class _Gate(NamedTuple):
     """What the checks decided about one microbatch."""
 
-    n: jax.Array  # the count to accumulate (0 unless `counted`)
+    n: jax.Array  # the (global) count to accumulate (0 unless `counted`)
+    local_counts: Any  # every device's count with a deferred reduction, else None
     counted: jax.Array  # the microbatch belongs to the window (mini_step advances)
     valid_count: jax.Array  # the count was usable
     skip_state: Any
@@ -203,19 +210,29 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
       count_dtype: dtype of the window's token total: float32 (default; integer
         and fractional counts, integers exact to 2²⁴ per window), int32 (exact
         to 2³¹ − 1, integer counts only), or float64/int64 under x64.
+      reduction: ``None`` (default): the gradients handed over are already the
+        microbatch's global mean (under ``jit`` with sharded arrays the compiler
+        reduces them, once per microbatch). ``mm.deferred(mesh, axis_name)``:
+        they are every device's own, stacked along a leading device axis, with
+        one count per device (from :func:`per_device_value_and_grad`); each
+        device accumulates its own running mean and the devices are combined,
+        token-weighted, once per window.
       window_stats: keep each window's statistics (tokens, loss, gradient norm,
         gradient noise scale) in ``state.stats``; read them with
         :func:`masked_multistep.window_stats`. They never change the updates
         and need no parameter-sized memory: one squared-norm reduction of each
-        microbatch's gradient and one of each window's mean.
+        microbatch's gradient and one of each window's mean. With
+        ``reduction=mm.deferred(...)`` each device's share of a microbatch is
+        a small batch of its own (more of them, for free).
       stats_decay: per-window decay of the moving averages behind
         ``WindowStats.smoothed_noise_scale``, in ``[0, 1)``.
 
     Raises:
       TypeError: if ``opt`` is not a gradient transformation, or
-        ``every_k_schedule`` is neither an integer nor callable, or an
-        ``optax.MultiSteps``-only keyword is passed, or ``window_stats`` is not
-        a bool.
+        ``every_k_schedule`` is neither an integer nor callable, or
+        ``reduction`` is neither ``None`` nor ``mm.deferred(...)``, or
+        ``window_stats`` is not a bool, or an ``optax.MultiSteps``-only keyword
+        is passed.
       ValueError: if ``every_k_schedule`` is out of range, a dtype cannot
         serve, or ``stats_decay`` is outside ``[0, 1)``.
 
@@ -280,6 +297,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         _should_skip_update_fn: optax.ShouldSkipUpdateFunction
         _accumulator_dtype: jnp.dtype | None
         _count_dtype: jnp.dtype
+        _reduction: Local | Deferred
         _recorder: _stats.Recorder
         _config: tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -291,6 +309,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
         accumulator_dtype: jax.typing.DTypeLike | None = None,
         count_dtype: jax.typing.DTypeLike = jnp.float32,
+        reduction: Deferred | None = None,
         window_stats: bool = False,
         stats_decay: float = 0.9,
         **unknown: Any,
@@ -309,6 +328,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         every_k = _windows.every_k(every_k_schedule)
         acc_dtype = _checks.check_accumulator_dtype(accumulator_dtype)
         cnt_dtype = _checks.check_count_dtype(count_dtype)
+        if reduction is not None and not isinstance(reduction, Deferred):
+            raise TypeError(
+                "`reduction` must be None or mm.deferred(mesh, axis_name), got "
+                f"{reduction!r} of type {type(reduction).__name__}"
+            )
         recorder = _stats.recorder(window_stats, stats_decay)
 
         def init(params: optax.Params) -> MaskedMultiStepsState:
@@ -323,6 +347,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         self._should_skip_update_fn = should_skip_update_fn or _no_skip
         self._accumulator_dtype = acc_dtype
         self._count_dtype = cnt_dtype
+        self._reduction = Local() if reduction is None else reduction
         self._recorder = recorder
         self._config = (
             (opt, every_k_schedule),
@@ -330,6 +355,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "should_skip_update_fn": should_skip_update_fn,
                 "accumulator_dtype": accumulator_dtype,
                 "count_dtype": count_dtype,
+                "reduction": reduction,
                 "window_stats": window_stats,
                 "stats_decay": stats_decay,
             },
@@ -348,11 +374,14 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         inner = inner.split(".<locals>")[0]
         k = getattr(k, "__name__", "<schedule>") if callable(k) else k
         acc = self._accumulator_dtype or "follows the gradients"
+        reduction = self._config[1]["reduction"]
+        options = f", reduction={reduction!r}" if reduction is not None else ""
         rec = self._recorder
-        stats = f", window_stats=True, stats_decay={rec.decay}" if rec.enabled else ""
+        if rec.enabled:
+            options += f", window_stats=True, stats_decay={rec.decay}"
         return (
             f"MaskedMultiSteps(inner={inner}, every_k_schedule={k}, "
-            f"accumulator_dtype={acc}, count_dtype={self._count_dtype}{stats})"
+            f"accumulator_dtype={acc}, count_dtype={self._count_dtype}{options})"
         )
 
     @property
@@ -381,11 +410,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         _, skip_state = self._should_skip_update_fn(
             otu.zeros_like(params), gradient_step, params
         )
-        acc_grads = jax.tree.map(
-            lambda p: jnp.zeros_like(
-                p, dtype=_accumulator_dtype(p.dtype, self._accumulator_dtype)
-            ),
-            params,
+        acc_grads = self._reduction.init_accumulator(
+            params, lambda p: _accumulator_dtype(p.dtype, self._accumulator_dtype)
         )
         return MaskedMultiStepsState(
             mini_step=jnp.zeros([], jnp.int32),
@@ -400,6 +426,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             num_nonfinite_windows=jnp.zeros([], jnp.int32),
             skip_state=skip_state,
             stats=self._recorder.init(self._count_dtype),
+            reduction_state=self._reduction.init(self._count_dtype),
         )
 
     def has_updated(self, state: MaskedMultiStepsState) -> jax.Array:
@@ -476,9 +503,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
     def _gate(self, grads, state, params, count) -> _Gate:
         """Whether this microbatch counts, and with how many tokens."""
-        n, count_ok = _checks.to_count(count, self._count_dtype)
+        n, count_ok, local_counts = self._reduction.to_count(count, self._count_dtype)
         should_skip, skip_state = self._should_skip_update_fn(
-            grads, state.gradient_step, params
+            self._reduction.skip_view(grads, local_counts), state.gradient_step, params
         )
         should_skip = jnp.asarray(should_skip)
         if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
@@ -500,13 +527,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             lambda new, old: jnp.where(empty, old, new), skip_state, state.skip_state
         )
         n = jnp.where(counted, n, jnp.zeros_like(n))
-        return _Gate(n, counted, valid_count, skip_state)
+        return _Gate(n, local_counts, counted, valid_count, skip_state)
 
     def _inner_update(self, grads, static_args, with_value: bool):
         """The inner optimizer on the window's mean, its state cast back."""
 
-        def inner_update(acc_grads, inner_state, params, dynamic_args):
-            mean_grads = otu.cast_like(acc_grads, grads)
+        def inner_update(mean, inner_state, params, dynamic_args):
+            mean_grads = otu.cast_like(mean, grads)
             if not with_value:
                 dynamic_args = {k: v for k, v in dynamic_args.items() if k != "value"}
             updates, new_inner = self._opt.update(
@@ -525,16 +552,25 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         sits inside it. Returns ``(updates, state)``, or with ``apply_params``
         ``(new_params, state)``.
         """
-        _checks.check_grads_match(grads, state.acc_grads)
+        self._reduction.check_grads(grads, state.acc_grads)
         extra_args = dict(extra_args)
-        value = _checks.check_value(extra_args.pop("value", None))
 
         with jax.named_scope("masked_multistep/accumulate"):
             gate = self._gate(grads, state, params, count)
-            acc_grads, acc_count = running_mean_update(
-                state.acc_grads, state.acc_count, grads, gate.n
+            value = self._reduction.value(
+                extra_args.pop("value", None), gate.local_counts, gate.n
             )
-            stats = self._recorder.accumulate(state.stats, grads, gate.n)
+            acc_grads, acc_count, reduction_state = self._reduction.accumulate(
+                state.acc_grads,
+                state.acc_count,
+                state.reduction_state,
+                grads,
+                gate.n,
+                gate.local_counts,
+            )
+            stats = self._recorder.accumulate(
+                state.stats, grads, gate.n, gate.local_counts
+            )
             acc_value, value_count = state.acc_value, state.value_count
             if value is not None:
                 acc_value, value_count = running_mean_update(
@@ -557,7 +593,20 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         dynamic_args["value"] = window_value.astype(
             value.dtype if value is not None and _is_float(value) else jnp.float32
         )
-        operands = (acc_grads, state.inner_opt_state, params, dynamic_args)
+        operands = (
+            acc_grads,
+            acc_count,
+            reduction_state,
+            state.inner_opt_state,
+            params,
+            dynamic_args,
+        )
+        # What the inner optimizer sees: the window's mean (with a deferred
+        # reduction, the devices' running means combined).
+        mean_avals = jax.eval_shape(
+            self._reduction.mean, acc_grads, acc_count, reduction_state
+        )
+        inner_operands = (mean_avals, state.inner_opt_state, params, dynamic_args)
         run_with_value = self._inner_update(grads, static_args, with_value=True)
         run_without_value = self._inner_update(grads, static_args, with_value=False)
         if value is not None:
@@ -568,13 +617,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # update twice and triple the step's scratch memory); one that needs
             # it (reduce_on_plateau, polyak_sgd) gets the window's mean.
             try:
-                jax.eval_shape(run_without_value, *operands)
+                jax.eval_shape(run_without_value, *inner_operands)
             except TypeError:
                 inner_update = run_with_value
             else:
                 inner_update = run_without_value
 
-        updates_avals, _ = jax.eval_shape(inner_update, *operands)
+        updates_avals, _ = jax.eval_shape(inner_update, *inner_operands)
         # Once the inner optimizer has read the window's mean, the mean is dead
         # (`acc_count` resets; the next counted microbatch overwrites it). So in
         # `update` the updates take the accumulator's buffer when they fit it,
@@ -587,37 +636,41 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # and between windows the params pass through untouched.
         reuse_acc = not apply_params and _same_avals(updates_avals, acc_grads)
 
-        def hold(acc_grads, inner_state, params, dynamic_args):
-            del dynamic_args
+        def hold(mean, acc_grads, inner_state, params, dynamic_args):
+            del mean, dynamic_args
             if reuse_acc:
                 return (), acc_grads, inner_state
             out = params if apply_params else otu.zeros_like(updates_avals)
             return out, acc_grads, inner_state
 
-        def run(acc_grads, inner_state, params, dynamic_args):
-            updates, new_inner = inner_update(
-                acc_grads, inner_state, params, dynamic_args
-            )
+        def run(mean, acc_grads, inner_state, params, dynamic_args):
+            updates, new_inner = inner_update(mean, inner_state, params, dynamic_args)
             if reuse_acc:
                 return (), updates, new_inner
             out = optax.apply_updates(params, updates) if apply_params else updates
             return out, acc_grads, new_inner
 
-        def close_window(acc_grads, inner_state, params, dynamic_args):
+        def close_window(
+            acc_grads, acc_count, reduction_state, inner_state, params, dynamic_args
+        ):
+            # The window's mean, formed only when a window closes: with a
+            # deferred reduction, the one cross-device reduction of the window.
+            mean = self._reduction.mean(acc_grads, acc_count, reduction_state)
             # A non-finite mean never reaches the inner optimizer: a stateful
             # one (adam's moments) would carry the NaN into every later update.
-            finite = _all_finite(acc_grads)
+            finite = _all_finite(mean)
             # ‖ḡ‖² for the statistics (`()` without them), read before the
             # inner optimizer overwrites the mean.
-            mean_sq_norm, finite = self._recorder.read_mean(acc_grads, finite)
+            mean_sq_norm, finite = self._recorder.read_mean(mean, finite)
             out = jax.lax.cond(
-                finite, run, hold, acc_grads, inner_state, params, dynamic_args
+                finite, run, hold, mean, acc_grads, inner_state, params, dynamic_args
             )
             return (*out, finite, mean_sq_norm)
 
-        def keep_window(*operands):
+        def keep_window(acc_grads, acc_count, reduction_state, *rest):
+            del acc_count, reduction_state
             return (
-                *hold(*operands),
+                *hold(None, acc_grads, *rest),
                 jnp.ones([], jnp.bool_),
                 self._recorder.no_mean_sq_norm(),
             )
@@ -672,6 +725,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             ),
             skip_state=gate.skip_state,
             stats=stats,
+            reduction_state=self._reduction.reset(reduction_state, window_done),
         )
         return out, new_state
 

@@ -77,6 +77,7 @@ __all__ = [
     "WindowStatsState",
     "init_window_stats",
     "accumulate_window_stats",
+    "accumulate_window_stats_per_device",
     "close_window_stats",
     "noise_scale_estimates",
     "Recorder",
@@ -337,6 +338,51 @@ def accumulate_window_stats(
         )
 
 
+def accumulate_window_stats_per_device(
+    state: WindowStatsState, grads: Any, count: jax.Array, local_counts: jax.Array
+) -> WindowStatsState:
+    """Folds one microbatch split over ``D`` devices into the current window.
+
+    Each device's share is a small batch of its own: ``Σ_d nᵈ ‖gᵈ‖²`` is added
+    and ``K`` grows by the devices with ``nᵈ > 0``. The estimators stay
+    unbiased (each ``gᵈ`` has covariance ``Σ / nᵈ``), and ``K`` is larger.
+
+    Args:
+      state: the statistics' state.
+      grads: every device's mean gradient, stacked along a leading axis of size
+        ``D`` (sharded over the devices: each device reduces its own).
+      count: the microbatch's global count (0 when it is skipped).
+      local_counts: shape ``(D,)``, each device's count.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from masked_multistep._stats import (
+      ...     init_window_stats, accumulate_window_stats_per_device)
+      >>> s = init_window_stats()
+      >>> g = jnp.array([[1.0, 2.0], [jnp.nan, 0.0], [3.0, 0.0]])
+      >>> s = accumulate_window_stats_per_device(s, g, jnp.float32(5),
+      ...                                        jnp.array([2.0, 0.0, 3.0]))
+      >>> print(s.weighted_sq_norms, s.microbatches)  # 2 * 5 + 3 * 9
+      37.0 2
+    """
+    with jax.named_scope("masked_multistep/window_stats"):
+        take = (jnp.asarray(count) > 0) & (local_counts > 0)
+        n = jnp.where(take, local_counts, 0).astype(_F32)
+        per_device = [
+            jnp.sum(jnp.square(jnp.abs(x).astype(_F32)), axis=tuple(range(1, x.ndim)))
+            for x in jax.tree.leaves(grads)
+        ]
+        sq = sum(per_device, jnp.zeros(n.shape, _F32))
+        # A device without tokens may hold NaN: select it away, not multiply.
+        added = jnp.sum(jnp.where(take, n * jnp.where(take, sq, 0), 0))
+        return state._replace(
+            weighted_sq_norms=state.weighted_sq_norms + added,
+            microbatches=(state.microbatches + jnp.sum(take.astype(jnp.int32))).astype(
+                jnp.int32
+            ),
+        )
+
+
 def noise_scale_estimates(
     sq_deviation: jax.typing.ArrayLike,
     microbatches: jax.typing.ArrayLike,
@@ -505,8 +551,20 @@ class Recorder(NamedTuple):
     def init(self, count_dtype: Any) -> WindowStatsState | tuple[()]:
         return init_window_stats(count_dtype) if self.enabled else ()
 
-    def accumulate(self, state: Any, grads: Any, count: jax.Array) -> Any:
-        return accumulate_window_stats(state, grads, count) if self.enabled else ()
+    def accumulate(
+        self,
+        state: Any,
+        grads: Any,
+        count: jax.Array,
+        local_counts: jax.Array | None = None,
+    ) -> Any:
+        """``local_counts`` (shape ``(D,)``): ``grads`` are every device's own,
+        stacked (``reduction=mm.deferred(...)``); each is a small batch."""
+        if not self.enabled:
+            return ()
+        if local_counts is None:
+            return accumulate_window_stats(state, grads, count)
+        return accumulate_window_stats_per_device(state, grads, count, local_counts)
 
     def read_mean(
         self, mean: Any, finite: jax.Array

@@ -1,8 +1,13 @@
 """One process of the two-process data-parallel run in `test_multiprocess.py`.
 
-Usage: ``python _multiprocess_worker.py PROCESS_ID PORT OUT.npz``. Each process
-owns 2 CPU devices of a global 4-device mesh and feeds only its local rows of
-every microbatch; the final (replicated) parameters go to ``OUT.npz``.
+Usage: ``python _multiprocess_worker.py PROCESS_ID PORT OUT.npz CKPT_DIR``. Each
+process owns 2 CPU devices of a global 4-device mesh and feeds only its local
+rows of every microbatch. It trains twice: with the compiler's reduction of
+every microbatch (automatic sharding), and with the deferred reduction
+(``mm.per_device_value_and_grad``, ``reduction=mm.deferred``), where it also
+checkpoints the per-device state mid-window (orbax, into ``CKPT_DIR``),
+restores it and checks that training continues bit-identically. The final
+(replicated) parameters of both runs go to ``OUT.npz``.
 
 The model, the data and the optimizer live here so that the test computes its
 single-process reference from the very same definitions.
@@ -44,6 +49,16 @@ def init_params():
     return {"w": rng.normal(size=(D,)).astype(np.float32), "b": np.float32(0.5)}
 
 
+def loss_fn(params, mb):
+    import jax
+
+    import masked_multistep as mm
+
+    x = jax.numpy.where(mb["mask"][..., None], mb["x"], 0)
+    pred = jax.numpy.tanh(x @ params["w"] + params["b"])
+    return mm.masked_mean((pred - mb["y"]) ** 2, mb["mask"])
+
+
 def make_step():
     """The jitted train step: masked loss, MaskedMultiSteps, apply_updates."""
     import jax
@@ -53,11 +68,6 @@ def make_step():
 
     tx = mm.MaskedMultiSteps(optax.adam(1e-1), K)
 
-    def loss_fn(params, mb):
-        x = jax.numpy.where(mb["mask"][..., None], mb["x"], 0)
-        pred = jax.numpy.tanh(x @ params["w"] + params["b"])
-        return mm.masked_mean((pred - mb["y"]) ** 2, mb["mask"])
-
     def step(params, state, mb):
         (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
         updates, state = tx.update(grads, state, params, count=count, value=loss)
@@ -66,7 +76,79 @@ def make_step():
     return tx, jax.jit(step, donate_argnums=(0, 1))
 
 
-def main(process_id: int, port: int, out_path: str) -> None:
+def make_deferred_step(mesh):
+    """The same step with per-device gradients and one reduction per window."""
+    import jax
+    import optax
+
+    import masked_multistep as mm
+
+    tx = mm.MaskedMultiSteps(optax.adam(1e-1), K, reduction=mm.deferred(mesh, "data"))
+    grad_fn = mm.per_device_value_and_grad(loss_fn, mesh, "data")
+
+    def step(params, state, mb):
+        (loss, count), grads = grad_fn(params, mb)
+        return tx.apply_gradients(grads, state, params, count=count, value=loss)
+
+    return tx, jax.jit(step)
+
+
+def _deferred_run(mesh, global_batches, ckpt_dir):
+    """Train in deferred mode; checkpoint mid-window, restore, continue."""
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    tx, step = make_deferred_step(mesh)
+    params = jax.device_put(init_params(), NamedSharding(mesh, P()))
+    state = tx.init(params)
+    stop = K + 1  # one microbatch into the second window
+    for mb in global_batches[:stop]:
+        params, state = step(params, state, mb)
+    assert int(state.mini_step) == 1, state.mini_step
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(ckpt_dir, {"params": params, "opt_state": state})
+    checkpointer.wait_until_finished()
+
+    def finish(params, state):
+        for mb in global_batches[stop:]:
+            params, state = step(params, state, mb)
+        assert int(state.gradient_step) == WINDOWS, state.gradient_step
+        return params, state
+
+    uninterrupted = finish(params, state)
+    # A fresh state as the template. tx.init leaves its scalars uncommitted on
+    # this process's first device; restored arrays are committed, so they are
+    # placed on the global mesh (replicated), like everything jit returns.
+    template = {"params": params, "opt_state": tx.init(params)}
+    replicated = NamedSharding(mesh, P())
+
+    def on_mesh(x):
+        sharding = x.sharding if isinstance(x.sharding, NamedSharding) else replicated
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    abstract = jax.tree.map(on_mesh, template)
+    restored = checkpointer.restore(ckpt_dir, abstract)
+    checkpointer.close()
+    assert int(restored["opt_state"].acc_count) == int(state.acc_count) > 0
+    acc = restored["opt_state"].acc_grads["w"]
+    assert acc.shape == (len(jax.devices()), D), acc.shape
+    assert acc.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+    resumed = finish(restored["params"], restored["opt_state"])
+    # Bit-identical on every device this process holds (the per-device
+    # accumulators span both processes: compare the local shards).
+    for a, b in zip(
+        jax.tree.leaves(uninterrupted), jax.tree.leaves(resumed), strict=True
+    ):
+        assert a.dtype == b.dtype and a.sharding == b.sharding, (a, b)
+        for sa, sb in zip(a.addressable_shards, b.addressable_shards, strict=True):
+            assert sa.index == sb.index
+            assert np.array_equal(sa.data, sb.data, equal_nan=True), (sa, sb)
+    return uninterrupted[0]
+
+
+def main(process_id: int, port: int, out_path: str, ckpt_dir: str) -> None:
     import jax
 
     # Both settings must precede backend initialisation.
@@ -99,19 +181,27 @@ def main(process_id: int, port: int, out_path: str) -> None:
     blocks = [i[0] for i in data.addressable_devices_indices_map((B,)).values()]
     local = slice(min(b.start for b in blocks), max(b.stop for b in blocks))
     assert local.stop - local.start == B // NUM_PROCESSES, blocks
-    for mb in microbatches():
-        # Each process supplies only its own rows of the global microbatch.
-        global_mb = jax.tree.map(
+    # Each process supplies only its own rows of every global microbatch.
+    global_batches = [
+        jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(
                 data, x[local], global_shape=x.shape
             ),
             mb,
         )
-        params, state = step(params, state, global_mb)
+        for mb in microbatches()
+    ]
+    for mb in global_batches:
+        params, state = step(params, state, mb)
     assert int(state.gradient_step) == WINDOWS, state.gradient_step
-    np.savez(out_path, **jax.tree.map(np.asarray, params))
+    deferred = _deferred_run(mesh, global_batches, ckpt_dir)
+    np.savez(
+        out_path,
+        **{f"auto/{k}": np.asarray(v) for k, v in params.items()},
+        **{f"deferred/{k}": np.asarray(v) for k, v in deferred.items()},
+    )
     jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

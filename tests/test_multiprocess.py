@@ -2,11 +2,15 @@
 
 Two worker processes on 127.0.0.1 (gloo CPU collectives, 2 devices each) train
 on a global 4-device mesh, each feeding only its own rows of every masked
-microbatch. Their final parameters must equal a single-process run on the full
+microbatch: once with the compiler reducing every microbatch's gradient, once
+with the deferred reduction (one per window), checkpointing its per-device
+state mid-window and checking that a restore continues bit-identically. The
+final parameters of both runs must equal a single-process run on the full
 microbatches.
 """
 
 import importlib.util
+import json
 import os
 import pathlib
 import socket
@@ -68,6 +72,7 @@ def test_two_processes_match_single_process(tmp_path):
         ),
     }
     outs = [tmp_path / f"params_{i}.npz" for i in range(worker.NUM_PROCESSES)]
+    ckpt = tmp_path / "ckpt"
     logs = [tmp_path / f"worker_{i}.log" for i in range(worker.NUM_PROCESSES)]
     procs = []
     try:
@@ -75,7 +80,14 @@ def test_two_processes_match_single_process(tmp_path):
             with open(logs[i], "wb") as log:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, str(WORKER), str(i), str(port), str(outs[i])],
+                        [
+                            sys.executable,
+                            str(WORKER),
+                            str(i),
+                            str(port),
+                            str(outs[i]),
+                            str(ckpt),
+                        ],
                         env=env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -100,5 +112,45 @@ def test_two_processes_match_single_process(tmp_path):
     assert not np.allclose(reference["w"], worker.init_params()["w"])
     for out in outs:
         with np.load(out) as f:
-            got = {name: f[name] for name in f.files}
-        chex.assert_trees_all_close(got, reference, rtol=1e-5, atol=1e-6, strict=True)
+            for mode in ("auto", "deferred"):
+                got = {name: f[f"{mode}/{name}"] for name in reference}
+                chex.assert_trees_all_close(
+                    got, reference, rtol=1e-5, atol=1e-6, strict=True
+                )
+
+
+@pytest.mark.slow
+def test_bench_dp_smoke(tmp_path):
+    """`make bench-dp` in miniature: two gloo processes, every competitor, and
+    the reductions per window read from the compiled HLO."""
+    script = WORKER.parents[1] / "benchmarks" / "bench_dp.py"
+    out = tmp_path / "dp.json"
+    args = ["--widths", "64", "--ks", "1,4", "--repeats", "1", "--out", str(out)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(WORKER.parents[1]), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    cell = {(r["k"], r["competitor"]): r for r in result["windows"]}
+    param_bytes = cell[(1, "deferred")]["param_bytes"]
+    for k in (1, 4):
+        per_mb = cell[(k, "per-microbatch reduction")]
+        assert per_mb["reductions_per_window"] == k
+        assert per_mb["bytes_per_window"] >= k * param_bytes
+        deferred = cell[(k, "deferred")]
+        assert deferred["reductions_per_window"] == 1
+        assert param_bytes <= deferred["bytes_per_window"] < param_bytes + 1024
+        by_hand = cell[(k, "one reduction, by hand")]
+        assert by_hand["reductions_per_window"] == 1
+        assert param_bytes <= by_hand["bytes_per_window"] < param_bytes + 1024
+        assert cell[(k, "floor")]["reductions_per_window"] == 0

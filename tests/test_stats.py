@@ -711,3 +711,69 @@ def test_a_0_1_checkpoint_mid_window_keeps_the_statistics_unbiased():
     assert int(stats.microbatches) == 2 and int(stats.tokens) == 8
     for name in ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm"):
         np.testing.assert_allclose(getattr(stats, name), getattr(ref, name), rtol=1e-6)
+
+
+def test_deferred_reduction_counts_each_devices_share_as_a_small_batch():
+    """With reduction=mm.deferred, every device's share of a microbatch is a
+    small batch of its own: the statistics equal those of a single-device
+    window fed the same per-device gradients one by one, and the updates stay
+    bit-identical with statistics on."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    ndev, rows, width = len(jax.devices()), 2, 4
+    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    data = NamedSharding(mesh, P("data"))
+    rng = np.random.default_rng(6)
+
+    def loss_fn(w, mb):
+        x = jnp.where(mb["mask"][..., None], mb["x"], 0)  # padding holds NaN
+        return mm.masked_mean((x @ w - mb["y"]) ** 2, mb["mask"])
+
+    def batch(empty_device):
+        mask = rng.uniform(size=(ndev * rows, 3)) < 0.8
+        mask[empty_device * rows : (empty_device + 1) * rows] = False
+        x = rng.normal(size=(ndev * rows, 3, width))
+        return {
+            "x": jnp.asarray(np.where(mask[..., None], x, np.nan), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(ndev * rows, 3)), jnp.float32),
+            "mask": jnp.asarray(mask),
+        }
+
+    grad_fn = jax.jit(mm.per_device_value_and_grad(loss_fn, mesh, "data"))
+    params = jax.device_put(jnp.asarray(rng.normal(size=width), jnp.float32))
+    pieces = [grad_fn(params, jax.device_put(batch(d), data)) for d in (1, 4)]
+
+    def run(tx):
+        state = tx.init(params)
+        step = jax.jit(lambda s, g, n, v: tx.update(g, s, params, count=n, value=v))
+        outs = []
+        for (loss, count), grads in pieces:
+            updates, state = step(state, grads, count, loss)
+            outs.append(updates)
+        return outs, state
+
+    reduction = mm.deferred(mesh, "data")
+    plain_out, plain = run(mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction))
+    stats_out, with_stats = run(
+        mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction, window_stats=True)
+    )
+    for a, b in zip(plain_out, stats_out, strict=True):
+        assert np.array_equal(a, b)
+    assert bool(with_stats.updated)
+
+    # The same pieces, one by one, through a single-device window.
+    ref_tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2 * ndev, window_stats=True)
+    ref = ref_tx.init(jnp.zeros(width))
+    for (_, count), grads in pieces:
+        for d in range(ndev):
+            _, ref = ref_tx.update(
+                jnp.asarray(grads[d]), ref, jnp.zeros(width), count=count[d]
+            )
+    got, want = mm.window_stats(with_stats), mm.window_stats(ref)
+    assert int(got.microbatches) == int(want.microbatches) == 2 * (ndev - 1)
+    assert float(got.tokens) == float(want.tokens)
+    for name in ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm"):
+        np.testing.assert_allclose(
+            getattr(got, name), getattr(want, name), rtol=1e-5, err_msg=name
+        )

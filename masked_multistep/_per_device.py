@@ -1,0 +1,303 @@
+"""Each device's own gradient, for data parallelism that reduces once per window.
+
+Under ``jit`` with a batch sharded over devices, ``jax.value_and_grad`` of a
+replicated model returns the *global* gradient: the compiler sums the devices'
+contributions with an all-reduce inside the step, on every microbatch. The
+functions here keep each device's gradient local instead, so the reduction can
+wait for the end of a window:
+
+* :func:`per_device_value_and_grad` returns every device's own mean loss, token
+  count and mean gradient, stacked along a leading device axis sharded over the
+  mesh axis: no cross-device reduction at all. ``MaskedMultiSteps(...,
+  reduction=mm.deferred(mesh, axis))`` accumulates them per device and combines
+  them once per window.
+* :func:`data_parallel_value_and_grad` runs a whole in-jit microbatch loop on
+  every device's rows and combines the devices once at the end: one reduction
+  per call, not one per loop iteration.
+
+Both run the loss inside ``jax.shard_map`` over the batch's mesh axes only (other
+mesh axes, say a tensor-parallel one, stay under the compiler's automatic
+sharding), with the replication check off (``check_vma=False``): the body holds
+no collective over those axes, so a gradient taken inside it is the device's
+own, never summed over the devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from masked_multistep._microbatch import (
+    _aux_reductions,
+    _check_rng,
+    microbatched_value_and_grad,
+)
+from masked_multistep._reduction import check_mesh_axes, mean_over_devices
+from masked_multistep._running_mean import compute_dtype
+
+__all__ = ["per_device_value_and_grad", "data_parallel_value_and_grad"]
+
+
+def _check_batch(batch: Any, num_devices: int, num_microbatches: int) -> None:
+    multiple = num_devices * num_microbatches
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = jnp.shape(leaf)
+        name = jax.tree_util.keystr(path) or "<root>"
+        if not shape or shape[0] % multiple:
+            raise ValueError(
+                "Every `batch` leaf needs a leading batch axis divisible by the "
+                f"number of devices ({num_devices}) times `num_microbatches` "
+                f"({num_microbatches}), got shape {shape} at {name}"
+            )
+
+
+def per_device_value_and_grad(
+    loss_fn: Callable[[optax.Params, Any], Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int = 1,
+    has_aux: bool = False,
+    aux_reduction: Any = None,
+) -> Callable[..., tuple[Any, optax.Updates]]:
+    """Every device's own ``value_and_grad`` of a masked mean loss, unreduced.
+
+    The batch's leading axis is split over the mesh axes ``axis_name`` (``D``
+    devices; device ``d`` holds rows ``d·B/D … (d+1)·B/D − 1``, the layout of
+    ``NamedSharding(mesh, P(axis_name))``). Each device computes, on its rows
+    only, what :func:`microbatched_value_and_grad` computes on a batch::
+
+        lossᵈ = Σ nᵢᵈ ℓᵢᵈ / nᵈ     countᵈ = nᵈ     gradsᵈ = Σ nᵢᵈ ∇ℓᵢᵈ / nᵈ
+
+    and the results come back stacked along a new leading axis of size ``D``,
+    sharded over ``axis_name``: entry ``d`` lives on device ``d``, and no
+    cross-device reduction runs (the compiled step contains none for the
+    gradients). The global full-batch values are the token-weighted means over
+    that axis, ``Σ_d nᵈ gradsᵈ / Σ_d nᵈ``; hand the stacked values to
+    ``MaskedMultiSteps(..., reduction=mm.deferred(mesh, axis_name))``, which
+    keeps one running mean per device and combines them once per window.
+
+    A device whose rows hold no tokens returns count ``0`` and zeros (not the
+    ``0/0`` NaN), as :func:`microbatched_value_and_grad` does. Params are taken
+    replicated over ``axis_name``: parameters sharded over it (FSDP) are
+    gathered on entry, and every device's gradient is then a full-size buffer.
+    Other mesh axes keep the compiler's automatic sharding.
+
+    Args:
+      loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
+        ``(mean_loss, (count, aux))`` with ``has_aux=True`` (as
+        :func:`masked_mean` returns).
+      mesh: the ``jax.sharding.Mesh`` the batch is sharded on.
+      axis_name: the mesh axis (or tuple of axes) the batch's leading axis is
+        split over.
+      num_microbatches: in-jit microbatches per device and call (``k``): each
+        device runs :func:`microbatched_value_and_grad` on its rows.
+      has_aux: whether ``loss_fn`` returns ``aux``; it comes back per device,
+        combined over the device's microbatches as ``aux_reduction`` says.
+      aux_reduction: as in :func:`microbatched_value_and_grad`: ``"sum"``,
+        ``"mean"`` or a pytree prefix of ``aux`` with those leaves (required
+        for floating ``aux`` leaves).
+
+    Returns:
+      ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``
+      (``((loss, (count, aux)), grads)`` with ``has_aux``), every leaf with a
+      leading axis of size ``D`` sharded over ``axis_name``: ``loss`` and
+      ``count`` (float32) have shape ``(D,)``, each gradient leaf
+      ``(D, *param.shape)``. With ``rng``, device ``d`` uses
+      ``jax.random.fold_in(rng, d)`` as its key (and folds in the microbatch
+      index as :func:`microbatched_value_and_grad` does), so the devices draw
+      different dropout masks.
+
+    Raises:
+      TypeError: if ``mesh`` is not a ``jax.sharding.Mesh``; and as
+        :func:`microbatched_value_and_grad` does for ``loss_fn``,
+        ``num_microbatches`` and ``has_aux``.
+      ValueError: if ``axis_name`` is not an axis of ``mesh``; when called, if a
+        ``batch`` leaf's leading size is not divisible by ``D·num_microbatches``.
+
+    Examples:
+      Each device's own mean over its rows, and the global mean from them:
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> import masked_multistep as mm
+      >>> n = len(jax.devices())
+      >>> mesh = jax.make_mesh((n,), ("data",),
+      ...                      axis_types=(jax.sharding.AxisType.Auto,))
+      >>> def loss_fn(w, mb):
+      ...     return mm.masked_mean(w * mb["x"], mb["mask"])
+      >>> batch = jax.device_put(
+      ...     {"x": jnp.arange(2.0 * n)[:, None], "mask": jnp.ones((2 * n, 1), bool)},
+      ...     NamedSharding(mesh, P("data")))
+      >>> grad_fn = jax.jit(mm.per_device_value_and_grad(loss_fn, mesh, "data"))
+      >>> (loss, count), grad = grad_fn(jnp.array(1.0), batch)
+      >>> print(grad.shape == (n,), count.shape == (n,), float(grad[0]))
+      True True 0.5
+      >>> float((grad * count).sum() / count.sum()) == (2 * n - 1) / 2  # global
+      True
+    """
+    axes, num_devices = check_mesh_axes(mesh, axis_name)
+    grad_fn = microbatched_value_and_grad(
+        loss_fn, num_microbatches, has_aux=has_aux, aux_reduction=aux_reduction
+    )
+    spec = P(axes[0] if len(axes) == 1 else axes)
+
+    def on_device(params, batch, rng):
+        if rng is None:
+            out = grad_fn(params, batch)
+        else:
+            device = jax.lax.axis_index(axes)
+            out = grad_fn(params, batch, rng=jax.random.fold_in(rng, device))
+        return jax.tree.map(lambda x: jnp.expand_dims(x, 0), out)
+
+    mapped = jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=(P(), spec, P()),
+        out_specs=spec,
+        axis_names=frozenset(axes),
+        # The body runs on local rows only, with no collective over `axes`, so
+        # the gradient is the device's own. (With the check on, the gradient of
+        # the replicated params would be summed over the devices unless they
+        # were pcast to varying, and the in-jit loop's carry, which starts from
+        # invariant zeros, would not type-check.)
+        check_vma=False,
+    )
+
+    def per_device(
+        params: optax.Params, batch: Any, *, rng: jax.typing.ArrayLike | None = None
+    ) -> tuple[Any, optax.Updates]:
+        _check_batch(batch, num_devices, num_microbatches)
+        key = None if rng is None else _check_rng(rng)
+        with jax.named_scope("masked_multistep/per_device"):
+            return mapped(params, batch, key)
+
+    return per_device
+
+
+def _combine(out: Any, has_aux: bool, aux_reduction: Any) -> tuple[Any, optax.Updates]:
+    """Per-device ``((loss, count[, aux]), grads)`` to the global values.
+
+    Loss, gradients and ``"mean"`` aux leaves are token-weighted means over the
+    devices (one reduction); ``"sum"`` aux leaves are summed.
+    """
+    (loss, rest), grads = out
+    count, aux = rest if has_aux else (rest, None)
+    aux_leaves, aux_def = jax.tree.flatten(aux)
+    per_device_aux = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), aux
+    )
+    reductions = _aux_reductions(per_device_aux, aux_reduction) if has_aux else ()
+    means = [x for x, r in zip(aux_leaves, reductions, strict=True) if r == "mean"]
+    (loss, means, grads), total = mean_over_devices((loss, means, grads), count)
+    if not has_aux:
+        return (loss, total), grads
+    means = iter(means)
+    aux = jax.tree.unflatten(
+        aux_def,
+        [
+            next(means)
+            if r == "mean"
+            else x.sum(0, dtype=_sum_dtype(x.dtype)).astype(x.dtype)
+            for x, r in zip(aux_leaves, reductions, strict=True)
+        ],
+    )
+    return (loss, (total, aux)), grads
+
+
+def _sum_dtype(dtype: Any) -> Any:
+    """Integer sums stay in their dtype; float sums run in at least float32."""
+    return compute_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def data_parallel_value_and_grad(
+    loss_fn: Callable[[optax.Params, Any], Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int = 1,
+    has_aux: bool = False,
+    aux_reduction: Any = None,
+) -> Callable[..., tuple[Any, optax.Updates]]:
+    """In-jit microbatching over data-parallel devices, reduced once per call.
+
+    The result is that of :func:`microbatched_value_and_grad` (``jax.value_and_grad``
+    of the full batch's masked mean loss), computed so that the devices
+    exchange gradients once: each device runs the ``k``-microbatch loop over its
+    own rows (:func:`per_device_value_and_grad`), and the per-device means are
+    combined at the end, token-weighted::
+
+        grads = Σ_d nᵈ gradsᵈ / Σ_d nᵈ        count = Σ_d nᵈ
+
+    with the arithmetic of :func:`weighted_mean_across` (a device with no tokens
+    contributes nothing). :func:`microbatched_value_and_grad` under plain
+    ``jit`` on a sharded batch instead lets the compiler all-reduce every
+    microbatch's gradient inside the loop: ``k`` reductions per call instead of
+    one. The microbatches differ too: device ``d`` splits its own block of rows
+    (``d·B/D …``), so the loss is the same up to rounding, whatever the split.
+
+    Args:
+      loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
+        ``(mean_loss, (count, aux))`` with ``has_aux=True``.
+      mesh: the ``jax.sharding.Mesh`` the batch is sharded on.
+      axis_name: the mesh axis (or tuple of axes) the batch is split over.
+      num_microbatches: microbatches per device (``k``); the batch size must be
+        divisible by ``D·k``.
+      has_aux: whether ``loss_fn`` returns ``aux``.
+      aux_reduction: as in :func:`microbatched_value_and_grad`: ``"mean"``
+        leaves come back as token-weighted means over the whole batch,
+        ``"sum"`` leaves summed over every device's microbatches.
+
+    Returns:
+      ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``
+      (``((loss, (count, aux)), grads)`` with ``has_aux``), the full batch's
+      values, as :func:`microbatched_value_and_grad` returns them (``rng``: as
+      in :func:`per_device_value_and_grad`).
+
+    Raises:
+      TypeError, ValueError: as :func:`per_device_value_and_grad`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> import masked_multistep as mm
+      >>> n = len(jax.devices())
+      >>> mesh = jax.make_mesh((n,), ("data",),
+      ...                      axis_types=(jax.sharding.AxisType.Auto,))
+      >>> def loss_fn(w, mb):
+      ...     return mm.masked_mean(w * mb["x"], mb["mask"])
+      >>> x = jnp.arange(4.0 * n)[:, None]
+      >>> mask = x % 3 == 0  # rows with a token: 0, 3, 6, ...
+      >>> batch = jax.device_put({"x": x, "mask": mask}, NamedSharding(mesh, P("data")))
+      >>> grad_fn = jax.jit(mm.data_parallel_value_and_grad(
+      ...     loss_fn, mesh, "data", num_microbatches=2))
+      >>> (loss, count), grad = grad_fn(jnp.array(1.0), batch)
+      >>> bool(jnp.allclose(grad, x[mask].mean())), int(count) == int(mask.sum())
+      (True, True)
+
+    References:
+      D. H. D. West, "Updating mean and variance estimates: an improved method",
+      Communications of the ACM 22(9), 1979.
+    """
+    per_device = per_device_value_and_grad(
+        loss_fn,
+        mesh,
+        axis_name,
+        num_microbatches=num_microbatches,
+        has_aux=has_aux,
+        aux_reduction=aux_reduction,
+    )
+
+    def grad_fn(
+        params: optax.Params, batch: Any, *, rng: jax.typing.ArrayLike | None = None
+    ) -> tuple[Any, optax.Updates]:
+        out = per_device(params, batch, rng=rng)
+        with jax.named_scope("masked_multistep/combine_devices"):
+            return _combine(out, has_aux, aux_reduction)
+
+    return grad_fn

@@ -1,0 +1,379 @@
+"""How a window's mean is agreed across devices: locally, or deferred over an axis.
+
+Data parallelism splits every microbatch over the devices of a mesh axis. Device
+``d`` sees ``nᵈ`` of the microbatch's tokens and computes its own mean gradient
+``gᵈ``. The full batch's token-mean gradient is ``Σ nᵈ gᵈ / Σ nᵈ``; since the
+token-weighted mean is associative, it does not matter whether the devices are
+combined on every microbatch and the results then accumulated over the window,
+or each device accumulates its own running mean over the window and the devices
+are combined once at its end::
+
+    m_window = Σ_d (Nᵈ / N) · mᵈ        mᵈ = Σᵢ nᵢᵈ gᵢᵈ / Nᵈ,  Nᵈ = Σᵢ nᵢᵈ,  N = Σ_d Nᵈ
+
+The second order costs one gradient-sized cross-device reduction per window
+instead of one per microbatch. This module holds the combination over a leading
+device axis (:func:`mean_over_devices`) and the two reductions
+:class:`MaskedMultiSteps` can use: :class:`Local` (the default, ``reduction=None``:
+the gradients it receives are already the microbatch's global mean) and
+:func:`deferred` (each device's gradients stay local, stacked along a leading
+axis of size ``D`` sharded over the mesh axis, and are combined once per window).
+Both have the same small interface, so the wrapper's state machine does not
+branch on the mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from masked_multistep import _checks
+from masked_multistep._collectives import weighted_mean_across, weighted_sum_across
+from masked_multistep._running_mean import running_mean_update
+
+__all__ = [
+    "Deferred",
+    "DeferredState",
+    "Local",
+    "check_mesh_axes",
+    "deferred",
+    "mean_over_devices",
+]
+
+# The name of the leading (device) axis inside `mean_over_devices`' vmap.
+_DEVICES = "masked_multistep/devices"
+
+
+def check_mesh_axes(
+    mesh: Any, axis_name: Hashable | Sequence[Hashable]
+) -> tuple[tuple[Hashable, ...], int]:
+    """``axis_name`` as a tuple of mesh axis names, and their total size ``D``.
+
+    Raises ``TypeError`` if ``mesh`` is not a ``jax.sharding.Mesh`` and
+    ``ValueError`` if an axis is not one of its axes.
+    """
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh, got {type(mesh).__name__}"
+        )
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not axes:
+        raise ValueError("`axis_name` must name at least one mesh axis, got ()")
+    for axis in axes:
+        if axis not in mesh.axis_names:
+            raise ValueError(
+                f"`axis_name` must name axes of the mesh {tuple(mesh.axis_names)}, "
+                f"got {axis!r}"
+            )
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"`axis_name` names an axis twice: {axes}")
+    return axes, math.prod(mesh.shape[a] for a in axes)
+
+
+def mean_over_devices(
+    tree: Any, counts: jax.Array, total: jax.Array | None = None
+) -> tuple[Any, jax.Array]:
+    """Token-weighted mean over a leading device axis: ``Σ_d (nᵈ/N)·xᵈ``, ``N``.
+
+    ``tree``'s leaves and ``counts`` carry a leading axis of size ``D`` (one
+    entry per device). This is :func:`weighted_mean_across` over that axis (the
+    same float32 arithmetic, zero-safe: a device with ``nᵈ = 0`` contributes
+    nothing even if its entries are NaN). Under ``jit`` with the leading axis
+    sharded over a mesh axis, the compiler turns the sum into one cross-device
+    reduction of the combined leaves. With ``total`` (``N``, already known to
+    every device) the scalar reduction of the counts is skipped.
+    """
+    if total is None:
+        return jax.vmap(
+            lambda x, n: weighted_mean_across(x, n, _DEVICES),
+            axis_name=_DEVICES,
+            out_axes=None,
+        )(tree, counts)
+    mean = jax.vmap(
+        lambda x, n: weighted_sum_across(x, n, total, _DEVICES),
+        axis_name=_DEVICES,
+        out_axes=None,
+    )(tree, counts)
+    return mean, total
+
+
+class DeferredState(NamedTuple):
+    """The per-device part of a deferred window (``state.reduction_state``).
+
+    Attributes:
+      counts: shape ``(D,)``, sharded over the mesh axis: each device's token
+        total ``Nᵈ`` behind its running mean in ``acc_grads[d]``.
+    """
+
+    counts: jax.Array
+
+
+def _sharding_of(leaf: Any) -> Any:
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+class Local:
+    """The gradients handed over are already the microbatch's global mean.
+
+    The default reduction: whatever reduced the devices' gradients (the
+    compiler, under ``jit`` with sharded arrays) did so before
+    :class:`MaskedMultiSteps` saw them. Every method is the identity, or the
+    single-device count contract of ``_checks``.
+    """
+
+    def __repr__(self) -> str:
+        return "None"
+
+    def init_accumulator(self, params: Any, leaf_dtype: Callable[[Any], Any]) -> Any:
+        return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=leaf_dtype(p)), params)
+
+    def init(self, count_dtype: Any) -> tuple:
+        del count_dtype
+        return ()
+
+    def check_grads(self, grads: Any, acc_grads: Any) -> None:
+        _checks.check_grads_match(grads, acc_grads)
+
+    def to_count(self, count: Any, count_dtype: Any) -> tuple[Any, Any, None]:
+        n, ok = _checks.to_count(count, count_dtype)
+        return n, ok, None
+
+    def value(self, value: Any, local_counts: Any, total: jax.Array) -> Any:
+        del local_counts, total
+        return _checks.check_value(value)
+
+    def skip_view(self, grads: Any, local_counts: Any) -> Any:
+        del local_counts
+        return grads
+
+    def accumulate(self, acc, acc_count, reduction_state, grads, n, local_counts):
+        del local_counts
+        acc, acc_count = running_mean_update(acc, acc_count, grads, n)
+        return acc, acc_count, reduction_state
+
+    def mean(self, acc: Any, acc_count: jax.Array, reduction_state: Any) -> Any:
+        del acc_count, reduction_state
+        return acc
+
+    def reset(self, reduction_state: Any, window_done: jax.Array) -> Any:
+        del window_done
+        return reduction_state
+
+
+def _sum_counts(per_device: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``Σ_d nᵈ`` and whether it is usable (no bad count, no overflow).
+
+    One scalar-sized all-reduce (the ``(D,)`` axis is sharded over the devices)
+    for the total and the number of bad counts together. Integer counts are
+    summed as high and low halves, so a total beyond the dtype's range is
+    detected instead of wrapped (exact for fewer than 2¹⁵ devices).
+    """
+    dtype = per_device.dtype
+    if jnp.issubdtype(dtype, jnp.integer):
+        half = jnp.iinfo(dtype).bits // 2
+        low_mask = (1 << half) - 1
+        hi, lo, num_bad = jnp.sum(
+            jnp.stack([per_device >> half, per_device & low_mask, bad]), axis=1
+        )
+        hi = hi + (lo >> half)
+        fits = hi < (1 << (jnp.iinfo(dtype).bits - 1 - half))
+        total = jnp.where(fits, (hi << half) | (lo & low_mask), 0).astype(dtype)
+    else:
+        total, num_bad = jnp.sum(jnp.stack([per_device, bad]), axis=1)
+        fits = jnp.isfinite(total)
+    return total, fits & (num_bad == 0)
+
+
+class Deferred:
+    """Each device accumulates its own running mean; combined once per window.
+
+    Build it with :func:`deferred`.
+    """
+
+    def __init__(self, mesh: jax.sharding.Mesh, axis_name: Any = "data"):
+        self.mesh = mesh
+        self.axes, self.size = check_mesh_axes(mesh, axis_name)
+        self._spec_axes = self.axes[0] if len(self.axes) == 1 else self.axes
+
+    def __repr__(self) -> str:
+        axes = self._spec_axes
+        return f"mm.deferred(mesh of {dict(self.mesh.shape)}, {axes!r})"
+
+    def __reduce__(self):
+        return (Deferred, (self.mesh, self._spec_axes))
+
+    # ------------------------------------------------------------------ state
+
+    def _leading_sharding(self, leaf: Any) -> NamedSharding:
+        """``P(axes, *rest)``: the device axis over ``axes``; the other dims keep
+        the parameter's sharding over the other mesh axes (a dim sharded over
+        ``axes`` itself, FSDP-style, is held whole by each device)."""
+        rest: list[Any] = [None] * jnp.ndim(leaf)
+        sharding = _sharding_of(leaf)
+        if sharding is not None and sharding.mesh.shape == self.mesh.shape:
+            spec = tuple(sharding.spec) + (None,) * (
+                jnp.ndim(leaf) - len(sharding.spec)
+            )
+            for i, entry in enumerate(spec):
+                names = entry if isinstance(entry, tuple) else (entry,)
+                if entry is not None and not set(names) & set(self.axes):
+                    rest[i] = entry
+        return NamedSharding(self.mesh, P(self._spec_axes, *rest))
+
+    def init_accumulator(self, params: Any, leaf_dtype: Callable[[Any], Any]) -> Any:
+        def leaf(p):
+            return jnp.zeros(
+                (self.size, *jnp.shape(p)),
+                leaf_dtype(p),
+                device=self._leading_sharding(p),
+            )
+
+        return jax.tree.map(leaf, params)
+
+    def init(self, count_dtype: Any) -> DeferredState:
+        return DeferredState(
+            counts=jnp.zeros(
+                (self.size,),
+                count_dtype,
+                device=NamedSharding(self.mesh, P(self._spec_axes)),
+            )
+        )
+
+    # ------------------------------------------------------------- per call
+
+    def check_grads(self, grads: Any, acc_grads: Any) -> None:
+        for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+            if jnp.ndim(g) < 1 or jnp.shape(g)[0] != self.size:
+                raise ValueError(
+                    f"With reduction={self!r}, gradients carry a leading device "
+                    f"axis of size {self.size} (as mm.per_device_value_and_grad "
+                    f"returns them), got shape {jnp.shape(g)} at "
+                    f"{jax.tree_util.keystr(path) or '<root>'}"
+                )
+        _checks.check_grads_match(grads, acc_grads)
+
+    def to_count(
+        self, count: Any, count_dtype: Any
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(total, ok, per_device)`` from the ``(D,)`` per-device counts.
+
+        Each device's count follows the count contract of ``_checks`` (by
+        value, eager ``ValueError`` when concrete); ``total`` is the
+        microbatch's global count (the one scalar all-reduce per microbatch),
+        and ``ok`` whether every device's count is valid and the total fits.
+        """
+        per_device, ok = _checks.to_count(
+            count,
+            count_dtype,
+            "With reduction=mm.deferred(...), `count` (every device's token "
+            "count, as mm.per_device_value_and_grad returns it)",
+            shape=(self.size,),
+        )
+        total, ok = _sum_counts(per_device, (~ok).astype(per_device.dtype))
+        return total, ok, per_device
+
+    def value(self, value: Any, local_counts: Any, total: jax.Array) -> Any:
+        """The microbatch's global token-weighted mean of per-device ``value``s
+        (``total``: the microbatch's global count, known to every device)."""
+        if value is None or jnp.shape(value) == ():
+            return _checks.check_value(value)
+        if jnp.shape(value) != (self.size,):
+            raise ValueError(
+                f"With reduction={self!r}, `value` is a scalar or one value per "
+                f"device, shape ({self.size},), got shape {jnp.shape(value)}"
+            )
+        mean, _ = mean_over_devices(jnp.asarray(value), local_counts, total)
+        return _checks.check_value(mean)
+
+    def skip_view(self, grads: Any, local_counts: Any) -> Any:
+        """The gradients a skip function judges: a device without tokens shows
+        zeros (its gradient is meaningless and adds nothing)."""
+
+        def leaf(g):
+            take = (local_counts > 0).reshape((-1,) + (1,) * (g.ndim - 1))
+            return jnp.where(take, g, jnp.zeros_like(g))
+
+        return jax.tree.map(leaf, grads)
+
+    def accumulate(self, acc, acc_count, reduction_state, grads, n, local_counts):
+        """Every device's running mean (one :func:`running_mean_update`, mapped
+        over the device axis); the global total advances by the global count."""
+        take = n > 0
+        local_counts = jnp.where(take, local_counts, jnp.zeros_like(local_counts))
+        acc, counts = jax.vmap(running_mean_update)(
+            acc, reduction_state.counts, grads, local_counts
+        )
+        acc_count = jnp.where(take, acc_count + n, acc_count).astype(acc_count.dtype)
+        return acc, acc_count, DeferredState(counts)
+
+    def mean(
+        self, acc: Any, acc_count: jax.Array, reduction_state: DeferredState
+    ) -> Any:
+        """The window's global mean: ``Σ_d (Nᵈ/N)·mᵈ``, one reduction.
+
+        ``N`` is the window's global total ``acc_count``, which every device
+        already holds: the only cross-device traffic is the gradients' sum.
+        """
+        mean, _ = mean_over_devices(acc, reduction_state.counts, acc_count)
+        return mean
+
+    def reset(self, reduction_state: DeferredState, window_done: jax.Array):
+        counts = reduction_state.counts
+        return DeferredState(jnp.where(window_done, jnp.zeros_like(counts), counts))
+
+
+def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:
+    """Defer the cross-device gradient reduction to the end of each window.
+
+    For ``MaskedMultiSteps(..., reduction=mm.deferred(mesh, axis_name))``. The
+    gradients and counts handed to ``update`` are every device's own, stacked
+    along a leading axis of size ``D`` (the devices of ``axis_name``), as
+    :func:`per_device_value_and_grad` returns them. Each device keeps its own
+    token-weighted running mean of its gradients (the accumulator gets the
+    leading axis, sharded over ``axis_name``: no cross-device traffic), and the
+    window's end combines them, token-weighted::
+
+        mean = Σ_d (Nᵈ / N) · mᵈ        N = Σ_d Nᵈ
+
+    one gradient-sized all-reduce per window instead of one per microbatch. A
+    device with no tokens in the window contributes nothing, even if its
+    gradients were NaN. The window's token total (the global count) costs a
+    scalar all-reduce per microbatch, so every device agrees on it. The inner
+    optimizer sees the global full-batch token-mean gradient, as without the
+    mode.
+
+    Memory: the accumulator holds ``D`` copies of the gradients, one per device;
+    each device stores its own, a full-size buffer. With parameters sharded
+    over ``axis_name`` (FSDP), that is ``D`` times the ``1/D`` share that
+    reducing (reduce-scattering) every microbatch needs; see the README.
+
+    Args:
+      mesh: the ``jax.sharding.Mesh`` the batch is sharded on.
+      axis_name: the mesh axis (or tuple of axes) the batch is split over.
+
+    Returns:
+      The reduction, for ``MaskedMultiSteps``' ``reduction=`` argument.
+
+    Raises:
+      TypeError: if ``mesh`` is not a ``jax.sharding.Mesh``.
+      ValueError: if ``axis_name`` does not name axes of ``mesh``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import masked_multistep as mm
+      >>> n = len(jax.devices())
+      >>> mesh = jax.make_mesh((n,), ("data",),
+      ...                      axis_types=(jax.sharding.AxisType.Auto,))
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2,
+      ...                          reduction=mm.deferred(mesh, "data"))
+      >>> state = tx.init({"w": jnp.zeros(3)})
+      >>> state.acc_grads["w"].shape == (n, 3)  # one running mean per device
+      True
+    """
+    return Deferred(mesh, axis_name)

@@ -1,0 +1,589 @@
+"""Data parallelism on 8 CPU devices with one gradient reduction per window.
+
+Every device keeps its own gradient (``mm.per_device_value_and_grad``); the
+devices are combined once, token-weighted. Checked here: the numbers equal a
+single-device full-batch run (a device whose rows hold no tokens and a
+microbatch with no tokens anywhere included), and the compiled HLO holds the
+gradient-sized cross-device reduction once, not once per microbatch.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _helpers import collectives, large
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import masked_multistep as mm
+
+AUTO = jax.sharding.AxisType.Auto
+NDEV, ROWS, K, T, D, H = 8, 2, 4, 4, 3, 16
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    assert len(jax.devices()) == NDEV, "conftest sets jax_num_cpu_devices=8"
+    return jax.make_mesh((NDEV,), ("data",), axis_types=(AUTO,))
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(H, D)), jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(H,)), jnp.float32),
+    }
+
+
+PARAM_BYTES = 4 * (H * D + H)
+
+
+def _loss(params, mb):
+    x = jnp.where(mb["mask"][..., None], mb["x"], 0)
+    pred = jnp.tanh(x @ params["w1"].T) @ params["w2"]
+    return mm.masked_mean((pred - mb["y"]) ** 2, mb["mask"])
+
+
+def _loss_aux(params, mb):
+    loss, count = _loss(params, mb)
+    return loss, (
+        count,
+        {"loss": loss, "rows": jnp.sum(mb["mask"].any(-1)), "tokens": count * 1.0},
+    )
+
+
+AUX_REDUCTION = {"loss": "mean", "rows": "sum", "tokens": "sum"}
+
+
+def _batch(rows, seed, empty_device=None, empty_microbatch=None, k=K):
+    """``rows`` skewed rows; optionally no tokens on one device's block of rows,
+    or in one (strided, per-device) in-jit microbatch on every device."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, T + 1, size=rows)
+    lengths[: rows // 4] = T  # the first devices hold far more tokens
+    per_device = rows // NDEV
+    if empty_device is not None:
+        lengths[empty_device * per_device : (empty_device + 1) * per_device] = 0
+    if empty_microbatch is not None:
+        local = np.arange(rows) % per_device
+        lengths[local % k == empty_microbatch] = 0
+    mask = np.arange(T)[None, :] < lengths[:, None]
+    x = np.where(mask[..., None], rng.normal(size=(rows, T, D)), np.nan)
+    return {
+        "x": x.astype(np.float32),
+        "y": rng.normal(size=(rows, T)).astype(np.float32),
+        "mask": mask,
+    }
+
+
+def _full_batch(loss_fn, batch, has_aux=False):
+    device = jax.devices()[0]
+    return jax.jit(jax.value_and_grad(loss_fn, has_aux=has_aux))(
+        jax.device_put(_params(), device), jax.device_put(batch, device)
+    )
+
+
+def test_per_device_gradients_are_each_devices_own_and_not_reduced(mesh):
+    batch = _batch(NDEV * ROWS, seed=1, empty_device=5)
+    grad_fn = jax.jit(mm.per_device_value_and_grad(_loss, mesh, "data"))
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    (loss, count), grads = grad_fn(_params(), sharded)
+
+    assert (loss.shape, count.shape) == ((NDEV,), (NDEV,))
+    assert grads["w1"].shape == (NDEV, H, D)
+    assert grads["w1"].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 3)
+    for d in range(NDEV):
+        rows = jax.tree.map(lambda x, d=d: x[d * ROWS : (d + 1) * ROWS], batch)
+        (own_loss, own_count), own = _full_batch(_loss, rows, has_aux=True)
+        assert int(count[d]) == int(own_count)
+        if d == 5:  # no tokens: zeros, not the NaN of its data
+            assert int(count[d]) == 0 and float(loss[d]) == 0.0
+            assert all(not np.asarray(g[d]).any() for g in jax.tree.leaves(grads))
+            continue
+        chex.assert_trees_all_close(
+            (loss[d], jax.tree.map(lambda g, d=d: g[d], grads)),
+            (own_loss, own),
+            **TOL,
+        )
+
+    # No cross-device reduction of the gradients in the compiled step.
+    hlo = grad_fn.lower(_params(), sharded).compile().as_text()
+    assert large(collectives(hlo), min_bytes=4 * H) == []
+
+
+@pytest.mark.parametrize("empty", ["device", "microbatch"])
+def test_data_parallel_microbatching_equals_full_batch_and_reduces_once(mesh, empty):
+    batch = _batch(
+        NDEV * ROWS * K,
+        seed=2,
+        empty_device=3 if empty == "device" else None,
+        empty_microbatch=1 if empty == "microbatch" else None,
+    )
+    params = _params()
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    grad_fn = jax.jit(
+        mm.data_parallel_value_and_grad(_loss, mesh, "data", num_microbatches=K)
+    )
+    out = grad_fn(params, sharded)
+    (f_loss, f_count), f_grads = _full_batch(_loss, batch, True)
+    # Token totals come back in float32, as from microbatched_value_and_grad.
+    full = (f_loss, f_count.astype(jnp.float32)), f_grads
+    chex.assert_trees_all_close(out, full, **TOL, strict=True)
+
+    # One gradient-sized all-reduce per call, at the step's top level...
+    found = large(collectives(grad_fn.lower(params, sharded).compile().as_text()), 64)
+    assert [(c.kind, c.where) for c in found] == [("all-reduce", "step")], found
+    assert sum(c.bytes for c in found) >= PARAM_BYTES
+    # ... where plain microbatching under automatic sharding reduces in the loop:
+    # k all-reduces of the gradients per call.
+    plain = jax.jit(mm.microbatched_value_and_grad(_loss, K))
+    chex.assert_trees_all_close(plain(params, sharded), out, **TOL)
+    found = large(collectives(plain.lower(params, sharded).compile().as_text()), 64)
+    assert {c.where for c in found} == {"loop"}, found
+    assert sum(c.bytes for c in found) >= PARAM_BYTES
+
+
+def test_data_parallel_aux_is_token_weighted_and_summed(mesh):
+    batch = _batch(NDEV * ROWS * K, seed=3, empty_device=0)
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    grad_fn = jax.jit(
+        mm.data_parallel_value_and_grad(
+            _loss_aux,
+            mesh,
+            "data",
+            num_microbatches=K,
+            has_aux=True,
+            aux_reduction=AUX_REDUCTION,
+        )
+    )
+    (loss, (count, aux)), grads = grad_fn(_params(), sharded)
+    (f_loss, (f_count, f_aux)), f_grads = _full_batch(_loss_aux, batch, True)
+    chex.assert_trees_all_close(
+        (loss, count, aux["loss"], aux["tokens"], grads),
+        (f_loss, f_count, f_aux["loss"], f_aux["tokens"], f_grads),
+        **TOL,
+    )
+    assert aux["rows"].dtype == f_aux["rows"].dtype
+    assert int(aux["rows"]) == int(f_aux["rows"])  # integers are summed
+    # A floating aux leaf needs to be told how it combines.
+    with pytest.raises(TypeError, match=r"aux\['loss'\] is floating"):
+        mm.data_parallel_value_and_grad(_loss_aux, mesh, has_aux=True)(
+            _params(), sharded
+        )
+
+
+def test_per_device_rng_gives_every_device_its_own_key(mesh):
+    """With rng=, device d runs microbatched_value_and_grad with
+    fold_in(rng, d): the devices draw different masks, reproducibly."""
+
+    def noisy(params, mb, rng):
+        keep = jax.random.bernoulli(rng, 0.5, mb["mask"].shape)
+        return _loss(params, {**mb, "mask": mb["mask"] & keep})
+
+    batch = _batch(NDEV * ROWS * 2, seed=7)
+    batch["mask"][:] = True
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    grad_fn = jax.jit(
+        mm.per_device_value_and_grad(noisy, mesh, "data", num_microbatches=2)
+    )
+    key = jax.random.key(3)
+    (_, count), grads = grad_fn(_params(), sharded, rng=key)
+    (_, again), _ = grad_fn(_params(), sharded, rng=key)
+    np.testing.assert_array_equal(count, again)
+    assert len(set(np.asarray(count).tolist())) > 1  # not the same mask everywhere
+    d = 4
+    rows = jax.tree.map(lambda x: x[d * 2 * ROWS : (d + 1) * 2 * ROWS], batch)
+    (_, own_count), own = jax.jit(mm.microbatched_value_and_grad(noisy, 2))(
+        _params(), rows, rng=jax.random.fold_in(key, d)
+    )
+    assert float(count[d]) == float(own_count)
+    chex.assert_trees_all_close(jax.tree.map(lambda g: g[d], grads), own, **TOL)
+
+
+def test_all_devices_empty_gives_zeros(mesh):
+    batch = _batch(NDEV * ROWS, seed=4)
+    batch["mask"][:] = False
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    (loss, count), grads = jax.jit(mm.data_parallel_value_and_grad(_loss, mesh))(
+        _params(), sharded
+    )
+    assert int(count) == 0 and float(loss) == 0.0
+    assert all(not np.asarray(g).any() for g in jax.tree.leaves(grads))
+
+
+def test_bad_arguments(mesh):
+    with pytest.raises(TypeError, match=r"`mesh` must be a jax.sharding.Mesh, got str"):
+        mm.per_device_value_and_grad(_loss, "mesh")
+    with pytest.raises(ValueError, match=r"`axis_name` must name axes .*got 'batch'"):
+        mm.data_parallel_value_and_grad(_loss, mesh, "batch")
+    with pytest.raises(TypeError, match=r"`num_microbatches` must be"):
+        mm.per_device_value_and_grad(_loss, mesh, num_microbatches=2.0)
+    grad_fn = mm.per_device_value_and_grad(_loss, mesh, num_microbatches=2)
+    batch = _batch(NDEV * ROWS, seed=5)
+    batch["x"] = batch["x"][:NDEV]
+    with pytest.raises(ValueError, match=r"divisible by .*devices \(8\) times .*2.*"):
+        grad_fn(_params(), batch)
+
+
+# ------------------------------------------------ the wrapper, deferred mode
+
+WINDOWS = 2
+EMPTY_DEVICE = 2  # its rows hold no tokens in any microbatch
+EMPTY_MICROBATCH = 1  # no tokens on any device
+
+
+def _microbatches():
+    out = []
+    for i in range(K * WINDOWS):
+        mb = _batch(NDEV * ROWS, seed=10 + i, empty_device=EMPTY_DEVICE)
+        if i == EMPTY_MICROBATCH:
+            mb["mask"][:] = False
+        out.append(mb)
+    return out
+
+
+def _tx(reduction=None):
+    return mm.MaskedMultiSteps(
+        optax.adamw(1e-1, weight_decay=1e-2), K, reduction=reduction
+    )
+
+
+def _single_device_run(batches):
+    """The reference: one device, each microbatch's full batch, no reduction."""
+    device = jax.devices()[0]
+    tx = _tx()
+    params = jax.device_put(_params(), device)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, mb):
+        (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
+        return tx.apply_gradients(grads, state, params, count=count, value=loss)
+
+    for mb in batches:
+        params, state = step(params, state, jax.device_put(mb, device))
+    assert int(state.gradient_step) == WINDOWS
+    return params, state
+
+
+def _deferred_step(mesh, tx):
+    grad_fn = mm.per_device_value_and_grad(_loss, mesh, "data")
+
+    def step(params, state, mb):
+        (loss, count), grads = grad_fn(params, mb)
+        updates, state = tx.update(grads, state, params, count=count, value=loss)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def _assert_once_per_window(compiled_text):
+    found = large(collectives(compiled_text), min_bytes=4 * H)
+    assert [(c.kind, c.where) for c in found] == [("all-reduce", "branch")], found
+    assert found[0].bytes == PARAM_BYTES
+    # Besides it, per microbatch, two scalar all-reduces: the global token count
+    # (with the number of bad counts), so that every device agrees on the
+    # window's total, and the loss's global mean (`value=`).
+    small = [c for c in collectives(compiled_text) if c not in found]
+    assert [(c.kind, c.where) for c in small] == [("all-reduce", "step")] * 2, small
+    assert sorted(c.bytes for c in small) == [4, 8], small
+
+
+def test_plain_loop_deferred_equals_single_device_and_reduces_once(mesh):
+    batches = _microbatches()
+    tx = _tx(mm.deferred(mesh, "data"))
+    step = jax.jit(_deferred_step(mesh, tx), donate_argnums=(0, 1))
+    params = jax.device_put(_params(), NamedSharding(mesh, P()))
+    state = tx.init(params)
+    data = NamedSharding(mesh, P("data"))
+    assert state.acc_grads["w1"].shape == (NDEV, H, D)
+    assert state.acc_grads["w1"].sharding.is_equivalent_to(data, 3)
+    assert state.reduction_state.counts.sharding.is_equivalent_to(data, 1)
+    _assert_once_per_window(
+        step.lower(params, state, jax.device_put(batches[0], data)).compile().as_text()
+    )
+    for i, mb in enumerate(batches):
+        params, state = step(params, state, jax.device_put(mb, data))
+        counts = np.asarray(state.reduction_state.counts)
+        assert counts[EMPTY_DEVICE] == 0
+        if (i + 1) % K:  # mid-window: per-device totals add up to the global one
+            assert counts.sum() == int(state.acc_count) > 0
+        else:
+            assert not counts.any() and int(state.acc_count) == 0
+
+    ref_params, ref_state = _single_device_run(batches)
+    assert int(state.gradient_step) == WINDOWS
+    chex.assert_trees_all_close(params, ref_params, **TOL, strict=True)
+    assert not np.allclose(params["w1"], _params()["w1"])
+
+
+def test_automatic_sharding_reduces_every_microbatch(mesh):
+    """What the deferred mode saves: without it, the compiler all-reduces every
+    microbatch's gradient at the step's top level."""
+    tx = _tx()
+
+    def step(params, state, mb):
+        (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
+        return tx.apply_gradients(grads, state, params, count=count, value=loss)
+
+    params = jax.device_put(_params(), NamedSharding(mesh, P()))
+    mb = jax.device_put(_microbatches()[0], NamedSharding(mesh, P("data")))
+    text = jax.jit(step).lower(params, tx.init(params), mb).compile().as_text()
+    found = large(collectives(text), min_bytes=4 * H)
+    assert {c.where for c in found} == {"step"}, found
+    assert sum(c.bytes for c in found) >= PARAM_BYTES
+
+
+def test_train_state_deferred_equals_single_device(mesh):
+    batches = _microbatches()
+    tx = _tx(mm.deferred(mesh, "data"))
+    grad_fn = mm.per_device_value_and_grad(_loss, mesh, "data")
+    state = mm.TrainState.create(
+        apply_fn=None, params=jax.device_put(_params(), NamedSharding(mesh, P())), tx=tx
+    )
+
+    @jax.jit
+    def train_step(state, mb):
+        (loss, count), grads = grad_fn(state.params, mb)
+        return state.apply_gradients(grads=grads, count=count, value=loss)
+
+    _assert_once_per_window(
+        train_step.lower(
+            state, jax.device_put(batches[0], NamedSharding(mesh, P("data")))
+        )
+        .compile()
+        .as_text()
+    )
+    for mb in batches:
+        state = train_step(state, jax.device_put(mb, NamedSharding(mesh, P("data"))))
+    assert (int(state.step), int(state.gradient_step)) == (K * WINDOWS, WINDOWS)
+    ref_params, _ = _single_device_run(batches)
+    chex.assert_trees_all_close(state.params, ref_params, **TOL, strict=True)
+
+
+def test_nnx_optimizer_deferred_equals_single_device(mesh):
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, params):
+            self.w1 = nnx.Param(params["w1"])
+            self.w2 = nnx.Param(params["w2"])
+
+        def __call__(self, mb):
+            return _loss({"w1": self.w1[...], "w2": self.w2[...]}, mb)
+
+    batches = _microbatches()
+    model = MLP(jax.device_put(_params(), NamedSharding(mesh, P())))
+    optimizer = nnx.Optimizer(model, _tx(mm.deferred(mesh, "data")), wrt=nnx.Param)
+    graphdef, _ = nnx.split(model)
+    grad_fn = mm.per_device_value_and_grad(
+        lambda params, mb: nnx.merge(graphdef, params)(mb), mesh, "data"
+    )
+
+    @nnx.jit
+    def train_step(model, optimizer, mb):
+        (loss, count), grads = grad_fn(nnx.state(model, nnx.Param), mb)
+        optimizer.update(model, grads, count=count, value=loss)
+
+    _assert_once_per_window(
+        train_step.lower(
+            model, optimizer, jax.device_put(batches[0], NamedSharding(mesh, P("data")))
+        )
+        .compile()
+        .as_text()
+    )
+    for mb in batches:
+        train_step(model, optimizer, jax.device_put(mb, NamedSharding(mesh, P("data"))))
+    assert int(optimizer.opt_state.gradient_step[...]) == WINDOWS
+    ref_params, _ = _single_device_run(batches)
+    chex.assert_trees_all_close(
+        {"w1": model.w1[...], "w2": model.w2[...]}, ref_params, **TOL, strict=True
+    )
+
+
+def test_fsdp_reduce_every_microbatch_or_defer_is_a_memory_choice(mesh):
+    """Params sharded over the data axis (FSDP): reducing every microbatch keeps
+    the accumulator at 1/D of the gradients per device; deferring needs a full
+    local buffer per device. Compiled figures, per device."""
+    width = 64
+    param_bytes = 2 * width * width * 4
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]
+        return mm.masked_mean((h - b["y"]) ** 2, b["mask"])
+
+    fsdp = NamedSharding(mesh, P("data"))
+    params = jax.device_put({"w1": jnp.eye(width), "w2": jnp.eye(width)}, fsdp)
+    rng = np.random.default_rng(6)
+    batch = jax.device_put(
+        {
+            "x": rng.normal(size=(NDEV * ROWS, width)).astype(np.float32),
+            "y": rng.normal(size=(NDEV * ROWS, width)).astype(np.float32),
+            "mask": rng.random((NDEV * ROWS, width)) < 0.8,
+        },
+        fsdp,
+    )
+    figures = {}
+    for name, reduction in [("every", None), ("deferred", mm.deferred(mesh))]:
+        tx = mm.MaskedMultiSteps(optax.adam(1e-3), K, reduction=reduction)
+        state = tx.init(params)
+        if reduction is None:
+            grad_fn = jax.value_and_grad(loss, has_aux=True)
+        else:
+            grad_fn = mm.per_device_value_and_grad(loss, mesh)
+
+        def step(params, state, batch, tx=tx, grad_fn=grad_fn):
+            (_, count), grads = grad_fn(params, batch)
+            return tx.apply_gradients(grads, state, params, count=count)
+
+        compiled = (
+            jax.jit(step, donate_argnums=(0, 1)).lower(params, state, batch).compile()
+        )
+        memory = compiled.memory_analysis()
+        device = jax.devices()[0]
+        acc = sum(
+            s.data.nbytes
+            for x in jax.tree.leaves(state.acc_grads)
+            for s in x.addressable_shards
+            if s.device == device
+        )
+        found = large(collectives(compiled.as_text()), min_bytes=4 * width)
+        reduced = [c for c in found if c.kind != "all-gather"]
+        figures[name] = (acc, memory.argument_size_in_bytes + memory.temp_size_in_bytes)
+        if reduction is None:
+            assert {c.where for c in reduced} == {"step"}, found
+        else:
+            assert {c.where for c in reduced} == {"branch"}, found
+    assert figures["every"][0] == param_bytes // NDEV
+    assert figures["deferred"][0] == param_bytes
+    # The full local accumulator shows in the compiled footprint too.
+    extra = figures["deferred"][1] - figures["every"][1]
+    assert extra >= (1 - 1 / NDEV) * param_bytes, figures
+
+
+def test_deferred_composes_with_optax_chain(mesh):
+    """An inner chain sees the global mean; the wrapper inside an outer chain
+    takes the per-device counts as an extra argument."""
+    batches = _microbatches()[:K]
+    inner = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
+    data = NamedSharding(mesh, P("data"))
+    grad_fn = mm.per_device_value_and_grad(_loss, mesh, "data")
+    results = []
+    for outer in (False, True):
+        wrapper = mm.MaskedMultiSteps(inner, K, reduction=mm.deferred(mesh, "data"))
+        tx = optax.chain(wrapper.gradient_transformation()) if outer else wrapper
+        params = jax.device_put(_params(), NamedSharding(mesh, P()))
+        state = tx.init(params)
+
+        @jax.jit
+        def step(params, state, mb, tx=tx):
+            (_, count), grads = grad_fn(params, mb)
+            updates, state = tx.update(grads, state, params, count=count)
+            return optax.apply_updates(params, updates), state
+
+        for mb in batches:
+            params, state = step(params, state, jax.device_put(mb, data))
+        results.append(params)
+
+    device = jax.devices()[0]
+    full = jax.tree.map(lambda *xs: np.concatenate(xs), *batches)
+    _, grads = jax.value_and_grad(_loss, has_aux=True)(
+        _params(), jax.device_put(full, device)
+    )
+    updates, _ = inner.update(grads, inner.init(_params()))
+    expected = optax.apply_updates(_params(), updates)
+    for params in results:
+        chex.assert_trees_all_close(params, expected, **TOL)
+
+
+def test_deferred_bad_input(mesh):
+    tx = _tx(mm.deferred(mesh, "data"))
+    params = _params()
+    state = tx.init(params)
+    per_device = jax.tree.map(lambda p: jnp.stack([p] * NDEV), params)
+    counts = jnp.arange(NDEV)
+    with pytest.raises(ValueError, match=r"leading device axis of size 8.*\(16, 3\)"):
+        tx.update(params, state, params, count=counts)
+    with pytest.raises(
+        ValueError, match=r"`count` \(every device's .*shape \(8,\), got shape \(\)"
+    ):
+        tx.update(per_device, state, params, count=jnp.array(3))
+    with pytest.raises(
+        ValueError,
+        match=r"`count` \(every device's .*\)\[3\] must be non-negative, got -1",
+    ):
+        tx.update(per_device, state, params, count=counts.at[3].set(-1))
+    with pytest.raises(TypeError, match=r"got a bool"):
+        tx.update(per_device, state, params, count=True)
+    with pytest.raises(TypeError, match=r"integer or floating array, got dtype bool"):
+        tx.update(per_device, state, params, count=counts > 2)
+    with pytest.raises(ValueError, match=r"`value` is a scalar or one value per"):
+        tx.update(per_device, state, params, count=counts, value=jnp.ones(3))
+    with pytest.raises(TypeError, match=r"`reduction` must be None or mm.deferred"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, reduction="deferred")
+    # Under jit a bad per-device count skips the microbatch on every device.
+    _, new = jax.jit(lambda s, c: tx.update(per_device, s, params, count=c))(
+        state, counts.at[3].set(-1)
+    )
+    assert int(new.num_invalid_counts) == 1 and int(new.mini_step) == 0
+    assert not np.asarray(new.reduction_state.counts).any()
+
+
+def test_deferred_count_contract(mesh):
+    """Per-device counts follow the single-device contract: converted by value
+    (float32 by default), summed without wrapping, a device without tokens
+    ignored by the skip function even when its gradient is NaN."""
+    params = {"w": jnp.zeros(3)}
+    grads = {"w": jnp.ones((NDEV, 3)).at[5].set(jnp.nan)}
+    counts = np.arange(NDEV, dtype=np.uint64) * (2**40)  # wider than any int32
+    counts[5] = 0
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        2,
+        reduction=mm.deferred(mesh, "data"),
+        should_skip_update_fn=optax.skip_not_finite,
+    )
+    state = tx.init(params)
+    assert state.reduction_state.counts.dtype == jnp.float32
+    _, state = tx.update(grads, state, params, count=counts)
+    expected = np.float32(counts.astype(np.float64))
+    np.testing.assert_array_equal(state.reduction_state.counts, expected)
+    assert float(state.acc_count) == float(np.float32(expected.sum()))
+    assert int(state.mini_step) == 1 and int(state.num_invalid_counts) == 0
+
+    # int32 totals: per-device counts that fit, a global total that does not,
+    # is an invalid microbatch (skipped, counted), never a wrapped total.
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), 2, reduction=mm.deferred(mesh, "data"), count_dtype=jnp.int32
+    )
+    state = tx.init(params)
+    big = jnp.full((NDEV,), 2**30, jnp.int32)
+    _, new = jax.jit(tx.update)({"w": jnp.ones((NDEV, 3))}, state, params, count=big)
+    assert int(new.num_invalid_counts) == 1 and int(new.acc_count) == 0
+    fits = big.at[1:].set(0).at[1].set(2**30 - 1)
+    _, new = jax.jit(tx.update)({"w": jnp.ones((NDEV, 3))}, state, params, count=fits)
+    assert int(new.num_invalid_counts) == 0 and int(new.acc_count) == 2**31 - 1
+
+
+def test_deferred_nonfinite_window_never_reaches_the_inner_optimizer(mesh):
+    """A device with tokens and a NaN gradient makes the combined mean NaN: the
+    window is counted and dropped, adam's moments stay clean, and the next
+    window updates normally. A NaN on a device without tokens is ignored."""
+    tx = _tx(mm.deferred(mesh, "data"))
+    params = _params()
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    ones = jax.tree.map(lambda p: jnp.ones((NDEV, *p.shape)), params)
+    nan_on_3 = jax.tree.map(lambda g: g.at[3].set(jnp.nan), ones)
+    counts = jnp.ones(NDEV)
+    for i in range(K):
+        _, state = step(nan_on_3 if i == 1 else ones, state, params, count=counts)
+    assert int(state.num_nonfinite_windows) == 1 and int(state.gradient_step) == 0
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.inner_opt_state))
+    for _ in range(K):
+        updates, state = step(nan_on_3, state, params, count=counts.at[3].set(0))
+    assert int(state.num_nonfinite_windows) == 1 and int(state.gradient_step) == 1
+    assert all(np.isfinite(u).all() and u.any() for u in jax.tree.leaves(updates))
