@@ -762,6 +762,26 @@ def test_deferred_reduction_counts_each_devices_share_as_a_small_batch():
         assert np.array_equal(a, b)
     assert bool(with_stats.updated)
 
+    # Still one gradient-sized reduction per window; the statistics add one
+    # scalar all-reduce per microbatch (Σ_d nᵈ‖gᵈ‖² and K, 8 bytes).
+    from _helpers import collectives
+
+    def compiled(tx):
+        def step(s, g, n, v):
+            return tx.update(g, s, params, count=n, value=v)
+
+        (loss, count), grads = pieces[0]
+        lowered = jax.jit(step).lower(tx.init(params), grads, count, loss)
+        return sorted(
+            (c.kind, c.where, c.bytes) for c in collectives(lowered.compile().as_text())
+        )
+
+    base = compiled(mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction))
+    more = compiled(
+        mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction, window_stats=True)
+    )
+    assert sorted([*base, ("all-reduce", "step", 8)]) == more, (base, more)
+
     # The same pieces, one by one, through a single-device window.
     ref_tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2 * ndev, window_stats=True)
     ref = ref_tx.init(jnp.zeros(width))
