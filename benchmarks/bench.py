@@ -183,6 +183,7 @@ def bench_windows(width: int, ks: list[int], repeats: int) -> list[dict[str, Any
         times = interleave(runners, repeats)
         per_mb = {name: [t / k for t in ts] for name, ts in times.items()}
         for name, r in runners.items():
+            base = r.comp.baseline
             rows.append(
                 {
                     "width": width,
@@ -196,6 +197,10 @@ def bench_windows(width: int, ks: list[int], repeats: int) -> list[dict[str, Any
                     "ms_per_microbatch_all": [1e3 * t for t in per_mb[name]],
                     "x_floor": median_ratio(per_mb[name], per_mb["floor"]),
                     "x_optax_multisteps": median_ratio(per_mb[name], per_mb[REFERENCE]),
+                    # The same step without window statistics.
+                    "x_without_stats": (
+                        median_ratio(per_mb[name], per_mb[base]) if base else None
+                    ),
                     "compile_s": r.compile_s,
                     **r.memory,
                 }
@@ -297,7 +302,7 @@ def fmt_size(width: int, layers: int, num_params: int) -> str:
 
 def print_window_table(rows: list[dict[str, Any]]) -> None:
     header = (
-        f"{'params':>16} {'k':>3}  {'competitor':<27} {'ms/mb':>8} {'x floor':>8} "
+        f"{'params':>16} {'k':>3}  {'competitor':<32} {'ms/mb':>8} {'x floor':>8} "
         f"{'x optax':>8} {'temp MB':>8} {'temp/P':>7} {'state/P':>8} "
         f"{'arg MB':>7} {'out MB':>7} {'alias MB':>8}"
     )
@@ -311,7 +316,7 @@ def print_window_table(rows: list[dict[str, Any]]) -> None:
         last = key
         print(
             f"{fmt_size(r['width'], r['layers'], r['num_params']):>16} {r['k']:>3}  "
-            f"{r['competitor']:<27} {r['ms_per_microbatch']:>8.2f} "
+            f"{r['competitor']:<32} {r['ms_per_microbatch']:>8.2f} "
             f"{r['x_floor']:>8.2f} {r['x_optax_multisteps']:>8.2f} "
             f"{r['temp_bytes'] / MB:>8.1f} {r['temp_bytes'] / r['param_bytes']:>7.2f} "
             f"{r['state_bytes'] / r['param_bytes']:>8.2f} "
@@ -325,15 +330,30 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
     keys = sorted({(r["width"], r["k"]) for r in rows})
     names = list(dict.fromkeys(r["competitor"] for r in rows))
     cell = {(r["competitor"], r["width"], r["k"]): r["x_floor"] for r in rows}
-    head = f"{'x floor':<27}" + "".join(f" {f'{w}/k={k}':>10}" for w, k in keys)
+    head = f"{'x floor':<32}" + "".join(f" {f'{w}/k={k}':>10}" for w, k in keys)
     print(head)
     print("-" * len(head))
     for name in names:
         print(
-            f"{name:<27}"
+            f"{name:<32}"
             + "".join(
                 f" {cell.get((name, w, k), float('nan')):>10.2f}" for w, k in keys
             )
+        )
+
+
+def print_stats_cost(rows: list[dict[str, Any]]) -> None:
+    """Time and scratch memory of each step with window statistics, against
+    the same step without them."""
+    by_key = {(r["competitor"], r["width"], r["k"]): r for r in rows}
+    for r in rows:
+        if r.get("x_without_stats") is None:
+            continue
+        base = by_key[(r["competitor"].removesuffix("+stats"), r["width"], r["k"])]
+        print(
+            f"width {r['width']}, k={r['k']}: {r['competitor']:<32} "
+            f"{r['x_without_stats']:.3f}x the time without statistics; temp "
+            f"{(r['temp_bytes'] - base['temp_bytes']) / MB:+.2f} MB"
         )
 
 
@@ -428,6 +448,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_window_table(window_rows)
     print()
     print_summary(window_rows)
+    print()
+    print_stats_cost(window_rows)
     print()
     print_memory_checks(checks)
     print()

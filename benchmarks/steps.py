@@ -90,6 +90,8 @@ class Competitor:
     opt_state: Callable[[Any], Any]
     # The compiled step does not depend on k (only the window length does).
     k_independent: bool = False
+    # The competitor this one is the same step as, less the window statistics.
+    baseline: str | None = None
 
 
 def _grads(workload: Workload, params: Any, batch: Any):
@@ -149,6 +151,21 @@ def masked_multisteps(workload: Workload, k: int) -> Competitor:
     return _optax_loop("MaskedMultiSteps update", tx, workload, k, with_count=True)
 
 
+def masked_multisteps_stats(workload: Workload, k: int) -> Competitor:
+    """The plain optax loop with ``window_stats=True``."""
+    tx = mm.MaskedMultiSteps(
+        optax.adam(LEARNING_RATE), every_k_schedule=k, window_stats=True
+    )
+    return _optax_loop(
+        "MaskedMultiSteps update+stats",
+        tx,
+        workload,
+        k,
+        with_count=True,
+        baseline="MaskedMultiSteps update",
+    )
+
+
 def has_train_state() -> bool:
     try:
         mm.TrainState  # noqa: B018
@@ -157,9 +174,14 @@ def has_train_state() -> bool:
     return True
 
 
-def train_state(workload: Workload, k: int) -> Competitor:
+def train_state(
+    workload: Workload, k: int, *, window_stats: bool = False
+) -> Competitor:
     """``mm.TrainState.apply_gradients`` (``tx.apply_gradients`` without flax)."""
-    tx = mm.MaskedMultiSteps(optax.adam(LEARNING_RATE), every_k_schedule=k)
+    tx = mm.MaskedMultiSteps(
+        optax.adam(LEARNING_RATE), every_k_schedule=k, window_stats=window_stats
+    )
+    suffix = "+stats" if window_stats else ""
 
     if has_train_state():
 
@@ -170,8 +192,14 @@ def train_state(workload: Workload, k: int) -> Competitor:
             grads, count = _grads(workload, state.params, batch)
             return state.apply_gradients(grads=grads, count=count)
 
+        name = "TrainState.apply_gradients"
         return Competitor(
-            "TrainState.apply_gradients", init, step, k, lambda s: s.opt_state
+            name + suffix,
+            init,
+            step,
+            k,
+            lambda s: s.opt_state,
+            baseline=name if window_stats else None,
         )
 
     def step_tx(carry, batch):
@@ -179,9 +207,20 @@ def train_state(workload: Workload, k: int) -> Competitor:
         grads, count = _grads(workload, params, batch)
         return tx.apply_gradients(grads, opt_state, params, count=count)
 
+    name = "tx.apply_gradients"
     return Competitor(
-        "tx.apply_gradients", lambda p: (p, tx.init(p)), step_tx, k, lambda c: c[1]
+        name + suffix,
+        lambda p: (p, tx.init(p)),
+        step_tx,
+        k,
+        lambda c: c[1],
+        baseline=name if window_stats else None,
     )
+
+
+def train_state_stats(workload: Workload, k: int) -> Competitor:
+    """:func:`train_state` with ``window_stats=True``."""
+    return train_state(workload, k, window_stats=True)
 
 
 def in_jit_microbatched(workload: Workload, k: int) -> Competitor:
@@ -206,7 +245,9 @@ WINDOW_COMPETITORS = (
     adam,
     optax_multisteps,
     masked_multisteps,
+    masked_multisteps_stats,
     train_state,
+    train_state_stats,
     in_jit_microbatched,
 )
 

@@ -73,7 +73,7 @@ nitpick_ignore_regex = [
     # Type variables in signatures (`microbatched_value_and_grad`'s params and
     # batch types) and the protocol of the function it returns (its docstring
     # describes it): not documented entries of their own.
-    (r"py:class", r"masked_multistep\._microbatch\.(ParamsT|BatchT|GradFn)"),
+    (r"py:class", r"masked_multistep\._microbatch\.(ParamsT|BatchT|GradFn\w*)"),
     # The type of `MaskedMultiSteps(reduction=...)`: built by `mm.deferred`,
     # whose entry documents it.
     (r"py:class", r"masked_multistep\._reduction\.Deferred"),

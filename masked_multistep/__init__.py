@@ -14,6 +14,7 @@ from masked_multistep._checkpoint import (
     state_0_1_target,
 )
 from masked_multistep._collectives import weighted_mean_across
+from masked_multistep._inspect import find_state, has_updated, window_stats
 from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
 from masked_multistep._migrate import from_optax_multisteps
@@ -25,6 +26,7 @@ from masked_multistep._per_device import (
 from masked_multistep._reduction import deferred
 from masked_multistep._running_mean import running_mean_update
 from masked_multistep._schedules import tokens_schedule
+from masked_multistep._stats import TokenTotal, WindowStats, noise_scale_estimates
 from masked_multistep._version import __version__ as __version__
 from masked_multistep._windows import (
     WindowPolicy,
@@ -47,15 +49,20 @@ __all__ = [
     "MaskedMultiSteps",
     "MaskedMultiStepsState",
     "STATE_0_1_FIELDS",
+    "TokenTotal",
     "WindowPolicy",
     "WindowScalars",
+    "WindowStats",
     "data_parallel_value_and_grad",
     "deferred",
+    "find_state",
     "from_optax_multisteps",
     "from_state_0_1",
+    "has_updated",
     "state_0_1_target",
     "TrainState",
     "masked_mean",
+    "noise_scale_estimates",
     "microbatched_value_and_grad",
     "norm_test",
     "per_device_value_and_grad",
@@ -63,6 +70,7 @@ __all__ = [
     "token_budget",
     "tokens_schedule",
     "weighted_mean_across",
+    "window_stats",
 ]
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from masked_multistep import _stats
 from masked_multistep._multisteps import MaskedMultiStepsState
 
 __all__ = ["STATE_0_1_FIELDS", "from_state_0_1", "state_0_1_target"]
@@ -68,7 +69,8 @@ def from_state_0_1(
     window's ``value`` was averaged over every counted token (a microbatch that
     passed none added a zero), so its weight total ``value_count`` is the
     window's token total where the restored ``acc_value`` is not zero, and zero
-    (no value passed) where it is.
+    (no value passed) where it is. With window statistics, the pending window's
+    mean counts as one microbatch of its tokens (0.1 kept no statistics).
 
     Args:
       restored: the restored 0.1 state: a mapping with exactly the keys of
@@ -113,4 +115,9 @@ def from_state_0_1(
     count_dtype = template.acc_count.dtype
     acc_count = jnp.asarray(state.acc_count).astype(count_dtype)
     value_count = jnp.where(state.acc_value != 0, acc_count, jnp.zeros_like(acc_count))
-    return state._replace(acc_count=acc_count, value_count=value_count)
+    stats = state.stats
+    if isinstance(stats, _stats.WindowStatsState):
+        # 0.1 kept no statistics: the pending window's mean counts as one
+        # microbatch of its tokens.
+        stats = _stats.accumulate_window_stats(stats, state.acc_grads, acc_count)
+    return state._replace(acc_count=acc_count, value_count=value_count, stats=stats)

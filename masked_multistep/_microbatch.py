@@ -13,13 +13,14 @@ from __future__ import annotations
 import inspect
 import numbers
 from collections.abc import Callable
-from typing import Any, Concatenate, Protocol, TypeVar, cast
+from typing import Any, Concatenate, Literal, Protocol, TypeVar, cast, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from masked_multistep import _stats
 from masked_multistep._checks import count_weight
 from masked_multistep._running_mean import compute_dtype, running_mean_update
 
@@ -43,6 +44,18 @@ class GradFn(Protocol[ParamsT, BatchT_contra]):
         *,
         rng: jax.typing.ArrayLike | None = None,
     ) -> tuple[Any, ParamsT]: ...
+
+
+class GradFnWithStats(Protocol[ParamsT, BatchT_contra]):
+    """What :func:`microbatched_value_and_grad` returns with ``with_stats=True``."""
+
+    def __call__(
+        self,
+        params: ParamsT,
+        batch: BatchT_contra,
+        *,
+        rng: jax.typing.ArrayLike | None = None,
+    ) -> tuple[Any, ParamsT, _stats.WindowStats]: ...
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:
@@ -369,13 +382,36 @@ def _token_weighted_accumulator(
     return optax.microbatching.Accumulator(init, update, finalize, aggregate)
 
 
+@overload
 def microbatched_value_and_grad(
     loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
     num_microbatches: int,
     *,
     has_aux: bool = False,
     aux_reduction: AuxReduction = None,
-) -> GradFn[ParamsT, BatchT]:
+    with_stats: Literal[False] = False,
+) -> GradFn[ParamsT, BatchT]: ...
+
+
+@overload
+def microbatched_value_and_grad(
+    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    num_microbatches: int,
+    *,
+    has_aux: bool = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: Literal[True],
+) -> GradFnWithStats[ParamsT, BatchT]: ...
+
+
+def microbatched_value_and_grad(
+    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    num_microbatches: int,
+    *,
+    has_aux: bool = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: bool = False,
+) -> GradFn[ParamsT, BatchT] | GradFnWithStats[ParamsT, BatchT]:
     """``jax.value_and_grad`` of a masked mean loss, one microbatch at a time.
 
     ``loss_fn(params, microbatch)`` returns the microbatch's mean loss and its
@@ -446,6 +482,13 @@ def microbatched_value_and_grad(
         advance its stream); ``nnx.reseed(module, dropout=rng)`` then gives
         each microbatch its own key. Either way, state that ``loss_fn`` writes
         (RNG counters, running batch statistics) is not returned.
+      * ``with_stats=True`` also returns the call's :class:`WindowStats`, the
+        statistics :class:`MaskedMultiSteps` keeps per window (the call is one
+        window of ``k`` microbatches): tokens, microbatches with tokens, loss,
+        ``‖ḡ‖²`` and the gradient noise scale ``B_simple`` with its parts. It
+        costs one squared-norm reduction of each microbatch's gradient.
+        ``smoothed_noise_scale`` is this call's ``noise_scale``; smooth over
+        calls with your own moving averages.
 
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
@@ -458,6 +501,7 @@ def microbatched_value_and_grad(
       aux_reduction: how ``aux`` leaves combine: ``"sum"``, ``"mean"``, or a
         pytree prefix of ``aux`` with those leaves. Required when ``aux`` has a
         floating leaf; integer leaves default to ``"sum"``.
+      with_stats: also return the call's :class:`WindowStats`.
 
     Returns:
       ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``, or
@@ -465,11 +509,13 @@ def microbatched_value_and_grad(
       pytree whose leaves share a leading batch axis; gradients are taken with
       respect to ``params`` (a pytree of floating arrays, or an NNX module of
       parameters) and have its structure; ``count`` is float32; ``rng`` is a
-      PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``).
+      PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``). With
+      ``with_stats=True``, a third element: the :class:`WindowStats`.
 
     Raises:
       TypeError: if ``loss_fn`` is not callable, ``num_microbatches`` is not an
-        integer, ``has_aux`` is not a bool, an ``aux_reduction`` leaf is not a
+        integer, ``has_aux`` or ``with_stats`` is not a bool, an
+        ``aux_reduction`` leaf is not a
         string; when called, if ``params`` has a leaf that is not floating
         (the error names it), ``rng`` is not a PRNG key or ``loss_fn`` cannot
         take it, or ``loss_fn`` returns something other than the documented
@@ -538,6 +584,20 @@ def microbatched_value_and_grad(
       >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
       >>> _ = optimizer.update(model, grads)  # updates `model` in place
 
+      With ``with_stats=True`` the call also returns its :class:`WindowStats`.
+      Here microbatch 0 (rows 0, 2) has 4 tokens of ``x = 1`` and microbatch 1
+      (rows 1, 3) 4 tokens of ``x = 3``: gradients 1 and 3, mean 2, spread
+      ``S = 4·1² + 4·1² = 8`` over ``K − 1 = 1``, ``|G|² = 4 − 8 / 8 = 3``:
+
+      >>> batch = {"x": jnp.array([[1.0, 1.0], [3.0, 3.0], [1.0, 1.0], [3.0, 3.0]]),
+      ...          "mask": jnp.ones((4, 2), bool)}
+      >>> grad_fn = jax.jit(mm.microbatched_value_and_grad(loss_fn, 2,
+      ...                                                  with_stats=True))
+      >>> (loss, count), grad, stats = grad_fn(jnp.array(2.0), batch)
+      >>> print(grad, stats.microbatches, stats.grad_var_trace,
+      ...       stats.true_grad_sq_norm, stats.noise_scale)
+      2.0 2 8.0 3.0 2.6666667
+
     References:
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
@@ -550,6 +610,8 @@ def microbatched_value_and_grad(
     k = _check_num_microbatches(num_microbatches)
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}")
+    if not isinstance(with_stats, bool):
+        raise TypeError(f"`with_stats` must be a bool, got {with_stats!r}")
     _check_aux_reduction(aux_reduction, has_aux)
 
     def normalized_loss(params, microbatch, key):
@@ -597,6 +659,14 @@ def microbatched_value_and_grad(
             accumulator = _token_weighted_accumulator(
                 shapes, _aux_reductions(shapes[2], aux_reduction), has_aux
             )
+            if with_stats:
+                accumulator = _stats.with_window_stats(
+                    accumulator,
+                    grads_and_weight=lambda value: (value[3], value[1]),
+                    # ((loss, mean aux, grads), sum aux, total): the means in
+                    # at least float32, before `finalize` casts them back.
+                    window_of=lambda c: (c[0][0], c[2], c[0][2]),
+                )
 
             def body(j, carry):
                 value = per_microbatch(params, microbatch(j), key(j))

@@ -114,7 +114,10 @@ def from_optax_multisteps(
     ``optax.MultiSteps`` gave them, with ``acc_count`` as their total.
 
     The window's ``value`` mean (``acc_value``) starts empty: ``optax.MultiSteps``
-    keeps no loss. ``has_updated`` of the result agrees with
+    keeps no loss. With ``window_stats=True`` the window's statistics count the
+    accumulated mean as one microbatch of ``acc_count`` tokens (its spread
+    within is lost), so the first window's noise-scale estimates stay unbiased;
+    no earlier window is recorded. ``has_updated`` of the result agrees with
     ``optax.MultiSteps.has_updated`` of ``state``.
 
     Call it eagerly, once; it allocates one fresh state with ``tx.init(params)``.
@@ -234,6 +237,8 @@ def from_optax_multisteps(
         acc_grads=acc_grads,
         acc_count=new_count,
         skip_state=state.skip_state,
+        # The statistics see the accumulated mean as one microbatch.
+        stats=tx._recorder.accumulate(fresh.stats, acc_grads, new_count),
     )
     if "updated" in fresh._fields:
         # What optax.MultiSteps.has_updated would say of `state`.

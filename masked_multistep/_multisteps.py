@@ -2,8 +2,9 @@
 
 The module is the state machine only: argument checks and the count contract
 live in ``_checks``, the window-closing rule in ``_windows``, the arithmetic in
-``_running_mean``, and how the devices agree on a window's mean (locally, or
-deferred to the window's end) in ``_reduction``.
+``_running_mean``, how the devices agree on a window's mean (locally, or
+deferred to the window's end) in ``_reduction``, and the window statistics in
+``_stats``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from optax import tree as otu
 
-from masked_multistep import _checks, _windows
+from masked_multistep import _checks, _stats, _windows
 from masked_multistep._reduction import Deferred, Local
 from masked_multistep._running_mean import running_mean_update
 
@@ -53,7 +54,10 @@ class MaskedMultiStepsState(NamedTuple):
         which were therefore not handed to the inner optimizer.
       skip_state: what ``should_skip_update_fn`` returned last (``()`` without
         one).
-      stats: window statistics (``()`` while off).
+      stats: with ``window_stats=True``, the window statistics'
+        ``WindowStatsState`` (the current window's running sums and the last
+        completed window's :class:`WindowStats`; read them with
+        :func:`masked_multistep.window_stats`); ``()`` otherwise.
       policy_state: the window policy's state (``()`` for a fixed ``k``).
       reduction_state: the cross-device reduction's state: ``()`` by default;
         with ``reduction=mm.deferred(...)``, each device's token total behind
@@ -188,6 +192,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         receives the window's mean also when the closing microbatch passes none
         (NaN if no microbatch of the window passed one). Other extra arguments go
         to the inner optimizer unchanged.
+      * With ``window_stats=True`` each completed window's statistics (tokens,
+        microbatches, loss, ‖ḡ‖², the gradient noise scale; see
+        :class:`WindowStats`) are kept in ``state.stats`` until the next window
+        completes. They never change the updates. A window that ends without
+        tokens, or with a non-finite mean, still completes: its tokens, loss
+        and ``tokens_seen`` are counted, its noise-scale estimates are NaN and
+        the smoothed noise scale skips it.
 
     Where clipping goes: ``MaskedMultiSteps(optax.chain(clip, adam), k)`` clips
     the window's full-batch gradient, which is what the full batch would see;
@@ -229,16 +240,26 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         one count per device (from :func:`per_device_value_and_grad`); each
         device accumulates its own running mean and the devices are combined,
         token-weighted, once per window.
+      window_stats: keep each window's statistics (tokens, loss, gradient norm,
+        gradient noise scale) in ``state.stats``; read them with
+        :func:`masked_multistep.window_stats`. They never change the updates
+        and need no parameter-sized memory: one squared-norm reduction of each
+        microbatch's gradient and one of each window's mean. With
+        ``reduction=mm.deferred(...)`` each device's share of a microbatch is
+        a small batch of its own (more of them, for free).
+      stats_decay: per-window decay of the moving averages behind
+        ``WindowStats.smoothed_noise_scale``, in ``[0, 1)``.
 
     Raises:
       TypeError: if ``opt`` is not a gradient transformation, or no window rule
         is given, or ``every_k_schedule`` is neither an integer nor callable, or
         ``tokens_per_window`` or ``norm_test`` is not a number, callable or
         policy, or ``reduction`` is neither ``None`` nor ``mm.deferred(...)``,
-        or an ``optax.MultiSteps``-only keyword is passed.
+        or ``window_stats`` is not a bool, or an ``optax.MultiSteps``-only
+        keyword is passed.
       ValueError: if ``every_k_schedule`` is out of range, or a budget is not
         finite and ``> 0``, or the norm test has no maximum window, or a dtype
-        cannot serve.
+        cannot serve, or ``stats_decay`` is outside ``[0, 1)``.
 
     Examples:
       Three microbatches with 1, 1 and 2 tokens; the window's update is the
@@ -320,6 +341,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         _accumulator_dtype: jnp.dtype | None
         _count_dtype: jnp.dtype
         _reduction: Local | Deferred
+        _recorder: _stats.Recorder
         _config: tuple[tuple[Any, ...], dict[str, Any]]
 
     def __new__(
@@ -338,6 +360,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         accumulator_dtype: jax.typing.DTypeLike | None = None,
         count_dtype: jax.typing.DTypeLike = jnp.float32,
         reduction: Deferred | None = None,
+        window_stats: bool = False,
+        stats_decay: float = 0.9,
         **unknown: Any,
     ) -> MaskedMultiSteps:
         for key in unknown:
@@ -359,6 +383,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "`reduction` must be None or mm.deferred(mesh, axis_name), got "
                 f"{reduction!r} of type {type(reduction).__name__}"
             )
+        recorder = _stats.recorder(window_stats, stats_decay)
 
         def init(params: optax.Params) -> MaskedMultiStepsState:
             return self._init(params)
@@ -373,6 +398,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         self._accumulator_dtype = acc_dtype
         self._count_dtype = cnt_dtype
         self._reduction = Local() if reduction is None else reduction
+        self._recorder = recorder
         self._config = (
             (opt, every_k_schedule),
             {
@@ -382,6 +408,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "accumulator_dtype": accumulator_dtype,
                 "count_dtype": count_dtype,
                 "reduction": reduction,
+                "window_stats": window_stats,
+                "stats_decay": stats_decay,
             },
         )
         return self
@@ -410,10 +438,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ]
         acc = self._accumulator_dtype or "follows the gradients"
         reduction = kwargs["reduction"]
+        options = f", reduction={reduction!r}" if reduction is not None else ""
+        rec = self._recorder
+        if rec.enabled:
+            options += f", window_stats=True, stats_decay={rec.decay}"
         return (
             f"MaskedMultiSteps(inner={inner}, {', '.join(rules)}, "
-            f"accumulator_dtype={acc}, count_dtype={self._count_dtype}"
-            + (f", reduction={reduction!r})" if reduction is not None else ")")
+            f"accumulator_dtype={acc}, count_dtype={self._count_dtype}{options})"
         )
 
     @property
@@ -457,6 +488,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             value_count=jnp.zeros([], self._count_dtype),
             num_nonfinite_windows=jnp.zeros([], jnp.int32),
             skip_state=skip_state,
+            stats=self._recorder.init(self._count_dtype),
             policy_state=self._policy.init(),
             reduction_state=self._reduction.init(self._count_dtype),
         )
@@ -614,6 +646,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 gate.n,
                 gate.local_counts,
             )
+            stats = self._recorder.accumulate(
+                state.stats, grads, gate.n, gate.local_counts
+            )
             acc_value, value_count = state.acc_value, state.value_count
             if value is not None:
                 acc_value, value_count = running_mean_update(
@@ -700,17 +735,24 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # A non-finite mean never reaches the inner optimizer: a stateful
             # one (adam's moments) would carry the NaN into every later update.
             finite = _all_finite(mean)
+            # ‖ḡ‖² for the statistics (`()` without them), read before the
+            # inner optimizer overwrites the mean.
+            mean_sq_norm, finite = self._recorder.read_mean(mean, finite)
             out = jax.lax.cond(
                 finite, run, hold, mean, acc_grads, inner_state, params, dynamic_args
             )
-            return (*out, finite)
+            return (*out, finite, mean_sq_norm)
 
         def keep_window(acc_grads, acc_count, reduction_state, *rest):
             del acc_count, reduction_state
-            return (*hold(None, acc_grads, *rest), jnp.ones([], jnp.bool_))
+            return (
+                *hold(None, acc_grads, *rest),
+                jnp.ones([], jnp.bool_),
+                self._recorder.no_mean_sq_norm(),
+            )
 
         with jax.named_scope("masked_multistep/inner_update"):
-            out, acc_grads, inner_opt_state, finite = jax.lax.cond(
+            out, acc_grads, inner_opt_state, finite, mean_sq_norm = jax.lax.cond(
                 has_tokens, close_window, keep_window, *operands
             )
             updated = has_tokens & finite
@@ -718,6 +760,14 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 out = jax.tree.map(
                     lambda u: jnp.where(updated, u, jnp.zeros_like(u)), acc_grads
                 )
+
+        stats = self._recorder.close(
+            stats,
+            window_done,
+            tokens=acc_count,
+            mean_sq_norm=mean_sq_norm,
+            loss=window_value,
+        )
 
         zero = jnp.zeros([], jnp.int32)
         new_state = state._replace(
@@ -750,6 +800,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 state.num_nonfinite_windows,
             ),
             skip_state=gate.skip_state,
+            stats=stats,
             policy_state=policy_state,
             reduction_state=self._reduction.reset(reduction_state, window_done),
         )

@@ -11,9 +11,18 @@ which never forms the sum ``Σ nᵢ gᵢ`` (so it cannot overflow fp16/bf16), ne
 total known in advance, and, with equal weights, is bit-identical to the
 unweighted running mean ``m + (g − m) / j`` used by ``optax.MultiSteps``.
 
+The same pass can carry the spread of the values (West 1979's weighted variance
+update): with ``δ = g − m`` taken before the update,
+
+    S ← S + n·(N_old / N)·‖δ‖²
+
+gives ``S = Σ nᵢ ‖gᵢ − m‖²`` over everything folded in, a scalar. With
+``with_sq_deviation=True``, :func:`running_mean_update` also returns this
+increment, reduced over all leaves in the same elementwise pass.
+
 All functions here are total: a zero weight leaves ``(m, N)`` bit-identical even
-when ``g`` holds NaN or inf, and the first positive weight after ``N == 0``
-overwrites whatever ``m`` held.
+when ``g`` holds NaN or inf (and its increment of ``S`` is exactly 0), and the
+first positive weight after ``N == 0`` overwrites whatever ``m`` held.
 
 References:
   D. H. D. West, "Updating mean and variance estimates: an improved method",
@@ -22,12 +31,12 @@ References:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["running_mean_update", "safe_fraction", "compute_dtype"]
+__all__ = ["running_mean_update", "safe_fraction", "compute_dtype", "sq_norm"]
 
 
 def compute_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
@@ -48,12 +57,45 @@ def safe_fraction(num: jax.Array, den: jax.Array) -> jax.Array:
     return jnp.where(nonzero, num / jnp.where(nonzero, den, 1), 0)
 
 
+def sq_norm(x: jax.Array) -> jax.Array:
+    """``‖x‖² = Σ |xⱼ|²`` of one array, summed in at least float32 (real result)."""
+    dtype = compute_dtype(x.dtype)
+    x = x.astype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.sum(jnp.square(x.real) + jnp.square(x.imag))
+    return jnp.sum(jnp.square(x))
+
+
+@overload
 def running_mean_update(
     mean: Any,
     total: jax.Array,
     value: Any,
     count: jax.Array,
-) -> tuple[Any, jax.Array]:
+    *,
+    with_sq_deviation: Literal[False] = False,
+) -> tuple[Any, jax.Array]: ...
+
+
+@overload
+def running_mean_update(
+    mean: Any,
+    total: jax.Array,
+    value: Any,
+    count: jax.Array,
+    *,
+    with_sq_deviation: Literal[True],
+) -> tuple[Any, jax.Array, jax.Array]: ...
+
+
+def running_mean_update(
+    mean: Any,
+    total: jax.Array,
+    value: Any,
+    count: jax.Array,
+    *,
+    with_sq_deviation: bool = False,
+) -> tuple[Any, jax.Array] | tuple[Any, jax.Array, jax.Array]:
     """Folds ``value`` with weight ``count`` into the running mean ``(mean, total)``.
 
     Args:
@@ -62,9 +104,14 @@ def running_mean_update(
       value: pytree with the structure of ``mean``, the new microbatch's mean.
       count: scalar, non-negative weight of ``value`` (same dtype as ``total``).
         Zero leaves ``mean`` and ``total`` bit-identical, whatever ``value`` holds.
+      with_sq_deviation: also return ``n·(N_old/N)·Σ_leaves ‖value − mean‖²``,
+        the increment of West's weighted sum of squared deviations, reduced in
+        the same pass over the leaves (at least float32; exactly 0 when
+        ``count == 0`` or when ``total == 0``, whatever ``mean`` holds).
 
     Returns:
-      ``(new_mean, new_total)`` with the dtypes of ``(mean, total)``.
+      ``(new_mean, new_total)`` with the dtypes of ``(mean, total)``; with
+      ``with_sq_deviation``, ``(new_mean, new_total, sq_deviation_increment)``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -74,10 +121,28 @@ def running_mean_update(
       >>> m, n = running_mean_update(m, n, jnp.array(jnp.nan), jnp.array(0))
       >>> print(m, n)  # (1 * 1 + 2 * 4) / 3
       3.0 3
+
+      The spread ``S = Σ nᵢ (gᵢ − m)²`` rides along:
+
+      >>> m, n, s = jnp.zeros(()), jnp.array(0), jnp.zeros(())
+      >>> for g, c in [(1.0, 1), (4.0, 2)]:
+      ...     m, n, ds = running_mean_update(m, n, jnp.array(g), jnp.array(c),
+      ...                                    with_sq_deviation=True)
+      ...     s = s + ds
+      >>> print(s)  # 1 * (1 - 3)**2 + 2 * (4 - 3)**2
+      6.0
+
+    References:
+      D. H. D. West, "Updating mean and variance estimates: an improved method",
+      Communications of the ACM 22(9), 1979.
     """
     new_total = total + count
     take = count > 0
     first = total == 0
+    # West's weight of δ below uses the window's ratio N / n (each leaf's update
+    # forms its own in the leaf's precision).
+    ratio = jnp.where(take, safe_fraction(new_total, count), 1)
+    sq_devs = []
 
     def leaf(m, g):
         dtype = compute_dtype(m.dtype)
@@ -96,9 +161,25 @@ def running_mean_update(
         # A zero weight must not leak its (possibly NaN) value into the cotangent
         # of `g` either: zero it before any arithmetic.
         g_c = jnp.where(take, g.astype(dtype), jnp.zeros_like(m_c))
-        new = jnp.where(first, g_c, m_c + (g_c - m_c) / ratio.astype(dtype))
+        delta = g_c - m_c
+        new = jnp.where(first, g_c, m_c + delta / ratio.astype(dtype))
+        if with_sq_deviation:
+            # For the first value δ is measured from a stale mean; zero it so
+            # that no stale NaN reaches the cotangent of `g` through the square.
+            sq_devs.append(sq_norm(jnp.where(first, jnp.zeros_like(delta), delta)))
         return jnp.where(take, new, m_c).astype(m.dtype)
 
     with jax.named_scope("masked_multistep/running_mean"):
         new_mean = jax.tree.map(leaf, mean, value)
-    return new_mean, jnp.where(take, new_total, total).astype(total.dtype)
+        new_total_out = jnp.where(take, new_total, total).astype(total.dtype)
+        if not with_sq_deviation:
+            return new_mean, new_total_out
+        # n·N_old/N = N_old / (N/n): the weight of δ in West's update. It is 0
+        # for the first value (N_old = 0), where δ is measured from a stale mean
+        # that may hold anything, so that case is selected away, not multiplied.
+        sq_dtype = jnp.result_type(jnp.float32, *(d.dtype for d in sq_devs))
+        weight = safe_fraction(total, ratio).astype(sq_dtype)
+        spread = sum(sq_devs, jnp.zeros([], sq_dtype))
+        keep = take & ~first
+        sq_dev = jnp.where(keep, weight * jnp.where(keep, spread, 0), 0)
+    return new_mean, new_total_out, sq_dev.astype(sq_dtype)

@@ -40,6 +40,13 @@ def test_demo_outputs_show_masked_equals_full_batch(tmp_path, capsys):
         ref["heldout_loss"], rel=1e-4
     )
     assert abs(runs["optax_multisteps"]["heldout_loss"] - ref["heldout_loss"]) > 1e-3
+    # The masked run reports the final smoothed gradient noise scale.
+    assert "gradient noise scale B_simple" in printed
+    noise = runs["masked_multisteps"]["noise_scale"]
+    assert (
+        len(noise) == 3 and noise[-1] == runs["masked_multisteps"]["final_noise_scale"]
+    )
+    assert noise[-1] > 0
     # The first microbatch holds the short sequences, the last the long ones.
     tokens = summary["tokens_per_microbatch_first_batch"]
     assert tokens == sorted(tokens) and tokens[-1] > 4 * tokens[0]

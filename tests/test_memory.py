@@ -158,3 +158,33 @@ def test_persistent_state_is_inner_state_plus_one_accumulator(
     # accumulator in place, in the donated buffers.
     memory = _memory(_apply_gradients_loop(tx))
     assert memory.alias_size_in_bytes >= PARAM_BYTES + inner + accumulator
+
+
+# The statistics' own scalars (the current window, the last completed one and
+# the moving averages) may add a few hundred bytes of scalar temporaries.
+STATS_SCALAR_SLACK = 1024
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [_optax_loop, _apply_gradients_loop, _train_state_loop],
+    ids=["update", "apply", "train_state"],
+)
+def test_window_statistics_need_no_extra_scratch_memory(loop):
+    """Σ nᵢ‖gᵢ‖² is reduced from each gradient and ‖ḡ‖² from the window's mean
+    before the inner optimizer reads it: no parameter-sized temporary, and
+    `update` still hands the inner update back in the accumulator's buffer."""
+    if loop is _train_state_loop:
+        pytest.importorskip("flax")
+    plain = _memory(loop(mm.MaskedMultiSteps(_adam(), K))).temp_size_in_bytes
+    stats = _memory(
+        loop(mm.MaskedMultiSteps(_adam(), K, window_stats=True))
+    ).temp_size_in_bytes
+    assert plain <= stats <= plain + STATS_SCALAR_SLACK, (stats, plain)
+
+
+def test_window_statistics_keep_only_scalars_in_the_state():
+    tx = mm.MaskedMultiSteps(_adam(), K, window_stats=True)
+    stats = jax.eval_shape(tx.init, PARAMS).stats
+    assert all(x.shape == () for x in jax.tree.leaves(stats))
+    assert _bytes(stats) <= 128, _bytes(stats)

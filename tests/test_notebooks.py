@@ -12,6 +12,7 @@ NAMES = [
     "01_why_mean_of_means_is_wrong.ipynb",
     "02_precision.ipynb",
     "03_training_with_flax.ipynb",
+    "04_noise_scale.ipynb",
 ]
 
 pytestmark = pytest.mark.slow

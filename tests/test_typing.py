@@ -121,6 +121,26 @@ def test_typed_loss_fn_for_microbatched_value_and_grad():
     assert float(grads["w"]) == pytest.approx((0.0 + 1.0 + 3.0) / 3)
 
 
+def test_window_stats_are_typed():
+    def loss_fn(
+        params: dict[str, jax.Array], batch: dict[str, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        return mm.masked_mean(batch["x"] * params["w"], batch["mask"])
+
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 2, with_stats=True)
+    batch = {"x": jnp.arange(4.0), "mask": jnp.array([True, True, False, True])}
+    (_, count), grads, stats = grad_fn({"w": jnp.ones(())}, batch)
+    assert_type(grads, dict[str, jax.Array])
+    assert_type(stats, mm.WindowStats)
+    assert int(stats.tokens) == int(count) == 3
+
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=1, window_stats=True)
+    opt_state = optax.chain(optax.identity(), tx).init({"w": jnp.zeros(())})
+    assert_type(mm.window_stats(opt_state), mm.WindowStats)
+    assert_type(mm.find_state(opt_state), mm.MaskedMultiStepsState)
+    assert_type(mm.has_updated(opt_state), jax.Array)
+
+
 def test_typed_loss_fn_with_rng_for_microbatched_value_and_grad():
     # `loss_fn` takes the per-microbatch key as a third argument; the returned
     # function takes `rng=` and still types the gradients like the params.

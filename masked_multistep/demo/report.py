@@ -39,6 +39,9 @@ def summarize(
             "train_loss": [float(x) for x in r.train_loss],
             "grad_rel_error": [float(x) for x in r.grad_rel_error],
         }
+        if r.noise_scale is not None:
+            runs[name]["noise_scale"] = [float(x) for x in r.noise_scale]
+            runs[name]["final_noise_scale"] = float(r.noise_scale[-1])
     return {
         "config": config._asdict(),
         "tokens_per_microbatch_first_batch": [int(n) for n in token_counts],
@@ -69,7 +72,12 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{r['grad_rel_error_max']:>9.2e} {r['final_train_loss']:>11.4f} "
             f"{r['heldout_loss']:>14.4f}"
         )
+    tokens_per_step = sum(summary["tokens_per_microbatch_first_batch"])
     lines += [
+        "",
+        "mm.MaskedMultiSteps window statistics: gradient noise scale B_simple "
+        f"(smoothed) {summary['runs']['masked_multisteps']['final_noise_scale']:.3g}",
+        f"tokens at the last step, against about {tokens_per_step} tokens per batch.",
         "",
         "grad rel. error: ‖g − g_full‖ / ‖g_full‖, mean and max over steps; g is the",
         "gradient the accumulator handed to adam, g_full the full-batch gradient at",

@@ -56,11 +56,17 @@ class Config(NamedTuple):
 
 
 class RunResult(NamedTuple):
-    """Per-step measurements of one run, and its held-out loss at the end."""
+    """Per-step measurements of one run, and its held-out loss at the end.
+
+    ``noise_scale`` (``masked_multisteps`` only, else None): per step, the
+    smoothed gradient noise scale ``B_simple`` in tokens from the wrapper's
+    window statistics (:func:`mm.window_stats`).
+    """
 
     train_loss: np.ndarray
     grad_rel_error: np.ndarray
     heldout_loss: float
+    noise_scale: np.ndarray | None = None
 
 
 class RecordState(NamedTuple):
@@ -106,7 +112,7 @@ def _optimizers(config: Config) -> dict[str, tuple[Any, int, Callable]]:
     inner = optax.chain(record(), optax.adam(config.learning_rate))
     k = config.microbatches
     multisteps = optax.MultiSteps(inner, every_k_schedule=k)
-    masked = mm.MaskedMultiSteps(inner, every_k_schedule=k)
+    masked = mm.MaskedMultiSteps(inner, every_k_schedule=k, window_stats=True)
 
     def plain(tx):
         @jax.jit
@@ -176,6 +182,7 @@ def train_all(
     params = {name: init_params for name in RUNS}
     losses = {name: [] for name in RUNS}
     errors = {name: [] for name in RUNS}
+    noise_scale = []
 
     # Compile every step function before `progress` starts (its clock would
     # count compilation as the first step): one step of each run on the first
@@ -203,12 +210,19 @@ def train_all(
             # The window has closed: `record` holds what the inner adam received.
             losses[name].append(loss)
             errors[name].append(relative_error(_recorded(states[name]), g_full))
+        stats = mm.window_stats(states["masked_multisteps"])
+        noise_scale.append(stats.smoothed_noise_scale)
 
     return {
         name: RunResult(
             train_loss=np.asarray(jax.device_get(losses[name]), np.float64),
             grad_rel_error=np.asarray(errors[name]),
             heldout_loss=float(eval_loss(params[name], heldout)),
+            noise_scale=(
+                np.asarray(jax.device_get(noise_scale), np.float64)
+                if name == "masked_multisteps"
+                else None
+            ),
         )
         for name in RUNS
     }

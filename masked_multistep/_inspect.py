@@ -1,0 +1,117 @@
+"""Reading the wrapper's state wherever it sits in an optimizer state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from masked_multistep._multisteps import MaskedMultiStepsState
+from masked_multistep._stats import WindowStats, WindowStatsState
+
+__all__ = ["find_state", "window_stats", "has_updated"]
+
+
+def _is_variable(x: Any) -> bool:
+    # flax NNX variables (``optimizer.opt_state``'s leaves) hold their array
+    # behind ``get_value``; flax is optional, so no isinstance check.
+    return not isinstance(x, jax.Array) and callable(getattr(x, "get_value", None))
+
+
+def find_state(opt_state: Any) -> MaskedMultiStepsState:
+    """The one :class:`MaskedMultiStepsState` inside ``opt_state``.
+
+    Looks through any pytree: a bare state, ``optax.chain``,
+    ``optax.inject_hyperparams``, ``optax.multi_transform`` and ``optax.masked``
+    states, a ``mm.TrainState`` (its ``opt_state``), a flax NNX optimizer's
+    ``opt_state`` (its variables are unwrapped to arrays).
+
+    Raises:
+      ValueError: if ``opt_state`` holds no such state, or more than one (pass
+        the part of the state that holds the one you mean).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import masked_multistep as mm
+      >>> tx = optax.chain(optax.clip_by_global_norm(1.0),
+      ...                  mm.MaskedMultiSteps(optax.sgd(0.1), 2)
+      ...                  .gradient_transformation())
+      >>> state = tx.init(jnp.zeros(3))
+      >>> int(mm.find_state(state).mini_step)
+      0
+    """
+    found = [
+        x
+        for x in jax.tree.leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, MaskedMultiStepsState)
+        )
+        if isinstance(x, MaskedMultiStepsState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            "`opt_state` must hold exactly one MaskedMultiStepsState, found "
+            f"{len(found)} in a {type(opt_state).__name__}"
+        )
+    return jax.tree.map(
+        lambda x: x.get_value() if _is_variable(x) else x,
+        found[0],
+        is_leaf=_is_variable,
+    )
+
+
+def has_updated(opt_state: Any) -> jax.Array:
+    """Whether the last update of the :class:`MaskedMultiSteps` inside
+    ``opt_state`` applied an inner update (ended a window with tokens).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import masked_multistep as mm
+      >>> tx = optax.inject_hyperparams(
+      ...     lambda learning_rate: mm.MaskedMultiSteps(
+      ...         optax.sgd(learning_rate), 1).gradient_transformation()
+      ... )(learning_rate=0.1)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> _, state = tx.update(jnp.ones(2), state, count=jnp.array(4))
+      >>> bool(mm.has_updated(state))
+      True
+    """
+    return jax.numpy.asarray(find_state(opt_state).updated)
+
+
+def window_stats(opt_state: Any) -> WindowStats:
+    """The :class:`WindowStats` of the last completed window.
+
+    They describe the last window that ended (loss, tokens, gradient norm,
+    noise scale) and stay the same until the next one ends, so they can be
+    logged after any step, e.g. when ``mm.has_updated(opt_state)``.
+
+    Raises:
+      ValueError: if ``opt_state`` holds no single :class:`MaskedMultiSteps`
+        state, or its wrapper was built without ``window_stats=True``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import masked_multistep as mm
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+      >>> params = jnp.zeros(2)
+      >>> state = tx.init(params)
+      >>> for g, n, loss in [(1.0, 2, 0.5), (3.0, 2, 1.5)]:
+      ...     _, state = tx.update(jnp.full(2, g), state, params,
+      ...                          count=jnp.array(n), value=jnp.array(loss))
+      >>> stats = mm.window_stats(state)
+      >>> print(int(stats.tokens), stats.loss, stats.grad_sq_norm)
+      4 1.0 8.0
+
+      ``S = 2·‖1 − 2‖² + 2·‖3 − 2‖² = 8`` over ``K = 2`` microbatches:
+      ``tr Σ̂ = 8``, ``|G|²̂ = 8 − 8 / 4 = 6``, ``B_simple = 8 / 6`` tokens.
+
+      >>> print(stats.grad_var_trace, stats.true_grad_sq_norm, stats.noise_scale)
+      8.0 6.0 1.3333334
+    """
+    stats = find_state(opt_state).stats
+    if not isinstance(stats, WindowStatsState):
+        raise ValueError(
+            "This MaskedMultiSteps keeps no window statistics: construct it with "
+            "`window_stats=True`."
+        )
+    return stats.last

@@ -1,0 +1,799 @@
+"""Window statistics: the estimators of tr Σ, |G|² and B_simple, and their state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import masked_multistep as mm
+from masked_multistep import _stats
+
+DECAY = 0.9
+
+
+def _window(stats, grads, counts, decay=DECAY):
+    """Folds one window (arrays of shape (K, d) and (K,)) into ``stats`` with
+    the library's own arithmetic: the running mean for ḡ, the statistics'
+    accumulation, then the window's close."""
+
+    def body(carry, xs):
+        mean, total, stats = carry
+        g, n = xs
+        mean, total = mm.running_mean_update(mean, total, g, n)
+        stats = _stats.accumulate_window_stats(stats, g, n)
+        return (mean, total, stats), None
+
+    d = grads.shape[-1]
+    init = (jnp.zeros(d, jnp.float32), jnp.zeros([], counts.dtype), stats)
+    (mean, total, stats), _ = jax.lax.scan(body, init, (grads, counts))
+    return _stats.close_window_stats(
+        stats,
+        jnp.array(True),
+        tokens=total,
+        grad_sq_norm=_stats.tree_sq_norm(mean),
+        loss=jnp.float32(jnp.nan),
+        decay=decay,
+    )
+
+
+def _one_window(grads, counts):
+    return _window(_stats.init_window_stats(counts.dtype), grads, counts).last
+
+
+def _microbatch_means(rng, g_true, sigma_diag, counts):
+    """Per-token Gaussian gradients N(G, diag σ²), averaged per microbatch; a
+    microbatch without tokens gets NaN (the 0/0 of an all-masked mean)."""
+    out = []
+    for n in counts:
+        if n == 0:
+            out.append(np.full_like(g_true, np.nan))
+        else:
+            tokens = g_true + rng.normal(size=(n, g_true.size)) * np.sqrt(sigma_diag)
+            out.append(tokens.mean(axis=0))
+    return np.asarray(out, np.float32)
+
+
+def test_estimators_are_unbiased_with_unequal_counts_and_empty_microbatches():
+    rng = np.random.default_rng(0)
+    d, windows = 8, 3000
+    g_true = rng.normal(size=d) * 0.3
+    sigma_diag = rng.uniform(0.5, 2.0, size=d)
+    counts = np.array([0, 3, 17, 1, 40, 0, 9, 2], np.int32)
+    grads = np.stack(
+        [_microbatch_means(rng, g_true, sigma_diag, counts) for _ in range(windows)]
+    )
+    last = jax.jit(jax.vmap(_one_window, in_axes=(0, None)))(
+        jnp.asarray(grads), jnp.asarray(counts)
+    )
+    assert np.all(np.asarray(last.microbatches) == 6)
+    assert np.all(np.asarray(last.tokens) == counts.sum())
+    for estimate, truth in [
+        (last.grad_var_trace, sigma_diag.sum()),
+        (last.true_grad_sq_norm, np.sum(g_true**2)),
+    ]:
+        x = np.asarray(estimate, np.float64)
+        assert np.all(np.isfinite(x))
+        se = x.std(ddof=1) / np.sqrt(windows)
+        assert abs(x.mean() - truth) < 3 * se, (x.mean(), truth, se)
+
+
+def test_equal_counts_give_mccandlish_two_batch_estimators():
+    rng = np.random.default_rng(1)
+    k, n, d = 4, 16, 32
+    grads = rng.normal(loc=0.5, size=(k, d)).astype(np.float32)
+    last = jax.jit(_one_window)(jnp.asarray(grads), jnp.full(k, n, jnp.int32))
+
+    g = grads.astype(np.float64)
+    b_small, b_big = n, k * n
+    g_small_sq = np.mean(np.sum(g**2, axis=1))  # |G_small|², averaged
+    g_big_sq = np.sum(g.mean(axis=0) ** 2)  # |G_big|²
+    true_sq = (b_big * g_big_sq - b_small * g_small_sq) / (b_big - b_small)
+    trace = (g_small_sq - g_big_sq) / (1 / b_small - 1 / b_big)
+    np.testing.assert_allclose(last.grad_var_trace, trace, rtol=1e-5)
+    np.testing.assert_allclose(last.true_grad_sq_norm, true_sq, rtol=1e-5)
+    np.testing.assert_allclose(last.noise_scale, trace / true_sq, rtol=2e-5)
+    np.testing.assert_allclose(last.grad_sq_norm, g_big_sq, rtol=1e-6)
+
+
+@pytest.mark.parametrize("tokens_per_noise_scale", [1, 10, 100, 1000])
+def test_spread_matches_float64_two_pass(tokens_per_noise_scale):
+    """S = Σ nᵢ‖gᵢ − ḡ‖² from the float32 state against a float64 two-pass sum,
+    at N / B_simple = 1 to 1000 (S is formed by a subtraction whose
+    cancellation grows with N / B_simple: about 1e-4 at 10⁴, see _stats)."""
+    rng = np.random.default_rng(2)
+    k, d = 8, 100_000
+    counts = rng.integers(1, 500, size=k).astype(np.int32)
+    # Unit per-token noise: tr Σ = d, |G|² ≈ d·scale², so B_simple ≈ 1 / scale².
+    scale = np.sqrt(tokens_per_noise_scale / counts.sum())
+    g_true = scale * rng.normal(size=d)
+    noise = rng.normal(size=(k, d)) / np.sqrt(counts[:, None])
+    grads = (g_true + noise).astype(np.float32)
+    last = jax.jit(_one_window)(jnp.asarray(grads), jnp.asarray(counts))
+
+    g = grads.astype(np.float64)
+    w = counts.astype(np.float64)
+    mean = (w[:, None] * g).sum(axis=0) / w.sum()
+    s_ref = np.sum(w * np.sum((g - mean) ** 2, axis=1))
+    s = float(last.grad_var_trace) * (k - 1)
+    assert abs(s - s_ref) <= 1e-5 * s_ref, (s, s_ref)
+
+    # West's update of the running mean carries the same S.
+    def body(carry, xs):
+        m, total, s = carry
+        m, total, ds = mm.running_mean_update(m, total, *xs, with_sq_deviation=True)
+        return (m, total, s + ds), None
+
+    init = (jnp.zeros(d), jnp.zeros([], jnp.int32), jnp.zeros([]))
+    (_, _, s_west), _ = jax.jit(lambda xs: jax.lax.scan(body, init, xs))(
+        (jnp.asarray(grads), jnp.asarray(counts))
+    )
+    assert abs(float(s_west) - s_ref) <= 1e-5 * s_ref, (float(s_west), s_ref)
+
+
+def test_no_tokens_one_microbatch_and_empty_nan_microbatches():
+    d = 3
+    nan = np.full((1, d), np.nan, np.float32)
+    # K = 0: every estimate NaN, the window still counts.
+    last = _one_window(jnp.asarray(np.concatenate([nan, nan])), jnp.zeros(2, jnp.int32))
+    assert int(last.microbatches) == 0 and int(last.tokens) == 0
+    assert int(last.windows) == 1 and float(last.tokens_seen) == 0.0
+    for x in (last.grad_sq_norm, last.grad_var_trace, last.noise_scale):
+        assert np.isnan(x)
+    # K = 1 (with empty NaN microbatches around it): the norm is known, the
+    # variance is not.
+    g = np.array([[1.0, 2.0, 2.0]], np.float32)
+    last = _one_window(
+        jnp.asarray(np.concatenate([nan, g, nan])), jnp.array([0, 5, 0], jnp.int32)
+    )
+    assert int(last.microbatches) == 1 and int(last.tokens) == 5
+    assert float(last.grad_sq_norm) == 9.0
+    for x in (
+        last.grad_var_trace,
+        last.true_grad_sq_norm,
+        last.noise_scale,
+        last.smoothed_noise_scale,
+    ):
+        assert np.isnan(x)
+
+
+def test_empty_microbatch_leaves_state_bit_identical():
+    stats = _stats.init_window_stats(jnp.float32)
+    stats = _stats.accumulate_window_stats(stats, jnp.arange(3.0), jnp.float32(2.5))
+    after = _stats.accumulate_window_stats(
+        stats, jnp.array([jnp.nan, jnp.inf, 1.0]), jnp.float32(0)
+    )
+    for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(after), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+    # A window that does not end leaves the snapshot alone.
+    kept = _stats.close_window_stats(
+        after,
+        jnp.array(False),
+        tokens=jnp.float32(2.5),
+        grad_sq_norm=jnp.float32(5.0),
+        loss=jnp.float32(1.0),
+        decay=DECAY,
+    )
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(kept), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+
+
+def test_non_finite_gradient_spoils_only_its_window():
+    stats = _stats.init_window_stats(jnp.int32)
+    bad = jnp.array([[1.0, 1.0], [jnp.inf, 0.0], [0.0, 1.0]])
+    stats = _window(stats, bad, jnp.array([1, 2, 3], jnp.int32))
+    assert np.isnan(stats.last.grad_var_trace) and np.isnan(stats.last.noise_scale)
+    assert float(stats.ema_weight) == 0.0  # not averaged in
+    good = jnp.array([[1.0, 1.0], [2.0, 0.0], [0.0, 1.0]])
+    stats = _window(stats, good, jnp.array([1, 2, 3], jnp.int32))
+    assert np.isfinite(stats.last.grad_var_trace)
+    assert int(stats.last.windows) == 2 and float(stats.last.tokens_seen) == 12.0
+
+
+def test_smoothing_is_a_ratio_of_debiased_moving_averages():
+    rng = np.random.default_rng(3)
+    stats = _stats.init_window_stats(jnp.int32)
+    counts = jnp.array([4, 7, 2, 9], jnp.int32)
+    window = jax.jit(_window)
+    var, true_sq, smoothed = [], [], []
+    for _ in range(6):
+        grads = jnp.asarray(rng.normal(loc=0.3, size=(4, 16)), jnp.float32)
+        stats = window(stats, grads, counts)
+        var.append(float(stats.last.grad_var_trace))
+        true_sq.append(float(stats.last.true_grad_sq_norm))
+        smoothed.append(float(stats.last.smoothed_noise_scale))
+    num = den = weight = 0.0
+    for t, (v, g) in enumerate(zip(var, true_sq, strict=True)):
+        num = DECAY * num + (1 - DECAY) * v
+        den = DECAY * den + (1 - DECAY) * g
+        weight = DECAY * weight + (1 - DECAY)
+        expect = (num / weight) / (den / weight) if den > 0 else np.nan
+        np.testing.assert_allclose(smoothed[t], expect, rtol=1e-5)
+    assert np.isclose(float(stats.ema_weight), weight, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "count", "steps"),
+    [(jnp.float32, 2**24 - 1, 300_000), (jnp.int32, 2**31 - 1, 3_000)],
+    ids=["float32-counts", "int32-counts"],
+)
+def test_tokens_seen_is_exact_far_beyond_int32(dtype, count, steps):
+    def body(total, _):
+        return _stats._add_tokens(total, jnp.asarray(count, dtype)), None
+
+    zero = _stats.TokenTotal(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
+    total, _ = jax.jit(lambda t: jax.lax.scan(body, t, None, length=steps))(zero)
+    assert count * steps > 2**40
+    assert float(total) == count * steps
+    assert total.value() == count * steps
+
+
+def test_reverse_mode_derivatives_are_finite_through_empty_microbatches():
+    def spread(g):
+        m, total, s = jnp.zeros(2), jnp.float32(0), jnp.float32(0)
+        stats = _stats.init_window_stats(jnp.float32)
+        for gi, n in [(g, 2.0), (jnp.full(2, jnp.nan), 0.0), (2 * g + 1, 3.0)]:
+            m, total, ds = mm.running_mean_update(
+                m, total, gi, jnp.float32(n), with_sq_deviation=True
+            )
+            s = s + ds
+            stats = _stats.accumulate_window_stats(stats, gi, jnp.float32(n))
+        return s + stats.weighted_sq_norms
+
+    grad = jax.grad(spread)(jnp.array([0.5, -1.0]))
+    assert np.all(np.isfinite(grad)), grad
+
+
+# ------------------------------------------------------------------ the wrapper
+
+D = 5
+WINDOW = 3
+# (count, gradient is NaN): unequal counts, empty NaN microbatches, a window
+# with one counted microbatch and a window with none.
+PLAN = [
+    (4, False), (0, True), (9, False),
+    (2, False), (7, False), (1, False),
+    (0, True), (6, False), (0, False),
+    (0, True), (0, True), (0, False),
+    (3, False), (5, False),
+]  # fmt: skip
+
+
+def _plan_data(seed=0, plan=PLAN):
+    rng = np.random.default_rng(seed)
+    grads, counts, values = [], [], []
+    for n, bad in plan:
+        g = rng.normal(loc=0.4, size=D).astype(np.float32)
+        grads.append(np.full(D, np.nan, np.float32) if bad else g)
+        counts.append(n)
+        values.append(np.float32(rng.uniform(1, 3)))
+    return np.asarray(grads), np.asarray(counts, np.int32), np.asarray(values)
+
+
+def _run(tx, grads, counts, values, apply_params=False, params=None):
+    """Feeds the plan through ``tx`` under jit; returns outputs and states."""
+    params = jnp.zeros(D) if params is None else params
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, g, n, v):
+        if apply_params:
+            return tx.apply_gradients(g, state, params, count=n, value=v)
+        updates, state = tx.update(g, state, params, count=n, value=v)
+        return optax.apply_updates(params, updates), state
+
+    outs, states = [], []
+    for g, n, v in zip(grads, counts, values, strict=True):
+        params, state = step(params, state, g, n, v)
+        outs.append(params)
+        states.append(state)
+    return outs, states
+
+
+def _without_stats(state):
+    return state._replace(stats=())
+
+
+@pytest.mark.parametrize("apply_params", [False, True], ids=["update", "apply"])
+def test_statistics_never_change_the_updates(apply_params):
+    data = _plan_data()
+    inner = optax.adam(0.1)
+    plain = mm.MaskedMultiSteps(inner, WINDOW)
+    stats = mm.MaskedMultiSteps(inner, WINDOW, window_stats=True)
+    outs_a, states_a = _run(plain, *data, apply_params=apply_params)
+    outs_b, states_b = _run(stats, *data, apply_params=apply_params)
+    for a, b, sa, sb in zip(outs_a, outs_b, states_a, states_b, strict=True):
+        assert np.array_equal(a, b)
+        for x, y in zip(
+            jax.tree.leaves(sa), jax.tree.leaves(_without_stats(sb)), strict=True
+        ):
+            assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True)
+    assert states_a[-1].stats == ()
+
+
+def test_wrapper_reports_each_completed_window_until_the_next():
+    grads, counts, values = _plan_data()
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), WINDOW, window_stats=True)
+    _, states = _run(tx, grads, counts, values)
+    seen = 0
+    previous = _stats.init_window_stats(jnp.int32).last
+    for i, state in enumerate(states):
+        last = mm.window_stats(state)
+        if (i + 1) % WINDOW:
+            # Mid-window: still the previous window's figures.
+            for a, b in zip(jax.tree.leaves(last), jax.tree.leaves(previous)):
+                assert np.array_equal(a, b, equal_nan=True)
+            continue
+        sl = slice(i + 1 - WINDOW, i + 1)
+        g, n, v = grads[sl], counts[sl], values[sl]
+        ref = _one_window(jnp.asarray(g), jnp.asarray(n))
+        seen += int(n.sum())
+        assert int(last.tokens) == n.sum()
+        assert int(last.microbatches) == np.count_nonzero(n)
+        assert int(last.windows) == (i + 1) // WINDOW
+        assert float(last.tokens_seen) == seen
+        if n.sum():
+            np.testing.assert_allclose(last.loss, np.sum(n * v) / n.sum(), rtol=1e-6)
+        for name in ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm"):
+            np.testing.assert_allclose(
+                getattr(last, name), getattr(ref, name), rtol=1e-5
+            )
+        previous = last
+    # Windows: K = 2, 3, 1 (NaN variance), 0 (no tokens) in turn.
+    assert [int(mm.window_stats(s).microbatches) for s in states[2::3]] == [2, 3, 1, 0]
+
+
+def test_skipped_and_non_finite_microbatches():
+    grads, counts, values = _plan_data(plan=[(3, False)] * 6)
+    grads[1] = np.inf
+    # With optax.skip_not_finite the bad microbatch never happened.
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1),
+        WINDOW,
+        should_skip_update_fn=optax.skip_not_finite,
+        window_stats=True,
+    )
+    _, states = _run(tx, grads, counts, values)
+    first = mm.window_stats(states[3])  # the window of microbatches 0, 2, 3
+    ref = _one_window(jnp.asarray(grads[[0, 2, 3]]), jnp.asarray(counts[[0, 2, 3]]))
+    assert int(first.microbatches) == 3
+    np.testing.assert_allclose(first.grad_var_trace, ref.grad_var_trace, rtol=1e-5)
+    # Without it, the non-finite gradient spoils its window's statistics only.
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), WINDOW, window_stats=True)
+    _, states = _run(tx, grads, counts, values)
+    assert np.isnan(mm.window_stats(states[2]).noise_scale)
+    assert np.isfinite(mm.window_stats(states[5]).grad_var_trace)
+    assert float(mm.window_stats(states[5]).tokens_seen) == 18.0
+
+
+def test_statistics_under_scan_and_vmap():
+    grads, counts, values = _plan_data()
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), WINDOW, window_stats=True)
+    params = jnp.zeros(D)
+
+    def run(g, n, v):
+        def body(state, xs):
+            _, state = tx.update(xs[0], state, params, count=xs[1], value=xs[2])
+            return state, None
+
+        return jax.lax.scan(body, tx.init(params), (g, n, v))[0]
+
+    _, states = _run(tx, grads, counts, values)
+    scanned = jax.jit(run)(grads, counts, values)
+    for a, b in zip(
+        jax.tree.leaves(states[-1].stats), jax.tree.leaves(scanned.stats), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    # Two independent runs side by side; the second sees the plan reversed.
+    batched = jax.jit(jax.vmap(run))(
+        np.stack([grads, grads[::-1]]),
+        np.stack([counts, counts[::-1]]),
+        np.stack([values, values[::-1]]),
+    )
+    reverse = jax.jit(run)(grads[::-1], counts[::-1], values[::-1])
+    for a, b, c in zip(
+        jax.tree.leaves(batched.stats),
+        jax.tree.leaves(scanned.stats),
+        jax.tree.leaves(reverse.stats),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a[0], b, rtol=1e-6)
+        np.testing.assert_allclose(a[1], c, rtol=1e-6)
+
+
+def test_window_stats_and_has_updated_find_nested_states():
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+    grads = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([0.5, 0.0, -1.0])}
+    mmtx = mm.MaskedMultiSteps(optax.sgd(0.1), 1, window_stats=True)
+    nested = {
+        "chain": optax.chain(
+            optax.clip_by_global_norm(10.0), mmtx.gradient_transformation()
+        ),
+        "inject": optax.inject_hyperparams(
+            lambda learning_rate: mm.MaskedMultiSteps(
+                optax.sgd(learning_rate), 1, window_stats=True
+            ).gradient_transformation()
+        )(learning_rate=0.1),
+        "multi_transform": optax.multi_transform(
+            {"mm": mmtx.gradient_transformation(), "sgd": optax.sgd(0.1)},
+            {"a": "mm", "b": "sgd"},
+        ),
+    }
+    for name, tx in nested.items():
+        state = tx.init(params)
+        assert not bool(mm.has_updated(state)), name
+        _, state = tx.update(grads, state, params, count=jnp.array(2))
+        assert bool(mm.has_updated(state)), name
+        stats = mm.window_stats(state)
+        assert int(stats.tokens) == 2 and int(stats.windows) == 1, name
+
+    with pytest.raises(ValueError, match="exactly one MaskedMultiStepsState"):
+        mm.window_stats((mmtx.init(params), mmtx.init(params)))
+    with pytest.raises(ValueError, match="exactly one MaskedMultiStepsState"):
+        mm.has_updated(optax.adam(0.1).init(params))
+    with pytest.raises(ValueError, match="window_stats=True"):
+        mm.window_stats(mm.MaskedMultiSteps(optax.sgd(0.1), 1).init(params))
+
+
+def test_window_stats_in_flax_train_states():
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2, window_stats=True)
+    state = mm.TrainState.create(apply_fn=None, params=jnp.zeros(3), tx=tx)
+    for g, n in [(1.0, 2), (3.0, 2)]:
+        state = state.apply_gradients(grads=jnp.full(3, g), count=jnp.array(n))
+    assert bool(mm.has_updated(state))
+    np.testing.assert_allclose(mm.window_stats(state).grad_var_trace, 12.0)
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    for n in (2, 5):
+        optimizer.update(model, grads, count=jnp.array(n))
+    stats = mm.window_stats(optimizer.opt_state)
+    assert isinstance(stats.tokens, jax.Array) and int(stats.tokens) == 7
+    assert float(stats.grad_var_trace) == 0.0  # equal gradients: no spread
+    assert bool(mm.has_updated(optimizer.opt_state))
+
+
+def test_checkpoint_mid_window_restores_the_statistics(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    grads, counts, values = _plan_data()
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), WINDOW, window_stats=True)
+    _, states = _run(tx, grads, counts, values)
+    saved = states[4]  # mid-window, after one completed window
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", saved)
+        checkpointer.wait_until_finished()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(jnp.zeros(D)))
+        restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+    assert isinstance(restored.stats, _stats.WindowStatsState)
+    params = jnp.zeros(D)
+    state = restored
+    for g, n, v in zip(grads[5:], counts[5:], values[5:], strict=True):
+        _, state = tx.update(g, state, params, count=n, value=v)
+    for a, b in zip(
+        jax.tree.leaves(state.stats), jax.tree.leaves(states[-1].stats), strict=True
+    ):
+        assert np.array_equal(a, b, equal_nan=True)
+
+
+def test_constructor_checks_the_statistics_arguments():
+    with pytest.raises(TypeError, match="`window_stats` must be a bool, got int"):
+        mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=1)
+    with pytest.raises(ValueError, match=r"`stats_decay` must be in \[0, 1\), got 1"):
+        mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=1)
+
+
+# --------------------------------------------- the Core semantics, with statistics
+
+# A plan with a non-finite gradient in a counted microbatch (its window is not
+# handed to the inner optimizer), empty NaN microbatches, and a window with one.
+PLAN_NONFINITE = [
+    (4, False), (3, False), (5, False),
+    (2, False), (0, True), (6, False),
+    (3, False), (2, False), (4, False),
+]  # fmt: skip
+
+
+def _nonfinite_plan_data():
+    grads, counts, values = _plan_data(seed=4, plan=PLAN_NONFINITE)
+    grads[3, 1] = np.inf  # window 1: a counted microbatch with an inf element
+    return grads, counts, values
+
+
+@pytest.mark.parametrize("apply_params", [False, True], ids=["update", "apply"])
+@pytest.mark.parametrize(
+    "skip", [None, optax.skip_not_finite], ids=["no-skip", "skip-not-finite"]
+)
+def test_statistics_never_change_the_updates_with_non_finite_windows(
+    apply_params, skip
+):
+    data = _nonfinite_plan_data()
+    inner = optax.adam(0.1)
+    plain = mm.MaskedMultiSteps(inner, WINDOW, should_skip_update_fn=skip)
+    stats = mm.MaskedMultiSteps(
+        inner, WINDOW, should_skip_update_fn=skip, window_stats=True
+    )
+    outs_a, states_a = _run(plain, *data, apply_params=apply_params)
+    outs_b, states_b = _run(stats, *data, apply_params=apply_params)
+    for a, b, sa, sb in zip(outs_a, outs_b, states_a, states_b, strict=True):
+        assert np.array_equal(a, b)
+        for x, y in zip(
+            jax.tree.leaves(sa), jax.tree.leaves(_without_stats(sb)), strict=True
+        ):
+            assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True)
+    expected_nonfinite = 0 if skip else 1
+    assert int(states_b[-1].num_nonfinite_windows) == expected_nonfinite
+
+
+def test_a_non_finite_window_is_recorded_without_estimates():
+    """The window whose mean is not finite (not handed to the inner optimizer)
+    still completes: its tokens, microbatches, loss and tokens_seen count; its
+    ‖ḡ‖² is the non-finite value; its estimates are NaN and the smoothing skips
+    it."""
+    grads, counts, values = _nonfinite_plan_data()
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), WINDOW, window_stats=True)
+    _, states = _run(tx, grads, counts, values)
+    before, bad, after = (mm.window_stats(states[i]) for i in (2, 5, 8))
+    assert not bool(states[5].updated) and int(states[5].num_nonfinite_windows) == 1
+    assert int(bad.tokens) == 8 and int(bad.microbatches) == 2
+    assert int(bad.windows) == 2 and float(bad.tokens_seen) == 12 + 8
+    np.testing.assert_allclose(bad.loss, (2 * values[3] + 6 * values[5]) / 8, rtol=1e-6)
+    assert not np.isfinite(bad.grad_sq_norm)
+    for x in (bad.grad_var_trace, bad.true_grad_sq_norm, bad.noise_scale):
+        assert np.isnan(x)
+    # The moving averages skipped it: the smoothed figure is still the first
+    # window's, and the third window folds in as the second averaged one.
+    assert float(bad.smoothed_noise_scale) == float(before.smoothed_noise_scale)
+    assert np.isclose(float(states[5].stats.ema_weight), 1 - DECAY)
+    assert np.isclose(float(states[8].stats.ema_weight), 1 - DECAY**2)
+    assert np.isfinite(after.grad_var_trace) and bool(states[8].updated)
+
+
+def test_loss_is_the_token_weighted_mean_over_microbatches_that_passed_a_value():
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 4, window_stats=True)
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    # (count, value or None): the value-less microbatches weigh nothing in the
+    # loss, a count-0 microbatch neither (its NaN value included).
+    plan = [(2, 1.0), (3, None), (0, float("nan")), (6, 4.0)]
+    for n, v in plan:
+        extra = {} if v is None else {"value": jnp.float32(v)}
+        _, state = tx.update(jnp.ones(2), state, params, count=jnp.array(n), **extra)
+    stats = mm.window_stats(state)
+    assert int(stats.tokens) == 11 and int(stats.microbatches) == 3
+    np.testing.assert_allclose(stats.loss, (2 * 1.0 + 6 * 4.0) / 8, rtol=1e-6)
+    # No microbatch passed a value: the loss is NaN.
+    for _ in range(4):
+        _, state = tx.update(jnp.ones(2), state, params, count=jnp.array(1))
+    assert np.isnan(mm.window_stats(state).loss)
+
+
+def test_count_zero_microbatches_count_toward_the_window_whatever_the_skip_says():
+    """optax.skip_not_finite would skip the NaN gradient of an empty microbatch;
+    the window counts it anyway, and the statistics see no tokens from it."""
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1),
+        3,
+        should_skip_update_fn=optax.skip_not_finite,
+        window_stats=True,
+    )
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    for g, n in [([1.0, 0.0], 2), ([np.nan, np.nan], 0), ([0.0, 3.0], 1)]:
+        _, state = tx.update(jnp.array(g), state, params, count=jnp.array(n))
+    assert bool(state.updated)
+    stats = mm.window_stats(state)
+    ref = _one_window(jnp.array([[1.0, 0.0], [0.0, 3.0]]), jnp.array([2, 1], jnp.int32))
+    assert int(stats.microbatches) == 2 and int(stats.tokens) == 3
+    np.testing.assert_allclose(stats.grad_var_trace, ref.grad_var_trace, rtol=1e-6)
+
+
+@pytest.mark.parametrize("count_dtype", [jnp.float32, jnp.int32])
+def test_statistics_follow_the_count_dtype(count_dtype):
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1), 2, count_dtype=count_dtype, window_stats=True
+    )
+    params = jnp.zeros(3)
+    state = tx.init(params)
+    for g, n in [(1.0, 2), (3.0, 2)]:
+        _, state = tx.update(jnp.full(3, g), state, params, count=n)
+    stats = mm.window_stats(state)
+    assert stats.tokens.dtype == jnp.dtype(count_dtype) and int(stats.tokens) == 4
+    np.testing.assert_allclose(stats.grad_var_trace, 12.0)  # 2·3 + 2·3 over 1
+
+
+def test_microbatched_value_and_grad_returns_the_same_statistics():
+    """One call of `microbatched_value_and_grad(..., with_stats=True)` is one
+    window: its statistics equal the wrapper's over the same microbatches."""
+    rng = np.random.default_rng(5)
+    k, rows, width = 4, 16, 6
+    # Unequal counts (microbatch j is rows j, j + 4, ...); microbatch 1 empty.
+    mask = rng.uniform(size=(rows,)) < 0.7
+    mask[[0, 2, 3]] = True
+    mask[1::k] = False
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(rows, width)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(rows,)), jnp.float32),
+        "mask": jnp.asarray(mask),
+    }
+
+    def loss_fn(w, mb):
+        return mm.masked_mean((mb["x"] @ w - mb["y"]) ** 2, mb["mask"])
+
+    w = jnp.asarray(rng.normal(size=width), jnp.float32)
+    grad_fn = jax.jit(mm.microbatched_value_and_grad(loss_fn, k, with_stats=True))
+    (loss, count), grads, stats = grad_fn(w, batch)
+    assert isinstance(stats, mm.WindowStats)
+
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), k, window_stats=True)
+    state = tx.init(w)
+    for j in range(k):
+        mb = jax.tree.map(lambda x, j=j: x[j::k], batch)
+        (lj, nj), gj = jax.value_and_grad(loss_fn, has_aux=True)(w, mb)
+        _, state = tx.update(gj, state, w, count=nj, value=lj)
+    ref = mm.window_stats(state)
+    assert int(stats.microbatches) == int(ref.microbatches) == k - 1  # one empty
+    assert int(stats.tokens) == int(ref.tokens) == int(count)
+    assert int(stats.windows) == 1 and float(stats.tokens_seen) == int(count)
+    np.testing.assert_allclose(stats.loss, loss, rtol=1e-6)
+    for name in (
+        "loss",
+        "grad_sq_norm",
+        "grad_var_trace",
+        "true_grad_sq_norm",
+        "noise_scale",
+    ):
+        np.testing.assert_allclose(
+            getattr(stats, name), getattr(ref, name), rtol=2e-5, err_msg=name
+        )
+    np.testing.assert_allclose(stats.smoothed_noise_scale, stats.noise_scale)
+    # Without with_stats the output is unchanged.
+    plain = jax.jit(mm.microbatched_value_and_grad(loss_fn, k))(w, batch)
+    assert len(plain) == 2
+    np.testing.assert_array_equal(plain[1], grads)
+    with pytest.raises(TypeError, match="`with_stats` must be a bool, got 1"):
+        mm.microbatched_value_and_grad(loss_fn, k, with_stats=1)
+
+
+def test_switching_from_optax_multisteps_mid_window_keeps_the_statistics_unbiased():
+    """The converted window holds the optax.MultiSteps mean as one microbatch
+    of `acc_count` tokens."""
+    params = jnp.zeros(2)
+    old = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=3)
+    old_state = old.init(params)
+    g = np.array([[1.0, 2.0], [3.0, 0.0], [-1.0, 5.0]], np.float32)
+    for gi in g[:2]:
+        _, old_state = old.update(jnp.asarray(gi), old_state, params)
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 3, window_stats=True)
+    state = mm.from_optax_multisteps(old_state, tx, params, acc_count=2 * 4)
+    _, state = tx.update(jnp.asarray(g[2]), state, params, count=jnp.array(5))
+    stats = mm.window_stats(state)
+    ref = _one_window(
+        jnp.asarray(np.stack([g[:2].mean(axis=0), g[2]])),
+        jnp.array([8, 5], jnp.int32),
+    )
+    assert int(stats.microbatches) == 2 and int(stats.tokens) == 13
+    for name in ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm"):
+        np.testing.assert_allclose(getattr(stats, name), getattr(ref, name), rtol=1e-6)
+
+
+def test_repr_and_copies_keep_the_statistics_options():
+    import copy
+
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=0.5)
+    assert "window_stats=True, stats_decay=0.5" in repr(tx)
+    assert "window_stats" not in repr(mm.MaskedMultiSteps(optax.sgd(0.1), 2))
+    # A copy is rebuilt from the constructor's arguments (`__reduce__`).
+    again = copy.deepcopy(tx)
+    assert again is not tx and repr(again) == repr(tx)
+    assert isinstance(again.init(jnp.zeros(2)).stats, _stats.WindowStatsState)
+
+
+def test_a_0_1_checkpoint_mid_window_keeps_the_statistics_unbiased():
+    """0.1 kept no statistics: the pending window's mean counts as one
+    microbatch of its tokens."""
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    params = jnp.zeros(2)
+    template = tx.init(params)
+    old = {
+        **mm.state_0_1_target(template),
+        "mini_step": jnp.int32(1),
+        "acc_count": jnp.int32(6),
+        "acc_grads": jnp.array([1.0, -2.0]),
+    }
+    state = mm.from_state_0_1(old, template)
+    _, state = tx.update(jnp.array([3.0, 0.0]), state, params, count=jnp.int32(2))
+    stats = mm.window_stats(state)
+    ref = _one_window(jnp.array([[1.0, -2.0], [3.0, 0.0]]), jnp.array([6, 2]))
+    assert int(stats.microbatches) == 2 and int(stats.tokens) == 8
+    for name in ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm"):
+        np.testing.assert_allclose(getattr(stats, name), getattr(ref, name), rtol=1e-6)
+
+
+def test_deferred_reduction_counts_each_devices_share_as_a_small_batch():
+    """With reduction=mm.deferred, every device's share of a microbatch is a
+    small batch of its own: the statistics equal those of a single-device
+    window fed the same per-device gradients one by one, and the updates stay
+    bit-identical with statistics on."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    ndev, rows, width = len(jax.devices()), 2, 4
+    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    data = NamedSharding(mesh, P("data"))
+    rng = np.random.default_rng(6)
+
+    def loss_fn(w, mb):
+        x = jnp.where(mb["mask"][..., None], mb["x"], 0)  # padding holds NaN
+        return mm.masked_mean((x @ w - mb["y"]) ** 2, mb["mask"])
+
+    def batch(empty_device):
+        mask = rng.uniform(size=(ndev * rows, 3)) < 0.8
+        mask[empty_device * rows : (empty_device + 1) * rows] = False
+        x = rng.normal(size=(ndev * rows, 3, width))
+        return {
+            "x": jnp.asarray(np.where(mask[..., None], x, np.nan), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(ndev * rows, 3)), jnp.float32),
+            "mask": jnp.asarray(mask),
+        }
+
+    grad_fn = jax.jit(mm.per_device_value_and_grad(loss_fn, mesh, "data"))
+    params = jax.device_put(jnp.asarray(rng.normal(size=width), jnp.float32))
+    pieces = [grad_fn(params, jax.device_put(batch(d), data)) for d in (1, 4)]
+
+    def run(tx):
+        state = tx.init(params)
+        step = jax.jit(lambda s, g, n, v: tx.update(g, s, params, count=n, value=v))
+        outs = []
+        for (loss, count), grads in pieces:
+            updates, state = step(state, grads, count, loss)
+            outs.append(updates)
+        return outs, state
+
+    reduction = mm.deferred(mesh, "data")
+    plain_out, plain = run(mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction))
+    stats_out, with_stats = run(
+        mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction, window_stats=True)
+    )
+    for a, b in zip(plain_out, stats_out, strict=True):
+        assert np.array_equal(a, b)
+    assert bool(with_stats.updated)
+
+    # Still one gradient-sized reduction per window; the statistics add one
+    # scalar all-reduce per microbatch (Σ_d nᵈ‖gᵈ‖² and K, 8 bytes).
+    from _helpers import collectives
+
+    def compiled(tx):
+        def step(s, g, n, v):
+            return tx.update(g, s, params, count=n, value=v)
+
+        (loss, count), grads = pieces[0]
+        lowered = jax.jit(step).lower(tx.init(params), grads, count, loss)
+        return sorted(
+            (c.kind, c.where, c.bytes) for c in collectives(lowered.compile().as_text())
+        )
+
+    base = compiled(mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction))
+    more = compiled(
+        mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction, window_stats=True)
+    )
+    assert sorted([*base, ("all-reduce", "step", 8)]) == more, (base, more)
+
+    # The same pieces, one by one, through a single-device window.
+    ref_tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2 * ndev, window_stats=True)
+    ref = ref_tx.init(jnp.zeros(width))
+    for (_, count), grads in pieces:
+        for d in range(ndev):
+            _, ref = ref_tx.update(
+                jnp.asarray(grads[d]), ref, jnp.zeros(width), count=count[d]
+            )
+    got, want = mm.window_stats(with_stats), mm.window_stats(ref)
+    assert int(got.microbatches) == int(want.microbatches) == 2 * (ndev - 1)
+    assert float(got.tokens) == float(want.tokens)
+    for name in ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm"):
+        np.testing.assert_allclose(
+            getattr(got, name), getattr(want, name), rtol=1e-5, err_msg=name
+        )
