@@ -384,6 +384,17 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 f"{reduction!r} of type {type(reduction).__name__}"
             )
         recorder = _stats.recorder(window_stats, stats_decay)
+        if policy.needs_stats:
+            if reduction is not None:
+                raise ValueError(
+                    "The norm test reads the window's mean gradient after every "
+                    "microbatch; with reduction=mm.deferred(...) that mean exists "
+                    "only at the window's end (forming it on every microbatch is "
+                    "the gradient-sized reduction the deferred mode saves). Use "
+                    "reduction=None with `norm_test`."
+                )
+            # The norm test decides on the window statistics' running figures.
+            recorder = recorder._replace(enabled=True)
 
         def init(params: optax.Params) -> MaskedMultiStepsState:
             return self._init(params)
@@ -593,17 +604,27 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         n = jnp.where(counted, n, jnp.zeros_like(n))
         return _Gate(n, local_counts, counted, valid_count, skip_state)
 
-    def _close_now(self, state, gate, acc_count) -> tuple[jax.Array, Any]:
+    def _close_now(
+        self, state, gate, acc_grads, acc_count, stats
+    ) -> tuple[jax.Array, Any]:
         """Asks the window policy whether the window closes on this microbatch.
 
         Only a counted microbatch can close a window; the policy sees the
-        window as it is with this microbatch folded in.
+        window as it is with this microbatch folded in (for the norm test, the
+        window statistics so far).
         """
         scalars = _windows.WindowScalars(
             microbatches=jnp.asarray(optax.safe_increment(state.mini_step)),
             tokens=acc_count,
             gradient_step=state.gradient_step,
         )
+        if self._policy.needs_stats:
+            counted, sq_norm, var_trace = self._recorder.so_far(
+                stats, acc_count, acc_grads
+            )
+            scalars = scalars._replace(
+                counted=counted, grad_sq_norm=sq_norm, grad_var_trace=var_trace
+            )
         closes = gate.counted & self._policy.closes(state.policy_state, scalars)
         return closes, self._policy.update(state.policy_state, scalars, closes)
 
@@ -654,7 +675,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 acc_value, value_count = running_mean_update(
                     state.acc_value, state.value_count, value, gate.n
                 )
-            window_done, policy_state = self._close_now(state, gate, acc_count)
+            window_done, policy_state = self._close_now(
+                state, gate, acc_grads, acc_count, stats
+            )
             has_tokens = window_done & (acc_count > 0)
 
         static_args = {

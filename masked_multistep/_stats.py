@@ -83,6 +83,7 @@ __all__ = [
     "Recorder",
     "recorder",
     "tree_sq_norm",
+    "window_so_far",
     "with_window_stats",
 ]
 
@@ -432,6 +433,63 @@ def noise_scale_estimates(
     return var, true_sq, scale
 
 
+def _sq_norm_and_deviation(
+    state: WindowStatsState, tokens: jax.Array, grad_sq_norm: Any
+) -> tuple[jax.Array, jax.Array]:
+    """``(‖ḡ‖², S)`` of the window so far: ``‖ḡ‖²`` NaN without tokens, and
+    ``S = Σ nᵢ‖gᵢ‖² − N‖ḡ‖²`` clamped at 0 (rounding may leave it just below).
+    A window with a non-finite gradient has no ``S`` (NaN), not the 0 that
+    ``max(−inf, 0)`` would give."""
+    has_tokens = tokens > 0
+    g2 = jnp.where(has_tokens, jnp.asarray(grad_sq_norm).astype(_F32), jnp.nan)
+    n_f = tokens.astype(_F32)
+    sums_finite = jnp.isfinite(state.weighted_sq_norms) & jnp.isfinite(g2)
+    s = jnp.where(
+        sums_finite,
+        jnp.maximum(state.weighted_sq_norms - n_f * jnp.where(has_tokens, g2, 0), 0),
+        jnp.nan,
+    )
+    return g2, s
+
+
+def window_so_far(
+    state: WindowStatsState, tokens: jax.Array, mean: Any
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(K, ‖ḡ‖², tr Σ̂)`` of the open window, its last microbatch folded in.
+
+    What a window policy that sizes windows by their statistics (the norm
+    test) reads after every microbatch: the same running figures and
+    estimator as the window's :class:`WindowStats`, with ``‖ḡ‖²`` read from
+    the running mean now (one squared-norm reduction of it per microbatch)
+    instead of once at the window's end.
+
+    Args:
+      state: the statistics' state, with the microbatch folded in.
+      tokens: the window's ``N`` so far (count dtype).
+      mean: the window's running mean ``ḡ`` (any values where ``N == 0``).
+
+    Returns:
+      ``K`` (int32), ``‖ḡ‖²`` (NaN where ``N == 0``) and ``tr Σ̂ = S / (K − 1)``
+      (NaN where ``K < 2``).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from masked_multistep._stats import (
+      ...     init_window_stats, accumulate_window_stats, window_so_far)
+      >>> s = init_window_stats()
+      >>> for g in (1.0, 3.0):
+      ...     s = accumulate_window_stats(s, jnp.array(g), jnp.float32(2))
+      >>> print(*window_so_far(s, jnp.float32(4), jnp.array(2.0)))  # S = 2 + 2
+      2 4.0 4.0
+    """
+    with jax.named_scope("masked_multistep/window_stats"):
+        tokens = jnp.asarray(tokens)
+        g2, s = _sq_norm_and_deviation(state, tokens, tree_sq_norm(mean))
+        k = state.microbatches
+        var, _, _ = noise_scale_estimates(s, k, tokens, g2)
+        return k, g2, var
+
+
 def close_window_stats(
     state: WindowStatsState,
     done: jax.Array,
@@ -470,20 +528,7 @@ def close_window_stats(
     """
     with jax.named_scope("masked_multistep/window_stats"):
         n = jnp.asarray(tokens)
-        has_tokens = n > 0
-        g2 = jnp.where(has_tokens, jnp.asarray(grad_sq_norm).astype(_F32), jnp.nan)
-        n_f = n.astype(_F32)
-        # S = Σ nᵢ‖gᵢ‖² − N‖ḡ‖², clamped: rounding may leave it just below 0.
-        # A window with a non-finite gradient has no estimates (NaN), not the
-        # 0 that `max(−inf, 0)` would give.
-        sums_finite = jnp.isfinite(state.weighted_sq_norms) & jnp.isfinite(g2)
-        s = jnp.where(
-            sums_finite,
-            jnp.maximum(
-                state.weighted_sq_norms - n_f * jnp.where(has_tokens, g2, 0), 0
-            ),
-            jnp.nan,
-        )
+        g2, s = _sq_norm_and_deviation(state, n, grad_sq_norm)
         k = state.microbatches
         var, true_sq, scale = noise_scale_estimates(s, k, n, g2)
 
@@ -585,6 +630,14 @@ class Recorder(NamedTuple):
             # Where every element is finite, the sum of their squares is finite
             # or +inf, never NaN: the conjunction is `finite` itself.
             return sq, finite & ~jnp.isnan(sq)
+
+    def so_far(
+        self, state: Any, tokens: jax.Array, mean: Any
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """:func:`window_so_far`, for a window policy; needs ``enabled``."""
+        if not self.enabled:
+            raise ValueError("the window statistics are off")
+        return window_so_far(state, tokens, mean)
 
     def no_mean_sq_norm(self) -> jax.Array | tuple[()]:
         return _nan() if self.enabled else ()

@@ -7,6 +7,7 @@ the inner optimizer on the window's token-mean gradient.
 """
 
 import copy
+import functools
 
 import chex
 import jax
@@ -16,7 +17,7 @@ import optax
 import pytest
 from _helpers import collectives, large
 from flax import serialization
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -93,10 +94,17 @@ def model_momentum_updates(grads, counts, windows):
     return out
 
 
-def make_data(items, seed):
+def make_data(items, seed, mean=None):
+    """Gradients and counts for ``items``, padded to ``MAX_LEN``. With ``mean``,
+    microbatch ``i`` has gradient ``mean + ε/√nᵢ``, ``ε ~ N(0, I)`` (per-token
+    noise of unit variance per coordinate); else ``ε`` alone."""
     rng = np.random.default_rng(seed)
-    grads = rng.normal(size=(MAX_LEN, DIM)).astype(np.float32)
+    grads = rng.normal(size=(MAX_LEN, DIM))
     counts = np.full(MAX_LEN, -1, np.int32)  # padding: invalid counts
+    if mean is not None:
+        n = np.maximum([n for _, n in items] + [1] * (MAX_LEN - len(items)), 1)
+        grads = mean + grads / np.sqrt(n)[:, None]
+    grads = grads.astype(np.float32)
     for i, (kind, n) in enumerate(items):
         counts[i] = n
         if kind == "skip":
@@ -504,3 +512,176 @@ def test_token_budget_with_the_deferred_reduction_equals_one_device(mesh):
     assert updated == ref_updated
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_equal(state.policy_state, ref_state.policy_state)
+
+
+# --- the norm test ------------------------------------------------------------
+
+
+def norm_figures(grads, counts):
+    """float64 ``(N, K, ‖ḡ‖², tr Σ̂)`` of a window's microbatches."""
+    n = np.asarray(counts, np.float64)
+    live = n > 0
+    g, n = np.asarray(grads, np.float64)[live], n[live]
+    tokens, k = n.sum(), int(live.sum())
+    if k == 0:
+        return 0.0, 0, np.nan, np.nan
+    mean = (n[:, None] * g).sum(0) / tokens
+    spread = (n * ((g - mean) ** 2).sum(1)).sum()
+    return tokens, k, float(mean @ mean), spread / (k - 1) if k >= 2 else np.nan
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _run_norm_test(grads, counts, theta, max_mb):
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0, momentum=MOMENTUM),
+        lambda step: max_mb,
+        norm_test=mm.norm_test(theta, min_microbatches=2),
+        should_skip_update_fn=optax.skip_not_finite,
+    )
+    return drive(tx, grads, counts)
+
+
+small_items_st = st.lists(
+    st.one_of(
+        st.tuples(st.just("ok"), st.one_of(st.just(0), st.integers(1, 16))),
+        st.tuples(st.just("skip"), st.integers(1, 16)),
+        st.tuples(st.just("invalid"), st.just(-1)),
+    ),
+    min_size=MAX_LEN // 2,
+    max_size=MAX_LEN,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    items=small_items_st,
+    g_norm=st.floats(0.25, 2.0),
+    theta=st.sampled_from([0.3, 0.6, 0.9]),
+    max_mb=st.integers(2, 16),
+    seed=st.integers(0, 2**16),
+)
+def test_norm_test_closes_where_the_float64_model_says(
+    items, g_norm, theta, max_mb, seed
+):
+    """``tr Σ̂ / N <= θ²‖ḡ‖²`` with ``K >= 2``, from the second microbatch on,
+    capped at ``max_mb``, against a float64 model over random microbatches
+    (zero counts, skipped microbatches, invalid counts) with per-token noise
+    about a mean gradient of norm ``g_norm``. Decisions within float32
+    rounding of the boundary are not compared."""
+    grads, counts = make_data(items, seed, mean=g_norm / np.sqrt(DIM))
+    windows, current = [], []
+    for i, (kind, _) in enumerate(items):
+        if kind != "ok":
+            continue
+        current.append(i)
+        tokens, k, sq, var = norm_figures(grads[current], counts[current])
+        lhs, rhs = var, theta**2 * tokens * sq
+        assume(not (k >= 2 and abs(lhs - rhs) <= 1e-3 * max(abs(lhs), abs(rhs))))
+        passes = k >= 2 and len(current) >= 2 and lhs <= rhs
+        if passes or len(current) >= max_mb:
+            windows.append(current)
+            current = []
+    out = _run_norm_test(grads, counts, theta, np.int32(max_mb))
+    state = check_against_model(items, grads, counts, windows, current, 0, out)
+    # The statistics of the last window are its tokens and counted microbatches.
+    if windows:
+        last = [counts[i] for i in windows[-1]]
+        assert float(state.stats.last.tokens) == sum(last)
+        assert int(state.stats.last.microbatches) == sum(n > 0 for n in last)
+
+
+def test_norm_test_windows_grow_as_the_gradient_shrinks_against_its_noise():
+    """SGD on ``½‖x‖²`` with per-token gradient noise of variance ``σ²`` per
+    coordinate: at ``x`` the test passes, on average, once the window holds
+    ``N ≈ (1 − θ²)/θ² · dσ²/‖x‖²`` tokens. As SGD shrinks ``x``, the windows
+    grow as predicted (``x`` is fixed within a window)."""
+    d, sigma, n, theta = 8, 1.0, 4, 0.5
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.05),
+        norm_test=mm.norm_test(theta, min_microbatches=2, max_microbatches=100_000),
+    )
+
+    @jax.jit
+    def run(key):
+        def body(carry, key):
+            params, state = carry
+            noise = sigma / np.sqrt(n) * jax.random.normal(key, (d,))
+            sq_before = jnp.sum(params**2)
+            params, state = tx.apply_gradients(
+                params + noise, state, params, count=jnp.float32(n)
+            )
+            return (params, state), (state.updated, sq_before, state.stats.last)
+
+        params = jnp.full(d, 2.0)  # ‖x‖² = 32
+        return jax.lax.scan(
+            body, (params, tx.init(params)), jax.random.split(key, 6000)
+        )
+
+    _, (updated, sq_before, last) = run(jax.random.key(0))
+    ends = np.flatnonzero(np.asarray(updated))
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    tokens = np.asarray(last.tokens)[ends]
+    np.testing.assert_array_equal(tokens, n * (ends - starts + 1))
+    predicted = (1 - theta**2) / theta**2 * d * sigma**2 / np.asarray(sq_before)[starts]
+    # Windows above the 2-microbatch minimum, in order: they grow.
+    free = predicted >= 4 * n
+    ratio = tokens[free] / predicted[free]
+    assert free.sum() >= 30, tokens
+    assert 0.7 <= np.median(ratio) <= 1.3, (np.median(ratio), tokens, predicted)
+    thirds = np.array_split(tokens, 3)
+    assert np.median(thirds[2]) > 10 * np.median(thirds[0]), tokens
+
+
+def test_norm_test_with_budgets_resumes_bit_identically_mid_window():
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 40, size=30)
+    grads = (1.0 + rng.normal(size=(30, DIM))).astype(np.float32)
+    tx = mm.MaskedMultiSteps(
+        optax.adam(0.1),
+        tokens_per_window=lambda seen: 200 + seen / 4,
+        norm_test=mm.norm_test(0.7, min_tokens=20, min_microbatches=3),
+    )
+    step = jax.jit(lambda p, s, g, n: tx.apply_gradients(g, s, p, count=n))
+
+    def go(params, state, lo, hi):
+        for i in range(lo, hi):
+            params, state = step(params, state, grads[i], jnp.float32(counts[i]))
+        return params, state
+
+    params0 = jnp.zeros(DIM)
+    template = (params0, tx.init(params0))
+    straight = go(*template, 0, len(counts))
+    assert int(straight[1].gradient_step) >= 3
+    for split in (5, 11, 17, 23):
+        params, state = go(*template, 0, split)
+        blob = serialization.to_bytes((params, state))
+        restored = serialization.from_bytes(template, blob)
+        chex.assert_trees_all_equal(go(*restored, split, len(counts)), straight)
+
+
+def test_norm_test_arguments():
+    with pytest.raises(ValueError, match="maximum"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), norm_test=0.5)
+    with pytest.raises(ValueError, match="maximum"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), norm_test=mm.norm_test(0.5))
+    with pytest.raises(ValueError, match="theta"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 4, norm_test=-1.0)
+    with pytest.raises(TypeError, match="norm_test"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 4, norm_test="0.5")
+    # Any maximum will do; the statistics are then kept.
+    for tx in (
+        mm.MaskedMultiSteps(optax.sgd(1.0), 16, norm_test=0.5),
+        mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=1e4, norm_test=0.5),
+        mm.MaskedMultiSteps(
+            optax.sgd(1.0), norm_test=mm.norm_test(0.5, max_tokens=1e4)
+        ),
+    ):
+        assert tx.init(jnp.zeros(2)).stats != ()
+        assert "norm_test=" in repr(tx) and "window_stats=True" in repr(tx)
+
+
+def test_norm_test_with_the_deferred_reduction_is_refused(mesh):
+    with pytest.raises(ValueError, match="reduction=None with `norm_test`"):
+        mm.MaskedMultiSteps(
+            optax.sgd(1.0), 16, norm_test=0.5, reduction=mm.deferred(mesh, "data")
+        )
