@@ -75,6 +75,7 @@ __all__ = [
     "TokenTotal",
     "WindowStats",
     "WindowStatsState",
+    "add_tokens",
     "init_window_stats",
     "accumulate_window_stats",
     "accumulate_window_stats_per_device",
@@ -152,7 +153,10 @@ def _float32_pieces(x: jax.Array) -> list[jax.Array]:
     return [x.astype(_F32)]
 
 
-def _add_tokens(total: TokenTotal, x: jax.Array) -> TokenTotal:
+def add_tokens(total: TokenTotal, x: jax.Array) -> TokenTotal:
+    """``total + x`` for a non-negative count ``x`` of any count dtype, exact
+    while the total stays below ``2**48`` (the tokens seen, for the window
+    statistics and for a token budget that depends on them)."""
     for piece in _float32_pieces(x):
         total = _add_exact_piece(total, piece)
     return total
@@ -566,7 +570,7 @@ def close_window_stats(
             true_grad_sq_norm=true_sq,
             noise_scale=scale,
             smoothed_noise_scale=smoothed.astype(_F32),
-            tokens_seen=_add_tokens(old.tokens_seen, n),
+            tokens_seen=add_tokens(old.tokens_seen, n),
             windows=jnp.where(
                 old.windows < jnp.iinfo(jnp.int32).max, old.windows + 1, old.windows
             ),

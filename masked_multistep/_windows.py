@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from masked_multistep._stats import TokenTotal, add_tokens
+
 __all__ = [
-    "TokensSeen",
     "WindowPolicy",
     "WindowScalars",
     "any_of",
@@ -299,39 +300,8 @@ def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.A
     return (tokens > 0) & (tokens >= b)
 
 
-class TokensSeen(NamedTuple):
-    """Tokens of all completed windows, as an unevaluated float32 sum ``hi + lo``.
-
-    ``lo`` holds what ``hi`` rounded away (compensated summation, Neumaier
-    1974), so integer totals stay exact far beyond float32's 2²⁴ (to about 2⁴⁸).
-    """
-
-    hi: jax.Array
-    lo: jax.Array
-
-    @property
-    def value(self) -> jax.Array:
-        """The total, rounded to float32."""
-        return self.hi + self.lo
-
-
-def _tokens_seen_init() -> TokensSeen:
-    return TokensSeen(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
-
-
-def _tokens_seen_add(seen: TokensSeen, tokens: jax.Array) -> TokensSeen:
-    """``seen + tokens`` with the rounding error carried in ``lo``.
-
-    Knuth's TwoSum gives the exact error of ``hi + x``; a Fast2Sum then
-    renormalises so that ``|lo| <= ulp(hi) / 2``.
-    """
-    x = jnp.asarray(tokens).astype(jnp.float32)
-    s = seen.hi + x
-    bp = s - seen.hi
-    err = (seen.hi - (s - bp)) + (x - bp)
-    lo = seen.lo + err
-    hi = s + lo
-    return TokensSeen(hi, lo - (hi - s))
+def _tokens_seen_init() -> TokenTotal:
+    return TokenTotal(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
 
 
 def token_budget(
@@ -362,7 +332,8 @@ def token_budget(
         or a callable of the gradient step (as ``every_k_schedule``).
 
     Returns:
-      A :class:`WindowPolicy`; its state is a :class:`TokensSeen` when
+      A :class:`WindowPolicy`; its state is a :class:`TokenTotal` (exact to
+        2⁴⁸ tokens, as ``WindowStats.tokens_seen``) when
       ``budget`` is a callable of the tokens seen, ``()`` otherwise.
 
     Raises:
@@ -397,7 +368,7 @@ def token_budget(
     if callable(budget):
         budget_fn = budget
         if track_seen:
-            budget_of = lambda seen, s: _sanitize_budget(budget_fn(seen.value))  # noqa: E731
+            budget_of = lambda seen, s: _sanitize_budget(budget_fn(seen.hi + seen.lo))  # noqa: E731
         else:
             budget_of = lambda _, s: _sanitize_budget(budget_fn(s.gradient_step))  # noqa: E731
     else:
@@ -418,7 +389,7 @@ def token_budget(
         return WindowPolicy(_no_state, closes, _keep)
 
     def update(policy_state, scalars, closed):
-        added = _tokens_seen_add(policy_state, scalars.tokens)
+        added = add_tokens(policy_state, scalars.tokens)
         return jax.tree.map(lambda a, b: jnp.where(closed, a, b), added, policy_state)
 
     return WindowPolicy(_tokens_seen_init, closes, update)

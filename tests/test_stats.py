@@ -219,7 +219,7 @@ def test_smoothing_is_a_ratio_of_debiased_moving_averages():
 )
 def test_tokens_seen_is_exact_far_beyond_int32(dtype, count, steps):
     def body(total, _):
-        return _stats._add_tokens(total, jnp.asarray(count, dtype)), None
+        return _stats.add_tokens(total, jnp.asarray(count, dtype)), None
 
     zero = _stats.TokenTotal(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
     total, _ = jax.jit(lambda t: jax.lax.scan(body, t, None, length=steps))(zero)

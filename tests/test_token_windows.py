@@ -181,7 +181,7 @@ def test_budget_by_tokens_seen_closes_where_the_model_says(items, b0, slope, cap
     )
     state = check_against_model(items, grads, counts, windows, rest, seen, out)
     # The policy's state: the tokens of all completed windows, exactly.
-    assert float(state.policy_state[1].value) == seen
+    assert float(state.policy_state[1]) == seen
 
 
 @jax.jit

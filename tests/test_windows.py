@@ -238,8 +238,8 @@ def test_token_budget_ramp_by_tokens_seen_matches_model(counts, start, slope):
     assert closes == expected
     # The state holds the tokens of the completed windows.
     seen = sum(n for n, c in zip(counts, np.cumsum(expected[::-1])[::-1] > 0) if c)
-    assert isinstance(state, w.TokensSeen)
-    assert float(state.value) == seen
+    assert isinstance(state, mm.TokenTotal)
+    assert float(state) == seen
 
 
 def _ramp(start, slope):
@@ -247,15 +247,24 @@ def _ramp(start, slope):
 
 
 def test_tokens_seen_is_exact_far_beyond_float32():
-    seen = w._tokens_seen_init()
-    add = jax.jit(w._tokens_seen_add)
-    total = 0
-    for n in [16_777_217, 3, 1, 2**30 + 1, 7, 2**33 + 5, 1, 1, 1]:
-        seen = add(seen, jnp.float32(n))
-        total += int(np.float32(n))  # what a float32 count holds
-        assert int(np.float64(seen.hi) + np.float64(seen.lo)) == total
-    # A plain float32 sum has drifted.
-    assert int(np.float32(np.float32(2**33) + np.float32(1))) != 2**33 + 1
+    # After 2**25 tokens seen, windows of 1 token: a float32 running sum stays
+    # at 2**25 (2**25 + 1 rounds back down); the state counts them exactly, and
+    # the budget function sees that exact total rounded to float32.
+    def budget(seen):
+        return 1000.0 if seen >= 2**25 + 4 else 1.0
+
+    counts = [2**25] + [1] * 6 + [990, 10]
+    policy = w.token_budget(lambda seen: jnp.where(seen >= 2**25 + 4, 1000.0, 1.0))
+    closes, state = jax.jit(lambda c: drive(policy, c))(jnp.asarray(counts))
+    exact = model_run(counts, lambda mb, t, s, seen: t >= budget(np.float32(seen)))
+    assert [bool(c) for c in closes] == exact
+    assert exact[-1] and float(state) == sum(counts)  # every window closed
+    # A float32 running sum of the windows would never move the budget.
+    naive, plain = np.float32(0), []
+    for n in counts:
+        plain.append(n >= budget(naive))
+        naive = np.float32(naive + np.float32(n)) if plain[-1] else naive
+    assert plain != exact
 
 
 def test_token_budget_with_a_large_integer_total_compares_exactly():
@@ -419,7 +428,9 @@ def test_any_of_closes_when_either_would(counts, budget, k):
 
     closes, state = run_traced(_either, counts, np.int32(k), np.float32(budget))
     assert closes == model_run(counts, decide)
-    assert jax.tree.structure(state) == jax.tree.structure(((), w.TokensSeen(0.0, 0.0)))
+    assert jax.tree.structure(state) == jax.tree.structure(
+        ((), mm.TokenTotal(0.0, 0.0))
+    )
 
 
 def _either(k, budget):
