@@ -13,6 +13,7 @@ NAMES = [
     "02_precision.ipynb",
     "03_training_with_flax.ipynb",
     "04_noise_scale.ipynb",
+    "05_token_windows.ipynb",
 ]
 
 pytestmark = pytest.mark.slow
