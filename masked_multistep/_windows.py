@@ -332,9 +332,9 @@ def token_budget(
         or a callable of the gradient step (as ``every_k_schedule``).
 
     Returns:
-      A :class:`WindowPolicy`; its state is a :class:`TokenTotal` (exact to
-        2⁴⁸ tokens, as ``WindowStats.tokens_seen``) when
-      ``budget`` is a callable of the tokens seen, ``()`` otherwise.
+      A :class:`WindowPolicy`; its state is the tokens seen, a
+      :class:`TokenTotal` (exact to 2⁴⁸ tokens, as ``WindowStats.tokens_seen``),
+      when ``budget`` is a callable of them, ``()`` otherwise.
 
     Raises:
       TypeError: if ``budget`` is neither a real number nor callable.
@@ -476,9 +476,10 @@ def norm_test(
       R. Bollapragada, R. Byrd, J. Nocedal, "Adaptive sampling strategies for
       stochastic optimization", SIAM Journal on Optimization 28(4), 2018.
 
-      T. T.-K. Lau, H. Liu, M. Kolar, "Adaptive batch size schedules for
-      distributed training of language models with data and model
-      parallelism", 2024.
+      T. T.-K. Lau, W. Li, C. Xu, H. Liu, M. Kolar, "Adaptive batch size
+      schedules for distributed training of language models with data and
+      model parallelism", Conference on Parsimony and Learning, PMLR 280, 2025
+      (arXiv:2412.21124).
 
       S. McCandlish, J. Kaplan, D. Amodei, "An empirical model of large-batch
       training", 2018.
