@@ -188,3 +188,27 @@ def test_window_statistics_keep_only_scalars_in_the_state():
     stats = jax.eval_shape(tx.init, PARAMS).stats
     assert all(x.shape == () for x in jax.tree.leaves(stats))
     assert _bytes(stats) <= 128, _bytes(stats)
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [_optax_loop, _apply_gradients_loop, _train_state_loop],
+    ids=["update", "apply", "train_state"],
+)
+def test_window_rules_need_no_extra_scratch_memory(loop):
+    """A token budget (warming up with the tokens seen) decides on scalars; the
+    norm test adds one reduction of the running mean per microbatch: neither
+    needs a parameter-sized temporary, against a fixed k with the same
+    statistics."""
+    if loop is _train_state_loop:
+        pytest.importorskip("flax")
+
+    def temp(**kwargs):
+        tx = mm.MaskedMultiSteps(_adam(), K, window_stats=True, **kwargs)
+        return _memory(loop(tx)).temp_size_in_bytes
+
+    fixed = temp()
+    budget = temp(tokens_per_window=lambda seen: 1000 + seen / 8)
+    norm = temp(norm_test=mm.norm_test(0.5, min_microbatches=2))
+    assert budget <= fixed + STATS_SCALAR_SLACK, (budget, fixed)
+    assert norm <= fixed + STATS_SCALAR_SLACK, (norm, fixed)
