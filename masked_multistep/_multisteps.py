@@ -154,15 +154,17 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
     Semantics:
       * A window closes on the microbatch that completes it by any of the rules
-        given: its ``k``-th microbatch (``every_k_schedule``); the microbatch
-        whose count brings the window's tokens ``Σ nᵢ`` to ``tokens_per_window``
-        or past it (a window never closes by tokens on a count-0 microbatch,
-        and may overshoot the budget by up to one microbatch's tokens). With
-        both, whichever comes first closes it. The rules read only scalars every
-        device agrees on (the window's microbatches and global token total, the
-        gradient step, the tokens seen), so with ``reduction=mm.deferred(...)``
-        all devices close on the same microbatch; the policy's state (the
-        tokens seen, for a budget that depends on them) is ``policy_state``.
+        given, whichever comes first: its ``k``-th microbatch
+        (``every_k_schedule``); the microbatch whose count brings the window's
+        tokens ``Σ nᵢ`` to ``tokens_per_window`` or past it (never a count-0
+        microbatch; the window may overshoot the budget by up to one
+        microbatch's tokens); the microbatch on which the norm test passes
+        (``norm_test``, decided on the window statistics so far, which it
+        keeps on). The rules read only scalars every device agrees on (the
+        window's microbatches and global token total, the gradient step, the
+        tokens seen), so with ``reduction=mm.deferred(...)`` all devices close
+        on the same microbatch; the rules' state (the tokens seen, for a budget
+        that depends on them) is ``policy_state``.
       * Between windows the returned updates are zeros (structure and dtype of the
         inner optimizer's updates); the inner optimizer runs only at the end of a
         window, so its state, step count, schedules and weight decay advance once

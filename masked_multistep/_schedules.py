@@ -28,9 +28,10 @@ def tokens_schedule(
 
     The product is formed in float32. It is an approximation where windows
     vary in size: pass the mean tokens per window (a token budget plus half a
-    microbatch is a good estimate), or, to follow the exact tokens seen, set
-    the learning rate from the state's tokens count with
-    ``optax.inject_hyperparams`` (see the README's recipe).
+    microbatch is a good estimate), or, to follow the exact tokens seen, wrap
+    the inner optimizer in ``optax.inject_hyperparams`` and set its learning
+    rate from ``mm.window_stats(state).tokens_seen`` before each step (the
+    README's "Windows by tokens" shows how).
 
     Args:
       schedule: a function of the tokens seen, e.g. an optax schedule whose
