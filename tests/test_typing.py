@@ -141,6 +141,30 @@ def test_window_stats_are_typed():
     assert_type(mm.has_updated(opt_state), jax.Array)
 
 
+def test_window_rules_are_typed():
+    # Every form of the window arguments type-checks; a string budget does not.
+    adam = optax.adam(1e-3)
+    rules = [
+        mm.MaskedMultiSteps(adam, tokens_per_window=4096),
+        mm.MaskedMultiSteps(adam, 16, tokens_per_window=lambda seen: 1024 + seen / 8),
+        mm.MaskedMultiSteps(
+            adam,
+            tokens_per_window=mm.token_budget(
+                lambda step: jnp.where(step < 10, 1024, 4096), by="gradient_step"
+            ),
+        ),
+        mm.MaskedMultiSteps(adam, 32, norm_test=0.5),
+        mm.MaskedMultiSteps(adam, norm_test=mm.norm_test(0.5, max_tokens=65536)),
+    ]
+    for tx in rules:
+        assert_type(tx.init({"w": jnp.zeros(())}), mm.MaskedMultiStepsState)
+    assert_type(mm.token_budget(4096), mm.WindowPolicy)
+    lr = mm.tokens_schedule(optax.linear_schedule(0.0, 1.0, 4096), 1024)
+    assert float(lr(jnp.asarray(2))) == 0.5
+    with pytest.raises(TypeError, match="tokens_per_window"):
+        mm.MaskedMultiSteps(adam, tokens_per_window="4096")  # pyright: ignore[reportArgumentType]
+
+
 def test_typed_loss_fn_with_rng_for_microbatched_value_and_grad():
     # `loss_fn` takes the per-microbatch key as a third argument; the returned
     # function takes `rng=` and still types the gradients like the params.
