@@ -195,3 +195,30 @@ def test_bad_skip_function_output_is_clear():
         ValueError, match="`should_skip_update_fn` must return a boolean"
     ):
         tx.update(GRADS, tx.init(PARAMS), PARAMS, count=1)
+
+
+def test_the_wrapper_itself_goes_into_optax_chain_and_gets_count():
+    # The wrapper object (not only `.gradient_transformation()`) is a gradient
+    # transformation: the chain forwards `count=` to it.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    chained = optax.chain(optax.scale(2.0), tx)
+    state = chained.init(PARAMS)
+    updates = None
+    for g, n in [(1.0, 1), (4.0, 3)]:
+        grads = jax.tree.map(lambda p, g=g: jnp.full_like(p, g), PARAMS)
+        updates, state = chained.update(grads, state, PARAMS, count=jnp.int32(n))
+    assert updates is not None
+    # scale(2) then the token-weighted mean: 2 * (1·1 + 3·4) / 4 = 6.5.
+    np.testing.assert_allclose(updates["w"], -6.5)
+    with pytest.raises(TypeError, match=r"count=n"):
+        chained.update(GRADS, state, PARAMS)
+
+
+def test_flax_stock_train_state_points_to_mm_train_state():
+    from flax.training import train_state
+
+    state = train_state.TrainState.create(
+        apply_fn=None, params=PARAMS, tx=mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    )
+    with pytest.raises(TypeError, match=r"masked_multistep\.TrainState"):
+        state.apply_gradients(grads=GRADS)
