@@ -23,13 +23,14 @@ import masked_multistep  # noqa: E402
 # (`notebooks/01_...ipynb`, `benchmarks/README.md`) must land on documents, so
 # the stored notebooks and the benchmark results are copied in afresh at every
 # build (git ignores the copies; edit the originals).
-COPIED = {"notebooks": "*.ipynb", "benchmarks": "README.md"}
+COPIED = {"notebooks": ("*.ipynb", "*.png"), "benchmarks": ("README.md",)}
 DOCS = pathlib.Path(__file__).resolve().parent
-for _folder, _pattern in COPIED.items():
+for _folder, _patterns in COPIED.items():
     shutil.rmtree(DOCS / _folder, ignore_errors=True)
     (DOCS / _folder).mkdir()
-    for _path in sorted((ROOT / _folder).glob(_pattern)):
-        shutil.copy2(_path, DOCS / _folder / _path.name)
+    for _pattern in _patterns:
+        for _path in sorted((ROOT / _folder).glob(_pattern)):
+            shutil.copy2(_path, DOCS / _folder / _path.name)
 
 project = "masked_multistep"
 author = "masked_multistep authors"

@@ -1,5 +1,6 @@
 """The notebooks run, end in their claim, and are stored with their outputs."""
 
+import base64
 import importlib.util
 import pathlib
 import re
@@ -68,3 +69,19 @@ def test_notebook_executes_and_its_claim_holds(name):
     stored = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
     # Same cells as stored: the stored rendering comes from this source.
     assert [c.source for c in nb.cells] == [c.source for c in stored.cells]
+
+
+def test_readme_figure_is_the_stored_notebooks_figure():
+    # The README shows notebook 05's figure as a file; it must be the one the
+    # stored notebook holds (re-store both together).
+    nb = nbformat.read(NOTEBOOK_DIR / "05_token_windows.ipynb", as_version=4)
+    pngs = [
+        base64.b64decode(out["data"]["image/png"])
+        for cell in nb.cells
+        for out in cell.get("outputs", [])
+        if "image/png" in out.get("data", {})
+    ]
+    assert len(pngs) == 1
+    assert (NOTEBOOK_DIR / "05_token_windows.png").read_bytes() == pngs[0]
+    readme = (NOTEBOOK_DIR.parent / "README.md").read_text()
+    assert "](notebooks/05_token_windows.png)" in readme
