@@ -59,8 +59,14 @@ def test_the_readme_is_the_guide_and_its_links_resolve(html):
     for heading in re.findall(r"^## (.+)$", readme, flags=re.M):
         assert f'id="{make_id(heading)}"' in index, heading
     # The README's relative links land on pages of the site.
-    for target in re.findall(r"\]\(((?:notebooks|benchmarks)/[^)#]+)\)", readme):
+    links = r"(?<!!)\[[^]]*\]\(((?:notebooks|benchmarks)/[^)#]+)\)"
+    for target in re.findall(links, readme):
         page = re.sub(r"\.(ipynb|md)$", ".html", target)
         assert f'href="{page}' in index, target
         assert (html / page).exists(), page
+    # Its images are shown.
+    for target in re.findall(r"!\[[^]]*\]\(([^)]+)\)", readme):
+        name = pathlib.PurePosixPath(target).name
+        assert re.search(rf'<img[^>]+src="_images/{re.escape(name)}"', index), target
+        assert (html / "_images" / name).exists(), target
     assert (html / "changelog.html").exists()
