@@ -201,6 +201,7 @@ def bench_windows(width: int, ks: list[int], repeats: int) -> list[dict[str, Any
                     "x_without_stats": (
                         median_ratio(per_mb[name], per_mb[base]) if base else None
                     ),
+                    "baseline": base,
                     "compile_s": r.compile_s,
                     **r.memory,
                 }
@@ -343,16 +344,16 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
 
 
 def print_stats_cost(rows: list[dict[str, Any]]) -> None:
-    """Time and scratch memory of each step with window statistics, against
-    the same step without them."""
+    """Time and scratch memory of each step with window statistics (or the
+    norm test), against the same step without them."""
     by_key = {(r["competitor"], r["width"], r["k"]): r for r in rows}
     for r in rows:
         if r.get("x_without_stats") is None:
             continue
-        base = by_key[(r["competitor"].removesuffix("+stats"), r["width"], r["k"])]
+        base = by_key[(r["baseline"], r["width"], r["k"])]
         print(
-            f"width {r['width']}, k={r['k']}: {r['competitor']:<32} "
-            f"{r['x_without_stats']:.3f}x the time without statistics; temp "
+            f"width {r['width']}, k={r['k']}: {r['competitor']:<34} "
+            f"{r['x_without_stats']:.3f}x {r['baseline']}; temp "
             f"{(r['temp_bytes'] - base['temp_bytes']) / MB:+.2f} MB"
         )
 

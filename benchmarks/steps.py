@@ -166,6 +166,23 @@ def masked_multisteps_stats(workload: Workload, k: int) -> Competitor:
     )
 
 
+def masked_multisteps_norm_test(workload: Workload, k: int) -> Competitor:
+    """The plain optax loop with windows closed by the norm test, held at ``k``
+    microbatches (the minimum and the maximum both ``k``) so
+    that the inner optimizer runs as often as in the other rows: what the
+    test's per-microbatch figures cost."""
+    policy = mm.norm_test(0.5, min_microbatches=k, max_microbatches=k)
+    tx = mm.MaskedMultiSteps(optax.adam(LEARNING_RATE), norm_test=policy)
+    return _optax_loop(
+        "MaskedMultiSteps update+norm test",
+        tx,
+        workload,
+        k,
+        with_count=True,
+        baseline="MaskedMultiSteps update",
+    )
+
+
 def has_train_state() -> bool:
     try:
         mm.TrainState  # noqa: B018
@@ -246,6 +263,7 @@ WINDOW_COMPETITORS = (
     optax_multisteps,
     masked_multisteps,
     masked_multisteps_stats,
+    masked_multisteps_norm_test,
     train_state,
     train_state_stats,
     in_jit_microbatched,
