@@ -123,6 +123,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    import bench
     import dp_steps
     import jax
 
@@ -142,7 +143,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     say(
         f"widths {cfg['widths']}, k {cfg['ks']}, {cfg['repeats']} timed rounds "
         "(+1 warm-up); load average before "
-        f"{dp_steps.load_average()}"
+        f"{bench.load_average()}"
     )
     t_start = time.perf_counter()
     mesh = dp_steps.make_mesh()
@@ -163,7 +164,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 comp.name: dp_steps.Runner(comp, mesh, workload, k)
                 for comp in dp_steps.competitors(mesh, workload, k)
             }
-            times = dp_steps.interleave(runners, cfg["repeats"])
+            times = bench.interleave(runners, cfg["repeats"])
             per_mb = {name: [t / k for t in ts] for name, ts in times.items()}
             for name, r in runners.items():
                 rows.append(
@@ -195,7 +196,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "config": cfg,
         "windows": rows,
         "allreduce": allreduce,
-        "load_average_after": dp_steps.load_average(),
+        "load_average_after": bench.load_average(),
         "elapsed_s": elapsed,
     }
     if lead:

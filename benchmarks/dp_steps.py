@@ -55,13 +55,6 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def make_mesh() -> jax.sharding.Mesh:
     return jax.make_mesh(
         (len(jax.devices()),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,)
@@ -283,17 +276,6 @@ class Runner:
         elapsed = time.perf_counter() - t0
         self.carry = carry
         return elapsed
-
-
-def interleave(runners: dict[str, Runner], repeats: int) -> dict[str, list[float]]:
-    """Round-robin windows: one warm-up each, then ``repeats`` rounds."""
-    for r in runners.values():
-        r.window()
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(repeats):
-        for name, r in runners.items():
-            times[name].append(r.window())
-    return times
 
 
 def time_allreduce(mesh, workload: steps.Workload, repeats: int) -> list[float]:
