@@ -327,13 +327,9 @@ def test_no_retrace_and_fixed_state_shape(rules):
     assert int(state.gradient_step) >= 2
 
 
-def test_mid_window_checkpoint_resumes_bit_identically_at_every_microbatch():
-    counts = [20, 0, 30, 45, 10, 70, 5, 5, 80, 1, 0, 33]
-    items = [("ok", n) for n in counts]
-    grads, _ = make_data(items, 1)
-    tx = mm.MaskedMultiSteps(
-        optax.adam(0.1), 5, tokens_per_window=lambda seen: 40 + seen / 4
-    )
+def _resumable_run(tx, grads, counts):
+    """``go(params, state, lo, hi)`` runs microbatches ``lo..hi-1`` through the
+    jitted ``apply_gradients``; ``template`` is the fresh ``(params, state)``."""
     step = jax.jit(lambda p, s, g, n: tx.apply_gradients(g, s, p, count=n))
 
     def go(params, state, lo, hi):
@@ -342,7 +338,17 @@ def test_mid_window_checkpoint_resumes_bit_identically_at_every_microbatch():
         return params, state
 
     params0 = jnp.zeros(DIM)
-    template = (params0, tx.init(params0))
+    return go, (params0, tx.init(params0))
+
+
+def test_mid_window_checkpoint_resumes_bit_identically_at_every_microbatch():
+    counts = [20, 0, 30, 45, 10, 70, 5, 5, 80, 1, 0, 33]
+    items = [("ok", n) for n in counts]
+    grads, _ = make_data(items, 1)
+    tx = mm.MaskedMultiSteps(
+        optax.adam(0.1), 5, tokens_per_window=lambda seen: 40 + seen / 4
+    )
+    go, template = _resumable_run(tx, grads, counts)
     straight = go(*template, 0, len(counts))
     assert int(straight[1].gradient_step) >= 3
     mid_window = 0
@@ -650,15 +656,7 @@ def test_norm_test_with_budgets_resumes_bit_identically_mid_window():
         tokens_per_window=lambda seen: 200 + seen / 4,
         norm_test=mm.norm_test(0.7, min_tokens=20, min_microbatches=3),
     )
-    step = jax.jit(lambda p, s, g, n: tx.apply_gradients(g, s, p, count=n))
-
-    def go(params, state, lo, hi):
-        for i in range(lo, hi):
-            params, state = step(params, state, grads[i], jnp.float32(counts[i]))
-        return params, state
-
-    params0 = jnp.zeros(DIM)
-    template = (params0, tx.init(params0))
+    go, template = _resumable_run(tx, grads, counts)
     straight = go(*template, 0, len(counts))
     assert int(straight[1].gradient_step) >= 3
     for split in (5, 11, 17, 23):
