@@ -24,8 +24,9 @@ model size and window length ``k``:
   nothing else (no optimizer, no reduction);
 * **one all-reduce** of the parameters' bytes alone (a sum over the device axis).
 
-Per competitor it prints the time per microbatch (window time / k, median over
-rounds), its ratio to the per-microbatch reduction (median of the ratios within
+Per competitor it prints the time per microbatch (window time / k on the
+slowest process of each round, as a synchronous job runs; median over rounds),
+its ratio to the per-microbatch reduction (median of the ratios within
 each round), and, read from the compiled HLO, the cross-device reductions and
 bytes per window. Params and optimizer state are donated.
 
@@ -150,7 +151,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     rows, allreduce = [], []
     for width in cfg["widths"]:
         workload = dp_steps.workload(width)
-        t_ar = dp_steps.time_allreduce(mesh, workload, cfg["repeats"])
+        t_ar = slowest_process({"": dp_steps.time_allreduce(mesh, workload, cfg["repeats"])})[""]
         allreduce.append(
             {
                 "width": width,
@@ -164,7 +165,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 comp.name: dp_steps.Runner(comp, mesh, workload, k)
                 for comp in dp_steps.competitors(mesh, workload, k)
             }
-            times = bench.interleave(runners, cfg["repeats"])
+            times = slowest_process(bench.interleave(runners, cfg["repeats"]))
             per_mb = {name: [t / k for t in ts] for name, ts in times.items()}
             for name, r in runners.items():
                 rows.append(
@@ -202,6 +203,25 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if lead:
         report(result)
     return result
+
+
+def slowest_process(times: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each round's time on the slowest process.
+
+    A synchronous data-parallel job finishes a window when its last process
+    does, so every competitor, the floor included, is timed by the slowest
+    process of each round (the processes of one machine do not run at the same
+    speed: process 0 also serves the coordinator). Every process gets the same
+    figures.
+    """
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    names = sorted(times)
+    local = np.array([times[name] for name in names], dtype=np.float32)
+    every = multihost_utils.process_allgather(local)  # (processes, names, rounds)
+    slowest = np.asarray(every).max(axis=0)
+    return {name: [float(t) for t in slowest[i]] for i, name in enumerate(names)}
 
 
 def report(result: dict[str, Any]) -> None:
