@@ -151,7 +151,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     rows, allreduce = [], []
     for width in cfg["widths"]:
         workload = dp_steps.workload(width)
-        t_ar = slowest_process({"": dp_steps.time_allreduce(mesh, workload, cfg["repeats"])})[""]
+        t_ar = dp_steps.time_allreduce(mesh, workload, cfg["repeats"])
+        t_ar = slowest_process({"all-reduce": t_ar})["all-reduce"]
         allreduce.append(
             {
                 "width": width,
