@@ -19,8 +19,7 @@ import optax
 from optax import tree as otu
 
 from masked_multistep import _checks, _stats, _windows
-from masked_multistep._reduction import Deferred, Local
-from masked_multistep._running_mean import running_mean_update
+from masked_multistep._reduction import Deferred, Local, WindowTotals
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
 
@@ -410,6 +409,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         self._should_skip_update_fn = should_skip_update_fn or _no_skip
         self._accumulator_dtype = acc_dtype
         self._count_dtype = cnt_dtype
+        if reduction is not None and _agrees_per_window(
+            every_k_schedule, tokens_per_window, norm_test, should_skip_update_fn
+        ):
+            if not recorder.enabled:
+                # Nothing needs a microbatch's global count before its window
+                # closes: the devices need not agree on it sooner.
+                reduction = reduction.per_window()
         self._reduction = Local() if reduction is None else reduction
         self._recorder = recorder
         self._config = (
@@ -661,10 +667,18 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             value = self._reduction.value(
                 extra_args.pop("value", None), gate.local_counts, gate.n
             )
+            acc_value, value_count, reduction_state = self._reduction.accumulate_value(
+                state.acc_value,
+                state.value_count,
+                state.reduction_state,
+                value,
+                gate.n,
+                gate.local_counts,
+            )
             acc_grads, acc_count, reduction_state = self._reduction.accumulate(
                 state.acc_grads,
                 state.acc_count,
-                state.reduction_state,
+                reduction_state,
                 grads,
                 gate.n,
                 gate.local_counts,
@@ -672,15 +686,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             stats = self._recorder.accumulate(
                 state.stats, grads, gate.n, gate.local_counts
             )
-            acc_value, value_count = state.acc_value, state.value_count
-            if value is not None:
-                acc_value, value_count = running_mean_update(
-                    state.acc_value, state.value_count, value, gate.n
-                )
             window_done, policy_state = self._close_now(
                 state, gate, acc_grads, acc_count, stats
             )
-            has_tokens = window_done & (acc_count > 0)
+            may_have_tokens = window_done & self._reduction.may_have_tokens(acc_count)
 
         static_args = {
             key: v for key, v in extra_args.items() if not isinstance(v, jax.Array)
@@ -688,15 +697,22 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         dynamic_args = {
             key: v for key, v in extra_args.items() if isinstance(v, jax.Array)
         }
-        # The window's token-weighted loss over the microbatches that passed one
-        # (NaN if none did).
-        window_value = jnp.where(value_count > 0, acc_value, jnp.nan)
-        dynamic_args["value"] = window_value.astype(
+        value_dtype = (
             value.dtype if value is not None and _is_float(value) else jnp.float32
         )
+
+        def window_value(totals: WindowTotals) -> jax.Array:
+            # The window's token-weighted loss over the microbatches that passed
+            # one (NaN if none did).
+            return jnp.where(totals.value_count > 0, totals.value, jnp.nan)
+
+        so_far = WindowTotals(
+            acc_count, acc_value, value_count, jnp.zeros([], jnp.int32)
+        )
+        dynamic_args["value"] = window_value(so_far).astype(value_dtype)
         operands = (
             acc_grads,
-            acc_count,
+            so_far,
             reduction_state,
             state.inner_opt_state,
             params,
@@ -707,6 +723,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         mean_avals = jax.eval_shape(
             self._reduction.mean, acc_grads, acc_count, reduction_state
         )
+        no_mean_sq_norm = self._recorder.no_mean_sq_norm
         inner_operands = (mean_avals, state.inner_opt_state, params, dynamic_args)
         run_with_value = self._inner_update(grads, static_args, with_value=True)
         run_without_value = self._inner_update(grads, static_args, with_value=False)
@@ -752,11 +769,19 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             return out, acc_grads, new_inner
 
         def close_window(
-            acc_grads, acc_count, reduction_state, inner_state, params, dynamic_args
+            acc_grads, so_far, reduction_state, inner_state, params, dynamic_args
         ):
-            # The window's mean, formed only when a window closes: with a
-            # deferred reduction, the one cross-device reduction of the window.
-            mean = self._reduction.mean(acc_grads, acc_count, reduction_state)
+            # The window's global figures (with a deferred reduction that agrees
+            # only at the window's end, a few scalar all-reduces) and its mean,
+            # formed only when a window closes: with a deferred reduction, the
+            # one gradient-sized cross-device reduction of the window.
+            totals = self._reduction.close_totals(
+                so_far.tokens, so_far.value, so_far.value_count, reduction_state
+            )
+            has_tokens = totals.tokens > 0
+            dynamic_args = {**dynamic_args, "value": window_value(totals)}
+            dynamic_args["value"] = dynamic_args["value"].astype(value_dtype)
+            mean = self._reduction.mean(acc_grads, totals.tokens, reduction_state)
             # A non-finite mean never reaches the inner optimizer: a stateful
             # one (adam's moments) would carry the NaN into every later update.
             finite = _all_finite(mean)
@@ -764,22 +789,37 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # inner optimizer overwrites the mean.
             mean_sq_norm, finite = self._recorder.read_mean(mean, finite)
             out = jax.lax.cond(
-                finite, run, hold, mean, acc_grads, inner_state, params, dynamic_args
+                has_tokens & finite,
+                run,
+                hold,
+                mean,
+                acc_grads,
+                inner_state,
+                params,
+                dynamic_args,
             )
-            return (*out, finite, mean_sq_norm)
+            return (*out, has_tokens, finite, mean_sq_norm, totals)
 
-        def keep_window(acc_grads, acc_count, reduction_state, *rest):
-            del acc_count, reduction_state
+        def keep_window(acc_grads, so_far, reduction_state, *rest):
+            del reduction_state
             return (
                 *hold(None, acc_grads, *rest),
+                jnp.zeros([], jnp.bool_),
                 jnp.ones([], jnp.bool_),
-                self._recorder.no_mean_sq_norm(),
+                no_mean_sq_norm(),
+                so_far,
             )
 
         with jax.named_scope("masked_multistep/inner_update"):
-            out, acc_grads, inner_opt_state, finite, mean_sq_norm = jax.lax.cond(
-                has_tokens, close_window, keep_window, *operands
-            )
+            (
+                out,
+                acc_grads,
+                inner_opt_state,
+                has_tokens,
+                finite,
+                mean_sq_norm,
+                totals,
+            ) = jax.lax.cond(may_have_tokens, close_window, keep_window, *operands)
             updated = has_tokens & finite
             if reuse_acc:
                 out = jax.tree.map(
@@ -789,9 +829,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         stats = self._recorder.close(
             stats,
             window_done,
-            tokens=acc_count,
+            tokens=totals.tokens,
             mean_sq_norm=mean_sq_norm,
-            loss=window_value,
+            loss=window_value(totals),
         )
 
         zero = jnp.zeros([], jnp.int32)
@@ -814,10 +854,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 window_done, jnp.zeros_like(value_count), value_count
             ),
             updated=updated,
-            num_invalid_counts=jnp.where(
-                gate.valid_count,
+            num_invalid_counts=_add_counts(
                 state.num_invalid_counts,
-                optax.safe_increment(state.num_invalid_counts),
+                jnp.where(gate.valid_count, 0, 1) + totals.num_invalid,
             ),
             num_nonfinite_windows=jnp.where(
                 has_tokens & ~finite,
@@ -830,6 +869,28 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             reduction_state=self._reduction.reset(reduction_state, window_done),
         )
         return out, new_state
+
+
+def _add_counts(counter: jax.Array, n: jax.Array) -> jax.Array:
+    """``counter + n`` for int32 counters, saturating at the int32 maximum."""
+    room = jnp.iinfo(jnp.int32).max - counter
+    return (counter + jnp.minimum(n.astype(jnp.int32), room)).astype(jnp.int32)
+
+
+def _agrees_per_window(
+    every_k_schedule: Any,
+    tokens_per_window: Any,
+    norm_test: Any,
+    should_skip_update_fn: Any,
+) -> bool:
+    """Whether no rule needs a microbatch's global count before its window
+    closes: a window of ``k`` microbatches and no skip function."""
+    return (
+        every_k_schedule is not None
+        and tokens_per_window is None
+        and norm_test is None
+        and should_skip_update_fn is None
+    )
 
 
 def _is_float(x: jax.Array) -> bool:

@@ -118,7 +118,47 @@ def _sharding_of(leaf: Any) -> Any:
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
-class Local:
+class WindowTotals(NamedTuple):
+    """A window's global figures, as :class:`MaskedMultiSteps` closes it.
+
+    Attributes:
+      tokens: the window's token total ``N`` (``count_dtype``; 0 if it could
+        not be formed).
+      value: the token-weighted mean of the ``value=`` arguments (float32).
+      value_count: the tokens behind ``value``.
+      num_invalid: invalid counts found only now (int32; 0 where every
+        microbatch's counts were checked when it arrived).
+    """
+
+    tokens: jax.Array
+    value: jax.Array
+    value_count: jax.Array
+    num_invalid: jax.Array
+
+
+class _KnownTotals:
+    """For reductions whose microbatch counts are global when they arrive: the
+    window's figures are the state's running ones, already agreed."""
+
+    def may_have_tokens(self, acc_count: jax.Array) -> jax.Array:
+        return acc_count > 0
+
+    def accumulate_value(
+        self, acc_value, value_count, reduction_state, value, n, local
+    ):
+        del local
+        if value is not None:
+            acc_value, value_count = running_mean_update(
+                acc_value, value_count, value, n
+            )
+        return acc_value, value_count, reduction_state
+
+    def close_totals(self, acc_count, acc_value, value_count, reduction_state):
+        del reduction_state
+        return WindowTotals(acc_count, acc_value, value_count, jnp.zeros([], jnp.int32))
+
+
+class Local(_KnownTotals):
     """The gradients handed over are already the microbatch's global mean.
 
     The default reduction: whatever reduced the devices' gradients (the
@@ -195,10 +235,13 @@ def _sum_counts(per_device: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.A
     return total, fits & (num_bad == 0)
 
 
-class Deferred:
+class Deferred(_KnownTotals):
     """Each device accumulates its own running mean; combined once per window.
 
-    Build it with :func:`deferred`.
+    Build it with :func:`deferred`. The devices agree on every microbatch's
+    global token count as it arrives (one scalar all-reduce per microbatch),
+    which token budgets, skip functions and the window statistics need;
+    :meth:`per_window` is the variant that agrees only at the window's end.
     """
 
     def __init__(self, mesh: jax.sharding.Mesh, axis_name: Any = "data"):
@@ -211,7 +254,11 @@ class Deferred:
         return f"mm.deferred(mesh of {dict(self.mesh.shape)}, {axes!r})"
 
     def __reduce__(self):
-        return (Deferred, (self.mesh, self._spec_axes))
+        return (type(self), (self.mesh, self._spec_axes))
+
+    def per_window(self) -> DeferredPerWindow:
+        """The same reduction, with the devices agreeing only at a window's end."""
+        return DeferredPerWindow(self.mesh, self._spec_axes)
 
     # ------------------------------------------------------------------ state
 
@@ -331,6 +378,180 @@ class Deferred:
     def reset(self, reduction_state: DeferredState, window_done: jax.Array):
         counts = reduction_state.counts
         return DeferredState(jnp.where(window_done, jnp.zeros_like(counts), counts))
+
+
+class DeferredWindowState(NamedTuple):
+    """The per-device part of a window that the devices agree on only at its
+    end (``state.reduction_state`` of :class:`DeferredPerWindow`). Every field
+    has shape ``(D,)``, sharded over the mesh axis.
+
+    Attributes:
+      counts: each device's token total ``Nᵈ`` behind its running mean.
+      invalid: each device's invalid counts in the window (int32).
+      value: each device's token-weighted running mean of ``value=`` (float32).
+      value_counts: the tokens behind ``value``.
+    """
+
+    counts: jax.Array
+    invalid: jax.Array
+    value: jax.Array
+    value_counts: jax.Array
+
+
+class _LocalCounts(NamedTuple):
+    counts: jax.Array  # (D,), 0 where invalid
+    invalid: jax.Array  # (D,) bool
+
+
+def _fits(totals: jax.Array, counts: jax.Array) -> jax.Array:
+    """Where ``totals + counts`` is representable in the totals' dtype."""
+    if jnp.issubdtype(totals.dtype, jnp.integer):
+        return counts <= jnp.iinfo(totals.dtype).max - totals
+    return jnp.isfinite(totals + counts)
+
+
+class DeferredPerWindow(Deferred):
+    """:class:`Deferred` with no cross-device traffic between window ends.
+
+    What :class:`MaskedMultiSteps` uses for ``reduction=mm.deferred(...)`` when
+    nothing needs a microbatch's global count before its window closes: a
+    fixed (or per-gradient-step) ``every_k_schedule``, no
+    ``should_skip_update_fn``, no window statistics. Every device then keeps
+    its own token total, invalid-count tally and ``value=`` running mean beside
+    its gradients' (:class:`DeferredWindowState`), and the window's end agrees
+    on all of them with a few scalar all-reduces next to the gradients' one.
+    Between window ends a step needs no synchronisation at all, so a slow
+    device delays the others once per window, not on every microbatch.
+
+    What differs from :class:`Deferred`, both consequences of no device knowing
+    the others' counts before the window closes: the state's ``acc_count``,
+    ``acc_value`` and ``value_count`` stay 0 (the window's global figures are
+    formed when it closes; each device's are in ``reduction_state``); and a
+    traced invalid count (negative, non-finite, or overflowing that device's
+    total) drops that device's share of the microbatch only, not the whole
+    microbatch; it is added to ``num_invalid_counts`` when the window closes.
+    A window whose global token total overflows an integer ``count_dtype``
+    applies no update and counts as one invalid count.
+    """
+
+    def init(self, count_dtype: Any) -> DeferredWindowState:  # type: ignore[override]
+        devices = NamedSharding(self.mesh, P(self._spec_axes))
+
+        def zeros(dtype):
+            return jnp.zeros((self.size,), dtype, device=devices)
+
+        return DeferredWindowState(
+            counts=zeros(count_dtype),
+            invalid=zeros(jnp.int32),
+            value=zeros(jnp.float32),
+            value_counts=zeros(count_dtype),
+        )
+
+    def may_have_tokens(self, acc_count: jax.Array) -> jax.Array:
+        del acc_count
+        return jnp.ones([], jnp.bool_)  # only the window's end can tell
+
+    def to_count(  # type: ignore[override]
+        self, count: Any, count_dtype: Any
+    ) -> tuple[jax.Array, jax.Array, _LocalCounts]:
+        """``(0, True, local)``: every device's count checked on its own; the
+        global count is not known before the window's end, so the microbatch
+        adds 0 to ``acc_count`` and always belongs to its window."""
+        per_device, ok = _checks.to_count(
+            count,
+            count_dtype,
+            "With reduction=mm.deferred(...), `count` (every device's token "
+            "count, as mm.per_device_value_and_grad returns it)",
+            shape=(self.size,),
+        )
+        local = _LocalCounts(jnp.where(ok, per_device, jnp.zeros_like(per_device)), ~ok)
+        return jnp.zeros([], count_dtype), jnp.ones([], jnp.bool_), local
+
+    def value(self, value: Any, local_counts: Any, total: jax.Array) -> Any:
+        """``value`` checked: a scalar, or one value per device (shape ``(D,)``)."""
+        del local_counts, total
+        if value is None or jnp.shape(value) == ():
+            return _checks.check_value(value)
+        if jnp.shape(value) != (self.size,):
+            raise ValueError(
+                f"With reduction={self!r}, `value` is a scalar or one value per "
+                f"device, shape ({self.size},), got shape {jnp.shape(value)}"
+            )
+        value = jnp.asarray(value)
+        if (
+            not (
+                jnp.issubdtype(value.dtype, jnp.integer)
+                or jnp.issubdtype(value.dtype, jnp.floating)
+            )
+            or value.dtype == jnp.bool_
+        ):
+            raise TypeError(f"`value` must be a real number, got dtype {value.dtype}")
+        return value
+
+    def skip_view(self, grads: Any, local_counts: Any) -> Any:
+        del local_counts
+        return grads  # no skip function with this reduction
+
+    def accumulate(self, acc, acc_count, reduction_state, grads, n, local_counts):
+        """Every device's running mean over its own valid counts; ``acc_count``
+        (the global total, not known yet) is left as it is."""
+        del n
+        counts, invalid = local_counts
+        state = reduction_state
+        fits = _fits(state.counts, counts)
+        counts = jnp.where(fits, counts, jnp.zeros_like(counts))
+        invalid = invalid | ~fits
+        acc, new_counts = jax.vmap(running_mean_update)(
+            acc, state.counts, grads, counts
+        )
+        state = state._replace(
+            counts=new_counts,
+            invalid=state.invalid + invalid.astype(jnp.int32),
+        )
+        return acc, acc_count, state
+
+    def accumulate_value(
+        self, acc_value, value_count, reduction_state, value, n, local
+    ):
+        """Each device's running mean of ``value`` (its own or the microbatch's
+        scalar), weighted by the counts :meth:`accumulate` takes (called
+        before it, on the same device totals)."""
+        del n
+        if value is None:
+            return acc_value, value_count, reduction_state
+        state = reduction_state
+        take = _fits(state.counts, local.counts)
+        counts = jnp.where(take, local.counts, jnp.zeros_like(local.counts))
+        values = jnp.broadcast_to(jnp.asarray(value, jnp.float32), (self.size,))
+        new_value, new_counts = jax.vmap(running_mean_update)(
+            state.value,
+            state.value_counts,
+            values,
+            counts.astype(state.value_counts.dtype),
+        )
+        state = state._replace(value=new_value, value_counts=new_counts)
+        return acc_value, value_count, state
+
+    def close_totals(self, acc_count, acc_value, value_count, reduction_state):
+        """The window's global figures from every device's: a few scalar
+        all-reduces, once per window."""
+        del acc_value, value_count
+        state = reduction_state
+        total, fits = _sum_counts(state.counts, jnp.zeros_like(state.counts))
+        total = jnp.where(fits, total, jnp.zeros_like(total)).astype(acc_count.dtype)
+        num_invalid = jnp.sum(state.invalid) + (~fits).astype(jnp.int32)
+        value, value_total = mean_over_devices(state.value, state.value_counts)
+        return WindowTotals(
+            tokens=total,
+            value=value.astype(jnp.float32),
+            value_count=value_total.astype(acc_count.dtype),
+            num_invalid=num_invalid.astype(jnp.int32),
+        )
+
+    def reset(self, reduction_state: Any, window_done: jax.Array):  # type: ignore[override]
+        return jax.tree.map(
+            lambda x: jnp.where(window_done, jnp.zeros_like(x), x), reduction_state
+        )
 
 
 def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:
