@@ -34,6 +34,7 @@ Usage::
 
     python benchmarks/bench_dp.py           # two sizes, k = 1, 4, 8, 16 (~2 min)
     python benchmarks/bench_dp.py --quick   # smoke test (~30 s)
+    python benchmarks/bench_dp.py --malloc default  # glibc's allocator defaults
 
 The parent process starts the two workers, relays process 0's output and
 writes its JSON result to ``benchmarks/results/`` (or ``--out``). The last line
@@ -68,6 +69,17 @@ WORKER_TIMEOUT_S = 900
 # the two do not oversubscribe the machine's cores (with XLA's default thread
 # pools, 2 processes x 2 threads share 2 cores and timings scatter far more).
 WORKER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+# glibc hands every large temporary (a step's gradient-sized scratch buffers,
+# the all-reduce's operands and result) back to the OS when it is freed and
+# maps it afresh on the next step, so every step page-faults it in again; on a
+# virtual machine that costs more than the all-reduce itself. Keeping freed
+# memory in the process (what a long-running trainer wants anyway) applies to
+# every competitor alike. `--malloc default` leaves glibc's defaults.
+KEEP_FREED_MEMORY = {
+    "MALLOC_MMAP_THRESHOLD_": str(2**31 - 1),
+    "MALLOC_TRIM_THRESHOLD_": str(2**32 - 1),
+    "MALLOC_TOP_PAD_": str(2**29),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,6 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--widths", type=str, help="comma-separated matrix widths")
     p.add_argument("--ks", type=str, help="comma-separated window lengths k")
     p.add_argument("--repeats", type=int, help="timed rounds per configuration")
+    p.add_argument(
+        "--malloc",
+        choices=("keep", "default"),
+        default="keep",
+        help="keep freed memory in the worker processes (default), or glibc's defaults",
+    )
     p.add_argument(
         "--markdown", type=Path, help="print a result JSON's tables as markdown"
     )
@@ -136,10 +154,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
     info = dp_steps.machine_info()
     info["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    info["malloc"] = {k: os.environ[k] for k in KEEP_FREED_MEMORY if k in os.environ}
     say(
         f"CPU: {info['cpu']} ({info['cores']} cores); {NUM_PROCESSES} processes x "
         f"{info['local_devices']} {info['backend']} device, gloo on 127.0.0.1; "
-        f"jax {info['jax']}; XLA_FLAGS={info['xla_flags']!r}"
+        f"jax {info['jax']}; XLA_FLAGS={info['xla_flags']!r}; freed memory "
+        f"{'kept' if info['malloc'] else 'returned to the OS (glibc default)'}"
     )
     say(
         f"widths {cfg['widths']}, k {cfg['ks']}, {cfg['repeats']} timed rounds "
@@ -416,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         out = HERE / "results" / f"bench-dp-{kind}-{stamp}.json"
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": WORKER_XLA_FLAGS}
+    if args.malloc == "keep":
+        env.update(KEEP_FREED_MEMORY)
     forwarded = [
         "--widths",
         ",".join(map(str, cfg["widths"])),

@@ -43,11 +43,18 @@ class MaskedMultiStepsState(NamedTuple):
         ``MaskedMultiSteps.update`` applied an inner update it may hold that
         update's values (the update reuses its buffer).
       acc_count: the window's token total (``count_dtype``, float32 by default).
+        With ``reduction=mm.deferred(...)`` agreeing only at the window's end
+        (see :func:`masked_multistep.deferred`), 0: the global total is formed
+        when the window closes, and every device's own is in
+        ``reduction_state.counts``.
       acc_value: running token-weighted mean of the window's ``value`` arguments
-        (float32), over the microbatches that passed one.
+        (float32), over the microbatches that passed one (0 where
+        ``acc_count`` is).
       updated: whether the last ``update`` applied an inner update.
       num_invalid_counts: microbatches rejected under ``jit`` because their count
-        was negative, non-finite or overflowed the window's total.
+        was negative, non-finite or overflowed the window's total (with a
+        deferred reduction agreeing only at the window's end, devices' shares,
+        added when the window closes).
       value_count: the token total behind ``acc_value``.
       num_nonfinite_windows: windows whose mean gradient was not finite, and
         which were therefore not handed to the inner optimizer.
@@ -60,7 +67,10 @@ class MaskedMultiStepsState(NamedTuple):
       policy_state: the window policy's state (``()`` for a fixed ``k``).
       reduction_state: the cross-device reduction's state: ``()`` by default;
         with ``reduction=mm.deferred(...)``, each device's token total behind
-        its running mean (a ``DeferredState`` with one field, ``counts``).
+        its running mean (``counts``, shape ``(D,)``; a ``DeferredState``, or
+        where the devices agree only at the window's end a
+        ``DeferredWindowState``, which also keeps every device's invalid counts
+        and ``value`` running mean).
     """
 
     mini_step: jax.Array
@@ -240,7 +250,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         they are every device's own, stacked along a leading device axis, with
         one count per device (from :func:`per_device_value_and_grad`); each
         device accumulates its own running mean and the devices are combined,
-        token-weighted, once per window.
+        token-weighted, once per window (with a window of ``k`` microbatches
+        and no skip function or statistics, the only cross-device traffic of
+        the window; see :func:`deferred`).
       window_stats: keep each window's statistics (tokens, loss, gradient norm,
         gradient noise scale) in ``state.stats``; read them with
         :func:`masked_multistep.window_stats`. They never change the updates

@@ -215,24 +215,31 @@ def _sum_counts(per_device: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.A
     window's total and on skipped microbatches. (A per-device ``value=`` adds a
     second, dependent, all-reduce right after it; folding it into this one
     measured no faster on two processes, where the cost is the synchronisation,
-    not the number of collectives.) Integer counts are
-    summed as high and low halves, so a total beyond the dtype's range is
-    detected instead of wrapped (exact for fewer than 2¹⁵ devices).
+    not the number of collectives.)
     """
-    dtype = per_device.dtype
+    (total, num_bad), fits = _exact_sums(jnp.stack([per_device, bad]))
+    return total, fits[0] & (num_bad == 0)
+
+
+def _exact_sums(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every row's sum over the device axis (``rows``: shape ``(R, D)``), and
+    whether it fits the dtype: one all-reduce for all rows.
+
+    Integer rows are summed as high and low halves, so a sum beyond the
+    dtype's range is detected (and replaced by 0) instead of wrapped (exact for
+    fewer than 2¹⁵ devices); a float sum fits where it is finite.
+    """
+    dtype = rows.dtype
     if jnp.issubdtype(dtype, jnp.integer):
         half = jnp.iinfo(dtype).bits // 2
         low_mask = (1 << half) - 1
-        hi, lo, num_bad = jnp.sum(
-            jnp.stack([per_device >> half, per_device & low_mask, bad]), axis=1
-        )
+        sums = jnp.sum(jnp.concatenate([rows >> half, rows & low_mask]), axis=1)
+        hi, lo = jnp.split(sums, 2)
         hi = hi + (lo >> half)
         fits = hi < (1 << (jnp.iinfo(dtype).bits - 1 - half))
-        total = jnp.where(fits, (hi << half) | (lo & low_mask), 0).astype(dtype)
-    else:
-        total, num_bad = jnp.sum(jnp.stack([per_device, bad]), axis=1)
-        fits = jnp.isfinite(total)
-    return total, fits & (num_bad == 0)
+        return jnp.where(fits, (hi << half) | (lo & low_mask), 0).astype(dtype), fits
+    sums = jnp.sum(rows, axis=1)
+    return sums, jnp.isfinite(sums)
 
 
 class Deferred(_KnownTotals):
@@ -537,15 +544,22 @@ class DeferredPerWindow(Deferred):
         all-reduces, once per window."""
         del acc_value, value_count
         state = reduction_state
-        total, fits = _sum_counts(state.counts, jnp.zeros_like(state.counts))
-        total = jnp.where(fits, total, jnp.zeros_like(total)).astype(acc_count.dtype)
-        num_invalid = jnp.sum(state.invalid) + (~fits).astype(jnp.int32)
-        value, value_total = mean_over_devices(state.value, state.value_counts)
+        dtype = state.counts.dtype
+        # One scalar all-reduce for the token total, the invalid counts and the
+        # tokens behind the loss; the gradients' (and the loss's) weighted sum
+        # then needs no other.
+        sums, fits = _exact_sums(
+            jnp.stack([state.counts, state.invalid.astype(dtype), state.value_counts])
+        )
+        total = jnp.where(fits[0], sums[0], jnp.zeros_like(sums[0]))
+        num_invalid = sums[1].astype(jnp.int32) + (~fits[0]).astype(jnp.int32)
+        value_total = sums[2]
+        value, _ = mean_over_devices(state.value, state.value_counts, value_total)
         return WindowTotals(
-            tokens=total,
+            tokens=total.astype(acc_count.dtype),
             value=value.astype(jnp.float32),
             value_count=value_total.astype(acc_count.dtype),
-            num_invalid=num_invalid.astype(jnp.int32),
+            num_invalid=num_invalid,
         )
 
     def reset(self, reduction_state: Any, window_done: jax.Array):  # type: ignore[override]
@@ -569,10 +583,25 @@ def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:
 
     one gradient-sized all-reduce per window instead of one per microbatch. A
     device with no tokens in the window contributes nothing, even if its
-    gradients were NaN. The window's token total (the global count) costs a
-    scalar all-reduce per microbatch, so every device agrees on it. The inner
-    optimizer sees the global full-batch token-mean gradient, as without the
-    mode.
+    gradients were NaN. The inner optimizer sees the global full-batch
+    token-mean gradient, as without the mode.
+
+    When the devices agree on the counts: with a window of ``k`` microbatches
+    (``every_k_schedule`` alone), no ``should_skip_update_fn`` and no window
+    statistics, nothing needs a microbatch's global count before its window
+    closes, so they agree at the window's end only (one scalar all-reduce for
+    the window's token total, invalid counts and the loss's tokens, beside the
+    gradients'): between window ends a step has no cross-device communication
+    at all, and a slow device holds the others up once per window, not on
+    every microbatch. Then the state's ``acc_count``, ``acc_value`` and
+    ``value_count`` stay 0 (every device's own figures are in
+    ``state.reduction_state``), and a traced invalid count on one device drops
+    that device's share of the microbatch and is added to
+    ``num_invalid_counts`` when the window closes. Token budgets, skip
+    functions and the statistics need every microbatch's global count: with
+    them the devices agree on it on every microbatch (a scalar all-reduce; a
+    second one for ``value=``), ``acc_count`` is the window's global total as
+    it grows, and an invalid count on any device skips the microbatch on all.
 
     Memory: the accumulator holds ``D`` copies of the gradients, one per device;
     each device stores its own, a full-size buffer. With parameters sharded

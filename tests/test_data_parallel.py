@@ -701,3 +701,38 @@ def test_deferred_nonfinite_window_never_reaches_the_inner_optimizer(mesh):
         updates, state = step(nan_on_3, state, params, count=counts.at[3].set(0))
     assert int(state.num_nonfinite_windows) == 1 and int(state.gradient_step) == 1
     assert all(np.isfinite(u).all() and u.any() for u in jax.tree.leaves(updates))
+
+
+def test_deferred_per_window_loss_is_the_windows_token_weighted_mean(mesh):
+    """Agreeing only at the window's end, the loss handed to the inner
+    optimizer is Σ nᵢᵈ vᵢᵈ / Σ nᵢᵈ over every device and microbatch that passed
+    one, from per-device values or one scalar per microbatch; a device without
+    tokens adds nothing, even with a NaN loss."""
+    tx = _tx(mm.deferred(mesh, "data"))
+    params = _params()
+    grads = jax.tree.map(lambda p: jnp.ones((NDEV, *p.shape)), params)
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 5, size=(K, NDEV)).astype(np.float32)
+    counts[:, 2] = 0  # device 2 never has tokens ...
+    values = rng.normal(size=(K, NDEV)).astype(np.float32)
+    values[:, 2] = np.nan  # ... and reports a NaN loss
+    scalars = rng.normal(size=K).astype(np.float32)
+    step = jax.jit(tx.update)
+    for per_device in (True, False):
+        state = tx.init(params)
+        for i in range(K):
+            value = values[i] if per_device else scalars[i]
+            if i == 1:  # a microbatch that passes no value
+                _, state = step(grads, state, params, count=counts[i])
+            else:
+                _, state = step(grads, state, params, count=counts[i], value=value)
+            assert float(state.value_count) == 0  # formed when the window closes
+        assert tx.has_updated(state)
+        passed = [i for i in range(K) if i != 1]
+        if per_device:
+            weights, losses = counts[passed], values[passed]
+        else:
+            weights = counts[passed].sum(1)
+            losses = scalars[passed]
+        want = np.nansum(weights * np.where(weights > 0, losses, 0)) / weights.sum()
+        np.testing.assert_allclose(state.inner_opt_state[1], want, rtol=1e-6)
