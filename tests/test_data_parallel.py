@@ -736,3 +736,25 @@ def test_deferred_per_window_loss_is_the_windows_token_weighted_mean(mesh):
             losses = scalars[passed]
         want = np.nansum(weights * np.where(weights > 0, losses, 0)) / weights.sum()
         np.testing.assert_allclose(state.inner_opt_state[1], want, rtol=1e-6)
+
+
+def test_deferred_per_window_empty_window_applies_nothing(mesh):
+    """A window in which no device has tokens (NaN gradients everywhere)
+    applies no update, leaves adam's state alone and counts nothing as
+    non-finite; the next window updates normally."""
+    tx = _tx(mm.deferred(mesh, "data"))
+    params = _params()
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    nan = jax.tree.map(lambda p: jnp.full((NDEV, *p.shape), jnp.nan), params)
+    ones = jax.tree.map(lambda p: jnp.ones((NDEV, *p.shape)), params)
+    for _ in range(K):
+        updates, state = step(nan, state, params, count=jnp.zeros(NDEV), value=1.0)
+    assert not tx.has_updated(state) and int(state.gradient_step) == 0
+    assert int(state.num_nonfinite_windows) == 0
+    assert all(not np.asarray(u).any() for u in jax.tree.leaves(updates))
+    chex.assert_trees_all_equal(state.inner_opt_state, tx.init(params).inner_opt_state)
+    for _ in range(K):
+        updates, state = step(ones, state, params, count=jnp.ones(NDEV))
+    assert tx.has_updated(state) and int(state.gradient_step) == 1
+    assert all(np.isfinite(u).all() and u.any() for u in jax.tree.leaves(updates))
