@@ -77,7 +77,7 @@ nitpick_ignore_regex = [
     (r"py:class", r"masked_multistep\._microbatch\.(ParamsT|BatchT|GradFn\w*)"),
     # The type of `MaskedMultiSteps(reduction=...)`: built by `mm.deferred`,
     # whose entry documents it.
-    (r"py:class", r"masked_multistep\._reduction\.Deferred"),
+    (r"py:class", r"masked_multistep\._deferred\.Deferred"),
     # MaskedMultiStepsState's docstring says :meth:`update` for
     # MaskedMultiSteps.update; remove this line once it names the class.
     ("py:meth", "update"),

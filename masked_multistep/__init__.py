@@ -14,6 +14,7 @@ from masked_multistep._checkpoint import (
     state_0_1_target,
 )
 from masked_multistep._collectives import weighted_mean_across
+from masked_multistep._deferred import deferred
 from masked_multistep._inspect import find_state, has_updated, window_stats
 from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
@@ -23,7 +24,6 @@ from masked_multistep._per_device import (
     data_parallel_value_and_grad,
     per_device_value_and_grad,
 )
-from masked_multistep._reduction import deferred
 from masked_multistep._running_mean import running_mean_update
 from masked_multistep._schedules import tokens_schedule
 from masked_multistep._stats import TokenTotal, WindowStats, noise_scale_estimates

@@ -2,9 +2,9 @@
 
 The module is the state machine only: argument checks and the count contract
 live in ``_checks``, the window-closing rule in ``_windows``, the arithmetic in
-``_running_mean``, how the devices agree on a window's mean (locally, or
-deferred to the window's end) in ``_reduction``, and the window statistics in
-``_stats``.
+``_running_mean``, how the devices agree on a window's mean in ``_reduction``
+(locally) and ``_deferred`` (deferred to the window's end), and the window
+statistics in ``_stats``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import optax
 from optax import tree as otu
 
 from masked_multistep import _checks, _stats, _windows
-from masked_multistep._reduction import Deferred, Local, WindowTotals
+from masked_multistep._deferred import Deferred
+from masked_multistep._reduction import Local, WindowTotals
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
 

@@ -1,0 +1,481 @@
+"""The deferred reductions: each device's running mean, combined once per window.
+
+With ``reduction=mm.deferred(mesh, axis_name)`` the gradients and counts handed
+to :class:`MaskedMultiSteps` are every device's own, stacked along a leading
+axis of size ``D`` sharded over the mesh axis. Each device accumulates its own
+running mean (no cross-device traffic) and the window's end combines them,
+token-weighted, with one gradient-sized all-reduce (``_reduction``'s
+:func:`mean_over_devices`). Two variants, chosen by the wrapper:
+:class:`Deferred` agrees on every microbatch's global count as it arrives (what
+token budgets, skip functions and the statistics need);
+:class:`DeferredPerWindow` agrees on the window's figures only at its end, so a
+step between window ends communicates nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from masked_multistep import _checks
+from masked_multistep._reduction import (
+    KnownTotals,
+    WindowTotals,
+    check_mesh_axes,
+    mean_over_devices,
+)
+from masked_multistep._running_mean import running_mean_update
+
+__all__ = [
+    "Deferred",
+    "DeferredPerWindow",
+    "DeferredState",
+    "DeferredWindowState",
+    "deferred",
+]
+
+
+class DeferredState(NamedTuple):
+    """The per-device part of a deferred window (``state.reduction_state``).
+
+    Attributes:
+      counts: shape ``(D,)``, sharded over the mesh axis: each device's token
+        total ``Nᵈ`` behind its running mean in ``acc_grads[d]``.
+    """
+
+    counts: jax.Array
+
+
+def _sharding_of(leaf: Any) -> Any:
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def _sum_counts(per_device: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``Σ_d nᵈ`` and whether it is usable (no bad count, no overflow).
+
+    One scalar-sized all-reduce (the ``(D,)`` axis is sharded over the devices)
+    for the total and the number of bad counts together: the one cross-device
+    synchronisation per microbatch, which every device needs to agree on the
+    window's total and on skipped microbatches. (A per-device ``value=`` adds a
+    second, dependent, all-reduce right after it; folding it into this one
+    measured no faster on two processes, where the cost is the synchronisation,
+    not the number of collectives.)
+    """
+    (total, num_bad), fits = _exact_sums(jnp.stack([per_device, bad]))
+    return total, fits[0] & (num_bad == 0)
+
+
+def _exact_sums(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every row's sum over the device axis (``rows``: shape ``(R, D)``), and
+    whether it fits the dtype: one all-reduce for all rows.
+
+    Integer rows are summed as high and low halves, so a sum beyond the
+    dtype's range is detected (and replaced by 0) instead of wrapped (exact for
+    fewer than 2¹⁵ devices); a float sum fits where it is finite.
+    """
+    dtype = rows.dtype
+    if jnp.issubdtype(dtype, jnp.integer):
+        half = jnp.iinfo(dtype).bits // 2
+        low_mask = (1 << half) - 1
+        sums = jnp.sum(jnp.concatenate([rows >> half, rows & low_mask]), axis=1)
+        hi, lo = jnp.split(sums, 2)
+        hi = hi + (lo >> half)
+        fits = hi < (1 << (jnp.iinfo(dtype).bits - 1 - half))
+        return jnp.where(fits, (hi << half) | (lo & low_mask), 0).astype(dtype), fits
+    sums = jnp.sum(rows, axis=1)
+    return sums, jnp.isfinite(sums)
+
+
+class Deferred(KnownTotals):
+    """Each device accumulates its own running mean; combined once per window.
+
+    Build it with :func:`deferred`. The devices agree on every microbatch's
+    global token count as it arrives (one scalar all-reduce per microbatch),
+    which token budgets, skip functions and the window statistics need;
+    :meth:`per_window` is the variant that agrees only at the window's end.
+    """
+
+    def __init__(self, mesh: jax.sharding.Mesh, axis_name: Any = "data"):
+        self.mesh = mesh
+        self.axes, self.size = check_mesh_axes(mesh, axis_name)
+        self._spec_axes = self.axes[0] if len(self.axes) == 1 else self.axes
+
+    def __repr__(self) -> str:
+        axes = self._spec_axes
+        return f"mm.deferred(mesh of {dict(self.mesh.shape)}, {axes!r})"
+
+    def __reduce__(self):
+        return (type(self), (self.mesh, self._spec_axes))
+
+    def per_window(self) -> DeferredPerWindow:
+        """The same reduction, with the devices agreeing only at a window's end."""
+        return DeferredPerWindow(self.mesh, self._spec_axes)
+
+    # ------------------------------------------------------------------ state
+
+    def _leading_sharding(self, leaf: Any) -> NamedSharding:
+        """``P(axes, *rest)``: the device axis over ``axes``; the other dims keep
+        the parameter's sharding over the other mesh axes (a dim sharded over
+        ``axes`` itself, FSDP-style, is held whole by each device)."""
+        rest: list[Any] = [None] * jnp.ndim(leaf)
+        sharding = _sharding_of(leaf)
+        if sharding is not None and sharding.mesh.shape == self.mesh.shape:
+            spec = tuple(sharding.spec) + (None,) * (
+                jnp.ndim(leaf) - len(sharding.spec)
+            )
+            for i, entry in enumerate(spec):
+                names = entry if isinstance(entry, tuple) else (entry,)
+                if entry is not None and not set(names) & set(self.axes):
+                    rest[i] = entry
+        return NamedSharding(self.mesh, P(self._spec_axes, *rest))
+
+    def init_accumulator(self, params: Any, leaf_dtype: Callable[[Any], Any]) -> Any:
+        def leaf(p):
+            return jnp.zeros(
+                (self.size, *jnp.shape(p)),
+                leaf_dtype(p),
+                device=self._leading_sharding(p),
+            )
+
+        return jax.tree.map(leaf, params)
+
+    def init(self, count_dtype: Any) -> DeferredState:
+        return DeferredState(
+            counts=jnp.zeros(
+                (self.size,),
+                count_dtype,
+                device=NamedSharding(self.mesh, P(self._spec_axes)),
+            )
+        )
+
+    # ------------------------------------------------------------- per call
+
+    def check_grads(self, grads: Any, acc_grads: Any) -> None:
+        for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+            if jnp.ndim(g) < 1 or jnp.shape(g)[0] != self.size:
+                raise ValueError(
+                    f"With reduction={self!r}, gradients carry a leading device "
+                    f"axis of size {self.size} (as mm.per_device_value_and_grad "
+                    f"returns them), got shape {jnp.shape(g)} at "
+                    f"{jax.tree_util.keystr(path) or '<root>'}"
+                )
+        _checks.check_grads_match(grads, acc_grads)
+
+    def to_count(
+        self, count: Any, count_dtype: Any
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(total, ok, per_device)`` from the ``(D,)`` per-device counts.
+
+        Each device's count follows the count contract of ``_checks`` (by
+        value, eager ``ValueError`` when concrete); ``total`` is the
+        microbatch's global count (the one scalar all-reduce per microbatch),
+        and ``ok`` whether every device's count is valid and the total fits.
+        """
+        per_device, ok = self._device_counts(count, count_dtype)
+        total, ok = _sum_counts(per_device, (~ok).astype(per_device.dtype))
+        return total, ok, per_device
+
+    def _device_counts(self, count: Any, count_dtype: Any) -> tuple[Any, Any]:
+        """Every device's count under the count contract, and its validity."""
+        return _checks.to_count(
+            count,
+            count_dtype,
+            "With reduction=mm.deferred(...), `count` (every device's token "
+            "count, as mm.per_device_value_and_grad returns it)",
+            shape=(self.size,),
+        )
+
+    def _device_values(self, value: Any) -> Any:
+        """``value=`` checked: ``None``, a scalar, or one real value per device
+        (shape ``(D,)``, as float32)."""
+        if value is None or jnp.shape(value) == ():
+            return _checks.check_value(value)
+        if jnp.shape(value) != (self.size,):
+            raise ValueError(
+                f"With reduction={self!r}, `value` is a scalar or one value per "
+                f"device, shape ({self.size},), got shape {jnp.shape(value)}"
+            )
+        value = jnp.asarray(value)
+        if value.dtype == jnp.bool_ or not (
+            jnp.issubdtype(value.dtype, jnp.integer)
+            or jnp.issubdtype(value.dtype, jnp.floating)
+        ):
+            raise TypeError(f"`value` must be a real number, got dtype {value.dtype}")
+        return value.astype(jnp.promote_types(value.dtype, jnp.float32))
+
+    def value(self, value: Any, local_counts: Any, total: jax.Array) -> Any:
+        """The microbatch's global token-weighted mean of per-device ``value``s
+        (``total``: the microbatch's global count, known to every device)."""
+        value = self._device_values(value)
+        if value is None or jnp.shape(value) == ():
+            return value
+        mean, _ = mean_over_devices(value, local_counts, total)
+        return mean
+
+    def skip_view(self, grads: Any, local_counts: Any) -> Any:
+        """The gradients a skip function judges: a device without tokens shows
+        zeros (its gradient is meaningless and adds nothing)."""
+
+        def leaf(g):
+            take = (local_counts > 0).reshape((-1,) + (1,) * (g.ndim - 1))
+            return jnp.where(take, g, jnp.zeros_like(g))
+
+        return jax.tree.map(leaf, grads)
+
+    def accumulate(self, acc, acc_count, reduction_state, grads, n, local_counts):
+        """Every device's running mean (one :func:`running_mean_update`, mapped
+        over the device axis); the global total advances by the global count."""
+        take = n > 0
+        local_counts = jnp.where(take, local_counts, jnp.zeros_like(local_counts))
+        acc, counts = jax.vmap(running_mean_update)(
+            acc, reduction_state.counts, grads, local_counts
+        )
+        acc_count = jnp.where(take, acc_count + n, acc_count).astype(acc_count.dtype)
+        return acc, acc_count, DeferredState(counts)
+
+    def mean(
+        self, acc: Any, acc_count: jax.Array, reduction_state: DeferredState
+    ) -> Any:
+        """The window's global mean: ``Σ_d (Nᵈ/N)·mᵈ``, one reduction.
+
+        ``N`` is the window's global total ``acc_count``, which every device
+        already holds: the only cross-device traffic is the gradients' sum.
+        """
+        mean, _ = mean_over_devices(acc, reduction_state.counts, acc_count)
+        return mean
+
+    def reset(self, reduction_state: DeferredState, window_done: jax.Array):
+        counts = reduction_state.counts
+        return DeferredState(jnp.where(window_done, jnp.zeros_like(counts), counts))
+
+
+class DeferredWindowState(NamedTuple):
+    """The per-device part of a window that the devices agree on only at its
+    end (``state.reduction_state`` of :class:`DeferredPerWindow`). Every field
+    has shape ``(D,)``, sharded over the mesh axis.
+
+    Attributes:
+      counts: each device's token total ``Nᵈ`` behind its running mean.
+      invalid: each device's invalid counts in the window (int32).
+      value: each device's token-weighted running mean of ``value=`` (float32).
+      value_counts: the tokens behind ``value``.
+    """
+
+    counts: jax.Array
+    invalid: jax.Array
+    value: jax.Array
+    value_counts: jax.Array
+
+
+class _LocalCounts(NamedTuple):
+    counts: jax.Array  # (D,), 0 where invalid
+    invalid: jax.Array  # (D,) bool
+
+
+def _fits(totals: jax.Array, counts: jax.Array) -> jax.Array:
+    """Where ``totals + counts`` is representable in the totals' dtype."""
+    if jnp.issubdtype(totals.dtype, jnp.integer):
+        return counts <= jnp.iinfo(totals.dtype).max - totals
+    return jnp.isfinite(totals + counts)
+
+
+class DeferredPerWindow(Deferred):
+    """:class:`Deferred` with no cross-device traffic between window ends.
+
+    What :class:`MaskedMultiSteps` uses for ``reduction=mm.deferred(...)`` when
+    nothing needs a microbatch's global count before its window closes: a
+    fixed (or per-gradient-step) ``every_k_schedule``, no
+    ``should_skip_update_fn``, no window statistics. Every device then keeps
+    its own token total, invalid-count tally and ``value=`` running mean beside
+    its gradients' (:class:`DeferredWindowState`), and the window's end agrees
+    on all of them with a few scalar all-reduces next to the gradients' one.
+    Between window ends a step needs no synchronisation at all, so a slow
+    device delays the others once per window, not on every microbatch.
+
+    What differs from :class:`Deferred`, both consequences of no device knowing
+    the others' counts before the window closes: the state's ``acc_count``,
+    ``acc_value`` and ``value_count`` stay 0 (the window's global figures are
+    formed when it closes; each device's are in ``reduction_state``); and a
+    traced invalid count (negative, non-finite, or overflowing that device's
+    total) drops that device's share of the microbatch only, not the whole
+    microbatch; it is added to ``num_invalid_counts`` when the window closes.
+    A window whose global token total overflows an integer ``count_dtype``
+    applies no update and counts as one invalid count.
+    """
+
+    def init(self, count_dtype: Any) -> DeferredWindowState:  # type: ignore[override]
+        devices = NamedSharding(self.mesh, P(self._spec_axes))
+
+        def zeros(dtype):
+            return jnp.zeros((self.size,), dtype, device=devices)
+
+        return DeferredWindowState(
+            counts=zeros(count_dtype),
+            invalid=zeros(jnp.int32),
+            value=zeros(jnp.float32),
+            value_counts=zeros(count_dtype),
+        )
+
+    def may_have_tokens(self, acc_count: jax.Array) -> jax.Array:
+        del acc_count
+        return jnp.ones([], jnp.bool_)  # only the window's end can tell
+
+    def to_count(  # type: ignore[override]
+        self, count: Any, count_dtype: Any
+    ) -> tuple[jax.Array, jax.Array, _LocalCounts]:
+        """``(0, True, local)``: every device's count checked on its own; the
+        global count is not known before the window's end, so the microbatch
+        adds 0 to ``acc_count`` and always belongs to its window."""
+        per_device, ok = self._device_counts(count, count_dtype)
+        local = _LocalCounts(jnp.where(ok, per_device, jnp.zeros_like(per_device)), ~ok)
+        return jnp.zeros([], count_dtype), jnp.ones([], jnp.bool_), local
+
+    def value(self, value: Any, local_counts: Any, total: jax.Array) -> Any:
+        """``value`` checked: a scalar, or one value per device (shape ``(D,)``);
+        each device folds its own into its running mean (``accumulate_value``)."""
+        del local_counts, total
+        return self._device_values(value)
+
+    def skip_view(self, grads: Any, local_counts: Any) -> Any:
+        del local_counts
+        return grads  # no skip function with this reduction
+
+    def accumulate(self, acc, acc_count, reduction_state, grads, n, local_counts):
+        """Every device's running mean over its own valid counts; ``acc_count``
+        (the global total, not known yet) is left as it is."""
+        del n
+        counts, invalid = local_counts
+        state = reduction_state
+        fits = _fits(state.counts, counts)
+        counts = jnp.where(fits, counts, jnp.zeros_like(counts))
+        invalid = invalid | ~fits
+        acc, new_counts = jax.vmap(running_mean_update)(
+            acc, state.counts, grads, counts
+        )
+        state = state._replace(
+            counts=new_counts,
+            invalid=state.invalid + invalid.astype(jnp.int32),
+        )
+        return acc, acc_count, state
+
+    def accumulate_value(
+        self, acc_value, value_count, reduction_state, value, n, local
+    ):
+        """Each device's running mean of ``value`` (its own or the microbatch's
+        scalar), weighted by the counts :meth:`accumulate` takes (called
+        before it, on the same device totals)."""
+        del n
+        if value is None:
+            return acc_value, value_count, reduction_state
+        state = reduction_state
+        take = _fits(state.counts, local.counts)
+        counts = jnp.where(take, local.counts, jnp.zeros_like(local.counts))
+        values = jnp.broadcast_to(jnp.asarray(value, jnp.float32), (self.size,))
+        new_value, new_counts = jax.vmap(running_mean_update)(
+            state.value,
+            state.value_counts,
+            values,
+            counts.astype(state.value_counts.dtype),
+        )
+        state = state._replace(value=new_value, value_counts=new_counts)
+        return acc_value, value_count, state
+
+    def close_totals(self, acc_count, acc_value, value_count, reduction_state):
+        """The window's global figures from every device's: a few scalar
+        all-reduces, once per window."""
+        del acc_value, value_count
+        state = reduction_state
+        dtype = state.counts.dtype
+        # One scalar all-reduce for the token total, the invalid counts and the
+        # tokens behind the loss; the gradients' (and the loss's) weighted sum
+        # then needs no other.
+        sums, fits = _exact_sums(
+            jnp.stack([state.counts, state.invalid.astype(dtype), state.value_counts])
+        )
+        total = jnp.where(fits[0], sums[0], jnp.zeros_like(sums[0]))
+        num_invalid = sums[1].astype(jnp.int32) + (~fits[0]).astype(jnp.int32)
+        value_total = sums[2]
+        value, _ = mean_over_devices(state.value, state.value_counts, value_total)
+        return WindowTotals(
+            tokens=total.astype(acc_count.dtype),
+            value=value.astype(jnp.float32),
+            value_count=value_total.astype(acc_count.dtype),
+            num_invalid=num_invalid,
+        )
+
+    def reset(self, reduction_state: Any, window_done: jax.Array):  # type: ignore[override]
+        return jax.tree.map(
+            lambda x: jnp.where(window_done, jnp.zeros_like(x), x), reduction_state
+        )
+
+
+def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:
+    """Defer the cross-device gradient reduction to the end of each window.
+
+    For ``MaskedMultiSteps(..., reduction=mm.deferred(mesh, axis_name))``. The
+    gradients and counts handed to ``update`` are every device's own, stacked
+    along a leading axis of size ``D`` (the devices of ``axis_name``), as
+    :func:`per_device_value_and_grad` returns them. Each device keeps its own
+    token-weighted running mean of its gradients (the accumulator gets the
+    leading axis, sharded over ``axis_name``: no cross-device traffic), and the
+    window's end combines them, token-weighted::
+
+        mean = Σ_d (Nᵈ / N) · mᵈ        N = Σ_d Nᵈ
+
+    one gradient-sized all-reduce per window instead of one per microbatch. A
+    device with no tokens in the window contributes nothing, even if its
+    gradients were NaN. The inner optimizer sees the global full-batch
+    token-mean gradient, as without the mode.
+
+    When the devices agree on the counts: with a window of ``k`` microbatches
+    (``every_k_schedule`` alone), no ``should_skip_update_fn`` and no window
+    statistics, nothing needs a microbatch's global count before its window
+    closes, so they agree at the window's end only (one scalar all-reduce for
+    the window's token total, invalid counts and the loss's tokens, beside the
+    gradients'): between window ends a step has no cross-device communication
+    at all, and a slow device holds the others up once per window, not on
+    every microbatch. Then the state's ``acc_count``, ``acc_value`` and
+    ``value_count`` stay 0 (every device's own figures are in
+    ``state.reduction_state``), and a traced invalid count on one device drops
+    that device's share of the microbatch and is added to
+    ``num_invalid_counts`` when the window closes. Token budgets, skip
+    functions and the statistics need every microbatch's global count: with
+    them the devices agree on it on every microbatch (a scalar all-reduce; a
+    second one for ``value=``), ``acc_count`` is the window's global total as
+    it grows, and an invalid count on any device skips the microbatch on all.
+
+    Memory: the accumulator holds ``D`` copies of the gradients, one per device;
+    each device stores its own, a full-size buffer. With parameters sharded
+    over ``axis_name`` (FSDP), that is ``D`` times the ``1/D`` share that
+    reducing (reduce-scattering) every microbatch needs; see the README.
+
+    Args:
+      mesh: the ``jax.sharding.Mesh`` the batch is sharded on.
+      axis_name: the mesh axis (or tuple of axes) the batch is split over.
+
+    Returns:
+      The reduction, for ``MaskedMultiSteps``' ``reduction=`` argument.
+
+    Raises:
+      TypeError: if ``mesh`` is not a ``jax.sharding.Mesh``.
+      ValueError: if ``axis_name`` does not name axes of ``mesh``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import masked_multistep as mm
+      >>> n = len(jax.devices())
+      >>> mesh = jax.make_mesh((n,), ("data",),
+      ...                      axis_types=(jax.sharding.AxisType.Auto,))
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2,
+      ...                          reduction=mm.deferred(mesh, "data"))
+      >>> state = tx.init({"w": jnp.zeros(3)})
+      >>> state.acc_grads["w"].shape == (n, 3)  # one running mean per device
+      True
+    """
+    return Deferred(mesh, axis_name)
