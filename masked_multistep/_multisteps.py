@@ -422,13 +422,16 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         self._should_skip_update_fn = should_skip_update_fn or _no_skip
         self._accumulator_dtype = acc_dtype
         self._count_dtype = cnt_dtype
-        if reduction is not None and _agrees_per_window(
-            every_k_schedule, tokens_per_window, norm_test, should_skip_update_fn
+        if (
+            reduction is not None
+            and _counts_needed_only_at_close(
+                every_k_schedule, tokens_per_window, norm_test, should_skip_update_fn
+            )
+            and not recorder.enabled
         ):
-            if not recorder.enabled:
-                # Nothing needs a microbatch's global count before its window
-                # closes: the devices need not agree on it sooner.
-                reduction = reduction.per_window()
+            # Nothing needs a microbatch's global count before its window
+            # closes: the devices need not agree on it sooner.
+            reduction = reduction.per_window()
         self._reduction = Local() if reduction is None else reduction
         self._recorder = recorder
         self._config = (
@@ -736,7 +739,6 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         mean_avals = jax.eval_shape(
             self._reduction.mean, acc_grads, acc_count, reduction_state
         )
-        no_mean_sq_norm = self._recorder.no_mean_sq_norm
         inner_operands = (mean_avals, state.inner_opt_state, params, dynamic_args)
         run_with_value = self._inner_update(grads, static_args, with_value=True)
         run_without_value = self._inner_update(grads, static_args, with_value=False)
@@ -792,8 +794,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 so_far.tokens, so_far.value, so_far.value_count, reduction_state
             )
             has_tokens = totals.tokens > 0
-            dynamic_args = {**dynamic_args, "value": window_value(totals)}
-            dynamic_args["value"] = dynamic_args["value"].astype(value_dtype)
+            window_loss = window_value(totals).astype(value_dtype)
+            dynamic_args = {**dynamic_args, "value": window_loss}
             mean = self._reduction.mean(acc_grads, totals.tokens, reduction_state)
             # A non-finite mean never reaches the inner optimizer: a stateful
             # one (adam's moments) would carry the NaN into every later update.
@@ -819,7 +821,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 *hold(None, acc_grads, *rest),
                 jnp.zeros([], jnp.bool_),
                 jnp.ones([], jnp.bool_),
-                no_mean_sq_norm(),
+                self._recorder.no_mean_sq_norm(),
                 so_far,
             )
 
@@ -890,14 +892,15 @@ def _add_counts(counter: jax.Array, n: jax.Array) -> jax.Array:
     return (counter + jnp.minimum(n.astype(jnp.int32), room)).astype(jnp.int32)
 
 
-def _agrees_per_window(
+def _counts_needed_only_at_close(
     every_k_schedule: Any,
     tokens_per_window: Any,
     norm_test: Any,
     should_skip_update_fn: Any,
 ) -> bool:
     """Whether no rule needs a microbatch's global count before its window
-    closes: a window of ``k`` microbatches and no skip function."""
+    closes: a window of ``k`` microbatches and no skip function (the window
+    statistics, which need it too, are checked by the caller)."""
     return (
         every_k_schedule is not None
         and tokens_per_window is None
