@@ -294,7 +294,7 @@ class DeferredPerWindow(Deferred):
     ``should_skip_update_fn``, no window statistics. Every device then keeps
     its own token total, invalid-count tally and ``value=`` running mean beside
     its gradients' (:class:`DeferredWindowState`), and the window's end agrees
-    on all of them with a few scalar all-reduces next to the gradients' one.
+    on all of them with one scalar all-reduce before the gradients' one.
     Between window ends a step needs no synchronisation at all, so a slow
     device delays the others once per window, not on every microbatch.
 
@@ -387,8 +387,9 @@ class DeferredPerWindow(Deferred):
         return acc_value, value_count, state
 
     def close_totals(self, acc_count, acc_value, value_count, reduction_state):
-        """The window's global figures from every device's: a few scalar
-        all-reduces, once per window."""
+        """The window's global figures from every device's: one scalar
+        all-reduce, once per window (the loss's weighted sum then joins the
+        gradients')."""
         del acc_value, value_count
         state = reduction_state
         dtype = state.counts.dtype

@@ -787,7 +787,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             acc_grads, so_far, reduction_state, inner_state, params, dynamic_args
         ):
             # The window's global figures (with a deferred reduction that agrees
-            # only at the window's end, a few scalar all-reduces) and its mean,
+            # only at the window's end, a scalar all-reduce) and its mean,
             # formed only when a window closes: with a deferred reduction, the
             # one gradient-sized cross-device reduction of the window.
             totals = self._reduction.close_totals(
