@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from _helpers import collectives, large
+from _recording import records_value
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -245,24 +246,10 @@ def _microbatches():
     return out
 
 
-def _records_value():
-    """An inner transformation that keeps the window's ``value`` in its state."""
-
-    def init(params):
-        del params
-        return jnp.zeros([], jnp.float32)
-
-    def update(updates, state, params=None, *, value):
-        del state, params
-        return updates, jnp.asarray(value, jnp.float32)
-
-    return optax.GradientTransformationExtraArgs(init, update)
-
-
 def _tx(reduction=None, **kwargs):
     """adamw, then the window's loss recorded in ``inner_opt_state[1]``."""
     return mm.MaskedMultiSteps(
-        optax.chain(optax.adamw(1e-1, weight_decay=1e-2), _records_value()),
+        optax.chain(optax.adamw(1e-1, weight_decay=1e-2), records_value()),
         K,
         reduction=reduction,
         **kwargs,

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _recording import records_value
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
@@ -37,18 +38,6 @@ from jax.sharding import PartitionSpec as P
 import masked_multistep as mm
 
 NDEV, WIDTH, K = 8, 3, 3
-
-
-def _records_value():
-    def init(params):
-        del params
-        return jnp.zeros([], jnp.float32)
-
-    def update(updates, state, params=None, *, value):
-        del state, params
-        return updates, jnp.asarray(value, jnp.float32)
-
-    return optax.GradientTransformationExtraArgs(init, update)
 
 
 _count = st.one_of(
@@ -131,7 +120,7 @@ def mesh():
 def test_deferred_matches_the_model(mesh, synced):
     skip = optax.skip_not_finite if synced else None
     tx = mm.MaskedMultiSteps(
-        optax.chain(optax.sgd(1.0), _records_value()),
+        optax.chain(optax.sgd(1.0), records_value()),
         K,
         reduction=mm.deferred(mesh, "data"),
         should_skip_update_fn=skip,
