@@ -246,6 +246,8 @@ def slowest_process(times: dict[str, list[float]]) -> dict[str, list[float]]:
 
 
 def report(result: dict[str, Any]) -> None:
+    import bench
+
     rows, allreduce = result["windows"], result["allreduce"]
     t_ar = {a["width"]: a["ms"] for a in allreduce}
     print()
@@ -268,7 +270,7 @@ def report(result: dict[str, Any]) -> None:
         if last is not None and key != last:
             print()
         last = key
-        size = f"{r['layers']}x{r['width']}² ({r['num_params'] / 1e6:.1f}M)"
+        size = bench.fmt_size(r["width"], r["layers"], r["num_params"])
         print(
             f"{size:>15} {r['k']:>3}  {r['competitor']:<25} "
             f"{r['ms_per_microbatch']:>7.2f} {r['x_per_microbatch']:>8.2f} "

@@ -9,14 +9,12 @@ device, so every process computes the same amount whatever the mesh size.
 from __future__ import annotations
 
 import dataclasses
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import bench
 import jax
 import jax.numpy as jnp
 import optax
@@ -34,24 +32,11 @@ MIN_REDUCTION_BYTES = 1024  # smaller collectives are scalars (token totals)
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """``bench.machine_info()``, with this run's processes and local devices."""
     return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "optax": optax.__version__,
-        "backend": jax.default_backend(),
+        **bench.machine_info(),
         "processes": jax.process_count(),
         "local_devices": jax.local_device_count(),
-        "devices": [str(d) for d in jax.devices()],
     }
 
 
@@ -108,18 +93,10 @@ def floor(mesh, workload: steps.Workload, k: int) -> Competitor:
     """The deferred step without its reduction: every process trains its own
     replica on its own rows (``MaskedMultiSteps(adam, k).apply_gradients`` on
     its local device, the inner update once per window), with no
-    cross-process communication at all."""
-    del mesh
-    tx = mm.MaskedMultiSteps(optax.adam(steps.LEARNING_RATE), k)
-
-    def step(carry, batch):
-        params, state = carry
-        (_, count), grads = jax.value_and_grad(workload.loss_fn, has_aux=True)(
-            params, batch
-        )
-        return tx.apply_gradients(grads, state, params, count=count)
-
-    return Competitor("floor", lambda p: (p, tx.init(p)), step, local=True)
+    cross-process communication at all: :func:`per_microbatch`'s step, run on
+    one device."""
+    step = per_microbatch(mesh, workload, k)
+    return dataclasses.replace(step, name="floor", local=True)
 
 
 def accumulate_only(mesh, workload: steps.Workload, k: int) -> Competitor:
