@@ -386,11 +386,10 @@ class DeferredPerWindow(Deferred):
         state = state._replace(value=new_value, value_counts=new_counts)
         return acc_value, value_count, state
 
-    def close_totals(self, acc_count, acc_value, value_count, reduction_state):
+    def close_totals(self, so_far: WindowTotals, reduction_state: Any) -> WindowTotals:
         """The window's global figures from every device's: one scalar
         all-reduce, once per window (the loss's weighted sum then joins the
         gradients')."""
-        del acc_value, value_count
         state = reduction_state
         dtype = state.counts.dtype
         # One scalar all-reduce for the token total, the invalid counts and the
@@ -404,9 +403,9 @@ class DeferredPerWindow(Deferred):
         value_total = sums[2]
         value, _ = mean_over_devices(state.value, state.value_counts, value_total)
         return WindowTotals(
-            tokens=total.astype(acc_count.dtype),
+            tokens=total.astype(so_far.tokens.dtype),
             value=value.astype(jnp.float32),
-            value_count=value_total.astype(acc_count.dtype),
+            value_count=value_total.astype(so_far.value_count.dtype),
             num_invalid=num_invalid,
         )
 

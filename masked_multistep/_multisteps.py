@@ -790,9 +790,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # only at the window's end, a scalar all-reduce) and its mean,
             # formed only when a window closes: with a deferred reduction, the
             # one gradient-sized cross-device reduction of the window.
-            totals = self._reduction.close_totals(
-                so_far.tokens, so_far.value, so_far.value_count, reduction_state
-            )
+            totals = self._reduction.close_totals(so_far, reduction_state)
             has_tokens = totals.tokens > 0
             window_loss = window_value(totals).astype(value_dtype)
             dynamic_args = {**dynamic_args, "value": window_loss}
