@@ -21,6 +21,7 @@ from optax import tree as otu
 from masked_multistep import _checks, _stats, _windows
 from masked_multistep._deferred import Deferred
 from masked_multistep._reduction import Local, WindowTotals
+from masked_multistep._running_mean import all_finite
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
 
@@ -113,11 +114,6 @@ def _same_avals(a: Any, b: Any) -> bool:
         (jnp.shape(x), jnp.result_type(x)) == (jnp.shape(y), jnp.result_type(y))
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     )
-
-
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones([], jnp.bool_)
 
 
 def _accumulator_dtype(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
@@ -795,12 +791,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             window_loss = window_value(totals).astype(value_dtype)
             dynamic_args = {**dynamic_args, "value": window_loss}
             mean = self._reduction.mean(acc_grads, totals.tokens, reduction_state)
-            # A non-finite mean never reaches the inner optimizer: a stateful
-            # one (adam's moments) would carry the NaN into every later update.
-            finite = _all_finite(mean)
             # ‖ḡ‖² for the statistics (`()` without them), read before the
             # inner optimizer overwrites the mean.
-            mean_sq_norm, finite = self._recorder.read_mean(mean, finite)
+            mean_sq_norm = self._recorder.read_mean(mean)
+            # A non-finite mean never reaches the inner optimizer: a stateful
+            # one (adam's moments) would carry the NaN into every later update.
+            finite = all_finite(mean, mean_sq_norm)
             out = jax.lax.cond(
                 has_tokens & finite,
                 run,

@@ -615,25 +615,20 @@ class Recorder(NamedTuple):
             return accumulate_window_stats(state, grads, count)
         return accumulate_window_stats_per_device(state, grads, count, local_counts)
 
-    def read_mean(
-        self, mean: Any, finite: jax.Array
-    ) -> tuple[jax.Array | tuple[()], jax.Array]:
-        """``(‖mean‖², finite)``, or ``((), finite)`` when disabled.
+    def read_mean(self, mean: Any) -> jax.Array | tuple[()]:
+        """``‖mean‖²`` (float32), or ``()`` when disabled.
 
-        ``finite`` (whether every element of ``mean`` is finite) comes back
-        with the same value, but now computed after the norm: the inner
-        optimizer, which waits for it, then runs after the norm has read the
-        mean, and can write its update into the mean's buffer. Without this
-        dependency XLA keeps the mean alive beside the update, and the step
-        needs scratch memory like the parameters.
+        The caller's finiteness test of ``mean`` reuses it (a finite sum of
+        squares means finite elements), so the inner optimizer, which waits
+        for that test, runs after the norm has read the mean and can write its
+        update into the mean's buffer. Without this dependency XLA keeps the
+        mean alive beside the update, and the step needs scratch memory like
+        the parameters.
         """
         if not self.enabled:
-            return (), finite
+            return ()
         with jax.named_scope("masked_multistep/window_stats"):
-            sq = tree_sq_norm(mean).astype(_F32)
-            # Where every element is finite, the sum of their squares is finite
-            # or +inf, never NaN: the conjunction is `finite` itself.
-            return sq, finite & ~jnp.isnan(sq)
+            return tree_sq_norm(mean).astype(_F32)
 
     def so_far(
         self, state: Any, tokens: jax.Array, mean: Any

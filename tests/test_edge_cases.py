@@ -96,6 +96,27 @@ def test_nonfinite_window_is_not_handed_to_the_inner_optimizer(bad):
         assert np.all(np.isfinite(u)) and np.all(u != 0)
 
 
+@pytest.mark.parametrize("window_stats", [False, True])
+def test_huge_finite_window_is_applied_and_one_inf_element_is_not(window_stats):
+    # Each leaf's sum (and the squared norm) overflows to inf although every
+    # element is finite: the finiteness test must not take that for a bad window.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, window_stats=window_stats)
+    update = jax.jit(tx.update)
+    huge = _grads(3e38)
+    state = tx.init(PARAMS)
+    _, state = update(huge, state, PARAMS, count=jnp.int32(2))
+    updates, state = update(huge, state, PARAMS, count=jnp.int32(5))
+    assert bool(tx.has_updated(state)) and int(state.num_nonfinite_windows) == 0
+    jax.tree.map(lambda u: np.testing.assert_array_equal(u, np.float32(-3e38)), updates)
+
+    one_inf = {**huge, "b": huge["b"].at[1].set(jnp.inf)}
+    _, state = update(huge, state, PARAMS, count=jnp.int32(2))
+    updates, state = update(one_inf, state, PARAMS, count=jnp.int32(5))
+    assert not bool(tx.has_updated(state))
+    assert int(state.num_nonfinite_windows) == 1
+    assert all(np.all(u == 0) for u in jax.tree.leaves(updates))
+
+
 def test_nonfinite_gradient_spoils_its_window_only():
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
     update = jax.jit(tx.update)
