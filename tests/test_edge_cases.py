@@ -117,6 +117,25 @@ def test_huge_finite_window_is_applied_and_one_inf_element_is_not(window_stats):
     assert all(np.all(u == 0) for u in jax.tree.leaves(updates))
 
 
+def test_finiteness_test_under_vmap_takes_each_window_on_its_own():
+    # Under vmap the test's conditional becomes a select over the batch.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1)
+    huge = _grads(3e38)
+    one_inf = {**huge, "b": huge["b"].at[1].set(jnp.inf)}
+    grads = jax.tree.map(lambda *x: jnp.stack(x), huge, one_inf, _grads(2.0))
+
+    def step(g):
+        return tx.update(g, tx.init(PARAMS), PARAMS, count=jnp.int32(3))
+
+    updates, states = jax.jit(jax.vmap(step))(grads)
+    np.testing.assert_array_equal(states.gradient_step, [1, 0, 1])
+    np.testing.assert_array_equal(states.num_nonfinite_windows, [0, 1, 0])
+    for u in jax.tree.leaves(updates):
+        np.testing.assert_array_equal(u[0], np.float32(-3e38))
+        np.testing.assert_array_equal(u[1], 0.0)
+        np.testing.assert_array_equal(u[2], -2.0)
+
+
 def test_nonfinite_gradient_spoils_its_window_only():
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
     update = jax.jit(tx.update)
