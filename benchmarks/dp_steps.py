@@ -89,6 +89,25 @@ def deferred(mesh, workload: steps.Workload, k: int) -> Competitor:
     return Competitor("deferred", lambda p: (p, tx.init(p)), step)
 
 
+def deferred_stats(mesh, workload: steps.Workload, k: int) -> Competitor:
+    """:func:`deferred` with ``window_stats=True`` (and the loss as ``value``):
+    every device keeps its share of the statistics until the window closes."""
+    tx = mm.MaskedMultiSteps(
+        optax.adam(steps.LEARNING_RATE),
+        k,
+        reduction=mm.deferred(mesh, AXIS),
+        window_stats=True,
+    )
+    grad_fn = mm.per_device_value_and_grad(workload.loss_fn, mesh, AXIS)
+
+    def step(carry, batch):
+        params, state = carry
+        (loss, count), grads = grad_fn(params, batch)
+        return tx.apply_gradients(grads, state, params, count=count, value=loss)
+
+    return Competitor("deferred + statistics", lambda p: (p, tx.init(p)), step)
+
+
 def floor(mesh, workload: steps.Workload, k: int) -> Competitor:
     """The deferred step without its reduction: every process trains its own
     replica on its own rows (``MaskedMultiSteps(adam, k).apply_gradients`` on
@@ -157,7 +176,14 @@ def by_hand(mesh, workload: steps.Workload, k: int) -> Competitor:
     return Competitor("one reduction, by hand", init, step)
 
 
-COMPETITORS = (per_microbatch, deferred, by_hand, floor, accumulate_only)
+COMPETITORS = (
+    per_microbatch,
+    deferred,
+    deferred_stats,
+    by_hand,
+    floor,
+    accumulate_only,
+)
 
 
 def competitors(mesh, workload: steps.Workload, k: int) -> list[Competitor]:

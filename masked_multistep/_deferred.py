@@ -7,7 +7,7 @@ running mean (no cross-device traffic) and the window's end combines them,
 token-weighted, with one gradient-sized all-reduce (``_reduction``'s
 :func:`mean_over_devices`). Two variants, chosen by the wrapper:
 :class:`Deferred` agrees on every microbatch's global count as it arrives (what
-token budgets, skip functions and the statistics need);
+token budgets and skip functions need);
 :class:`DeferredPerWindow` agrees on the window's figures only at its end, so a
 step between window ends communicates nothing.
 """
@@ -30,6 +30,7 @@ from masked_multistep._reduction import (
     mean_over_devices,
 )
 from masked_multistep._running_mean import running_mean_update
+from masked_multistep._stats import device_shares
 
 __all__ = [
     "Deferred",
@@ -97,7 +98,7 @@ class Deferred(KnownTotals):
 
     Build it with :func:`deferred`. The devices agree on every microbatch's
     global token count as it arrives (one scalar all-reduce per microbatch),
-    which token budgets, skip functions and the window statistics need;
+    which token budgets and skip functions need;
     :meth:`per_window` is the variant that agrees only at the window's end.
     """
 
@@ -110,12 +111,13 @@ class Deferred(KnownTotals):
         axes = self._spec_axes
         return f"mm.deferred(mesh of {dict(self.mesh.shape)}, {axes!r})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (type(self), (self.mesh, self._spec_axes))
 
-    def per_window(self) -> DeferredPerWindow:
-        """The same reduction, with the devices agreeing only at a window's end."""
-        return DeferredPerWindow(self.mesh, self._spec_axes)
+    def per_window(self, stats: bool = False) -> DeferredPerWindow:
+        """The same reduction, with the devices agreeing only at a window's end
+        (``stats``: it also keeps the window statistics' per-device shares)."""
+        return DeferredPerWindow(self.mesh, self._spec_axes, stats=stats)
 
     # ------------------------------------------------------------------ state
 
@@ -265,12 +267,18 @@ class DeferredWindowState(NamedTuple):
       invalid: each device's invalid counts in the window (int32).
       value: each device's token-weighted running mean of ``value=`` (float32).
       value_counts: the tokens behind ``value``.
+      sq_norms: with window statistics, each device's ``Σᵢ nᵈᵢ ‖gᵈᵢ‖²``
+        (float32; 0 without).
+      microbatches: with window statistics, each device's microbatches with
+        tokens (int32; 0 without).
     """
 
     counts: jax.Array
     invalid: jax.Array
     value: jax.Array
     value_counts: jax.Array
+    sq_norms: jax.Array
+    microbatches: jax.Array
 
 
 class _LocalCounts(NamedTuple):
@@ -290,11 +298,12 @@ class DeferredPerWindow(Deferred):
 
     What :class:`MaskedMultiSteps` uses for ``reduction=mm.deferred(...)`` when
     nothing needs a microbatch's global count before its window closes: a
-    fixed (or per-gradient-step) ``every_k_schedule``, no
-    ``should_skip_update_fn``, no window statistics. Every device then keeps
-    its own token total, invalid-count tally and ``value=`` running mean beside
-    its gradients' (:class:`DeferredWindowState`), and the window's end agrees
-    on all of them with one scalar all-reduce before the gradients' one.
+    fixed (or per-gradient-step) ``every_k_schedule`` and no
+    ``should_skip_update_fn``. Every device then keeps its own token total,
+    invalid-count tally and ``value=`` running mean beside its gradients'
+    (:class:`DeferredWindowState`), with window statistics also its own
+    ``Σ nᵈ‖gᵈ‖²`` and microbatch count, and the window's end agrees on all of
+    them with one scalar all-reduce before the gradients' one.
     Between window ends a step needs no synchronisation at all, so a slow
     device delays the others once per window, not on every microbatch.
 
@@ -306,8 +315,21 @@ class DeferredPerWindow(Deferred):
     total) drops that device's share of the microbatch only, not the whole
     microbatch; it is added to ``num_invalid_counts`` when the window closes.
     A window whose global token total overflows an integer ``count_dtype``
-    applies no update and counts as one invalid count.
+    applies no update and counts as one invalid count. With window statistics
+    the state's ``stats.weighted_sq_norms`` and ``stats.microbatches`` stay 0
+    likewise until the window closes.
     """
+
+    def __init__(
+        self, mesh: jax.sharding.Mesh, axis_name: Any = "data", stats: bool = False
+    ):
+        super().__init__(mesh, axis_name)
+        # Whether the window statistics' running sums are kept here, per
+        # device, rather than in the statistics' state (see WindowTotals).
+        self.keeps_stats = stats
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (type(self), (self.mesh, self._spec_axes, self.keeps_stats))
 
     def init(self, count_dtype: Any) -> DeferredWindowState:  # type: ignore[override]
         devices = NamedSharding(self.mesh, P(self._spec_axes))
@@ -320,6 +342,8 @@ class DeferredPerWindow(Deferred):
             invalid=zeros(jnp.int32),
             value=zeros(jnp.float32),
             value_counts=zeros(count_dtype),
+            sq_norms=zeros(jnp.float32),
+            microbatches=zeros(jnp.int32),
         )
 
     def may_have_tokens(self, acc_count: jax.Array) -> jax.Array:
@@ -362,6 +386,13 @@ class DeferredPerWindow(Deferred):
             counts=new_counts,
             invalid=state.invalid + invalid.astype(jnp.int32),
         )
+        if self.keeps_stats:
+            with jax.named_scope("masked_multistep/window_stats"):
+                added, took = device_shares(grads, counts, counts > 0)
+            state = state._replace(
+                sq_norms=state.sq_norms + added,
+                microbatches=state.microbatches + took,
+            )
         return acc, acc_count, state
 
     def accumulate_value(
@@ -402,11 +433,20 @@ class DeferredPerWindow(Deferred):
         num_invalid = sums[1].astype(jnp.int32) + (~fits[0]).astype(jnp.int32)
         value_total = sums[2]
         value, _ = mean_over_devices(state.value, state.value_counts, value_total)
+        stats_sums = so_far.stats_sums
+        if self.keeps_stats:
+            # K is exact in float32 below 2²⁴ (device, microbatch) pairs.
+            sq_norms, k = jnp.sum(
+                jnp.stack([state.sq_norms, state.microbatches.astype(jnp.float32)]),
+                axis=1,
+            )
+            stats_sums = (sq_norms, k.astype(jnp.int32))
         return WindowTotals(
             tokens=total.astype(so_far.tokens.dtype),
             value=value.astype(jnp.float32),
             value_count=value_total.astype(so_far.value_count.dtype),
             num_invalid=num_invalid,
+            stats_sums=stats_sums,
         )
 
     def reset(self, reduction_state: Any, window_done: jax.Array):  # type: ignore[override]
@@ -434,21 +474,23 @@ def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:
     token-mean gradient, as without the mode.
 
     When the devices agree on the counts: with a window of ``k`` microbatches
-    (``every_k_schedule`` alone), no ``should_skip_update_fn`` and no window
-    statistics, nothing needs a microbatch's global count before its window
-    closes, so they agree at the window's end only (one scalar all-reduce for
-    the window's token total, invalid counts and the loss's tokens, beside the
-    gradients'): between window ends a step has no cross-device communication
-    at all, and a slow device holds the others up once per window, not on
-    every microbatch. Then the state's ``acc_count``, ``acc_value`` and
+    (``every_k_schedule`` alone) and no ``should_skip_update_fn``, nothing needs
+    a microbatch's global count before its window closes, so they agree at the
+    window's end only (one scalar all-reduce for the window's token total,
+    invalid counts and the loss's tokens, beside the gradients', which with
+    window statistics also carries their sums of every device's ``nᵈ‖gᵈ‖²`` and
+    microbatches): between window ends a step has no cross-device communication
+    at all, and a slow device holds the others up once per window, not on every
+    microbatch. Then the state's ``acc_count``, ``acc_value`` and
     ``value_count`` stay 0 (every device's own figures are in
     ``state.reduction_state``), and a traced invalid count on one device drops
-    that device's share of the microbatch and is added to
-    ``num_invalid_counts`` when the window closes. Token budgets, skip
-    functions and the statistics need every microbatch's global count: with
-    them the devices agree on it on every microbatch (a scalar all-reduce; a
-    second one for ``value=``), ``acc_count`` is the window's global total as
-    it grows, and an invalid count on any device skips the microbatch on all.
+    that device's share of the microbatch and is added to ``num_invalid_counts``
+    when the window closes (with window statistics, ``state.stats``' running
+    sums stay 0 likewise). Token budgets and skip functions need every
+    microbatch's global count: with them the devices agree on it on every
+    microbatch (a scalar all-reduce; a second one for ``value=``), ``acc_count``
+    is the window's global total as it grows, and an invalid count on any device
+    skips the microbatch on all.
 
     Memory: the accumulator holds ``D`` copies of the gradients, one per device;
     each device stores its own, a full-size buffer. With parameters sharded

@@ -71,8 +71,8 @@ class MaskedMultiStepsState(NamedTuple):
         with ``reduction=mm.deferred(...)``, each device's token total behind
         its running mean (``counts``, shape ``(D,)``; a ``DeferredState``, or
         where the devices agree only at the window's end a
-        ``DeferredWindowState``, which also keeps every device's invalid counts
-        and ``value`` running mean).
+        ``DeferredWindowState``, which also keeps every device's invalid counts,
+        ``value`` running mean and statistics' shares).
     """
 
     mini_step: jax.Array
@@ -248,8 +248,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         one count per device (from :func:`per_device_value_and_grad`); each
         device accumulates its own running mean and the devices are combined,
         token-weighted, once per window (with a window of ``k`` microbatches
-        and no skip function or statistics, the only cross-device traffic of
-        the window; see :func:`deferred`).
+        and no skip function, the only cross-device traffic of the window;
+        see :func:`deferred`).
       window_stats: keep each window's statistics (tokens, loss, gradient norm,
         gradient noise scale) in ``state.stats``; read them with
         :func:`masked_multistep.window_stats`. They never change the updates
@@ -418,16 +418,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         self._should_skip_update_fn = should_skip_update_fn or _no_skip
         self._accumulator_dtype = acc_dtype
         self._count_dtype = cnt_dtype
-        if (
-            reduction is not None
-            and _counts_needed_only_at_close(
-                every_k_schedule, tokens_per_window, norm_test, should_skip_update_fn
-            )
-            and not recorder.enabled
+        if reduction is not None and _counts_needed_only_at_close(
+            every_k_schedule, tokens_per_window, norm_test, should_skip_update_fn
         ):
             # Nothing needs a microbatch's global count before its window
-            # closes: the devices need not agree on it sooner.
-            reduction = reduction.per_window()
+            # closes: the devices need not agree on it sooner (the statistics'
+            # per-device shares wait for the window's end too).
+            reduction = reduction.per_window(stats=recorder.enabled)
         self._reduction = Local() if reduction is None else reduction
         self._recorder = recorder
         self._config = (
@@ -695,9 +692,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 gate.n,
                 gate.local_counts,
             )
-            stats = self._recorder.accumulate(
-                state.stats, grads, gate.n, gate.local_counts
-            )
+            stats = state.stats
+            if not self._reduction.keeps_stats:
+                stats = self._recorder.accumulate(
+                    stats, grads, gate.n, gate.local_counts
+                )
             window_done, policy_state = self._close_now(
                 state, gate, acc_grads, acc_count, stats
             )
@@ -719,7 +718,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             return jnp.where(totals.value_count > 0, totals.value, jnp.nan)
 
         so_far = WindowTotals(
-            acc_count, acc_value, value_count, jnp.zeros([], jnp.int32)
+            acc_count,
+            acc_value,
+            value_count,
+            jnp.zeros([], jnp.int32),
+            (stats.weighted_sq_norms, stats.microbatches)
+            if self._reduction.keeps_stats
+            else (),
         )
         dynamic_args["value"] = window_value(so_far).astype(value_dtype)
         operands = (
@@ -841,6 +846,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             tokens=totals.tokens,
             mean_sq_norm=mean_sq_norm,
             loss=window_value(totals),
+            sums=totals.stats_sums,
         )
 
         zero = jnp.zeros([], jnp.int32)
@@ -893,8 +899,8 @@ def _counts_needed_only_at_close(
     should_skip_update_fn: Any,
 ) -> bool:
     """Whether no rule needs a microbatch's global count before its window
-    closes: a window of ``k`` microbatches and no skip function (the window
-    statistics, which need it too, are checked by the caller)."""
+    closes: a window of ``k`` microbatches and no skip function. (The window
+    statistics do not: their per-device shares wait for the window's end.)"""
     return (
         every_k_schedule is not None
         and tokens_per_window is None

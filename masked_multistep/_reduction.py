@@ -109,17 +109,24 @@ class WindowTotals(NamedTuple):
       value_count: the tokens behind ``value``.
       num_invalid: invalid counts found only now (int32; 0 where every
         microbatch's counts were checked when it arrived).
+      stats_sums: ``(Σ nᵢ‖gᵢ‖², K)`` of the window statistics (float32, int32)
+        where the reduction keeps their per-device shares until the window
+        closes (``keeps_stats``); ``()`` otherwise.
     """
 
     tokens: jax.Array
     value: jax.Array
     value_count: jax.Array
     num_invalid: jax.Array
+    stats_sums: Any = ()
 
 
 class KnownTotals:
     """For reductions whose microbatch counts are global when they arrive: the
     window's figures are the state's running ones, already agreed."""
+
+    # The window statistics' running sums live in the statistics' state.
+    keeps_stats = False
 
     def may_have_tokens(self, acc_count: jax.Array) -> jax.Array:
         return acc_count > 0

@@ -79,6 +79,7 @@ __all__ = [
     "init_window_stats",
     "accumulate_window_stats",
     "accumulate_window_stats_per_device",
+    "device_shares",
     "close_window_stats",
     "noise_scale_estimates",
     "Recorder",
@@ -202,7 +203,9 @@ class WindowStatsState(NamedTuple):
 
     Attributes:
       weighted_sq_norms: ``Σ nᵢ ‖gᵢ‖²`` over the current window (float32).
-      microbatches: ``K`` of the current window (int32).
+      microbatches: ``K`` of the current window (int32). Both stay 0 where a
+        deferred reduction agrees on the window only at its end: every
+        device's share is then in the wrapper's ``reduction_state``.
       ema_grad_var_trace: moving average of ``tr Σ̂`` (not debiased).
       ema_true_grad_sq_norm: moving average of ``|G|²̂`` (not debiased).
       ema_weight: ``1 − decayᵗ`` after ``t`` averaged windows, the debiasing
@@ -343,6 +346,26 @@ def accumulate_window_stats(
         )
 
 
+def device_shares(
+    grads: Any, local_counts: jax.Array, take: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Every device's ``nᵈ ‖gᵈ‖²`` and whether its share counts (shape ``(D,)``).
+
+    ``grads`` are every device's mean gradient, stacked along a leading axis
+    of size ``D`` sharded over the devices: each device reduces its own, so
+    nothing crosses devices. Where ``take`` is False the share is exactly 0,
+    whatever ``gᵈ`` holds (a device without tokens may hold NaN).
+    """
+    n = jnp.where(take, local_counts, 0).astype(_F32)
+    per_device = [
+        jnp.sum(jnp.square(jnp.abs(x).astype(_F32)), axis=tuple(range(1, x.ndim)))
+        for x in jax.tree.leaves(grads)
+    ]
+    sq = sum(per_device, jnp.zeros(n.shape, _F32))
+    # Selected away, not multiplied: 0 * NaN is NaN.
+    return jnp.where(take, n * jnp.where(take, sq, 0), 0), take.astype(jnp.int32)
+
+
 def accumulate_window_stats_per_device(
     state: WindowStatsState, grads: Any, count: jax.Array, local_counts: jax.Array
 ) -> WindowStatsState:
@@ -372,19 +395,10 @@ def accumulate_window_stats_per_device(
     """
     with jax.named_scope("masked_multistep/window_stats"):
         take = (jnp.asarray(count) > 0) & (local_counts > 0)
-        n = jnp.where(take, local_counts, 0).astype(_F32)
-        per_device = [
-            jnp.sum(jnp.square(jnp.abs(x).astype(_F32)), axis=tuple(range(1, x.ndim)))
-            for x in jax.tree.leaves(grads)
-        ]
-        sq = sum(per_device, jnp.zeros(n.shape, _F32))
-        # A device without tokens may hold NaN: select it away, not multiply.
-        added = jnp.sum(jnp.where(take, n * jnp.where(take, sq, 0), 0))
+        added, took = device_shares(grads, local_counts, take)
         return state._replace(
-            weighted_sq_norms=state.weighted_sq_norms + added,
-            microbatches=(state.microbatches + jnp.sum(take.astype(jnp.int32))).astype(
-                jnp.int32
-            ),
+            weighted_sq_norms=state.weighted_sq_norms + jnp.sum(added),
+            microbatches=(state.microbatches + jnp.sum(took)).astype(jnp.int32),
         )
 
 
@@ -649,9 +663,15 @@ class Recorder(NamedTuple):
         tokens: jax.Array,
         mean_sq_norm: Any,
         loss: jax.Array,
+        sums: Any = (),
     ) -> Any:
+        """``sums``: the window's ``(Σ nᵢ‖gᵢ‖², K)`` where a reduction kept
+        their per-device shares until the window closed (``()``: they are in
+        ``state`` already)."""
         if not self.enabled:
             return ()
+        if sums:
+            state = state._replace(weighted_sq_norms=sums[0], microbatches=sums[1])
         return close_window_stats(
             state,
             done,

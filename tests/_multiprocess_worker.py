@@ -77,13 +77,16 @@ def make_step():
 
 
 def make_deferred_step(mesh):
-    """The same step with per-device gradients and one reduction per window."""
+    """The same step with per-device gradients and one reduction per window,
+    window statistics on (their per-device shares wait for the window's end)."""
     import jax
     import optax
 
     import masked_multistep as mm
 
-    tx = mm.MaskedMultiSteps(optax.adam(1e-1), K, reduction=mm.deferred(mesh, "data"))
+    tx = mm.MaskedMultiSteps(
+        optax.adam(1e-1), K, reduction=mm.deferred(mesh, "data"), window_stats=True
+    )
     grad_fn = mm.per_device_value_and_grad(loss_fn, mesh, "data")
 
     def step(params, state, mb):
@@ -131,15 +134,18 @@ def _deferred_run(mesh, global_batches, ckpt_dir):
     abstract = jax.tree.map(on_mesh, template)
     restored = checkpointer.restore(ckpt_dir, abstract)
     checkpointer.close()
-    # Every device's own token total (the global one is formed when the
-    # window closes), restored on the devices this process holds.
-    counts = restored["opt_state"].reduction_state.counts
-    for sa, sb in zip(
-        counts.addressable_shards,
-        state.reduction_state.counts.addressable_shards,
-        strict=True,
-    ):
-        assert sa.index == sb.index and np.array_equal(sa.data, sb.data)
+    # Every device's own token total and statistics' shares (the global ones
+    # are formed when the window closes), restored on the devices this
+    # process holds.
+    for name in ("counts", "sq_norms", "microbatches"):
+        restored_leaf = getattr(restored["opt_state"].reduction_state, name)
+        for sa, sb in zip(
+            restored_leaf.addressable_shards,
+            getattr(state.reduction_state, name).addressable_shards,
+            strict=True,
+        ):
+            assert sa.index == sb.index and np.array_equal(sa.data, sb.data), name
+    assert float(state.reduction_state.sq_norms.addressable_shards[0].data[0]) > 0
     acc = restored["opt_state"].acc_grads["w"]
     assert acc.shape == (len(jax.devices()), D), acc.shape
     assert acc.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)

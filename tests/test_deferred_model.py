@@ -20,6 +20,9 @@ In both a window applies ``-Σ nᵢᵈ gᵢᵈ / Σ nᵢᵈ`` over the shares it
 has tokens and that mean is finite, counts a non-finite mean in
 ``num_nonfinite_windows``, and applies nothing without tokens; the recorded
 ``value`` is the token-weighted mean of the values passed (NaN if none was).
+With window statistics on, every closed window's tokens, ``K`` (the shares
+with tokens), ``‖ḡ‖²`` and ``tr Σ̂`` match the model's, each share a small
+batch of its own.
 """
 
 import math
@@ -61,6 +64,7 @@ class Model:
         self.synced = synced
         self.gradient_step = self.invalid = self.nonfinite = 0
         self.last_value = 0.0
+        self.closed = None  # the statistics of a window closed by the last step
         self._reset()
 
     def _reset(self):
@@ -71,6 +75,7 @@ class Model:
 
     def step(self, counts, grads, value):
         """One microbatch; returns the expected update (``None``: zeros)."""
+        self.closed = None
         bad = [not (n >= 0) for n in counts]  # negative or NaN
         if self.synced:
             if any(bad):
@@ -106,6 +111,11 @@ class Model:
         value = sum(n * v for n, v in self.values) / vtotal if vtotal else math.nan
         if update is not None:
             self.last_value = value
+        k = len(self.shares)
+        g2 = float(mean @ mean) if total > 0 else math.nan
+        s = sum(n * float(g @ g) for n, g in self.shares) - total * g2
+        var = s / (k - 1) if k >= 2 and total > 0 else math.nan
+        self.closed = {"tokens": total, "microbatches": k, "g2": g2, "var": var}
         self.invalid += self.pending_invalid
         self._reset()
         return update
@@ -124,6 +134,7 @@ def test_deferred_matches_the_model(mesh, synced):
         K,
         reduction=mm.deferred(mesh, "data"),
         should_skip_update_fn=skip,
+        window_stats=True,
     )
     params = jnp.zeros(WIDTH, jnp.float32)
     data = NamedSharding(mesh, P("data"))
@@ -175,5 +186,15 @@ def test_deferred_matches_the_model(mesh, synced):
             assert int(state.num_invalid_counts) == model.invalid
             assert int(state.num_nonfinite_windows) == model.nonfinite
             assert int(state.mini_step) == model.mini_step
+            if model.closed is not None:
+                got = mm.window_stats(state)
+                assert int(got.microbatches) == model.closed["microbatches"]
+                np.testing.assert_allclose(got.tokens, model.closed["tokens"])
+                np.testing.assert_allclose(
+                    got.grad_sq_norm, model.closed["g2"], rtol=1e-5, atol=1e-6
+                )
+                np.testing.assert_allclose(
+                    got.grad_var_trace, model.closed["var"], rtol=1e-4, atol=1e-5
+                )
 
     run()

@@ -150,6 +150,12 @@ def test_bench_dp_smoke(tmp_path):
         deferred = cell[(k, "deferred")]
         assert deferred["reductions_per_window"] == 1
         assert param_bytes <= deferred["bytes_per_window"] < param_bytes + 1024
+        assert deferred["scalar_reductions_per_call"] == 0
+        # Statistics add no collective between window ends either.
+        stats = cell[(k, "deferred + statistics")]
+        assert stats["reductions_per_window"] == 1
+        assert stats["scalar_reductions_per_call"] == 0
+        assert param_bytes <= stats["bytes_per_window"] < param_bytes + 1024
         by_hand = cell[(k, "one reduction, by hand")]
         assert by_hand["reductions_per_window"] == 1
         assert param_bytes <= by_hand["bytes_per_window"] < param_bytes + 1024
