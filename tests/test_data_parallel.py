@@ -367,9 +367,12 @@ def test_automatic_sharding_reduces_every_microbatch(mesh):
     assert sum(c.bytes for c in found) >= PARAM_BYTES
 
 
-def test_train_state_deferred_equals_single_device(mesh):
+@pytest.mark.parametrize("window_stats", [False, True], ids=["", "stats"])
+def test_train_state_deferred_equals_single_device(mesh, window_stats):
+    """With window statistics too, nothing crosses devices between window ends:
+    every device keeps its share of them until the window closes."""
     batches = _microbatches()
-    tx = _tx(mm.deferred(mesh, "data"))
+    tx = _tx(mm.deferred(mesh, "data"), window_stats=window_stats)
     grad_fn = mm.per_device_value_and_grad(_loss, mesh, "data")
     state = mm.TrainState.create(
         apply_fn=None, params=jax.device_put(_params(), NamedSharding(mesh, P())), tx=tx
@@ -390,8 +393,16 @@ def test_train_state_deferred_equals_single_device(mesh):
     for mb in batches:
         state = train_step(state, jax.device_put(mb, NamedSharding(mesh, P("data"))))
     assert (int(state.step), int(state.gradient_step)) == (K * WINDOWS, WINDOWS)
-    ref_params, _ = _single_device_run(batches)
+    ref_params, ref_state = _single_device_run(batches)
     chex.assert_trees_all_close(state.params, ref_params, **TOL, strict=True)
+    if window_stats:
+        last = mm.window_stats(state.opt_state)
+        tokens = sum(int(mb["mask"].sum()) for mb in batches[-K:])
+        assert float(last.tokens) == tokens
+        # Every device's share with tokens is a small batch (one device empty).
+        assert int(last.microbatches) == K * (NDEV - 1)
+        np.testing.assert_allclose(last.loss, ref_state.inner_opt_state[1], **TOL)
+        assert np.isfinite(last.grad_var_trace) and last.grad_var_trace > 0
 
 
 def test_nnx_optimizer_deferred_equals_single_device(mesh):
