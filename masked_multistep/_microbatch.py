@@ -602,6 +602,18 @@ def microbatched_value_and_grad(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
+    k = _check_args(loss_fn, num_microbatches, has_aux, aux_reduction)
+    if not isinstance(with_stats, bool):
+        raise TypeError(f"`with_stats` must be a bool, got {with_stats!r}")
+    return _grad_fn(
+        loss_fn, k, has_aux, aux_reduction, "window" if with_stats else None
+    )
+
+
+def _check_args(
+    loss_fn: Any, num_microbatches: Any, has_aux: Any, aux_reduction: Any
+) -> int:
+    """The checks of :func:`microbatched_value_and_grad`'s arguments; ``k``."""
     if not callable(loss_fn):
         raise TypeError(
             f"`loss_fn` must be callable, got {loss_fn!r} of type "
@@ -610,9 +622,23 @@ def microbatched_value_and_grad(
     k = _check_num_microbatches(num_microbatches)
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}")
-    if not isinstance(with_stats, bool):
-        raise TypeError(f"`with_stats` must be a bool, got {with_stats!r}")
     _check_aux_reduction(aux_reduction, has_aux)
+    return k
+
+
+def _grad_fn(
+    loss_fn: Callable[..., Any],
+    k: int,
+    has_aux: bool,
+    aux_reduction: AuxReduction,
+    stats: Literal["window", "sums"] | None,
+) -> Any:
+    """:func:`microbatched_value_and_grad`'s function, arguments checked.
+
+    ``stats``: ``"window"`` appends the call's :class:`WindowStats`;
+    ``"sums"`` its running sums ``(Σ nᵢ‖gᵢ‖², K)`` instead, for a caller that
+    combines several calls into one window (:func:`data_parallel_value_and_grad`).
+    """
 
     def normalized_loss(params, microbatch, key):
         if key is None:
@@ -629,8 +655,8 @@ def microbatched_value_and_grad(
         return loss, weight, aux, grads
 
     def grad_fn(
-        params: ParamsT, batch: BatchT, *, rng: jax.typing.ArrayLike | None = None
-    ) -> tuple[Any, ParamsT]:
+        params: Any, batch: Any, *, rng: jax.typing.ArrayLike | None = None
+    ) -> tuple[Any, ...]:
         _check_params(params)
         batch_size = _batch_size(batch, k)
         if rng is not None:
@@ -659,13 +685,14 @@ def microbatched_value_and_grad(
             accumulator = _token_weighted_accumulator(
                 shapes, _aux_reductions(shapes[2], aux_reduction), has_aux
             )
-            if with_stats:
+            if stats is not None:
                 accumulator = _stats.with_window_stats(
                     accumulator,
                     grads_and_weight=lambda value: (value[3], value[1]),
                     # ((loss, mean aux, grads), sum aux, total): the means in
                     # at least float32, before `finalize` casts them back.
                     window_of=lambda c: (c[0][0], c[2], c[0][2]),
+                    sums_only=stats == "sums",
                 )
 
             def body(j, carry):
@@ -675,7 +702,7 @@ def microbatched_value_and_grad(
             carry = accumulator.init(shapes)
             out = accumulator.finalize(jax.lax.fori_loop(0, k, body, carry))
         # optax types `finalize` as returning any pytree; ours returns
-        # `(value, grads)`, the grads a pytree like `params`.
-        return cast("tuple[Any, ParamsT]", out)
+        # `(value, grads[, stats])`, the grads a pytree like `params`.
+        return cast("tuple[Any, ...]", out)
 
     return grad_fn

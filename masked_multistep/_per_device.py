@@ -32,10 +32,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from masked_multistep import _stats
 from masked_multistep._microbatch import (
     _aux_reductions,
+    _check_args,
     _check_rng,
-    microbatched_value_and_grad,
+    _grad_fn,
 )
 from masked_multistep._reduction import check_mesh_axes, mean_over_devices
 from masked_multistep._running_mean import compute_dtype
@@ -141,9 +143,32 @@ def per_device_value_and_grad(
       >>> float((grad * count).sum() / count.sum()) == (2 * n - 1) / 2  # global
       True
     """
+    return _per_device(
+        loss_fn,
+        mesh,
+        axis_name,
+        num_microbatches=num_microbatches,
+        has_aux=has_aux,
+        aux_reduction=aux_reduction,
+    )
+
+
+def _per_device(
+    loss_fn: Callable[[optax.Params, Any], Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable],
+    *,
+    num_microbatches: int,
+    has_aux: bool,
+    aux_reduction: Any,
+    stats_sums: bool = False,
+) -> Callable[..., Any]:
+    """:func:`per_device_value_and_grad`; with ``stats_sums`` each device also
+    returns its microbatches' ``(Σ nᵢ‖gᵢ‖², K)`` (shape ``(D,)`` each)."""
     axes, num_devices = check_mesh_axes(mesh, axis_name)
-    grad_fn = microbatched_value_and_grad(
-        loss_fn, num_microbatches, has_aux=has_aux, aux_reduction=aux_reduction
+    k = _check_args(loss_fn, num_microbatches, has_aux, aux_reduction)
+    grad_fn = _grad_fn(
+        loss_fn, k, has_aux, aux_reduction, "sums" if stats_sums else None
     )
     spec = P(axes[0] if len(axes) == 1 else axes)
 
@@ -223,7 +248,8 @@ def data_parallel_value_and_grad(
     num_microbatches: int = 1,
     has_aux: bool = False,
     aux_reduction: Any = None,
-) -> Callable[..., tuple[Any, optax.Updates]]:
+    with_stats: bool = False,
+) -> Callable[..., tuple[Any, ...]]:
     """In-jit microbatching over data-parallel devices, reduced once per call.
 
     The result is that of :func:`microbatched_value_and_grad` (``jax.value_and_grad``
@@ -252,15 +278,22 @@ def data_parallel_value_and_grad(
       aux_reduction: as in :func:`microbatched_value_and_grad`: ``"mean"``
         leaves come back as token-weighted means over the whole batch,
         ``"sum"`` leaves summed over every device's microbatches.
+      with_stats: also return the call's :class:`WindowStats`, every device's
+        microbatch a small batch of its own (``K`` counts the ``D·k``
+        device microbatches with tokens). Each device keeps its own
+        ``Σ nᵢ‖gᵢ‖²`` and ``K``; their sums (8 bytes) join the one reduction.
 
     Returns:
       ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``
       (``((loss, (count, aux)), grads)`` with ``has_aux``), the full batch's
       values, as :func:`microbatched_value_and_grad` returns them (``rng``: as
-      in :func:`per_device_value_and_grad`).
+      in :func:`per_device_value_and_grad`); with ``with_stats=True``, a
+      third element: the :class:`WindowStats`.
 
     Raises:
-      TypeError, ValueError: as :func:`per_device_value_and_grad`.
+      TypeError: if ``with_stats`` is not a bool; and as
+        :func:`per_device_value_and_grad`.
+      ValueError: as :func:`per_device_value_and_grad`.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -284,20 +317,30 @@ def data_parallel_value_and_grad(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
-    per_device = per_device_value_and_grad(
+    if not isinstance(with_stats, bool):
+        raise TypeError(f"`with_stats` must be a bool, got {with_stats!r}")
+    per_device = _per_device(
         loss_fn,
         mesh,
         axis_name,
         num_microbatches=num_microbatches,
         has_aux=has_aux,
         aux_reduction=aux_reduction,
+        stats_sums=with_stats,
     )
 
     def grad_fn(
         params: optax.Params, batch: Any, *, rng: jax.typing.ArrayLike | None = None
-    ) -> tuple[Any, optax.Updates]:
+    ) -> tuple[Any, ...]:
         out = per_device(params, batch, rng=rng)
         with jax.named_scope("masked_multistep/combine_devices"):
-            return _combine(out, has_aux, aux_reduction)
+            combined = _combine(out[:2], has_aux, aux_reduction)
+        if not with_stats:
+            return combined
+        (loss, rest), grads = combined
+        count = rest[0] if has_aux else rest
+        sums = jax.tree.map(lambda x: jnp.sum(x, 0), out[2])
+        stats = _stats.one_window_stats(sums, tokens=count, mean=grads, loss=loss)
+        return (*combined, stats)
 
     return grad_fn

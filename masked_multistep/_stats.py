@@ -82,6 +82,7 @@ __all__ = [
     "device_shares",
     "close_window_stats",
     "noise_scale_estimates",
+    "one_window_stats",
     "Recorder",
     "recorder",
     "tree_sq_norm",
@@ -701,18 +702,48 @@ def recorder(window_stats: Any, stats_decay: Any) -> Recorder:
     return Recorder(window_stats, decay)
 
 
+def one_window_stats(
+    sums: tuple[jax.Array, jax.Array],
+    *,
+    tokens: jax.Array,
+    mean: Any,
+    loss: jax.Array,
+) -> WindowStats:
+    """The :class:`WindowStats` of a window that is one call (in-jit
+    microbatching): from its running sums ``(Σ nᵢ‖gᵢ‖², K)``, token total
+    ``N``, mean gradient ``ḡ`` and mean loss (``smoothed_noise_scale`` is the
+    window's own ``noise_scale``)."""
+    weighted_sq_norms, microbatches = sums
+    state = init_window_stats(jnp.result_type(tokens))._replace(
+        weighted_sq_norms=jnp.asarray(weighted_sq_norms, _F32),
+        microbatches=jnp.asarray(microbatches, jnp.int32),
+    )
+    state = close_window_stats(
+        state,
+        jnp.ones([], jnp.bool_),
+        tokens=tokens,
+        grad_sq_norm=tree_sq_norm(mean),
+        loss=jnp.where(tokens > 0, loss, jnp.nan),
+        decay=0.0,
+    )
+    return state.last
+
+
 def with_window_stats(
     accumulator: optax.microbatching.Accumulator,
     grads_and_weight: Callable[[Any], tuple[Any, jax.Array]],
     window_of: Callable[[Any], tuple[jax.Array, jax.Array, Any]],
+    *,
+    sums_only: bool = False,
 ) -> optax.microbatching.Accumulator:
     """``accumulator`` with the window statistics of its microbatches beside it.
 
     For :func:`microbatched_value_and_grad`: one call is one window. The carry
     becomes ``(carry, WindowStatsState)``; ``update`` also folds ``n ‖g‖²`` of
     each microbatch in; ``finalize`` returns the wrapped ``finalize``'s output
-    with the call's :class:`WindowStats` appended (``smoothed_noise_scale`` is
-    the call's own ``noise_scale``: there is one window).
+    with the call's :class:`WindowStats` appended (:func:`one_window_stats`),
+    or with ``sums_only`` its running sums ``(Σ nᵢ‖gᵢ‖², K)``, for a caller
+    that combines several such loops into one window.
 
     Args:
       accumulator: the accumulator to extend.
@@ -720,6 +751,7 @@ def with_window_stats(
         that is not positive adds nothing.
       window_of: the wrapped carry -> ``(mean loss, weight total, mean
         gradient)``, in the precision they were accumulated in.
+      sums_only: return the running sums instead of the :class:`WindowStats`.
     """
 
     def init(value):
@@ -734,17 +766,12 @@ def with_window_stats(
 
     def finalize(carry):
         inner, stats = carry
-        loss, total, mean = window_of(inner)
-        stats = close_window_stats(
-            stats,
-            jnp.ones([], jnp.bool_),
-            tokens=total,
-            grad_sq_norm=tree_sq_norm(mean),
-            loss=jnp.where(total > 0, loss, jnp.nan),
-            decay=0.0,
-        )
         out = cast("tuple[Any, ...]", accumulator.finalize(inner))
-        return (*out, stats.last)
+        sums = (stats.weighted_sq_norms, stats.microbatches)
+        if sums_only:
+            return (*out, sums)
+        loss, total, mean = window_of(inner)
+        return (*out, one_window_stats(sums, tokens=total, mean=mean, loss=loss))
 
     return optax.microbatching.Accumulator(
         init, update, finalize, accumulator.aggregate

@@ -147,6 +147,51 @@ def test_data_parallel_microbatching_equals_full_batch_and_reduces_once(mesh, em
     assert sum(c.bytes for c in found) >= PARAM_BYTES
 
 
+def test_data_parallel_statistics_treat_each_device_microbatch_as_a_batch(mesh):
+    """with_stats=True: the statistics of one window whose microbatches are the
+    D·k device microbatches (those with tokens), as a single-device
+    MaskedMultiSteps window fed them one by one records them; the results
+    unchanged, and still one gradient-sized reduction per call."""
+    batch = _batch(NDEV * ROWS * K, seed=7, empty_device=3)
+    params = _params()
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    with_stats = jax.jit(
+        mm.data_parallel_value_and_grad(
+            _loss, mesh, "data", num_microbatches=K, with_stats=True
+        )
+    )
+    plain = jax.jit(
+        mm.data_parallel_value_and_grad(_loss, mesh, "data", num_microbatches=K)
+    )
+    (loss, count), grads, stats = with_stats(params, sharded)
+    chex.assert_trees_all_equal(((loss, count), grads), plain(params, sharded))
+
+    per_device = NDEV * ROWS * K // NDEV
+    ref_tx = mm.MaskedMultiSteps(optax.sgd(0.1), NDEV * K, window_stats=True)
+    ref = ref_tx.init(params)
+    for d in range(NDEV):
+        for j in range(K):
+            rows = d * per_device + np.arange(j, per_device, K)
+            mb = jax.tree.map(lambda x, rows=rows: x[rows], batch)
+            (mb_loss, mb_count), mb_grads = _full_batch(_loss, mb, has_aux=True)
+            _, ref = ref_tx.update(mb_grads, ref, params, count=mb_count, value=mb_loss)
+    want = mm.window_stats(ref)
+    assert bool(ref_tx.has_updated(ref))
+    assert int(stats.microbatches) == int(want.microbatches) <= (NDEV - 1) * K
+    assert float(stats.tokens) == float(want.tokens) == float(count)
+    for name in ("loss", "grad_sq_norm", "grad_var_trace", "true_grad_sq_norm"):
+        np.testing.assert_allclose(
+            getattr(stats, name), getattr(want, name), rtol=1e-5, err_msg=name
+        )
+    np.testing.assert_allclose(stats.noise_scale, want.noise_scale, rtol=1e-4)
+
+    found = large(
+        collectives(with_stats.lower(params, sharded).compile().as_text()), 64
+    )
+    assert [(c.kind, c.where) for c in found] == [("all-reduce", "step")], found
+    assert PARAM_BYTES <= sum(c.bytes for c in found) <= PARAM_BYTES + 16, found
+
+
 def test_data_parallel_aux_is_token_weighted_and_summed(mesh):
     batch = _batch(NDEV * ROWS * K, seed=3, empty_device=0)
     sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
@@ -222,6 +267,8 @@ def test_bad_arguments(mesh):
         mm.data_parallel_value_and_grad(_loss, mesh, "batch")
     with pytest.raises(TypeError, match=r"`num_microbatches` must be"):
         mm.per_device_value_and_grad(_loss, mesh, num_microbatches=2.0)
+    with pytest.raises(TypeError, match=r"`with_stats` must be a bool, got 1"):
+        mm.data_parallel_value_and_grad(_loss, mesh, with_stats=1)
     grad_fn = mm.per_device_value_and_grad(_loss, mesh, num_microbatches=2)
     batch = _batch(NDEV * ROWS, seed=5)
     batch["x"] = batch["x"][:NDEV]
