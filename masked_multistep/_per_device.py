@@ -144,12 +144,7 @@ def per_device_value_and_grad(
       True
     """
     return _per_device(
-        loss_fn,
-        mesh,
-        axis_name,
-        num_microbatches=num_microbatches,
-        has_aux=has_aux,
-        aux_reduction=aux_reduction,
+        loss_fn, mesh, axis_name, num_microbatches, has_aux, aux_reduction
     )
 
 
@@ -157,7 +152,6 @@ def _per_device(
     loss_fn: Callable[[optax.Params, Any], Any],
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable],
-    *,
     num_microbatches: int,
     has_aux: bool,
     aux_reduction: Any,
@@ -320,13 +314,7 @@ def data_parallel_value_and_grad(
     if not isinstance(with_stats, bool):
         raise TypeError(f"`with_stats` must be a bool, got {with_stats!r}")
     per_device = _per_device(
-        loss_fn,
-        mesh,
-        axis_name,
-        num_microbatches=num_microbatches,
-        has_aux=has_aux,
-        aux_reduction=aux_reduction,
-        stats_sums=with_stats,
+        loss_fn, mesh, axis_name, num_microbatches, has_aux, aux_reduction, with_stats
     )
 
     def grad_fn(
