@@ -602,16 +602,18 @@ def microbatched_value_and_grad(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
-    k = _check_args(loss_fn, num_microbatches, has_aux, aux_reduction)
-    if not isinstance(with_stats, bool):
-        raise TypeError(f"`with_stats` must be a bool, got {with_stats!r}")
+    k = _check_args(loss_fn, num_microbatches, has_aux, aux_reduction, with_stats)
     return _grad_fn(
         loss_fn, k, has_aux, aux_reduction, "window" if with_stats else None
     )
 
 
 def _check_args(
-    loss_fn: Any, num_microbatches: Any, has_aux: Any, aux_reduction: Any
+    loss_fn: Any,
+    num_microbatches: Any,
+    has_aux: Any,
+    aux_reduction: Any,
+    with_stats: Any = False,
 ) -> int:
     """The checks of :func:`microbatched_value_and_grad`'s arguments; ``k``."""
     if not callable(loss_fn):
@@ -622,6 +624,8 @@ def _check_args(
     k = _check_num_microbatches(num_microbatches)
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}")
+    if not isinstance(with_stats, bool):
+        raise TypeError(f"`with_stats` must be a bool, got {with_stats!r}")
     _check_aux_reduction(aux_reduction, has_aux)
     return k
 

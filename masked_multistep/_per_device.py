@@ -160,7 +160,7 @@ def _per_device(
     """:func:`per_device_value_and_grad`; with ``stats_sums`` each device also
     returns its microbatches' ``(Σ nᵢ‖gᵢ‖², K)`` (shape ``(D,)`` each)."""
     axes, num_devices = check_mesh_axes(mesh, axis_name)
-    k = _check_args(loss_fn, num_microbatches, has_aux, aux_reduction)
+    k = _check_args(loss_fn, num_microbatches, has_aux, aux_reduction, stats_sums)
     grad_fn = _grad_fn(
         loss_fn, k, has_aux, aux_reduction, "sums" if stats_sums else None
     )
@@ -307,12 +307,21 @@ def data_parallel_value_and_grad(
       >>> bool(jnp.allclose(grad, x[mask].mean())), int(count) == int(mask.sum())
       (True, True)
 
+      With ``with_stats=True``, the call's statistics too: ``K`` counts every
+      device's microbatches that hold a token (device ``d``'s microbatch ``j``
+      is its local rows ``j, j + 2``):
+
+      >>> stats_fn = jax.jit(mm.data_parallel_value_and_grad(
+      ...     loss_fn, mesh, "data", num_microbatches=2, with_stats=True))
+      >>> _, _, stats = stats_fn(jnp.array(1.0), batch)
+      >>> k = mask.reshape(n, 2, 2).any(axis=1).sum()  # (device, row, microbatch)
+      >>> int(stats.microbatches) == int(k), float(stats.tokens) == int(mask.sum())
+      (True, True)
+
     References:
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
-    if not isinstance(with_stats, bool):
-        raise TypeError(f"`with_stats` must be a bool, got {with_stats!r}")
     per_device = _per_device(
         loss_fn, mesh, axis_name, num_microbatches, has_aux, aux_reduction, with_stats
     )
