@@ -25,7 +25,7 @@ own, never summed over the devices.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, Concatenate, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,10 @@ from jax.sharding import PartitionSpec as P
 
 from masked_multistep import _stats
 from masked_multistep._microbatch import (
+    BatchT,
+    GradFn,
+    GradFnWithStats,
+    ParamsT,
     _aux_reductions,
     _check_args,
     _check_rng,
@@ -149,7 +153,7 @@ def per_device_value_and_grad(
 
 
 def _per_device(
-    loss_fn: Callable[[optax.Params, Any], Any],
+    loss_fn: Callable[..., Any],
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable],
     num_microbatches: int,
@@ -234,8 +238,34 @@ def _sum_dtype(dtype: Any) -> Any:
     return compute_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
+@overload
 def data_parallel_value_and_grad(
-    loss_fn: Callable[[optax.Params, Any], Any],
+    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int = 1,
+    has_aux: bool = False,
+    aux_reduction: Any = None,
+    with_stats: Literal[False] = False,
+) -> GradFn[ParamsT, BatchT]: ...
+
+
+@overload
+def data_parallel_value_and_grad(
+    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int = 1,
+    has_aux: bool = False,
+    aux_reduction: Any = None,
+    with_stats: Literal[True],
+) -> GradFnWithStats[ParamsT, BatchT]: ...
+
+
+def data_parallel_value_and_grad(
+    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable] = "data",
     *,
@@ -243,7 +273,7 @@ def data_parallel_value_and_grad(
     has_aux: bool = False,
     aux_reduction: Any = None,
     with_stats: bool = False,
-) -> Callable[..., tuple[Any, ...]]:
+) -> GradFn[ParamsT, BatchT] | GradFnWithStats[ParamsT, BatchT]:
     """In-jit microbatching over data-parallel devices, reduced once per call.
 
     The result is that of :func:`microbatched_value_and_grad` (``jax.value_and_grad``
@@ -327,8 +357,8 @@ def data_parallel_value_and_grad(
     )
 
     def grad_fn(
-        params: optax.Params, batch: Any, *, rng: jax.typing.ArrayLike | None = None
-    ) -> tuple[Any, ...]:
+        params: ParamsT, batch: BatchT, *, rng: jax.typing.ArrayLike | None = None
+    ) -> Any:
         out = per_device(params, batch, rng=rng)
         with jax.named_scope("masked_multistep/combine_devices"):
             combined = _combine(out[:2], has_aux, aux_reduction)

@@ -141,6 +141,25 @@ def test_window_stats_are_typed():
     assert_type(mm.has_updated(opt_state), jax.Array)
 
 
+def test_data_parallel_value_and_grad_is_typed_like_microbatched_value_and_grad():
+    def loss_fn(
+        params: dict[str, jax.Array], batch: dict[str, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        return mm.masked_mean(batch["x"] * params["w"], batch["mask"])
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    batch = {"x": jnp.arange(16.0), "mask": jnp.arange(16) % 3 != 0}
+    params = {"w": jnp.ones(())}
+    grad_fn = mm.data_parallel_value_and_grad(loss_fn, mesh, "data")
+    (_, count), grads = grad_fn(params, batch)
+    assert_type(grads, dict[str, jax.Array])  # the params' type
+    stats_fn = mm.data_parallel_value_and_grad(loss_fn, mesh, "data", with_stats=True)
+    (_, count), grads, stats = stats_fn(params, batch)
+    assert_type(grads, dict[str, jax.Array])
+    assert_type(stats, mm.WindowStats)
+    assert int(stats.tokens) == int(count) == 10
+
+
 def test_window_rules_are_typed():
     # Every form of the window arguments type-checks; a string budget does not.
     adam = optax.adam(1e-3)
