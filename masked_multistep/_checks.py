@@ -80,7 +80,13 @@ def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
     """``None`` (follow each gradient leaf) or a floating dtype."""
     if accumulator_dtype is None:
         return None
-    dtype = jnp.dtype(accumulator_dtype)
+    try:
+        dtype = jnp.dtype(accumulator_dtype)
+    except TypeError as err:
+        raise TypeError(
+            f"`accumulator_dtype` must be a floating dtype or None, got "
+            f"{accumulator_dtype!r}"
+        ) from err
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
             f"`accumulator_dtype` must be a floating dtype or None, got {dtype}"

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from masked_multistep._checks import to_count
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 
 __all__ = ["from_optax_multisteps"]
@@ -221,13 +222,9 @@ def from_optax_multisteps(
             state.acc_grads,
             fresh.acc_grads,
         )
-        new_count = jnp.asarray(count, fresh.acc_count.dtype)
-        if jnp.issubdtype(new_count.dtype, jnp.integer) and new_count != count:
-            raise ValueError(
-                f"`acc_count` is {count}, which {new_count.dtype} counts cannot "
-                "hold: construct `tx` with a float count_dtype for fractional or "
-                "very large counts"
-            )
+        # The count contract of `tx.update(..., count=)`: refused, not wrapped
+        # or rounded to inf, when the count dtype cannot hold it.
+        new_count, _ = to_count(count.item(), fresh.acc_count.dtype, "`acc_count`")
 
     gradient_step = jnp.asarray(state.gradient_step, fresh.gradient_step.dtype)
     replacements = dict(

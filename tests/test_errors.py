@@ -43,6 +43,8 @@ def test_bad_constructor_arguments():
         mm.MaskedMultiSteps(lambda g: g, 2)
     with pytest.raises(ValueError, match="`accumulator_dtype` must be a floating"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype=jnp.int32)
+    with pytest.raises(TypeError, match="`accumulator_dtype` must be .* 'flaot32'"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype="flaot32")
     with pytest.raises(ValueError, match="`count_dtype` must be one of"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=jnp.int8)
 

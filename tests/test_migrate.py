@@ -170,6 +170,10 @@ def test_float_count_dtype_keeps_fractional_weights():
     _, old_state = old.update(jnp.array(2.0), old_state, params)
     state = mm.from_optax_multisteps(old_state, tx, params, acc_count=0.5)
     assert state.acc_count.dtype == jnp.float32 and float(state.acc_count) == 0.5
+    # Too large for float32: refused, not stored as inf (which would refuse
+    # every later count and never close the window).
+    with pytest.raises(ValueError, match="`acc_count` is too large .* got 1e\\+39"):
+        mm.from_optax_multisteps(old_state, tx, params, acc_count=1e39)
     for g, n in [(5.0, 1.0), (-1.0, 0.5)]:
         params, state = tx.apply_gradients(
             jnp.array(g), state, params, count=jnp.float32(n)
@@ -195,7 +199,11 @@ def _mid_window():
         ({"acc_count": True}, TypeError, "`acc_count` must be a real number, got True"),
         ({"acc_count": "7"}, TypeError, "`acc_count` must be a real number"),
         ({"acc_count": np.ones(2)}, ValueError, "`acc_count` must be a scalar"),
-        ({"acc_count": 2.5}, ValueError, "int32 counts cannot hold"),
+        ({"acc_count": 2.5}, ValueError, "`acc_count` is fractional \\(2.5\\)"),
+        # Refused, not wrapped to 5 or -2**31 (int32) or rounded to inf (float32).
+        ({"acc_count": 2**32 + 5}, ValueError, "at most 2147483647 .* got 4294967301"),
+        ({"acc_count": 2**31}, ValueError, "at most 2147483647 .* got 2147483648"),
+        ({"acc_count": np.int64(2**31)}, ValueError, "at most 2147483647"),
         ({"acc_count": 3, "use_grad_mean": 1}, TypeError, "`use_grad_mean` must be"),
     ],
 )
