@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import sys
 from collections.abc import Callable
 from typing import Any, Concatenate, Literal, Protocol, TypeVar, cast, overload
 
@@ -207,33 +208,111 @@ def _aux_reductions(aux: Any, aux_reduction: AuxReduction) -> tuple[str, ...]:
     return tuple(reductions)
 
 
+def _article(noun: str) -> str:
+    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
+
+
+def _describe(x: Any, inner: bool = False) -> str:
+    """What ``x`` is, by structure, dtype and shape (never a tracer's class).
+
+    >>> import jax.numpy as jnp
+    >>> _describe(jnp.ones((4, 4)))
+    'a float32[4,4] array'
+    >>> _describe((jnp.array(3), {"acc": 1.0}))
+    'a tuple of 2: (int32[], dict)'
+    >>> _describe(2.5)
+    'the Python float 2.5'
+    """
+    if x is None:
+        return "None"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        array = f"{x.dtype}[{','.join(str(d) for d in x.shape)}]"
+        return array if inner else f"{_article(array)} array"
+    if isinstance(x, (tuple, list)):
+        kind = f"{type(x).__name__} of {len(x)}"
+        if inner:
+            return kind
+        return f"{_article(kind)}: ({', '.join(_describe(e, True) for e in x)})"
+    if inner:
+        return type(x).__name__
+    if isinstance(x, (bool, numbers.Number)):
+        return f"the Python {type(x).__name__} {x!r}"
+    return _article(type(x).__name__)
+
+
+def _is_scalar_number(x: Any) -> bool:
+    """A scalar array or a Python number (what a count may be)."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return tuple(x.shape) == ()
+    return isinstance(x, numbers.Number)
+
+
 def _check_output(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
     """Splits ``loss_fn``'s output into ``(loss, weight, aux)``, checking each.
 
     ``weight`` is the count as float32 (converted by value); ``aux`` leaves are
-    arrays (Python floats become float32, ints int32).
+    arrays (Python floats become float32, ints int32). Errors describe what
+    ``loss_fn`` returned by structure, dtype and shape, and say how to fix it.
     """
-    expected = "(mean_loss, (count, aux))" if has_aux else "(mean_loss, count)"
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        if has_aux:
+            raise TypeError(
+                "With has_aux=True, `loss_fn` must return (mean_loss, (count, "
+                f"aux)), got {_describe(out)}; `mean_loss, count = "
+                "mm.masked_mean(values, mask)` gives the first two"
+            )
         raise TypeError(
-            f"`loss_fn` must return {expected} (has_aux={has_aux}), got "
-            f"{type(out).__name__}"
+            f"`loss_fn` must return (mean_loss, count), got {_describe(out)}; "
+            "`mm.masked_mean(values, mask)` returns that pair (to return more, "
+            "pass has_aux=True and return (mean_loss, (count, aux)))"
         )
     loss, rest = out
     if has_aux:
         if not (isinstance(rest, (tuple, list)) and len(rest) == 2):
+            fix = (
+                "its second element is a plain count: drop has_aux=True, or "
+                "return (mean_loss, (count, aux))"
+                if _is_scalar_number(rest)
+                else "its second element must be the pair (count, aux)"
+            )
             raise TypeError(
-                f"With has_aux=True, `loss_fn` must return {expected}, got a second "
-                f"element of type {type(rest).__name__}"
+                "With has_aux=True, `loss_fn` must return (mean_loss, (count, "
+                f"aux)), got {_describe(out)}; {fix}"
             )
         count, aux = rest
     else:
         count, aux = rest, None
-    loss = jnp.asarray(loss)
-    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+    if not (hasattr(loss, "dtype") or isinstance(loss, numbers.Number)):
         raise TypeError(
             "The loss returned by `loss_fn` must be a floating scalar (the "
-            f"microbatch's mean loss), got shape {loss.shape} and dtype {loss.dtype}"
+            f"microbatch's mean loss), got {_describe(loss)}"
+        )
+    loss = jnp.asarray(loss)
+    if loss.shape != ():
+        raise TypeError(
+            "The loss returned by `loss_fn` must be a floating scalar (the "
+            f"microbatch's mean loss), got {_describe(loss)}; reduce it with "
+            "`mm.masked_mean(values, mask)`, which returns (mean_loss, count)"
+        )
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        hint = ""
+        if hasattr(count, "dtype") and _is_scalar_number(count):
+            if jnp.issubdtype(count.dtype, jnp.floating):
+                hint = "; it looks like the count: return (mean_loss, count)"
+        raise TypeError(
+            "The loss returned by `loss_fn` must be a floating scalar (the "
+            f"microbatch's mean loss), got {_describe(loss)}{hint}"
+        )
+    if not jax.tree_util.treedef_is_leaf(jax.tree.structure(count)):
+        # A container (its repr would show tracers): described by structure.
+        hint = (
+            "; if it is (count, aux), pass has_aux=True"
+            if not has_aux and isinstance(count, (tuple, list)) and len(count) == 2
+            else ""
+        )
+        raise TypeError(
+            "The count returned by `loss_fn` must be a real scalar (the "
+            f"microbatch's token count), got {_describe(count)}{hint}"
         )
     weight = count_weight(count, "The count returned by `loss_fn`")
     aux = jax.tree_util.tree_map_with_path(
@@ -243,8 +322,71 @@ def _check_output(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
     return loss, weight, aux
 
 
+_SPLIT_RECIPE = (
+    "pass `params` from `graphdef, params, rest = nnx.split(model, nnx.Param, "
+    "...)` and rebuild the module in `loss_fn` with `nnx.merge(graphdef, "
+    "params, rest, copy=True)` (then `nnx.reseed(module, dropout=rng)` gives "
+    "each microbatch its own dropout key when `grad_fn` is called with `rng=`)"
+)
+
+
+def _nnx_path(path: tuple[Any, ...]) -> str:
+    """An ``nnx`` state path as attribute access: ``.bn.mean``, ``.layers[0]``."""
+    return "".join(f".{key}" if isinstance(key, str) else f"[{key!r}]" for key in path)
+
+
+def _check_nnx_modules(params: Any) -> None:
+    """Refuses NNX modules in ``params`` that hold state other than ``nnx.Param``.
+
+    Their other variables (batch statistics, RNG streams) would be
+    "differentiated" like parameters, and the state ``loss_fn`` writes to them
+    lost. flax is optional: if ``flax.nnx`` was never imported, ``params``
+    holds no NNX module.
+
+    >>> from flax import nnx
+    >>> _check_nnx_modules({"bn": nnx.BatchNorm(2, rngs=nnx.Rngs(0))})
+    Traceback (most recent call last):
+    TypeError: `params` is an NNX module (BatchNorm) holding state other than
+    nnx.Param (BatchStat at params['bn'].mean, params['bn'].var), which cannot
+    be differentiated whole: pass `params` from `graphdef, params, rest =
+    nnx.split(model, nnx.Param, ...)` and rebuild the module in `loss_fn` ...
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, nnx.Module)
+    )[0]
+    for prefix, module in leaves:
+        if not isinstance(module, nnx.Module):
+            continue
+        where = f"params{jax.tree_util.keystr(prefix)}"
+        by_type: dict[str, list[str]] = {}
+        for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param))):
+            by_type.setdefault(type(variable).__name__, []).append(
+                where + _nnx_path(path)
+            )
+        if not by_type:
+            continue
+        found = "; ".join(
+            f"{kind} at {', '.join(paths[:3])}"
+            + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+            for kind, paths in by_type.items()
+        )
+        raise TypeError(
+            f"`params` is an NNX module ({type(module).__name__}) holding state "
+            f"other than nnx.Param ({found}), which cannot be differentiated "
+            f"whole: {_SPLIT_RECIPE}. State that `loss_fn` writes (RNG "
+            "counters, running batch statistics) is not returned"
+        )
+
+
 def _check_params(params: Any) -> None:
-    """``params`` holds only floating (or complex) leaves, as ``jax.grad`` needs."""
+    """``params`` holds only floating (or complex) leaves, as ``jax.grad`` needs.
+
+    An NNX module in ``params`` may hold only ``nnx.Param`` variables.
+    """
+    _check_nnx_modules(params)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.inexact):
@@ -253,11 +395,7 @@ def _check_params(params: Any) -> None:
                 f"variables to differentiate, got dtype {dtype} at "
                 f"params{jax.tree_util.keystr(path)}. An NNX module that holds "
                 "RNG streams, batch statistics or other non-parameter state: "
-                "pass `params` from `graphdef, params, rest = nnx.split(model, "
-                "nnx.Param, ...)` and rebuild the module in `loss_fn` with "
-                "`nnx.merge(graphdef, params, rest, copy=True)` (then "
-                "`nnx.reseed(module, dropout=rng)` gives each microbatch its own "
-                "dropout key when `grad_fn` is called with `rng=`)"
+                f"{_SPLIT_RECIPE}"
             )
 
 
@@ -515,14 +653,16 @@ def microbatched_value_and_grad(
     Raises:
       TypeError: if ``loss_fn`` is not callable, ``num_microbatches`` is not an
         integer, ``has_aux`` or ``with_stats`` is not a bool, an
-        ``aux_reduction`` leaf is not a
-        string; when called, if ``params`` has a leaf that is not floating
-        (the error names it), ``rng`` is not a PRNG key or ``loss_fn`` cannot
-        take it, or ``loss_fn`` returns something other than the documented
-        structure, a non-scalar or non-floating loss, a boolean or complex
-        count, an ``aux`` leaf that is neither float nor integer, a floating
-        ``aux`` leaf without ``aux_reduction``, or an integer one marked
-        ``"mean"``.
+        ``aux_reduction`` leaf is not a string; when called, if ``params`` has
+        a leaf that is not floating (the error names it) or holds an NNX module
+        with state other than ``nnx.Param`` (the error names its variables),
+        ``rng`` is not a PRNG key or ``loss_fn`` cannot take it, or ``loss_fn``
+        returns something other than the documented structure, a non-scalar or
+        non-floating loss, a boolean or complex count, an ``aux`` leaf that is
+        neither float nor integer, a floating ``aux`` leaf without
+        ``aux_reduction``, or an integer one marked ``"mean"``. Errors about
+        what ``loss_fn`` returned describe it by structure, dtype and shape
+        and say how to fix it.
       ValueError: if ``num_microbatches < 1``, an ``aux_reduction`` leaf is
         neither ``"sum"`` nor ``"mean"``, or ``aux_reduction`` is given without
         ``has_aux``; when called, if ``batch`` has no leaves, a scalar leaf,

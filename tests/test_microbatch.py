@@ -324,7 +324,8 @@ def test_bad_batch(batch, match):
             lambda p: (p * jnp.ones(3), jnp.array(1)),
             False,
             TypeError,
-            r"loss returned by `loss_fn` must be a floating scalar.*shape \(3,\)",
+            r"loss returned by `loss_fn` must be a floating scalar.*got a "
+            r"float32\[3\] array",
         ),
         (lambda p: p, False, TypeError, r"must return \(mean_loss, count\)"),
         (
@@ -348,3 +349,100 @@ def test_bad_loss_fn_output(out, has_aux, error, match):
     )
     with pytest.raises(error, match=match):
         grad_fn(jnp.ones(()), jnp.ones((4,)))
+
+
+def _mean(w, mb):
+    return mm.masked_mean(w * mb["x"], mb["mask"])
+
+
+# Common mistakes in what `loss_fn` returns, and the whole error each gets: what
+# came back by structure, dtype and shape (never a tracer's class) and the fix.
+_RETURN_MISTAKES = {
+    "mean only": (
+        lambda w, mb: _mean(w, mb)[0],
+        False,
+        "`loss_fn` must return (mean_loss, count), got a float32[] array; "
+        "`mm.masked_mean(values, mask)` returns that pair (to return more, pass "
+        "has_aux=True and return (mean_loss, (count, aux)))",
+    ),
+    "three values": (
+        lambda w, mb: (*_mean(w, mb), 0),
+        False,
+        "`loss_fn` must return (mean_loss, count), got a tuple of 3: (float32[], "
+        "int32[], int); `mm.masked_mean(values, mask)` returns that pair (to "
+        "return more, pass has_aux=True and return (mean_loss, (count, aux)))",
+    ),
+    "aux without has_aux": (
+        lambda w, mb: (_mean(w, mb)[0], (_mean(w, mb)[1], {"acc": w})),
+        False,
+        "The count returned by `loss_fn` must be a real scalar (the microbatch's "
+        "token count), got a tuple of 2: (int32[], dict); if it is (count, aux), "
+        "pass has_aux=True",
+    ),
+    "has_aux on a plain count": (
+        _mean,
+        True,
+        "With has_aux=True, `loss_fn` must return (mean_loss, (count, aux)), got "
+        "a tuple of 2: (float32[], int32[]); its second element is a plain "
+        "count: drop has_aux=True, or return (mean_loss, (count, aux))",
+    ),
+    "has_aux with aux but no count": (
+        lambda w, mb: (_mean(w, mb)[0], {"acc": w}),
+        True,
+        "With has_aux=True, `loss_fn` must return (mean_loss, (count, aux)), got "
+        "a tuple of 2: (float32[], dict); its second element must be the pair "
+        "(count, aux)",
+    ),
+    "has_aux, mean only": (
+        lambda w, mb: _mean(w, mb)[0],
+        True,
+        "With has_aux=True, `loss_fn` must return (mean_loss, (count, aux)), got "
+        "a float32[] array; `mean_loss, count = mm.masked_mean(values, mask)` "
+        "gives the first two",
+    ),
+    "swapped": (
+        lambda w, mb: _mean(w, mb)[::-1],
+        False,
+        "The loss returned by `loss_fn` must be a floating scalar (the "
+        "microbatch's mean loss), got an int32[] array; it looks like the "
+        "count: return (mean_loss, count)",
+    ),
+    "per-row loss": (
+        lambda w, mb: (jnp.mean(w * mb["x"], -1), jnp.sum(mb["mask"])),
+        False,
+        "The loss returned by `loss_fn` must be a floating scalar (the "
+        "microbatch's mean loss), got a float32[8] array; reduce it with "
+        "`mm.masked_mean(values, mask)`, which returns (mean_loss, count)",
+    ),
+}
+
+
+def _mistake_batch():
+    return {"x": jnp.ones((16, 3)), "mask": jnp.ones((16, 3), bool)}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("mistake", list(_RETURN_MISTAKES))
+def test_wrong_loss_fn_return_is_described_with_the_fix(mistake, jit):
+    loss_fn, has_aux, message = _RETURN_MISTAKES[mistake]
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 2, has_aux=has_aux)
+    grad_fn = jax.jit(grad_fn) if jit else grad_fn
+    with pytest.raises(TypeError) as err:
+        grad_fn(jnp.array(2.0), _mistake_batch())
+    assert str(err.value) == message
+    assert "Tracer" not in str(err.value)
+
+
+@pytest.mark.parametrize("mistake", list(_RETURN_MISTAKES))
+def test_data_parallel_wrong_loss_fn_return_gets_the_same_error(mistake):
+    loss_fn, has_aux, message = _RETURN_MISTAKES[mistake]
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    batch = _mistake_batch()
+    # 16 rows on 8 devices: 2 rows per device, 1 row per microbatch (the
+    # per-row loss then has 1 element, not 8).
+    message = message.replace("float32[8]", "float32[1]")
+    for make in (mm.data_parallel_value_and_grad, mm.per_device_value_and_grad):
+        grad_fn = make(loss_fn, mesh, num_microbatches=2, has_aux=has_aux)
+        with pytest.raises(TypeError) as err:
+            jax.jit(grad_fn)(jnp.array(2.0), batch)
+        assert str(err.value) == message, make.__name__

@@ -8,6 +8,8 @@ goes through `nnx.split(model, nnx.Param, ...)`, whose parameters (an
 `nnx.Optimizer` takes the gradients as they come.
 """
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -173,8 +175,11 @@ def test_module_with_rng_streams_is_a_clear_error_naming_the_split_recipe():
     grad_fn = mm.microbatched_value_and_grad(loss_fn, K)
     with pytest.raises(
         TypeError,
-        match=r"`params` must hold only floating .* got dtype uint32 at "
-        r"params\.dropout\.rngs\.count.*nnx\.split\(model, nnx\.Param, \.\.\.\)",
+        match=r"^`params` is an NNX module \(_WithRngs\) holding state other than "
+        r"nnx\.Param \(RngCount at params\.dropout\.rngs\.count; RngKey at "
+        r"params\.dropout\.rngs\.key\), which cannot be differentiated whole: "
+        r"pass `params` from `graphdef, params, rest = nnx\.split\(model, "
+        r"nnx\.Param, \.\.\.\)`.*nnx\.merge\(graphdef, params, rest, copy=True\)",
     ):
         grad_fn(model, _batch())
     # The recipe the error names works, with a dropout key per microbatch.
@@ -196,3 +201,76 @@ def test_module_with_rng_streams_is_a_clear_error_naming_the_split_recipe():
     )
     assert int(count) == total == int(np.sum(batch["mask"]))
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+
+
+class _WithBatchNorm(nnx.Module):
+    """A module with float batch statistics beside its parameters."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(D_IN, D_OUT, rngs=rngs)
+        self.bn = nnx.BatchNorm(D_OUT, rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(self.hidden(x))
+
+
+def _bn_loss(model, batch):
+    x = jnp.where(batch["mask"][..., None], batch["x"], 0.0)
+    per_token = jnp.sum((model(x) - batch["y"]) ** 2, axis=-1)
+    return mm.masked_mean(per_token, batch["mask"])
+
+
+_BATCH_STATS = re.escape(
+    "holding state other than nnx.Param (BatchStat at params.bn.mean, "
+    "params.bn.var), which cannot be differentiated whole: pass `params` from "
+    "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)` and rebuild "
+    "the module in `loss_fn` with `nnx.merge(graphdef, params, rest, copy=True)`"
+)
+
+
+def test_module_with_batch_stats_is_a_clear_error_naming_the_split_recipe():
+    # BatchStat is float: without the check its mean and var would come back
+    # as "gradients", which nnx.Optimizer(wrt=nnx.Param) takes silently, and
+    # the running statistics would never be updated.
+    model = _WithBatchNorm(nnx.Rngs(0))
+    batch = _batch()
+    grad_fn = mm.microbatched_value_and_grad(_bn_loss, K)
+    match = r"^`params` is an NNX module \(_WithBatchNorm\) " + _BATCH_STATS
+    with pytest.raises(TypeError, match=match):
+        grad_fn(model, batch)
+    with pytest.raises(TypeError, match=match):
+        jax.jit(grad_fn)(model, batch)
+    # A module anywhere in `params` is checked; the path says where.
+    with pytest.raises(
+        TypeError,
+        match=r"NNX module \(_WithBatchNorm\) holding state other than "
+        r"nnx\.Param \(BatchStat at params\['model'\]\.bn\.mean, "
+        r"params\['model'\]\.bn\.var\)",
+    ):
+        mm.microbatched_value_and_grad(lambda p, mb: _bn_loss(p["model"], mb), K)(
+            {"model": model}, batch
+        )
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    with pytest.raises(TypeError, match=r"NNX module \(_WithBatchNorm\) "):
+        mm.data_parallel_value_and_grad(_bn_loss, mesh)(model, batch)
+    # The recipe the error names works: with one microbatch it is the full
+    # batch's nnx.value_and_grad (batch statistics over the same rows).
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def merged_loss(params, batch):
+        return _bn_loss(nnx.merge(graphdef, params, rest, copy=True), batch)
+
+    (loss, count), grads = jax.jit(mm.microbatched_value_and_grad(merged_loss, 1))(
+        params, batch
+    )
+    (f_loss, f_count), f_grads = nnx.value_and_grad(_bn_loss, has_aux=True)(
+        nnx.clone(model), batch
+    )
+    assert int(count) == int(f_count)
+    np.testing.assert_allclose(float(loss), float(f_loss), rtol=1e-6)
+    chex.assert_trees_all_close(
+        nnx.to_pure_dict(grads), nnx.to_pure_dict(f_grads), rtol=1e-5, atol=1e-6
+    )
+    # Only parameters are differentiated (the BatchNorm'd bias gradient is
+    # rounding noise, hence the atol above).
+    assert not nnx.to_flat_state(nnx.state(grads, nnx.Not(nnx.Param)))
