@@ -33,6 +33,18 @@ __all__ = [
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
+def _host_int_to_float(x: Any) -> Any:
+    """A Python or numpy integer as a float64 numpy scalar, anything else as is.
+
+    ``jnp.asarray`` makes a Python int an int32 (without x64), and one of 2³¹
+    or more raises ``OverflowError``; a float holds it (rounded beyond 2⁵³),
+    and the callers clip or compare by value.
+    """
+    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        return np.float64(x)
+    return x
+
+
 def _sanitize_k(k: Any) -> jax.Array:
     """A schedule's value as an int32 window size in [1, 2³¹ − 1], total.
 
@@ -41,6 +53,9 @@ def _sanitize_k(k: Any) -> jax.Array:
     never closes); other floats are rounded to the nearest integer; everything
     is clipped to [1, 2³¹ − 1].
     """
+    if isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
+        # On the host: jnp.asarray makes an int of 2³¹ or more an OverflowError.
+        k = min(max(int(k), 1), _INT32_MAX)
     k = jnp.asarray(k)
     if k.shape != ():
         raise ValueError(
@@ -264,7 +279,7 @@ def _sanitize_budget(budget: Any) -> jax.Array:
     window that never closes); the rest is clipped to ``[0, float32 max]``
     (``+inf`` means no token limit). Integers convert by value.
     """
-    b = jnp.asarray(budget)
+    b = jnp.asarray(_host_int_to_float(budget))
     if b.shape != ():
         raise ValueError(
             f"`tokens_per_window(...)` must return a scalar, got shape {b.shape}"
@@ -296,7 +311,7 @@ def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.A
             top = float(np.nextafter(np.float32(hi), np.float32(0)))
             b = jnp.minimum(jnp.ceil(budget), top).astype(tokens.dtype)
     else:
-        b = jnp.asarray(budget).astype(tokens.dtype)
+        b = jnp.asarray(_host_int_to_float(budget)).astype(tokens.dtype)
     return (tokens > 0) & (tokens >= b)
 
 

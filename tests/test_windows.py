@@ -12,6 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -277,6 +278,46 @@ def test_token_budget_with_a_large_integer_total_compares_exactly():
     assert not bool(w._tokens_reached(jnp.int32(2**24 + 1), 2**24 + 2))
     assert bool(w._tokens_reached(jnp.int32(INT32_MAX), 2**40))
     assert bool(close(jnp.int32(INT32_MAX), jnp.float32(F32_MAX)))
+
+
+@pytest.mark.parametrize("big", [2**31, 3_000_000_000, 2**70, np.int64(2**40)])
+def test_integers_beyond_int32_are_sizes_and_budgets_by_value(big):
+    # A Python (or numpy) int of 2**31 or more is a valid window size or token
+    # budget: clipped or converted like the float of the same value, not an
+    # OverflowError from its conversion to int32.
+    assert int(w._sanitize_k(big)) == INT32_MAX == int(w._sanitize_k(float(big)))
+    assert float(w._sanitize_budget(big)) == model_budget(big)
+    assert int(w._sanitize_k(2**24 + 1)) == 2**24 + 1  # ints stay exact
+    assert int(w._sanitize_k(-(2**40))) == 1
+    p, g = jnp.zeros(2), jnp.ones(2)
+    reached = big <= 3_000_000_000  # by two microbatches of 1.5e9 tokens
+    # Equal gradients pass the norm test as soon as it may decide (two
+    # microbatches and `min_tokens`).
+    for kwargs, closes in [
+        ({"tokens_per_window": int(big)}, reached),
+        ({"tokens_per_window": lambda seen: big}, reached),
+        (
+            {
+                "tokens_per_window": mm.token_budget(
+                    lambda step: big, by="gradient_step"
+                )
+            },
+            reached,
+        ),
+        ({"every_k_schedule": lambda step: big}, False),
+        ({"every_k_schedule": 4, "norm_test": mm.norm_test(0.5, max_tokens=big)}, True),
+        (
+            {"every_k_schedule": 4, "norm_test": mm.norm_test(0.5, min_tokens=big)},
+            reached,
+        ),
+    ]:
+        tx = mm.MaskedMultiSteps(optax.sgd(1.0), **kwargs)
+        update = jax.jit(tx.update)
+        state = tx.init(p)
+        _, state = update(g, state, p, count=jnp.float32(1.5e9))
+        assert int(state.gradient_step) == 0, kwargs
+        _, state = update(g, state, p, count=jnp.float32(1.5e9))
+        assert int(state.gradient_step) == int(closes), kwargs
 
 
 # --- norm test -------------------------------------------------------------------
