@@ -152,7 +152,8 @@ def running_mean_update(
       mean: pytree, the current running mean (any float dtype; kept).
       total: scalar, the sum of the weights folded in so far.
       value: pytree with the structure of ``mean``, the new microbatch's mean.
-      count: scalar, non-negative weight of ``value`` (same dtype as ``total``).
+      count: scalar, non-negative weight of ``value`` (same dtype as ``total``;
+        a float ``count`` with an integer ``total`` is a ``TypeError``).
         Zero leaves ``mean`` and ``total`` bit-identical, whatever ``value`` holds.
       with_sq_deviation: also return ``n·(N_old/N)·Σ_leaves ‖value − mean‖²``,
         the increment of West's weighted sum of squared deviations, reduced in
@@ -186,6 +187,17 @@ def running_mean_update(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
+    total, count = jnp.asarray(total), jnp.asarray(count)
+    if jnp.issubdtype(total.dtype, jnp.integer) and not jnp.issubdtype(
+        count.dtype, jnp.integer
+    ):
+        # `total + count` would be cast back to the integer dtype, truncating a
+        # fractional total (0.5 + 0.5 -> 0) and discarding the mean so far.
+        raise TypeError(
+            f"`count` has dtype {count.dtype} but `total` has the integer dtype "
+            f"{total.dtype}, which would truncate it: pass a float `total` (e.g. "
+            "jnp.zeros([], jnp.float32)) for fractional weights"
+        )
     new_total = total + count
     take = count > 0
     first = total == 0
@@ -195,6 +207,7 @@ def running_mean_update(
     sq_devs = []
 
     def leaf(m, g):
+        m, g = jnp.asarray(m), jnp.asarray(g)
         dtype = compute_dtype(m.dtype)
         # N / n rather than n / N: with equal weights N / n is the exact integer
         # j, so the update equals optax.MultiSteps' `acc + (g - acc) / j` bit for

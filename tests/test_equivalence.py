@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -141,3 +142,18 @@ def test_running_mean_matches_float64_weighted_mean(counts, seed):
     else:
         expected = (np.asarray(counts)[:, None] * values).sum(0) / sum(counts)
         np.testing.assert_allclose(mean, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_running_mean_takes_python_numbers_and_refuses_a_truncating_total():
+    # Python numbers are scalars like any other.
+    mean, total = mm.running_mean_update(0.0, 0, jnp.float32(4.0), 2)
+    mean, total = mm.running_mean_update(mean, total, jnp.float32(1.0), 1)
+    assert (float(mean), int(total)) == (3.0, 3)
+    # Fractional weights need a float total: in an integer one, 0.5 + 0.5 would
+    # be truncated to 0 and every value would overwrite the mean.
+    with pytest.raises(TypeError, match="`count` has dtype float32 but `total`"):
+        mm.running_mean_update(jnp.zeros(()), jnp.array(0), jnp.ones(()), 0.5)
+    mean, total = jnp.zeros(()), jnp.float32(0)
+    for v in (1.0, 5.0):
+        mean, total = mm.running_mean_update(mean, total, jnp.float32(v), 0.5)
+    assert (float(mean), float(total)) == (3.0, 1.0)
