@@ -214,6 +214,7 @@ def from_optax_multisteps(
         acc_grads = fresh.acc_grads
         new_count = fresh.acc_count
     else:
+        assert count is not None  # _check_acc_count requires it mid-window
         divisor = 1 if use_grad_mean else mini_step
         acc_grads = jax.tree.map(
             lambda a, f: (

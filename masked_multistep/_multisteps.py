@@ -9,7 +9,9 @@ statistics in ``_stats``.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -134,7 +136,7 @@ def _accumulator_dtype(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
 _OPTAX_ONLY_KEYWORDS = {
     "use_grad_mean": (
         "MaskedMultiSteps always keeps a running (token-weighted) mean, which "
-        "cannot overflow in low precision; drop `use_grad_mean`"
+        "cannot overflow in low precision; drop `use_grad_mean`."
     ),
 }
 
@@ -376,9 +378,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     ) -> MaskedMultiSteps:
         for key in unknown:
             why = _OPTAX_ONLY_KEYWORDS.get(key)
+            if why is None:
+                known = inspect.signature(cls.__new__).parameters
+                close = difflib.get_close_matches(key, known, n=1)
+                why = f"did you mean {close[0]!r}?" if close else None
             raise TypeError(
                 f"MaskedMultiSteps got an unexpected keyword argument {key!r}"
-                + (f": {why}." if why else ".")
+                + (f": {why}" if why else ".")
             )
         if not (hasattr(opt, "init") and hasattr(opt, "update")):
             raise TypeError(
@@ -388,6 +394,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         policy = _windows.window_policy(every_k_schedule, tokens_per_window, norm_test)
         acc_dtype = _checks.check_accumulator_dtype(accumulator_dtype)
         cnt_dtype = _checks.check_count_dtype(count_dtype)
+        if should_skip_update_fn is not None and not callable(should_skip_update_fn):
+            raise TypeError(
+                "`should_skip_update_fn` must be None or a function like "
+                f"optax.skip_not_finite, got {should_skip_update_fn!r}"
+            )
         if reduction is not None and not isinstance(reduction, Deferred):
             raise TypeError(
                 "`reduction` must be None or mm.deferred(mesh, axis_name), got "
@@ -409,8 +420,20 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         def init(params: optax.Params) -> MaskedMultiStepsState:
             return self._init(params)
 
-        def update(updates, state, params=None, **extra_args):
-            return self._update(updates, state, params, **extra_args)
+        def update(updates, state, params=None, *args, count=None, **extra_args):
+            if args:
+                raise TypeError(
+                    "MaskedMultiSteps.update takes the token count as a keyword: "
+                    f"tx.update(grads, state, params, count=n); got {len(args)} "
+                    "more positional argument(s)"
+                )
+            return self._update(updates, state, params, count=count, **extra_args)
+
+        # What `help(tx.init)` and `help(tx.update)` show.
+        init.__qualname__ = "MaskedMultiSteps.init"
+        init.__doc__ = "The wrapper's initial state for ``params``."
+        update.__qualname__ = "MaskedMultiSteps.update"
+        update.__doc__ = cls._update.__doc__
 
         self = super().__new__(cls, init, update)
         self._opt = optax.with_extra_args_support(opt)
@@ -502,7 +525,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             otu.zeros_like(params), gradient_step, params
         )
         acc_grads = self._reduction.init_accumulator(
-            params, lambda p: _accumulator_dtype(p.dtype, self._accumulator_dtype)
+            params,
+            lambda p: _accumulator_dtype(jnp.result_type(p), self._accumulator_dtype),
         )
         return MaskedMultiStepsState(
             mini_step=jnp.zeros([], jnp.int32),
@@ -591,6 +615,45 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         """
         return self._step(grads, state, params, count, extra_args, apply_params=True)
 
+    @functools.cached_property
+    def _settings_layout(self) -> Any:
+        """:func:`_layout` of the state's fields that the settings shape."""
+        return _layout(
+            jax.eval_shape(
+                lambda: (
+                    self._recorder.init(self._count_dtype),
+                    self._policy.init(),
+                    self._reduction.init(self._count_dtype),
+                )
+            )
+        )
+
+    def _check_state(self, state: Any) -> None:
+        """Refuses a state that this wrapper's ``init`` did not build.
+
+        The fields that the settings shape (window statistics, the window rule's
+        state, the reduction's) are compared by layout, leaves aside, so a state
+        whose statistics another configuration would drop is an error, not lost.
+        """
+        if isinstance(state, optax.MultiStepsState):
+            raise TypeError(
+                "`state` is an optax.MultiStepsState: convert it once with "
+                "`mm.from_optax_multisteps(state, tx, params, acc_count=...)`, or "
+                "start from `tx.init(params)`"
+            )
+        if not isinstance(state, MaskedMultiStepsState):
+            raise TypeError(
+                "`state` must be the MaskedMultiStepsState that this wrapper's "
+                f"`init` returned, got {type(state).__name__}"
+            )
+        got = _layout((state.stats, state.policy_state, state.reduction_state))
+        if got != self._settings_layout:
+            raise ValueError(
+                "`state` was built by a MaskedMultiSteps with other settings "
+                "(window_stats, the window rule or the reduction differ from "
+                f"{self!r}): use the state that this wrapper's `init` returned"
+            )
+
     # The state machine: gate, accumulate, decide, emit.
 
     def _gate(self, grads, state, params, count) -> _Gate:
@@ -668,6 +731,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         sits inside it. Returns ``(updates, state)``, or with ``apply_params``
         ``(new_params, state)``.
         """
+        self._check_state(state)
         self._reduction.check_grads(grads, state.acc_grads)
         extra_args = dict(extra_args)
 
@@ -907,6 +971,16 @@ def _counts_needed_only_at_close(
         and norm_test is None
         and should_skip_update_fn is None
     )
+
+
+def _layout(x: Any) -> Any:
+    """The nesting of tuples (named or not) and dicts in ``x``; leaves as
+    ``None``, whatever wraps them (an NNX variable, a shape struct)."""
+    if isinstance(x, tuple):
+        return (type(x), tuple(_layout(c) for c in x))
+    if isinstance(x, dict):
+        return (dict, tuple((k, _layout(v)) for k, v in sorted(x.items())))
+    return None
 
 
 def _is_float(x: jax.Array) -> bool:

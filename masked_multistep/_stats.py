@@ -695,8 +695,23 @@ def recorder(window_stats: Any, stats_decay: Any) -> Recorder:
             f"`window_stats` must be a bool, got {type(window_stats).__name__} "
             f"{window_stats!r}"
         )
-    ok = isinstance(stats_decay, numbers.Real) and not isinstance(stats_decay, bool)
-    decay = float(stats_decay) if ok else float("nan")
+    # A real number: Python's, or a concrete 0-d numpy or jax array.
+    dtype = getattr(stats_decay, "dtype", None)
+    ok = not isinstance(stats_decay, (bool, np.bool_)) and (
+        isinstance(stats_decay, numbers.Real)
+        or (
+            dtype is not None
+            and np.ndim(stats_decay) == 0
+            and (
+                jnp.issubdtype(dtype, jnp.floating)
+                or jnp.issubdtype(dtype, jnp.integer)
+            )
+        )
+    )
+    try:
+        decay = float(stats_decay) if ok else float("nan")
+    except jax.errors.ConcretizationTypeError:  # traced: not a constant
+        decay = float("nan")
     if not 0 <= decay < 1:
         raise ValueError(f"`stats_decay` must be in [0, 1), got {stats_decay!r}")
     return Recorder(window_stats, decay)

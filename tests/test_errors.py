@@ -1,5 +1,7 @@
 """Bad input: clear errors where values are known, total arithmetic under jit."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,13 +74,34 @@ def test_k_too_large_for_the_state_is_refused_in_the_constructor():
 def test_optax_multisteps_keywords_are_explained():
     with pytest.raises(TypeError, match="'use_grad_mean'.*always keeps a running"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, use_grad_mean=True)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'lr'"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lr'\\.$"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, lr=0.1)
+    with pytest.raises(TypeError, match="'window_stat': did you mean 'window_stats'"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, window_stat=True)
+
+
+def test_should_skip_update_fn_must_be_callable():
+    with pytest.raises(TypeError, match="`should_skip_update_fn` must be None or a"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=3)
+
+
+def test_python_number_params_are_params():
+    # As for optax's own optimizers: a Python float is a float32 scalar param.
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2)
+    state = tx.init({"w": 1.0})
+    assert state.acc_grads["w"].dtype == jnp.float32
+    _, state = tx.update({"w": jnp.float32(2.0)}, state, {"w": 1.0}, count=3)
+    assert float(state.acc_grads["w"]) == 2.0
 
 
 def test_missing_count_says_how_to_pass_it(tx):
     with pytest.raises(TypeError, match=r"count=n"):
         tx.update(GRADS, tx.init(PARAMS), PARAMS)
+    with pytest.raises(TypeError, match=r"token count as a keyword: .*count=n"):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS, 3)
+    # `help(tx.update)` shows the count.
+    assert "count" in inspect.signature(tx.update).parameters
+    assert "count: the number of real tokens" in (tx.update.__doc__ or "")
     with pytest.raises(TypeError, match=r"count=n.*masked_multistep.TrainState"):
         jax.jit(tx.update)(GRADS, tx.init(PARAMS), PARAMS)
 
@@ -224,3 +247,27 @@ def test_flax_stock_train_state_points_to_mm_train_state():
     )
     with pytest.raises(TypeError, match=r"masked_multistep\.TrainState"):
         state.apply_gradients(grads=GRADS)
+
+
+def test_a_state_from_another_optimizer_or_settings_is_refused():
+    params, grads = {"w": jnp.zeros(2)}, {"w": jnp.ones(2)}
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2)
+    with_stats = mm.MaskedMultiSteps(optax.adam(0.1), 2, window_stats=True)
+    # A budget that follows the tokens seen keeps them in its state.
+    by_tokens = mm.MaskedMultiSteps(optax.adam(0.1), tokens_per_window=lambda n: 8.0)
+    for update in (tx.update, jax.jit(tx.update)):
+        old = optax.MultiSteps(optax.adam(0.1), 2).init(params)
+        with pytest.raises(TypeError, match="optax.MultiStepsState: convert it once"):
+            update(grads, old, params, count=3)
+        with pytest.raises(
+            TypeError, match="must be the MaskedMultiStepsState .*tuple"
+        ):
+            update(grads, optax.adam(0.1).init(params), params, count=3)
+        # The statistics (or a window rule's state) are not silently dropped.
+        for other in (with_stats, by_tokens):
+            with pytest.raises(
+                ValueError, match="built by a MaskedMultiSteps with other"
+            ):
+                update(grads, other.init(params), params, count=3)
+    with pytest.raises(ValueError, match="built by a MaskedMultiSteps with other"):
+        with_stats.update(grads, tx.init(params), params, count=3)

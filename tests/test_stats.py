@@ -491,6 +491,15 @@ def test_constructor_checks_the_statistics_arguments():
         mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=1)
     with pytest.raises(ValueError, match=r"`stats_decay` must be in \[0, 1\), got 1"):
         mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=1)
+    for bad in (True, jnp.array([0.5]), jnp.array(0.5 + 0j), "0.5"):
+        with pytest.raises(ValueError, match="`stats_decay` must be in"):
+            mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=bad)
+    # A 0-d numpy or jax real is a real number.
+    for decay in (np.float64(0.5), jnp.float32(0.5), jnp.array(0.5)):
+        tx = mm.MaskedMultiSteps(
+            optax.sgd(0.1), 2, window_stats=True, stats_decay=decay
+        )
+        assert tx._recorder.decay == 0.5
 
 
 # --------------------------------------------- the Core semantics, with statistics
