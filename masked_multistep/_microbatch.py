@@ -354,9 +354,28 @@ def _check_nnx_modules(params: Any) -> None:
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return
+    # Variables that are never trained, in a state split off whole
+    # (`nnx.split(model)`); other Variable types may be a user's parameters.
+    untrainable = (nnx.BatchStat, nnx.Cache, nnx.Intermediate, nnx.RngState)
     leaves = jax.tree_util.tree_flatten_with_path(
-        params, is_leaf=lambda x: isinstance(x, nnx.Module)
+        params, is_leaf=lambda x: isinstance(x, (nnx.Module, nnx.Variable))
     )[0]
+    found_in_state = [
+        f"{type(leaf).__name__} at params{jax.tree_util.keystr(path)}"
+        for path, leaf in leaves
+        if isinstance(leaf, untrainable)
+    ]
+    if found_in_state:
+        raise TypeError(
+            f"`params` holds variables that are not parameters "
+            f"({', '.join(found_in_state[:3])}"
+            + (
+                f" and {len(found_in_state) - 3} more"
+                if len(found_in_state) > 3
+                else ""
+            )
+            + f"): {_SPLIT_RECIPE}"
+        )
     for prefix, module in leaves:
         if not isinstance(module, nnx.Module):
             continue

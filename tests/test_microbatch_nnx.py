@@ -253,6 +253,19 @@ def test_module_with_batch_stats_is_a_clear_error_naming_the_split_recipe():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     with pytest.raises(TypeError, match=r"NNX module \(_WithBatchNorm\) "):
         mm.data_parallel_value_and_grad(_bn_loss, mesh)(model, batch)
+    # So is a state split off whole, with the batch statistics in it.
+    graphdef, everything = nnx.split(model)
+
+    def whole_state_loss(state, batch):
+        return _bn_loss(nnx.merge(graphdef, state, copy=True), batch)
+
+    with pytest.raises(
+        TypeError,
+        match=r"^`params` holds variables that are not parameters \(BatchStat at "
+        r"params\['bn'\]\['mean'\], BatchStat at params\['bn'\]\['var'\]\): pass "
+        r"`params` from `graphdef, params, rest = nnx.split\(model, nnx.Param",
+    ):
+        mm.microbatched_value_and_grad(whole_state_loss, K)(everything, batch)
     # The recipe the error names works: with one microbatch it is the full
     # batch's nnx.value_and_grad (batch statistics over the same rows).
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
