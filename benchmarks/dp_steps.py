@@ -127,7 +127,7 @@ def accumulate_only(mesh, workload: steps.Workload, k: int) -> Competitor:
 
     def init(params):
         acc = jax.tree.map(lambda p: jnp.zeros((size, *p.shape), p.dtype), params)
-        return params, jax.device_put((acc, jnp.zeros(size, jnp.int32)), devices)
+        return params, jax.device_put((acc, jnp.zeros(size, jnp.float32)), devices)
 
     def step(carry, batch):
         params, (acc, total) = carry

@@ -213,7 +213,7 @@ def test_wrong_usage_is_reported_by_the_checker_and_fails_at_run_time():
     state = tx.init(params)
     with pytest.raises(AttributeError, match="gradient_steps"):
         state.gradient_steps  # pyright: ignore[reportAttributeAccessIssue]  # noqa: B018
-    with pytest.raises(AttributeError):
+    with pytest.raises(TypeError, match="must be the MaskedMultiStepsState"):
         tx.apply_gradients(
             params,
             params,  # pyright: ignore[reportArgumentType]
