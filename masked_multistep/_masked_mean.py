@@ -16,16 +16,17 @@ def masked_mean(
 ) -> tuple[jax.Array, jax.Array]:
     """Mean of ``values`` over the entries where ``mask`` is set, and their count.
 
-    ``mean = Σ mask·values / Σ mask``, with ``mean = 0`` when nothing is set
+    ``mean = Σ mask·values / Σ mask`` (a boolean or integer mask counts each
+    non-zero entry as one token), with ``mean = 0`` when nothing is set
     (never ``0/0``), and masked-out entries ignored even when they hold NaN or
     inf. The pair is exactly what ``MaskedMultiSteps.update`` takes: the
     microbatch's mean loss, and its token count as ``count``.
 
     Args:
       values: per-token values (for example per-token losses), any float dtype.
-      mask: broadcastable to ``values``. Boolean or integer masks count tokens
-        (the count is ``int32``); a floating mask holds per-token weights (the
-        count is their float sum).
+      mask: broadcastable to ``values``. Boolean or integer masks count tokens:
+        every non-zero entry is one token (the count is ``int32``); a floating
+        mask holds per-token weights (the count is their float sum).
 
     Returns:
       ``(mean, count)``: ``mean`` in ``values``' dtype promoted to at least

@@ -1,7 +1,7 @@
 """`TrainState`: flax linen's ``TrainState`` that passes token counts to ``tx``.
 
-This module needs flax, an optional dependency (``pip install
-masked_multistep[flax]``). The package imports it lazily, on first access of
+This module needs flax, an optional dependency (``pip install ".[flax]"`` from
+a checkout, or ``pip install flax``). The package imports it lazily, on first access of
 ``masked_multistep.TrainState``, so ``import masked_multistep`` neither needs flax
 nor pays for importing it.
 """
@@ -24,7 +24,7 @@ except ImportError as err:
     raise ImportError(
         "masked_multistep.TrainState needs flax, which is not installed: "
         "`pip install flax`, or from a checkout of masked_multistep "
-        '`pip install -e ".[flax]"` (`make test` installs it too).'
+        '`pip install ".[flax]"` (`make test` installs it too).'
     ) from err
 
 __all__ = ["TrainState"]

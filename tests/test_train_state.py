@@ -94,7 +94,7 @@ def test_without_flax_the_import_error_says_how_to_install_it(monkeypatch):
     expected = (
         "masked_multistep.TrainState needs flax, which is not installed: "
         "`pip install flax`, or from a checkout of masked_multistep "
-        '`pip install -e ".[flax]"` (`make test` installs it too).'
+        '`pip install ".[flax]"` (`make test` installs it too).'
     )
     with pytest.raises(ImportError) as info:
         importlib.import_module("masked_multistep._train_state")
