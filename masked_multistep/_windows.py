@@ -33,16 +33,24 @@ __all__ = [
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
-def _host_int_to_float(x: Any) -> Any:
-    """A Python or numpy integer as a float64 numpy scalar, anything else as is.
+def _is_host_int(x: Any) -> bool:
+    """A Python int, or a numpy integer scalar or array (not a bool)."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np.issubdtype(x.dtype, np.integer)
+    return isinstance(x, int)
 
-    ``jnp.asarray`` makes a Python int an int32 (without x64), and one of 2³¹
-    or more raises ``OverflowError``; a float holds it (rounded beyond 2⁵³),
-    and the callers clip or compare by value.
+
+def _host_int_to_float(x: Any) -> Any:
+    """A Python or numpy integer as float64 numpy, anything else as is.
+
+    Without x64, ``jnp.asarray`` makes a Python int of 2³¹ or more an
+    ``OverflowError`` and wraps a numpy int64 into int32 (2⁴⁰ becomes 0); a
+    float holds it (rounded beyond 2⁵³), and the callers clip or compare by
+    value.
     """
-    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
-        return np.float64(x)
-    return x
+    return np.asarray(x, np.float64) if _is_host_int(x) else x
 
 
 def _sanitize_k(k: Any) -> jax.Array:
@@ -53,9 +61,10 @@ def _sanitize_k(k: Any) -> jax.Array:
     never closes); other floats are rounded to the nearest integer; everything
     is clipped to [1, 2³¹ − 1].
     """
-    if isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
-        # On the host: jnp.asarray makes an int of 2³¹ or more an OverflowError.
-        k = min(max(int(k), 1), _INT32_MAX)
+    if _is_host_int(k):
+        # Clipped on the host, exactly: jnp.asarray would refuse a Python int
+        # of 2³¹ or more and wrap a numpy int64 into int32.
+        k = np.asarray(np.clip(np.asarray(k, object), 1, _INT32_MAX)).astype(np.int32)
     k = jnp.asarray(k)
     if k.shape != ():
         raise ValueError(

@@ -280,7 +280,9 @@ def test_token_budget_with_a_large_integer_total_compares_exactly():
     assert bool(close(jnp.int32(INT32_MAX), jnp.float32(F32_MAX)))
 
 
-@pytest.mark.parametrize("big", [2**31, 3_000_000_000, 2**70, np.int64(2**40)])
+@pytest.mark.parametrize(
+    "big", [2**31, 3_000_000_000, 2**70, np.int64(2**40), np.array(2**40)]
+)
 def test_integers_beyond_int32_are_sizes_and_budgets_by_value(big):
     # A Python (or numpy) int of 2**31 or more is a valid window size or token
     # budget: clipped or converted like the float of the same value, not an
