@@ -335,6 +335,12 @@ def _nnx_path(path: tuple[Any, ...]) -> str:
     return "".join(f".{key}" if isinstance(key, str) else f"[{key!r}]" for key in path)
 
 
+def _first_three(items: list[str]) -> str:
+    """``a, b, c and N more``: the first three of ``items``, and how many else."""
+    more = f" and {len(items) - 3} more" if len(items) > 3 else ""
+    return ", ".join(items[:3]) + more
+
+
 def _check_nnx_modules(params: Any) -> None:
     """Refuses NNX modules in ``params`` that hold state other than ``nnx.Param``.
 
@@ -368,13 +374,7 @@ def _check_nnx_modules(params: Any) -> None:
     if found_in_state:
         raise TypeError(
             f"`params` holds variables that are not parameters "
-            f"({', '.join(found_in_state[:3])}"
-            + (
-                f" and {len(found_in_state) - 3} more"
-                if len(found_in_state) > 3
-                else ""
-            )
-            + f"): {_SPLIT_RECIPE}"
+            f"({_first_three(found_in_state)}): {_SPLIT_RECIPE}"
         )
     for prefix, module in leaves:
         if not isinstance(module, nnx.Module):
@@ -388,9 +388,7 @@ def _check_nnx_modules(params: Any) -> None:
         if not by_type:
             continue
         found = "; ".join(
-            f"{kind} at {', '.join(paths[:3])}"
-            + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-            for kind, paths in by_type.items()
+            f"{kind} at {_first_three(paths)}" for kind, paths in by_type.items()
         )
         raise TypeError(
             f"`params` is an NNX module ({type(module).__name__}) holding state "
