@@ -43,6 +43,8 @@ __all__ = [
     "check_accumulator_dtype",
     "check_count_dtype",
     "check_grads_match",
+    "check_microbatches",
+    "check_real",
     "check_value",
     "count_weight",
     "to_count",
@@ -267,3 +269,54 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
                 f"The gradient at {jax.tree_util.keystr(path)} has shape "
                 f"{jnp.shape(g)}, but the state expects {jnp.shape(a)}"
             )
+
+
+def check_real(value: Any, what: str, *, positive: bool = True) -> float | int:
+    """A concrete real number, finite and > 0 (or >= 0); ints stay ints."""
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0:
+        if value.dtype == np.bool_ or not (
+            jnp.issubdtype(value.dtype, jnp.integer)
+            or jnp.issubdtype(value.dtype, jnp.floating)
+        ):
+            raise TypeError(f"{what} must be a real number, got dtype {value.dtype}")
+        try:
+            value = value.item()
+        except jax.errors.ConcretizationTypeError:
+            raise TypeError(
+                f"{what} must be a concrete number, not a traced value"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{what} must be a real number, got {value!r} of type "
+            f"{type(value).__name__}"
+        )
+    value = int(value) if isinstance(value, numbers.Integral) else float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{what} must be finite and {bound}, got {value}")
+    return value
+
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def check_microbatches(value: Any, what: str) -> int:
+    """A concrete number of microbatches: an integer in ``[1, 2³¹ − 1]``.
+
+    Python, numpy and jax integer scalars are accepted (the state counts
+    microbatches in int32).
+    """
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0:
+        if jnp.issubdtype(value.dtype, jnp.integer) and value.dtype != np.bool_:
+            try:
+                value = value.item()
+            except jax.errors.ConcretizationTypeError:
+                raise TypeError(
+                    f"{what} must be a concrete integer, not a traced value"
+                ) from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an integer, got {value!r}")
+    k = int(value)
+    if not 1 <= k <= _INT32_MAX:
+        raise ValueError(f"{what} must be in [1, 2**31 - 1], got {k}")
+    return k

@@ -706,7 +706,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 counted=counted, grad_sq_norm=sq_norm, grad_var_trace=var_trace
             )
         closes = gate.counted & self._policy.closes(state.policy_state, scalars)
-        return closes, self._policy.update(state.policy_state, scalars, closes)
+        # A microbatch that does not count leaves the policy state as it was.
+        policy_state = jax.tree.map(
+            lambda new, old: jnp.where(gate.counted, new, old),
+            self._policy.update(state.policy_state, scalars, closes),
+            state.policy_state,
+        )
+        return closes, policy_state
 
     def _inner_update(self, grads, static_args, with_value: bool):
         """The inner optimizer on the window's mean, its state cast back."""

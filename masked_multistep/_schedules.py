@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from masked_multistep._checks import check_real
 
 __all__ = ["tokens_schedule"]
 
@@ -59,17 +59,7 @@ def tokens_schedule(
     """
     if not callable(schedule):
         raise TypeError(f"`schedule` must be callable, got {schedule!r}")
-    if isinstance(tokens_per_step, bool) or not isinstance(
-        tokens_per_step, numbers.Real
-    ):
-        raise TypeError(
-            f"`tokens_per_step` must be a real number, got {tokens_per_step!r}"
-        )
-    if not (math.isfinite(tokens_per_step) and tokens_per_step > 0):
-        raise ValueError(
-            f"`tokens_per_step` must be finite and > 0, got {tokens_per_step}"
-        )
-    rate = float(tokens_per_step)
+    rate = float(check_real(tokens_per_step, "`tokens_per_step`"))
 
     def step_schedule(step):
         return jnp.asarray(schedule(jnp.asarray(step).astype(jnp.float32) * rate))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from masked_multistep._checks import check_microbatches, check_real
 from masked_multistep._stats import TokenTotal, add_tokens
 
 __all__ = [
@@ -53,23 +54,35 @@ def _host_int_to_float(x: Any) -> Any:
     return np.asarray(x, np.float64) if _is_host_int(x) else x
 
 
-def _sanitize_k(k: Any) -> jax.Array:
+def _schedule_value(x: Any, what: str) -> jax.Array:
+    """A schedule's return value as an array; ``what`` names the schedule."""
+    try:
+        if isinstance(x, (str, bytes)):  # jnp.asarray reads some as dtypes
+            raise TypeError
+        x = jnp.asarray(x)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{what} must return an integer or float, got {x!r} of type "
+            f"{type(x).__name__}"
+        ) from None
+    if x.shape != ():
+        raise ValueError(f"{what} must return a scalar, got shape {x.shape}")
+    return x
+
+
+def _sanitize_k(k: Any, what: str = "`every_k_schedule(step)`") -> jax.Array:
     """A schedule's value as an int32 window size in [1, 2³¹ − 1], total.
 
     NaN counts as 1 (every microbatch closes its own window, so a broken
     schedule shows at once as an update per microbatch instead of a window that
     never closes); other floats are rounded to the nearest integer; everything
-    is clipped to [1, 2³¹ − 1].
+    is clipped to [1, 2³¹ − 1]. ``what`` names the schedule in errors.
     """
-    if _is_host_int(k):
+    if _is_host_int(k) and np.ndim(k) == 0:
         # Clipped on the host, exactly: jnp.asarray would refuse a Python int
         # of 2³¹ or more and wrap a numpy int64 into int32.
         k = np.asarray(np.clip(np.asarray(k, object), 1, _INT32_MAX)).astype(np.int32)
-    k = jnp.asarray(k)
-    if k.shape != ():
-        raise ValueError(
-            f"`every_k_schedule(step)` must return a scalar, got shape {k.shape}"
-        )
+    k = _schedule_value(k, what)
     if jnp.issubdtype(k.dtype, jnp.floating):
         k = k.astype(jnp.promote_types(k.dtype, jnp.float32))  # holds 2³¹
         k = jnp.where(jnp.isnan(k), 1, jnp.round(k))
@@ -82,9 +95,7 @@ def _sanitize_k(k: Any) -> jax.Array:
         lo = jnp.asarray(1, k.dtype)
         hi = jnp.asarray(min(info.max, _INT32_MAX), k.dtype)
         return jnp.clip(k, lo, hi).astype(jnp.int32)
-    raise TypeError(
-        f"`every_k_schedule(step)` must return an integer or float, got dtype {k.dtype}"
-    )
+    raise TypeError(f"{what} must return an integer or float, got dtype {k.dtype}")
 
 
 def every_k(
@@ -137,7 +148,6 @@ def every_k(
 # Window policies: when does the window close?
 # ---------------------------------------------------------------------------
 
-_F32_MAX = float(np.finfo(np.float32).max)
 _BUDGET_INPUTS = ("tokens_seen", "gradient_step")
 
 
@@ -181,14 +191,19 @@ class WindowPolicy(NamedTuple):
       closes: ``(policy_state, scalars) -> bool[]``: whether the window closes
         on the microbatch just folded in.
       update: ``(policy_state, scalars, closed) -> policy_state``, called after
-        every microbatch with whether it closed the window (``False`` for a
-        skipped microbatch). The policies here change their state only when a
-        window closes.
+        every microbatch with whether it closed the window. Its result is
+        kept only for a microbatch that counts: a skipped one (or an invalid
+        count) leaves the policy state as it was. The policies here change
+        their state only when a window closes.
       needs_stats: whether ``closes`` reads ``counted``, ``grad_sq_norm`` and
         ``grad_var_trace``.
       bounded: whether the policy sets a maximum window by itself (a number of
         microbatches or of tokens); the norm test without a maximum budget
         does not, and could hold a window open forever.
+      minimum: ``(microbatches, tokens)``, the smallest window on which the
+        policy's own rule is consulted (the norm test's minimum budgets):
+        :func:`window_policy` refuses a fixed ``every_k_schedule`` or
+        ``tokens_per_window`` that would close every window before it.
     """
 
     init: Callable[[], Any]
@@ -196,6 +211,7 @@ class WindowPolicy(NamedTuple):
     update: Callable[[Any, WindowScalars, jax.Array], Any]
     needs_stats: bool = False
     bounded: bool = True
+    minimum: tuple[int, float | int] = (1, 0)
 
 
 def _no_state() -> tuple[()]:
@@ -235,92 +251,83 @@ def microbatch_window(
     return WindowPolicy(_no_state, closes, _keep)
 
 
-def _check_number(value: Any, what: str, *, positive: bool = True) -> float | int:
-    """A concrete real number, finite and > 0 (or >= 0); ints stay ints."""
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0:
-        if value.dtype == np.bool_ or not (
-            jnp.issubdtype(value.dtype, jnp.integer)
-            or jnp.issubdtype(value.dtype, jnp.floating)
-        ):
-            raise TypeError(f"{what} must be a real number, got dtype {value.dtype}")
-        try:
-            value = value.item()
-        except jax.errors.ConcretizationTypeError:
-            raise TypeError(
-                f"{what} must be a concrete number, not a traced value"
-            ) from None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{what} must be a real number, got {value!r} of type "
-            f"{type(value).__name__}"
-        )
-    value = int(value) if isinstance(value, numbers.Integral) else float(value)
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{what} must be finite and {bound}, got {value}")
-    return value
-
-
 def _microbatch_cap(
     value: int | Callable[[jax.Array], jax.typing.ArrayLike], what: str
 ) -> Callable[[jax.Array], jax.Array]:
-    """``every_k(value)``, with errors that name ``what``."""
+    """``every_k(value)``, with errors that name ``what`` (a cap's own name)."""
     if callable(value):
-        return every_k(value)
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0:
-        value = value.item() if jnp.issubdtype(value.dtype, jnp.integer) else value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        schedule = value
+        return lambda step: _sanitize_k(schedule(step), f"{what[:-1]}(step)`")
+    if isinstance(value, bool) or not isinstance(
+        value, (numbers.Integral, jax.Array, np.ndarray, np.generic)
+    ):
         raise TypeError(
             f"{what} must be an integer or a callable of the gradient step, "
             f"got {value!r}"
         )
-    k = int(value)
-    if not 1 <= k <= _INT32_MAX:
-        raise ValueError(f"{what} must be in [1, 2**31 - 1], got {k}")
-    return every_k(k)
+    return every_k(check_microbatches(value, what))
 
 
-def _sanitize_budget(budget: Any) -> jax.Array:
-    """A budget schedule's value as a float32 token budget, total under jit.
+def _sanitize_budget(budget: Any, what: str = "`tokens_per_window(...)`") -> jax.Array:
+    """A budget schedule's value as a token budget, total under jit.
 
     NaN counts as 0 (the window closes on its first microbatch with tokens, so
     a broken schedule shows at once as an update per microbatch instead of a
-    window that never closes); the rest is clipped to ``[0, float32 max]``
-    (``+inf`` means no token limit). Integers convert by value.
+    window that never closes), and so does a negative value; ``+inf`` means no
+    token limit. The value keeps its precision, so that :func:`_tokens_reached`
+    compares it exactly, as it compares a constant budget: an integer stays an
+    integer (a Python or numpy int beyond int32 becomes a float, by value), a
+    float stays a float of at least float32 precision.
     """
-    b = jnp.asarray(_host_int_to_float(budget))
-    if b.shape != ():
-        raise ValueError(
-            f"`tokens_per_window(...)` must return a scalar, got shape {b.shape}"
-        )
-    if b.dtype == jnp.bool_ or not (
-        jnp.issubdtype(b.dtype, jnp.integer) or jnp.issubdtype(b.dtype, jnp.floating)
-    ):
-        raise TypeError(
-            "`tokens_per_window(...)` must return an integer or float, got dtype "
-            f"{b.dtype}"
-        )
-    b = b.astype(jnp.float32)
-    return jnp.clip(jnp.where(jnp.isnan(b), 0.0, b), 0.0, _F32_MAX)
+    if _is_host_int(budget) and np.ndim(budget) == 0:
+        value = int(budget)
+        budget = np.int32(max(value, 0)) if value <= _INT32_MAX else float(value)
+    b = _schedule_value(budget, what)
+    if jnp.issubdtype(b.dtype, jnp.integer) and b.dtype != jnp.bool_:
+        return jnp.maximum(b, jnp.zeros([], b.dtype))
+    if not jnp.issubdtype(b.dtype, jnp.floating):
+        raise TypeError(f"{what} must return an integer or float, got dtype {b.dtype}")
+    b = b.astype(jnp.promote_types(b.dtype, jnp.float32))
+    return jnp.where(jnp.isnan(b) | (b < 0), jnp.zeros([], b.dtype), b)
 
 
 def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.Array:
     """``0 < tokens >= budget``, compared exactly in the tokens' own dtype.
 
-    An integer total is compared with ``ceil(budget)`` (clipped to its range);
-    a float total with the budget rounded to its dtype.
+    An integer total is compared with ``ceil(budget)``, clipped to the total's
+    range (so a window closes at the largest total its dtype holds rather than
+    overflow); a float total with the budget rounded to its dtype (clipped to
+    its largest finite value; ``inf`` is never reached).
     """
     tokens = jnp.asarray(tokens)
-    if jnp.issubdtype(tokens.dtype, jnp.integer):
-        hi = np.iinfo(tokens.dtype).max
-        if isinstance(budget, (int, float)):
+    if isinstance(budget, (int, float)):  # a checked constant
+        if jnp.issubdtype(tokens.dtype, jnp.integer):
+            hi = np.iinfo(tokens.dtype).max
             b = jnp.asarray(min(math.ceil(budget), hi), tokens.dtype)
         else:
-            # The largest float32 below 2**(bits-1) converts without overflow.
-            top = float(np.nextafter(np.float32(hi), np.float32(0)))
-            b = jnp.minimum(jnp.ceil(budget), top).astype(tokens.dtype)
+            b = jnp.asarray(_host_int_to_float(budget)).astype(tokens.dtype)
+        return (tokens > 0) & (tokens >= b)
+    budget = jnp.asarray(budget)
+    if jnp.issubdtype(tokens.dtype, jnp.integer):
+        info = np.iinfo(tokens.dtype)
+        hi = jnp.asarray(info.max, tokens.dtype)
+        if jnp.issubdtype(budget.dtype, jnp.integer):
+            if np.iinfo(budget.dtype).max > info.max:
+                fits = budget <= info.max
+                b = jnp.where(fits, budget, 0).astype(tokens.dtype)
+                b = jnp.where(fits, b, hi)
+            else:
+                b = budget.astype(tokens.dtype)
+        else:
+            # ceil(budget) below 2**(bits-1) is an integer the total's dtype
+            # holds, so the conversion is exact; beyond it, the largest total.
+            c = jnp.ceil(budget)
+            fits = c < 2.0 ** (info.bits - 1)
+            b = jnp.where(fits, jnp.where(fits, c, 0).astype(tokens.dtype), hi)
     else:
-        b = jnp.asarray(_host_int_to_float(budget)).astype(tokens.dtype)
+        if jnp.issubdtype(budget.dtype, jnp.floating):
+            budget = jnp.minimum(budget, float(jnp.finfo(tokens.dtype).max))
+        b = budget.astype(tokens.dtype)
     return (tokens > 0) & (tokens >= b)
 
 
@@ -346,10 +353,12 @@ def token_budget(
       budget: tokens per window: a number ``> 0``, or a callable returning one,
         of the tokens seen in all completed windows (``by="tokens_seen"``, a
         float32 scalar) or of the gradient step (``by="gradient_step"``). A
-        callable's value is made total under ``jit``: NaN counts as 0 (every
-        microbatch with tokens closes its window), values are clipped to
-        ``[0, float32 max]`` (``inf`` means no token limit), a non-scalar
-        raises ``ValueError`` at trace time.
+        callable's value is made total under ``jit``: NaN and negative values
+        count as 0 (every microbatch with tokens closes its window), ``inf``
+        means no token limit, a non-scalar raises ``ValueError`` at trace
+        time. It is compared with the window's tokens as exactly as a
+        constant budget (an integer as it is, a float at its own precision),
+        so a budget closes the same windows whether it is returned or given.
       by: what a callable ``budget`` is a function of: ``"tokens_seen"`` or
         ``"gradient_step"``.
       max_microbatches: optional cap on the microbatches per window, an integer
@@ -383,6 +392,16 @@ def token_budget(
       >>> ramp = token_budget(lambda seen: jnp.interp(seen, jnp.array([0.0, 1e6]),
       ...                                             jnp.array([1e3, 8e3])))
     """
+    return _token_budget(budget, by, max_microbatches, "`budget`")
+
+
+def _token_budget(
+    budget: float | Callable[[jax.Array], jax.typing.ArrayLike],
+    by: str = "tokens_seen",
+    max_microbatches: int | Callable[[jax.Array], jax.typing.ArrayLike] | None = None,
+    what: str = "`tokens_per_window`",
+) -> WindowPolicy:
+    """:func:`token_budget`, with errors that call ``budget`` ``what``."""
     if by not in _BUDGET_INPUTS:
         raise ValueError(
             f"`by` must be one of {', '.join(map(repr, _BUDGET_INPUTS))}, got {by!r}"
@@ -392,11 +411,19 @@ def token_budget(
     if callable(budget):
         budget_fn = budget
         if track_seen:
-            budget_of = lambda seen, s: _sanitize_budget(budget_fn(seen.hi + seen.lo))  # noqa: E731
+            budget_of = (
+                lambda seen, s: _sanitize_budget(  # noqa: E731
+                    budget_fn(seen.hi + seen.lo), f"{what[:-1]}(tokens_seen)`"
+                )
+            )
         else:
-            budget_of = lambda _, s: _sanitize_budget(budget_fn(s.gradient_step))  # noqa: E731
+            budget_of = (
+                lambda _, s: _sanitize_budget(  # noqa: E731
+                    budget_fn(s.gradient_step), f"{what[:-1]}(gradient_step)`"
+                )
+            )
     else:
-        constant = _check_number(budget, "`tokens_per_window`")
+        constant = check_real(budget, what)
         budget_of = lambda _, s: constant  # noqa: E731
 
     cap = None
@@ -463,7 +490,8 @@ def norm_test(
       theta: the tolerance θ, a finite number ``> 0``.
       min_tokens: the test is not consulted before the window has this many
         tokens.
-      min_microbatches: nor before it has this many microbatches.
+      min_microbatches: nor before it has this many microbatches (a count-0
+        microbatch counts, as it does toward ``every_k_schedule``).
       max_tokens: optional token budget at which the window closes whatever
         the test says (as :func:`token_budget`).
       max_microbatches: optional cap on the microbatches per window, an
@@ -508,19 +536,11 @@ def norm_test(
       S. McCandlish, J. Kaplan, D. Amodei, "An empirical model of large-batch
       training", 2018.
     """
-    theta = float(_check_number(theta, "`norm_test` (theta)"))
-    min_tokens = _check_number(min_tokens, "`min_tokens`", positive=False)
-    if isinstance(min_microbatches, bool) or not isinstance(
-        min_microbatches, numbers.Integral
-    ):
-        raise TypeError(
-            f"`min_microbatches` must be an integer, got {min_microbatches!r}"
-        )
-    if min_microbatches < 1:
-        raise ValueError(f"`min_microbatches` must be >= 1, got {min_microbatches}")
-    min_microbatches = int(min_microbatches)
+    theta = float(check_real(theta, "`norm_test` (theta)"))
+    min_tokens = check_real(min_tokens, "`min_tokens`", positive=False)
+    min_microbatches = check_microbatches(min_microbatches, "`min_microbatches`")
     if max_tokens is not None:
-        max_tokens = _check_number(max_tokens, "`max_tokens`")
+        max_tokens = check_real(max_tokens, "`max_tokens`")
         if max_tokens < min_tokens:
             raise ValueError(
                 f"`max_tokens` ({max_tokens}) is below `min_tokens` ({min_tokens})"
@@ -561,7 +581,14 @@ def norm_test(
         return done
 
     bounded = max_tokens is not None or max_microbatches is not None
-    return WindowPolicy(_no_state, closes, _keep, needs_stats=True, bounded=bounded)
+    return WindowPolicy(
+        _no_state,
+        closes,
+        _keep,
+        needs_stats=True,
+        bounded=bounded,
+        minimum=(min_microbatches, min_tokens),
+    )
 
 
 # `window_policy` has an argument of the same name.
@@ -607,7 +634,32 @@ def any_of(*policies: WindowPolicy) -> WindowPolicy:
         update,
         needs_stats=any(p.needs_stats for p in policies),
         bounded=any(p.bounded for p in policies),
+        minimum=min(p.minimum for p in policies),
     )
+
+
+def _check_consulted(test: WindowPolicy, every_k_schedule: Any, budget: Any) -> None:
+    """A fixed window below the norm test's minimum would never consult it."""
+    min_microbatches, min_tokens = test.minimum
+    if isinstance(every_k_schedule, numbers.Integral) or (
+        isinstance(every_k_schedule, (jax.Array, np.ndarray, np.generic))
+        and np.ndim(every_k_schedule) == 0
+    ):
+        if int(every_k_schedule) < min_microbatches:
+            raise ValueError(
+                f"`every_k_schedule` ({int(every_k_schedule)}) is below the norm "
+                f"test's `min_microbatches` ({min_microbatches}): every window "
+                "would close before the test is consulted"
+            )
+    if isinstance(budget, numbers.Real) or (
+        isinstance(budget, (jax.Array, np.ndarray, np.generic)) and np.ndim(budget) == 0
+    ):
+        if check_real(budget, "`tokens_per_window`") < min_tokens:
+            raise ValueError(
+                f"`tokens_per_window` ({budget}) is below the norm test's "
+                f"`min_tokens` ({min_tokens}): every window would close before "
+                "the test is consulted"
+            )
 
 
 def window_policy(
@@ -635,7 +687,9 @@ def window_policy(
       TypeError: if none of the three is given, or one has the wrong type.
       ValueError: if a value is out of range, or the norm test is given no
         maximum: neither ``every_k_schedule`` nor ``tokens_per_window`` nor its
-        own ``max_tokens``/``max_microbatches``.
+        own ``max_tokens``/``max_microbatches``, or a fixed ``every_k_schedule``
+        or ``tokens_per_window`` is below its minimum (it would never be
+        consulted).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -651,12 +705,13 @@ def window_policy(
         if isinstance(tokens_per_window, WindowPolicy):
             policies.append(tokens_per_window)
         else:
-            policies.append(token_budget(tokens_per_window))
+            policies.append(_token_budget(tokens_per_window))
     if norm_test is not None:
-        if isinstance(norm_test, WindowPolicy):
-            policies.append(norm_test)
-        else:
-            policies.append(_norm_test(norm_test))
+        test = (
+            norm_test if isinstance(norm_test, WindowPolicy) else _norm_test(norm_test)
+        )
+        _check_consulted(test, every_k_schedule, tokens_per_window)
+        policies.append(test)
     if not policies:
         raise TypeError(
             "MaskedMultiSteps needs a rule that closes its windows: pass "

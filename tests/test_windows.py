@@ -7,6 +7,7 @@ with a float64 model of its documented rule.
 """
 
 import math
+import re
 
 import chex
 import jax
@@ -532,14 +533,16 @@ def _scalars():
 
 def test_budget_callable_returning_non_scalar_fails_at_trace_time():
     policy = w.token_budget(lambda step: jnp.ones(2), by="gradient_step")
-    with pytest.raises(ValueError, match=r"tokens_per_window.*scalar.*\(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"`budget\(gradient_step\)` must return a scalar.*\(2,\)"
+    ):
         jax.jit(policy.closes)((), _scalars())
 
 
 @pytest.mark.parametrize("value", [True, 1 + 2j])
 def test_budget_callable_returning_bool_or_complex_is_a_type_error(value):
     policy = w.token_budget(lambda step: jnp.asarray(value), by="gradient_step")
-    with pytest.raises(TypeError, match="tokens_per_window"):
+    with pytest.raises(TypeError, match=r"`budget\(gradient_step\)`"):
         policy.closes((), _scalars())
 
 
@@ -556,8 +559,11 @@ def test_budget_callable_returning_bool_or_complex_is_a_type_error(value):
     ],
 )
 def test_bad_constant_budget(budget, error):
-    with pytest.raises(error, match="tokens_per_window"):
+    # The error names the argument as the caller wrote it.
+    with pytest.raises(error, match="`budget`"):
         w.token_budget(budget)
+    with pytest.raises(error, match="`tokens_per_window`"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=budget)
 
 
 def test_bad_budget_input_name():
@@ -588,6 +594,13 @@ def test_bad_budget_input_name():
         ),
         ({"theta": 0.5, "max_microbatches": 0}, ValueError, "max_microbatches"),
         ({"theta": 0.5, "max_microbatches": 2.5}, TypeError, "max_microbatches"),
+        # Beyond the state's int32 microbatch count: refused here, not an
+        # OverflowError at the first update.
+        (
+            {"theta": 0.5, "min_microbatches": 2**31, "max_tokens": 100},
+            ValueError,
+            r"`min_microbatches` must be in \[1, 2\*\*31 - 1\], got 2147483648",
+        ),
     ],
 )
 def test_bad_norm_test_arguments(kwargs, error, match):
@@ -600,3 +613,147 @@ def test_any_of_refuses_what_is_not_a_policy():
         w.any_of()
     with pytest.raises(TypeError, match="WindowPolicy"):
         w.any_of(w.token_budget(10), 3)
+
+
+# --- budgets returned by a callable, and what a policy is shown --------------
+
+
+@pytest.mark.parametrize(
+    "tokens_per_window",
+    [
+        20_000_001,
+        lambda seen: 20_000_001,
+        lambda seen: np.int64(20_000_001),
+        mm.token_budget(lambda step: 20_000_001, by="gradient_step"),
+    ],
+)
+def test_a_returned_budget_is_compared_as_exactly_as_a_constant(tokens_per_window):
+    # With int32 counts the total is exact: a budget of 20,000,001 tokens is not
+    # reached by 20,000,000 (float32 would round the budget to 20,000,000).
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), tokens_per_window=tokens_per_window, count_dtype=jnp.int32
+    )
+    p, g = jnp.zeros(2), jnp.ones(2)
+    update = jax.jit(tx.update)
+    _, state = update(g, tx.init(p), p, count=jnp.int32(20_000_000))
+    assert not bool(state.updated)
+    _, state = update(g, state, p, count=jnp.int32(1))
+    assert bool(state.updated)
+
+
+def test_a_float64_budget_keeps_its_precision_under_x64():
+    with jax.enable_x64(True):
+        for count_dtype in (jnp.int64, jnp.float64):
+            budget = 2**24 + 1
+            closes = [
+                w._tokens_reached(jnp.asarray(n, count_dtype), w._sanitize_budget(b))
+                for n in (2**24, 2**24 + 1)
+                for b in (budget, np.float64(budget), jnp.float64(budget))
+            ]
+            assert [bool(c) for c in closes] == [False] * 3 + [True] * 3
+
+
+def test_returned_budgets_beyond_the_totals_range_close_at_its_largest_value():
+    # An int32 total closes at 2**31 - 1 rather than overflow, whatever the
+    # budget's dtype; below that, ceil(budget) exactly.
+    top = jnp.int32(INT32_MAX)
+    for budget in (jnp.float32(2**31), jnp.float32(F32_MAX), jnp.float32(jnp.inf)):
+        assert bool(w._tokens_reached(top, w._sanitize_budget(budget)))
+        assert not bool(w._tokens_reached(top - 1, w._sanitize_budget(budget)))
+    assert not bool(w._tokens_reached(jnp.int32(5), jnp.float32(5.5)))
+    assert bool(w._tokens_reached(jnp.int32(6), jnp.float32(5.5)))
+    assert not bool(w._tokens_reached(jnp.float32(1e30), jnp.float32(jnp.inf)))
+    for bad in (jnp.float32(jnp.nan), jnp.float32(-3.0), jnp.int32(-3)):
+        assert float(w._sanitize_budget(bad)) == 0.0
+
+
+@pytest.mark.parametrize("returned", ["a", None])
+def test_a_schedule_returning_what_is_not_a_number_is_named(returned):
+    p = jnp.zeros(2)
+    cap = mm.token_budget(4, max_microbatches=lambda s: returned)
+    for kwargs, name in [
+        ({"every_k_schedule": lambda step: returned}, "`every_k_schedule(step)`"),
+        (
+            {"tokens_per_window": lambda seen: returned},
+            "`tokens_per_window(tokens_seen)`",
+        ),
+        ({"tokens_per_window": cap}, "`max_microbatches(step)`"),
+    ]:
+        tx = mm.MaskedMultiSteps(optax.sgd(1.0), **kwargs)
+        match = re.escape(name) + " must return an integer or float"
+        with pytest.raises(TypeError, match=match):
+            tx.update(jnp.ones(2), tx.init(p), p, count=1)
+
+
+def test_a_cap_returning_a_bool_names_the_cap():
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        tokens_per_window=mm.token_budget(4, max_microbatches=lambda s: True),
+    )
+    p = jnp.zeros(2)
+    with pytest.raises(TypeError, match=r"`max_microbatches\(step\)` must return"):
+        tx.update(jnp.ones(2), tx.init(p), p, count=1)
+
+
+def test_jax_and_numpy_integer_scalars_are_accepted_where_ints_are():
+    policy = w.norm_test(
+        0.5, min_microbatches=jnp.int32(2), max_microbatches=np.int64(4)
+    )
+    assert policy.minimum == (2, 0)
+    lr = mm.tokens_schedule(lambda t: t, tokens_per_step=jnp.float32(4))
+    assert float(lr(3)) == 12.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"every_k_schedule": 2, "norm_test": mm.norm_test(0.5, min_microbatches=4)},
+            r"`every_k_schedule` \(2\) is below the norm test's "
+            r"`min_microbatches` \(4\)",
+        ),
+        (
+            {"tokens_per_window": 100, "norm_test": mm.norm_test(0.5, min_tokens=1000)},
+            r"`tokens_per_window` \(100\) is below the norm test's "
+            r"`min_tokens` \(1000\)",
+        ),
+    ],
+)
+def test_a_window_that_closes_before_the_norm_test_is_consulted_is_refused(
+    kwargs, match
+):
+    with pytest.raises(ValueError, match=match):
+        mm.MaskedMultiSteps(optax.sgd(1.0), **kwargs)
+    # At the minimum the test is consulted (and agrees with the cap): allowed.
+    mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        every_k_schedule=4,
+        norm_test=mm.norm_test(0.5, min_microbatches=4),
+    )
+
+
+def test_a_skipped_microbatch_leaves_a_custom_policys_state_as_it_was():
+    # The policy counts the microbatches it is shown; a skipped microbatch (NaN
+    # gradient) or an invalid count under jit must not reach its state.
+    def closes(ps, s):
+        return s.microbatches >= 3
+
+    def update(ps, s, closed):
+        return (s.microbatches, jnp.where(closed, 0, ps[1] + 1))
+
+    policy = mm.WindowPolicy(lambda: (jnp.int32(0), jnp.int32(0)), closes, update)
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        tokens_per_window=policy,
+        should_skip_update_fn=optax.skip_not_finite,
+    )
+    p = jnp.zeros(2)
+    update_fn = jax.jit(tx.update)
+    _, state = update_fn(jnp.ones(2), tx.init(p), p, count=jnp.float32(2))
+    assert [int(x) for x in state.policy_state] == [1, 1]
+    for grads, count in [(jnp.full(2, jnp.nan), 5.0), (jnp.ones(2), -1.0)]:
+        _, after = update_fn(grads, state, p, count=jnp.float32(count))
+        chex.assert_trees_all_equal(after.policy_state, state.policy_state)
+        assert int(after.mini_step) == 1
+    _, state = update_fn(jnp.ones(2), state, p, count=jnp.float32(2))
+    assert [int(x) for x in state.policy_state] == [2, 2]
