@@ -51,6 +51,12 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
         raise ValueError(
             "`opt_state` must hold exactly one MaskedMultiStepsState, found "
             f"{len(found)} in a {type(opt_state).__name__}"
+            + (
+                ": pass the part of the state that holds the one you mean "
+                "(e.g. `state.inner_states['name']` of optax.multi_transform)"
+                if found
+                else ""
+            )
         )
     return jax.tree.map(
         lambda x: x.get_value() if _is_variable(x) else x,

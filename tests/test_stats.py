@@ -434,9 +434,11 @@ def test_window_stats_and_has_updated_find_nested_states():
         stats = mm.window_stats(state)
         assert int(stats.tokens) == 2 and int(stats.windows) == 1, name
 
-    with pytest.raises(ValueError, match="exactly one MaskedMultiStepsState"):
+    with pytest.raises(
+        ValueError, match="exactly one MaskedMultiStepsState.*found 2.*pass the part"
+    ):
         mm.window_stats((mmtx.init(params), mmtx.init(params)))
-    with pytest.raises(ValueError, match="exactly one MaskedMultiStepsState"):
+    with pytest.raises(ValueError, match="exactly one MaskedMultiStepsState, found 0"):
         mm.has_updated(optax.adam(0.1).init(params))
     with pytest.raises(ValueError, match="window_stats=True"):
         mm.window_stats(mm.MaskedMultiSteps(optax.sgd(0.1), 1).init(params))
@@ -491,9 +493,32 @@ def test_constructor_checks_the_statistics_arguments():
         mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=1)
     with pytest.raises(ValueError, match=r"`stats_decay` must be in \[0, 1\), got 1"):
         mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=1)
-    for bad in (True, jnp.array([0.5]), jnp.array(0.5 + 0j), "0.5"):
-        with pytest.raises(ValueError, match="`stats_decay` must be in"):
+    for bad in (True, jnp.array(0.5 + 0j), "0.5", None):
+        with pytest.raises(TypeError, match="`stats_decay` must be a real number"):
             mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=bad)
+    with pytest.raises(ValueError, match=r"`stats_decay` must be a scalar.*\(1,\)"):
+        mm.MaskedMultiSteps(
+            optax.sgd(0.1), 2, window_stats=True, stats_decay=jnp.array([0.5])
+        )
+    with pytest.raises(TypeError, match="`stats_decay` must be a concrete number"):
+        jax.jit(
+            lambda d: mm.MaskedMultiSteps(
+                optax.sgd(0.1), 2, window_stats=True, stats_decay=d
+            )
+        )(0.5)
+    # Below 1, but 1.0 in float32 (the moving averages would never move).
+    with pytest.raises(ValueError, match="rounds to 1.0"):
+        mm.MaskedMultiSteps(
+            optax.sgd(0.1), 2, window_stats=True, stats_decay=0.99999999
+        )
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1), 2, window_stats=True, stats_decay=1 - 2**-24
+    )
+    p = jnp.zeros(1)
+    state = tx.init(p)
+    for g in [1.0, 3.0, 1.0, 3.0]:  # two windows with tr Σ̂ = 2, |G|²̂ = 3.5
+        _, state = tx.update(jnp.array([g]), state, p, count=jnp.float32(2))
+    assert np.isfinite(float(mm.window_stats(state).smoothed_noise_scale))
     # A 0-d numpy or jax real is a real number.
     for decay in (np.float64(0.5), jnp.float32(0.5), jnp.array(0.5)):
         tx = mm.MaskedMultiSteps(
@@ -813,3 +838,12 @@ def test_deferred_reduction_counts_each_devices_share_as_a_small_batch():
         np.testing.assert_allclose(
             getattr(got, name), getattr(want, name), rtol=1e-5, err_msg=name
         )
+
+
+def test_noise_scale_estimates_are_nan_outside_their_domain():
+    # S is a sum of squares and K a count of microbatches.
+    for s, k in [(-1.0, 2), (jnp.nan, 2), (4.0, 2.5), (4.0, 1), (4.0, 0)]:
+        estimates = mm.noise_scale_estimates(s, k, 4, 4.0)
+        assert all(np.isnan(float(x)) for x in estimates), (s, k)
+    var, true_sq, b = mm.noise_scale_estimates(0.0, 2, 4, 4.0)  # agreeing microbatches
+    assert (float(var), float(true_sq), float(b)) == (0.0, 4.0, 0.0)
