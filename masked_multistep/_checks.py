@@ -266,7 +266,7 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
     ):
         if jnp.shape(g) != jnp.shape(a):
             raise ValueError(
-                f"The gradient at {jax.tree_util.keystr(path)} has shape "
+                f"The gradient at {jax.tree_util.keystr(path) or '<root>'} has shape "
                 f"{jnp.shape(g)}, but the state expects {jnp.shape(a)}"
             )
 

@@ -167,6 +167,13 @@ class Deferred(KnownTotals):
                     f"returns them), got shape {jnp.shape(g)} at "
                     f"{jax.tree_util.keystr(path) or '<root>'}"
                 )
+        for a in jax.tree.leaves(acc_grads):
+            if jnp.shape(a)[0] != self.size:
+                raise ValueError(
+                    f"`state` holds running means for {jnp.shape(a)[0]} devices, "
+                    f"but reduction={self!r} has {self.size}: use the state that "
+                    "this wrapper's `init` returned (on this mesh)"
+                )
         _checks.check_grads_match(grads, acc_grads)
 
     def to_count(

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 
 from masked_multistep._checks import to_count
+from masked_multistep._deferred import Deferred
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 
 __all__ = ["from_optax_multisteps"]
@@ -144,8 +145,10 @@ def from_optax_multisteps(
         :class:`MaskedMultiSteps`, ``acc_count`` not a real scalar, or the call
         is traced by ``jit``.
       ValueError: if ``acc_count`` is missing mid-window, nonzero at a window
-        boundary, zero mid-window, negative or not finite; or if the state's
-        gradients, inner state or skip state do not match ``tx.init(params)``.
+        boundary, zero mid-window, negative or not finite; if the state's
+        gradients, inner state or skip state do not match ``tx.init(params)``;
+        or mid-window into a ``tx`` with ``reduction=mm.deferred(...)`` (its
+        per-device accumulators start at a window's start).
 
     Examples:
       Two microbatches of 5 tokens each went to ``optax.MultiSteps``; the third
@@ -190,12 +193,19 @@ def from_optax_multisteps(
     count = _check_acc_count(acc_count, mini_step)
 
     fresh = tx.init(params)
-    _same_tree(
-        "acc_grads",
-        state.acc_grads,
-        fresh.acc_grads,
-        "`params` must be the params the optax.MultiSteps state was built for",
-    )
+    params_hint = "`params` must be the params the optax.MultiSteps state was built for"
+    if isinstance(tx._reduction, Deferred):
+        # One running mean per device: optax.MultiSteps' single mean has no
+        # per-device split, so only a window's start converts.
+        if mini_step != 0:
+            raise ValueError(
+                "`tx` was built with reduction=mm.deferred(...), whose accumulator "
+                "holds one running mean per device: convert at a window's start "
+                f"(`state.mini_step` == 0), got mini_step {mini_step}"
+            )
+        _same_tree("acc_grads", state.acc_grads, params, params_hint)
+    else:
+        _same_tree("acc_grads", state.acc_grads, fresh.acc_grads, params_hint)
     _same_tree(
         "inner_opt_state",
         state.inner_opt_state,

@@ -52,7 +52,8 @@ def check_mesh_axes(
     """``axis_name`` as a tuple of mesh axis names, and their total size ``D``.
 
     Raises ``TypeError`` if ``mesh`` is not a ``jax.sharding.Mesh`` and
-    ``ValueError`` if an axis is not one of its axes.
+    ``ValueError`` if an axis is not one of its axes or is explicitly sharded
+    (``AxisType.Explicit``).
     """
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(
@@ -69,6 +70,18 @@ def check_mesh_axes(
             )
     if len(set(axes)) != len(axes):
         raise ValueError(f"`axis_name` names an axis twice: {axes}")
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    explicit = [a for a in axes if types[a] == jax.sharding.AxisType.Explicit]
+    if explicit:
+        # The devices' shares are combined by a collective over a leading
+        # device axis that the compiler shards; under explicit sharding that
+        # axis's sharding is part of the type, and the combination fails.
+        raise ValueError(
+            f"`mesh` axis {explicit[0]!r} is AxisType.Explicit (the default of "
+            "`jax.make_mesh`); the data-parallel axes must be AxisType.Auto: "
+            "`jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,)"
+            " * len(names))`"
+        )
     return axes, math.prod(mesh.shape[a] for a in axes)
 
 

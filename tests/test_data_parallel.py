@@ -276,6 +276,56 @@ def test_bad_arguments(mesh):
         grad_fn(_params(), batch)
 
 
+def test_an_explicitly_sharded_axis_is_refused_by_name():
+    # jax.make_mesh's default axis type is Explicit, where the combination over
+    # the device axis fails inside jax (an AssertionError, or a sharding error
+    # when the window closes); refused up front, with the fix.
+    explicit = jax.make_mesh(
+        (NDEV,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+    match = r"`mesh` axis 'data' is AxisType.Explicit.*AxisType.Auto"
+    for build in (
+        lambda: mm.data_parallel_value_and_grad(_loss, explicit, "data"),
+        lambda: mm.per_device_value_and_grad(_loss, explicit, "data"),
+        lambda: mm.deferred(explicit, "data"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            build()
+    # Other axes may be explicit.
+    mixed = jax.make_mesh(
+        (4, 2),
+        ("data", "model"),
+        axis_types=(AUTO, jax.sharding.AxisType.Explicit),
+    )
+    mm.per_device_value_and_grad(_loss, mixed, "data")
+
+
+def test_a_state_for_another_number_of_devices_is_refused(mesh):
+    half = jax.make_mesh(
+        (NDEV // 2,), ("data",), axis_types=(AUTO,), devices=jax.devices()[: NDEV // 2]
+    )
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, reduction=mm.deferred(mesh, "data"))
+    other = mm.MaskedMultiSteps(optax.sgd(0.1), 2, reduction=mm.deferred(half, "data"))
+    w = jnp.zeros(3)
+    with pytest.raises(ValueError, match=r"running means for 4 devices.*has 8"):
+        tx.update(jnp.ones((NDEV, 3)), other.init(w), w, count=jnp.ones(NDEV))
+
+
+def test_an_optax_multisteps_state_converts_into_the_deferred_mode_at_a_window_start(
+    mesh,
+):
+    params = {"w": jnp.zeros(3)}
+    old = optax.MultiSteps(optax.sgd(0.1), 2)
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, reduction=mm.deferred(mesh, "data"))
+    state = mm.from_optax_multisteps(old.init(params), tx, params)
+    chex.assert_trees_all_equal_shapes(state, tx.init(params))
+    _, mid = old.update({"w": jnp.ones(3)}, old.init(params), params)
+    with pytest.raises(ValueError, match=r"reduction=mm.deferred.*mini_step 1"):
+        mm.from_optax_multisteps(mid, tx, params, acc_count=4)
+    with pytest.raises(ValueError, match=r"`params` must be the params"):
+        mm.from_optax_multisteps(old.init(params), tx, {"w": jnp.zeros(4)})
+
+
 # ------------------------------------------------ the wrapper, deferred mode
 
 WINDOWS = 2
