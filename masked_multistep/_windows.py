@@ -202,7 +202,7 @@ class WindowPolicy(NamedTuple):
         does not, and could hold a window open forever.
       minimum: ``(microbatches, tokens)``, the smallest window on which the
         policy's own rule is consulted (the norm test's minimum budgets):
-        :func:`window_policy` refuses a fixed ``every_k_schedule`` or
+        ``MaskedMultiSteps`` refuses a fixed ``every_k_schedule`` or
         ``tokens_per_window`` that would close every window before it.
     """
 
