@@ -271,25 +271,34 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
             )
 
 
-def check_real(value: Any, what: str, *, positive: bool = True) -> float | int:
-    """A concrete real number, finite and > 0 (or >= 0); ints stay ints."""
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0:
-        if value.dtype == np.bool_ or not (
-            jnp.issubdtype(value.dtype, jnp.integer)
-            or jnp.issubdtype(value.dtype, jnp.floating)
-        ):
-            raise TypeError(f"{what} must be a real number, got dtype {value.dtype}")
+def _python_scalar(value: Any, what: str, kinds: tuple, noun: str) -> Any:
+    """A concrete 0-d numpy or jax array of one of the dtype ``kinds`` (not
+    bool) as a Python number; anything else as it is, for the caller's checks."""
+    if (
+        isinstance(value, (jax.Array, np.ndarray, np.generic))
+        and np.ndim(value) == 0
+        and value.dtype != np.bool_
+        and any(jnp.issubdtype(value.dtype, kind) for kind in kinds)
+    ):
         try:
-            value = value.item()
+            return value.item()
         except jax.errors.ConcretizationTypeError:
             raise TypeError(
-                f"{what} must be a concrete number, not a traced value"
+                f"{what} must be a concrete {noun}, not a traced value"
             ) from None
+    return value
+
+
+def check_real(value: Any, what: str, *, positive: bool = True) -> float | int:
+    """A concrete real number, finite and > 0 (or >= 0); ints stay ints."""
+    value = _python_scalar(value, what, (jnp.integer, jnp.floating), "number")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{what} must be a real number, got {value!r} of type "
-            f"{type(value).__name__}"
+        got = (
+            f"dtype {value.dtype}"
+            if isinstance(value, (jax.Array, np.ndarray, np.generic))
+            else f"{value!r} of type {type(value).__name__}"
         )
+        raise TypeError(f"{what} must be a real number, got {got}")
     value = int(value) if isinstance(value, numbers.Integral) else float(value)
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0"
@@ -306,14 +315,7 @@ def check_microbatches(value: Any, what: str) -> int:
     Python, numpy and jax integer scalars are accepted (the state counts
     microbatches in int32).
     """
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0:
-        if jnp.issubdtype(value.dtype, jnp.integer) and value.dtype != np.bool_:
-            try:
-                value = value.item()
-            except jax.errors.ConcretizationTypeError:
-                raise TypeError(
-                    f"{what} must be a concrete integer, not a traced value"
-                ) from None
+    value = _python_scalar(value, what, (jnp.integer,), "integer")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{what} must be an integer, got {value!r}")
     k = int(value)
