@@ -634,7 +634,8 @@ def any_of(*policies: WindowPolicy) -> WindowPolicy:
         update,
         needs_stats=any(p.needs_stats for p in policies),
         bounded=any(p.bounded for p in policies),
-        minimum=min(p.minimum for p in policies),
+        # The combination is consulted as soon as any of its policies is.
+        minimum=tuple(min(m) for m in zip(*(p.minimum for p in policies))),
     )
 
 

@@ -700,6 +700,10 @@ def test_jax_and_numpy_integer_scalars_are_accepted_where_ints_are():
         0.5, min_microbatches=jnp.int32(2), max_microbatches=np.int64(4)
     )
     assert policy.minimum == (2, 0)
+    other = w.norm_test(0.5, min_microbatches=5, min_tokens=10, max_tokens=100)
+    assert w.any_of(policy, other).minimum == (2, 0)
+    tokens_only = w.norm_test(0.5, min_tokens=3, max_tokens=9)
+    assert w.any_of(other, tokens_only).minimum == (1, 3)
     lr = mm.tokens_schedule(lambda t: t, tokens_per_step=jnp.float32(4))
     assert float(lr(3)) == 12.0
 
