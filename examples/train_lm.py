@@ -388,6 +388,12 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
         metrics.unlink()
 
     stop = total if args.stop_after is None else min(args.stop_after, total)
+    if stop < done:
+        print_fn(
+            f"--stop-after {stop} is before the checkpoint's {done} microbatches: "
+            "nothing to run"
+        )
+        stop = done
     batch = None
     for step in range(done, stop):
         window, index = divmod(step, k)

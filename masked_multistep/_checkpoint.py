@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from masked_multistep import _stats
@@ -83,7 +84,8 @@ def from_state_0_1(
 
     Raises:
       TypeError: if ``template`` is not a state, or ``restored`` not a mapping.
-      ValueError: if ``restored`` does not have the 0.1 fields.
+      ValueError: if ``restored`` does not have the 0.1 fields, or their
+        structure or shapes differ from ``template``'s.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -111,6 +113,20 @@ def from_state_0_1(
             "`restored` is not a masked_multistep 0.1 state: expected the fields "
             f"{sorted(STATE_0_1_FIELDS)}, got {sorted(map(str, restored))}"
         )
+    for name in STATE_0_1_FIELDS:
+        got, want = restored[name], getattr(template, name)
+        if jax.tree.structure(got) != jax.tree.structure(want) or any(
+            jnp.shape(g) != jnp.shape(w)
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+        ):
+            raise ValueError(
+                f"`restored[{name!r}]` does not match the template's "
+                f"{name} (structure or shapes: got "
+                f"{jax.tree.map(jnp.shape, got)}, template "
+                f"{jax.tree.map(jnp.shape, want)}): the template must come from "
+                "`tx.init(params)` of a wrapper like the 0.1 one, on the same "
+                "params (0.1 had no reduction=mm.deferred(...))"
+            )
     state = template._replace(**dict(restored))
     count_dtype = template.acc_count.dtype
     acc_count = jnp.asarray(state.acc_count).astype(count_dtype)

@@ -30,6 +30,7 @@ traced invalid count weighs 0 (that microbatch or shard contributes nothing).
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from typing import Any
@@ -42,6 +43,7 @@ import numpy as np
 __all__ = [
     "check_accumulator_dtype",
     "check_count_dtype",
+    "check_extra_args",
     "check_grads_match",
     "check_microbatches",
     "check_real",
@@ -322,3 +324,25 @@ def check_microbatches(value: Any, what: str) -> int:
     if not 1 <= k <= _INT32_MAX:
         raise ValueError(f"{what} must be in [1, 2**31 - 1], got {k}")
     return k
+
+
+# The wrapper's own keywords; an extra argument this close to one is taken for
+# a misspelling rather than forwarded (and dropped) to the inner optimizer.
+_OWN_KEYWORDS = ("count", "value")
+
+
+def check_extra_args(extra_args: dict[str, Any]) -> None:
+    """Refuses an extra keyword that looks like a misspelt ``count``/``value``.
+
+    Other extra arguments go to the inner optimizer, which (like optax's
+    ``chain``) drops what it does not take: a misspelt ``value=`` would vanish
+    and the inner optimizer get the window's NaN loss.
+    """
+    for key in extra_args:
+        close = difflib.get_close_matches(key, _OWN_KEYWORDS, n=1, cutoff=0.8)
+        if close and close[0] != key:
+            raise TypeError(
+                f"MaskedMultiSteps got the keyword argument {key!r}: did you mean "
+                f"{close[0]!r}? (Other keywords go to the inner optimizer; one "
+                f"this close to {close[0]!r} is taken for a misspelling.)"
+            )

@@ -379,7 +379,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         for key in unknown:
             why = _OPTAX_ONLY_KEYWORDS.get(key)
             if why is None:
-                known = inspect.signature(cls.__new__).parameters
+                known = [
+                    name
+                    for name, param in inspect.signature(cls.__new__).parameters.items()
+                    if name != "cls" and param.kind is not param.VAR_KEYWORD
+                ]
                 close = difflib.get_close_matches(key, known, n=1)
                 why = f"did you mean {close[0]!r}?" if close else None
             raise TypeError(
@@ -737,6 +741,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         sits inside it. Returns ``(updates, state)``, or with ``apply_params``
         ``(new_params, state)``.
         """
+        _checks.check_extra_args(extra_args)
         self._check_state(state)
         self._reduction.check_grads(grads, state.acc_grads)
         extra_args = dict(extra_args)

@@ -9,6 +9,7 @@ nor pays for importing it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -114,20 +115,24 @@ class TrainState(_flax_train_state.TrainState):
           TypeError: if ``count`` is missing, or a keyword is neither a field nor
             one of the above (a misspelt field would otherwise vanish).
         """
+        field_names = [f.name for f in dataclasses.fields(self)]
+        unknown = [k for k in kwargs if k not in field_names]
+        if unknown:
+            close = difflib.get_close_matches(
+                unknown[0], ["count", "value", "extra_args"], n=1, cutoff=0.8
+            )
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise TypeError(
+                f"{type(self).__name__}.apply_gradients got unexpected keyword "
+                f"argument(s) {', '.join(map(repr, unknown))}: not a field of "
+                f"{type(self).__name__} (fields: {', '.join(field_names)}).{hint} "
+                "Pass arguments for the optimizer as `extra_args={...}`."
+            )
         if count is None:
             raise TypeError(
                 "TrainState.apply_gradients needs the microbatch's token count: "
                 "call `state.apply_gradients(grads=grads, count=n)`, got "
                 "count=None."
-            )
-        field_names = [f.name for f in dataclasses.fields(self)]
-        unknown = [k for k in kwargs if k not in field_names]
-        if unknown:
-            raise TypeError(
-                f"{type(self).__name__}.apply_gradients got unexpected keyword "
-                f"argument(s) {', '.join(map(repr, unknown))}: not a field of "
-                f"{type(self).__name__} (fields: {', '.join(field_names)}). Pass "
-                "arguments for the optimizer as `extra_args={...}`."
             )
         extra_args = dict(extra_args or {})
         clash = [k for k in ("count", "value") if k in extra_args]

@@ -104,3 +104,9 @@ def test_from_state_0_1_refuses_what_is_not_a_0_1_state():
         mm.from_state_0_1(_as_0_1(template), template)
     with pytest.raises(TypeError, match="`template` must be"):
         mm.state_0_1_target({"w": 1})
+    # A template for other params (or with per-device accumulators, which 0.1
+    # did not have): refused here, not at the next update.
+    old = mm.state_0_1_target(template)
+    other = tx.init({"w": jnp.zeros(3)})
+    with pytest.raises(ValueError, match=r"`restored\['acc_grads'\]` does not match"):
+        mm.from_state_0_1(old, other)

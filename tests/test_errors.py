@@ -78,6 +78,37 @@ def test_optax_multisteps_keywords_are_explained():
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, lr=0.1)
     with pytest.raises(TypeError, match="'window_stat': did you mean 'window_stats'"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, window_stat=True)
+    # The catch-all is not a suggestion.
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'unknown'\.$"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, unknown=1)
+
+
+def test_a_misspelt_count_or_value_is_named_not_forwarded():
+    # Extra keywords go to the inner optimizer, which drops what it does not
+    # take: a misspelt `value=` would vanish (reduce_on_plateau would get the
+    # window's NaN loss) and a misspelt `count=` be reported as missing.
+    inner = optax.chain(
+        optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0, factor=0.5)
+    )
+    tx = mm.MaskedMultiSteps(inner, 1)
+    state = tx.init(PARAMS)
+    for kwargs, name in [
+        ({"count": 3, "valeu": 5.0}, "value"),
+        ({"cout": 3}, "count"),
+        ({"counts": 3}, "count"),
+    ]:
+        misspelt = next(k for k in kwargs if k not in ("count", "value"))
+        match = rf"{misspelt!r}: did you mean {name!r}"
+        with pytest.raises(TypeError, match=match):
+            tx.update(GRADS, state, PARAMS, **kwargs)
+        with pytest.raises(TypeError, match=match):
+            tx.apply_gradients(GRADS, state, PARAMS, **kwargs)
+    # Other extra arguments still reach the inner optimizer.
+    _, state = tx.update(GRADS, state, PARAMS, count=3, value=jnp.float32(5.0))
+    assert float(state.inner_opt_state[1].best_value) == 5.0
+    train_state = mm.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+    with pytest.raises(TypeError, match=r"'cout'.*Did you mean 'count'"):
+        train_state.apply_gradients(grads=GRADS, cout=3)
 
 
 def test_should_skip_update_fn_must_be_callable():

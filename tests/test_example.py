@@ -78,6 +78,14 @@ def test_resume_from_a_mid_window_checkpoint_is_bit_identical(tmp_path):
     with pytest.raises(SystemExit, match="--learning-rate 0.003 \\(now 0.1\\)"):
         run(out, "--resume", "--learning-rate", "0.1")
 
+    # A stop before the checkpoint runs nothing and says so.
+    early, log = run(out, "--resume", "--stop-after", "5")
+    assert log[-2:] == [
+        "--stop-after 5 is before the checkpoint's 10 microbatches: nothing to run",
+        "stopped after 10 microbatches: continue with --resume",
+    ]
+    assert early.microbatches_done == STOP_AFTER
+
     second, log = run(out, "--resume")
     assert log[0] == "resumed after 10 microbatches (2 windows + 2)"
     assert second.microbatches_done == WINDOWS * K
