@@ -72,13 +72,15 @@ def has_updated(opt_state: Any) -> jax.Array:
     Examples:
       >>> import jax.numpy as jnp, optax
       >>> import masked_multistep as mm
-      >>> tx = optax.inject_hyperparams(
-      ...     lambda learning_rate: mm.MaskedMultiSteps(
-      ...         optax.sgd(learning_rate), 1).gradient_transformation()
-      ... )(learning_rate=0.1)
+      >>> tx = optax.chain(
+      ...     optax.scale(1.0),
+      ...     mm.MaskedMultiSteps(optax.sgd(0.1), 2).gradient_transformation(),
+      ... )
       >>> state = tx.init(jnp.zeros(2))
-      >>> _, state = tx.update(jnp.ones(2), state, count=jnp.array(4))
-      >>> bool(mm.has_updated(state))
+      >>> for _ in range(2):
+      ...     _, state = tx.update(jnp.ones(2), state, count=jnp.array(4))
+      ...     print(bool(mm.has_updated(state)))
+      False
       True
     """
     return jax.numpy.asarray(find_state(opt_state).updated)

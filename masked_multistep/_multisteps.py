@@ -119,10 +119,12 @@ def _same_avals(a: Any, b: Any) -> bool:
 
 
 def _accumulator_dtype(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
-    """The accumulator dtype of one leaf: never less precise than the gradient.
+    """The accumulator dtype of one leaf.
 
-    ``None`` follows the leaf (at least float32); complex leaves always get a
-    complex accumulator, so the imaginary part is never dropped.
+    ``None`` follows the leaf (at least float32); an explicit
+    ``accumulator_dtype`` is taken as given, even when it is less precise than
+    the gradient (bfloat16 for float32 gradients saves memory); complex leaves
+    always get a complex accumulator, so the imaginary part is never dropped.
     """
     leaf_dtype = jnp.dtype(leaf_dtype)
     if accumulator_dtype is None:
