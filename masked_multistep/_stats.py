@@ -71,7 +71,6 @@ References:
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -80,6 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from masked_multistep._checks import check_real
 from masked_multistep._running_mean import sq_norm
 
 __all__ = [
@@ -714,32 +714,11 @@ def recorder(window_stats: Any, stats_decay: Any) -> Recorder:
             f"{window_stats!r}"
         )
     # A real number: Python's, or a concrete 0-d numpy or jax array.
-    dtype = getattr(stats_decay, "dtype", None)
-    if dtype is not None and np.ndim(stats_decay) != 0:
+    if getattr(stats_decay, "dtype", None) is not None and np.ndim(stats_decay) != 0:
         raise ValueError(
             f"`stats_decay` must be a scalar, got shape {np.shape(stats_decay)}"
         )
-    real = not isinstance(stats_decay, (bool, np.bool_)) and (
-        isinstance(stats_decay, numbers.Real)
-        or (
-            dtype is not None
-            and (
-                jnp.issubdtype(dtype, jnp.floating)
-                or jnp.issubdtype(dtype, jnp.integer)
-            )
-        )
-    )
-    if not real:
-        raise TypeError(
-            "`stats_decay` must be a real number in [0, 1), got "
-            f"{stats_decay!r} of type {type(stats_decay).__name__}"
-        )
-    try:
-        decay = float(stats_decay)
-    except jax.errors.ConcretizationTypeError:
-        raise TypeError(
-            "`stats_decay` must be a concrete number, not a traced value"
-        ) from None
+    decay = float(check_real(stats_decay, "`stats_decay`", positive=False))
     if not 0 <= decay < 1:
         raise ValueError(f"`stats_decay` must be in [0, 1), got {stats_decay!r}")
     if np.float32(decay) == 1:
