@@ -114,7 +114,8 @@ _MISSING_COUNT = (
     "`count=n` to the chain's update (the wrapper is an optax "
     "GradientTransformationExtraArgs, so the chain forwards it). flax's "
     "`train_state.TrainState.apply_gradients` passes no extra arguments: use "
-    "`masked_multistep.TrainState`, whose `apply_gradients(grads=..., count=n)` does."
+    "`masked_multistep.TrainState`, whose `apply_gradients(grads=..., count=n)` does. "
+    "With flax NNX: `optimizer.update(model, grads, count=n)`."
 )
 
 

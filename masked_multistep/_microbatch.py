@@ -496,6 +496,9 @@ def _token_weighted_accumulator(
         del index
         acc_means, acc_sums, total = carry
         means, sums, weight = _split(value, reductions)
+        # The counts are data (masks): constants to differentiation, as the
+        # grads treat them, so the loss's derivative is the returned grads.
+        weight = jax.lax.stop_gradient(weight)
         # A microbatch with no (or a non-finite, or a negative: weight 0) count
         # holds no tokens: it leaves the means as they were, whatever NaN its 0/0
         # mean produced.
@@ -596,6 +599,13 @@ def microbatched_value_and_grad(
         so the total is exact for integer counts up to 2**24 (16,777,216
         tokens) and rounded to float32 precision (relative 6e-8) beyond, never
         wrapped. ``int(count)`` gives the token total.
+      * Counts are constants to differentiation (data, like a mask): ``grads``
+        is ``Σ nᵢ ∇ℓᵢ / Σ nᵢ``, and derivatives of the returned ``loss`` and
+        ``count`` treat the ``nᵢ`` alike. That is the full batch's gradient
+        whenever the counts do not depend on ``params`` (masks, counts of real
+        tokens). Weights computed from ``params`` (a learned soft mask) get
+        their derivative only inside each microbatch's ``ℓᵢ``, not the
+        ``Σ (ℓᵢ − loss) ∇nᵢ / Σ nᵢ`` between microbatches.
       * A microbatch whose count is not positive (``0``, and also negative or
         non-finite) contributes nothing to the means, even if its mean loss and
         gradients are NaN (an all-masked microbatch gives ``0/0``). If no

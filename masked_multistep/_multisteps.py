@@ -397,6 +397,15 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "`opt` must be an optax GradientTransformation, got "
                 f"{type(opt).__name__}"
             )
+        if isinstance(opt, (MaskedMultiSteps, optax.MultiSteps)):
+            # The outer wrapper would average the inner one's windows with
+            # equal weight, over k_outer * k_inner microbatches.
+            raise TypeError(
+                f"`opt` must be the optimizer to run once per window, got a "
+                f"{type(opt).__name__}: accumulating inside an accumulator "
+                "weighs its windows equally. Use one MaskedMultiSteps with the "
+                "whole window (every_k_schedule=k_outer * k_inner)"
+            )
         policy = _windows.window_policy(every_k_schedule, tokens_per_window, norm_test)
         acc_dtype = _checks.check_accumulator_dtype(accumulator_dtype)
         cnt_dtype = _checks.check_count_dtype(count_dtype)
@@ -961,6 +970,26 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             reduction_state=self._reduction.reset(reduction_state, window_done),
         )
         return out, new_state
+
+
+# A NamedTuple is a pytree that jax rebuilds as ``type(tx)(init, update)``,
+# which is not this constructor's signature: `jax.tree.map` over a wrapper (or
+# over a config or an equinox module that holds one) would fail. Flattened, the
+# wrapper is its two functions, as an optax transformation is; rebuilt from the
+# same two it is itself again, and from others (mapped, or replaced by a filter)
+# the plain (init, update) pair they make.
+def _flatten(tx: MaskedMultiSteps) -> tuple[tuple[Any, Any], MaskedMultiSteps]:
+    return (tx.init, tx.update), tx
+
+
+def _unflatten(tx: MaskedMultiSteps, children: Any) -> Any:
+    init, update = children
+    if init is tx.init and update is tx.update:
+        return tx
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+jax.tree_util.register_pytree_node(MaskedMultiSteps, _flatten, _unflatten)
 
 
 def _add_counts(counter: jax.Array, n: jax.Array) -> jax.Array:

@@ -13,8 +13,14 @@ import os
 import pathlib
 import sys
 
-import nbclient
-import nbformat
+try:
+    import nbclient
+    import nbformat
+except ImportError as error:  # `make demo` installs only the demo's extra
+    raise SystemExit(
+        f"{error}: executing the notebooks needs the development tools; run "
+        "`make install` (or `pip install -e '.[dev]'`) first"
+    ) from None
 
 HERE = pathlib.Path(__file__).resolve().parent
 NOTEBOOKS = sorted(HERE.glob("[0-9][0-9]_*.ipynb"))

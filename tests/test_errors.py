@@ -302,3 +302,38 @@ def test_a_state_from_another_optimizer_or_settings_is_refused():
                 update(grads, other.init(params), params, count=3)
     with pytest.raises(ValueError, match="built by a MaskedMultiSteps with other"):
         with_stats.update(grads, tx.init(params), params, count=3)
+
+
+def test_a_missing_count_names_the_nnx_call(tx):
+    with pytest.raises(TypeError, match=r"optimizer\.update\(model, grads, count=n\)"):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS)
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        lambda: optax.MultiSteps(optax.sgd(1.0), 2),
+        lambda: mm.MaskedMultiSteps(optax.sgd(1.0), 2),
+    ],
+    ids=["optax.MultiSteps", "MaskedMultiSteps"],
+)
+def test_an_accumulator_inside_the_wrapper_is_refused(inner):
+    # Nested, the outer wrapper would weigh the inner one's windows equally,
+    # over k_outer * k_inner microbatches.
+    with pytest.raises(TypeError, match=r"`opt` .*every_k_schedule=k_outer \* k_inner"):
+        mm.MaskedMultiSteps(inner(), 2)
+
+
+def test_the_wrapper_survives_tree_map():
+    # A wrapper held in a pytree (a config, an equinox module) is flattened
+    # and rebuilt by jax; as a NamedTuple it would be rebuilt as
+    # MaskedMultiSteps(init, update) and fail.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    assert jax.tree.map(lambda f: f, tx) is tx
+    leaves, treedef = jax.tree.flatten({"tx": tx})
+    assert leaves == [tx.init, tx.update]
+    assert jax.tree.unflatten(treedef, leaves)["tx"] is tx
+    # Other functions in its place make the plain (init, update) pair.
+    blank = jax.tree.map(lambda f: None, tx, is_leaf=callable)
+    assert type(blank) is optax.GradientTransformationExtraArgs
+    assert blank == (None, None)

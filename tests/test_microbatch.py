@@ -446,3 +446,25 @@ def test_data_parallel_wrong_loss_fn_return_gets_the_same_error(mistake):
         with pytest.raises(TypeError) as err:
             jax.jit(grad_fn)(jnp.array(2.0), batch)
         assert str(err.value) == message, make.__name__
+
+
+def test_counts_are_constants_to_differentiation():
+    # Weights computed from the params (a soft mask): the grads weigh each
+    # microbatch's own gradient by its count, Σ nᵢ ∇ℓᵢ / Σ nᵢ, and the derivative
+    # of the returned loss treats the counts alike, so the two agree.
+    x = jnp.array([1.0, 5.0, 2.0, 7.0])
+
+    def loss_fn(p, mb):
+        return mm.masked_mean(p["b"] * mb, jax.nn.sigmoid(p["a"] * mb))
+
+    p = {"a": jnp.float32(0.3), "b": jnp.float32(2.0)}
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 2)
+    (loss, count), grads = jax.jit(grad_fn)(p, x)
+    parts = [jax.value_and_grad(loss_fn, has_aux=True)(p, x[j::2]) for j in range(2)]
+    n = [float(c) for (_, c), _ in parts]
+    for name in p:
+        expected = sum(ni * float(g[name]) for ni, (_, g) in zip(n, parts)) / sum(n)
+        np.testing.assert_allclose(grads[name], expected, rtol=1e-5, atol=1e-6)
+    d_loss = jax.grad(lambda q: grad_fn(q, x)[0][0])(p)
+    chex.assert_trees_all_close(d_loss, grads, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(count, sum(n), rtol=1e-6)

@@ -76,8 +76,12 @@ def format_table(summary: dict[str, Any]) -> str:
     lines += [
         "",
         "mm.MaskedMultiSteps window statistics: gradient noise scale B_simple "
-        f"(smoothed) {summary['runs']['masked_multisteps']['final_noise_scale']:.3g}",
-        f"tokens at the last step, against about {tokens_per_step} tokens per batch.",
+        "(smoothed),",
+        f"{summary['runs']['masked_multisteps']['final_noise_scale']:.3g} tokens at "
+        "the last step: an estimate of the critical batch size (this",
+        f"run's batches hold about {tokens_per_step} tokens). Length-sorted "
+        "microbatches (--skew above 0) differ",
+        "systematically and inflate it; --skew 0 measures it without that bias.",
         "",
         "grad rel. error: ‖g − g_full‖ / ‖g_full‖, mean and max over steps; g is the",
         "gradient the accumulator handed to adam, g_full the full-batch gradient at",
