@@ -166,7 +166,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
       * A window closes on the microbatch that completes it by any of the rules
         given, whichever comes first: its ``k``-th microbatch
         (``every_k_schedule``); the microbatch whose count brings the window's
-        tokens ``Σ nᵢ`` to ``tokens_per_window`` or past it (never a count-0
+        tokens ``Σ nᵢ`` (as ``acc_count`` holds them, in ``count_dtype``) to
+        ``tokens_per_window`` or past it (never a count-0
         microbatch; the window may overshoot the budget by up to one
         microbatch's tokens); the microbatch on which the norm test passes
         (``norm_test``, decided on the window statistics so far, which it

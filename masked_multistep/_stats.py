@@ -37,16 +37,15 @@ estimate from ``K`` microbatches (relative standard deviation about
 Rounding can make ``S`` slightly negative when the microbatches agree; it is
 clamped at 0.
 
-The figures hold for a float32 mean. ``‖ḡ‖²`` is read from the accumulator, so
-with a bfloat16 or float16 one (the default for gradients of that dtype:
-``accumulator_dtype`` follows them) ``ḡ`` carries its rounding and the error
-of ``S`` grows about 2¹⁶ times faster with ``N / B_simple``: measured (8
-microbatches, 1e4 parameters, bfloat16) 2% at ``1000·B_simple``, and ``S``
-clamped to 0 (``B_simple`` reported as 0) at ``10⁵·B_simple``. The same holds
-for :func:`data_parallel_value_and_grad`'s statistics with bfloat16 params
-(each device's mean is cast to the params' dtype before the devices are
-combined). Pass ``accumulator_dtype=jnp.float32`` for float32-accurate
-statistics of low-precision gradients.
+The figures hold for a float32 mean, which the default accumulator is (at
+least float32, also for bfloat16 gradients). ``‖ḡ‖²`` is read from the
+accumulator, so with an explicit ``accumulator_dtype`` of bfloat16 or float16
+``ḡ`` carries its rounding and the error of ``S`` grows about 2¹⁶ times faster
+with ``N / B_simple``: measured (8 microbatches, 1e4 parameters, bfloat16) 2%
+at ``1000·B_simple``, and ``S`` clamped to 0 (``B_simple`` reported as 0) at
+``10⁵·B_simple``. The same holds for :func:`data_parallel_value_and_grad`'s
+statistics with bfloat16 params (each device's mean is cast to the params'
+dtype before the devices are combined).
 
 ``B_simple`` from one window is very noisy; McCandlish et al. smooth the
 numerator and the denominator separately with exponential moving averages. The
