@@ -189,8 +189,10 @@ def to_count(
     if kind == "float" and jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(
             f"{what} has dtype {count.dtype}, but this MaskedMultiSteps sums counts "
-            f"in {dtype}: pass integer counts, or use the default count_dtype "
-            "(float32), which takes integer and fractional counts alike"
+            f"in {dtype}: pass integer counts (`count.astype({dtype})` for float "
+            "counts of whole tokens, such as mm.per_device_value_and_grad's), or "
+            "use the default count_dtype (float32), which takes integer and "
+            "fractional counts alike"
         )
     if not isinstance(count, jax.core.Tracer):
         # Concrete (numpy or jax): `.tolist()` is exact for every integer dtype.
@@ -269,9 +271,16 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
         strict=True,
     ):
         if jnp.shape(g) != jnp.shape(a):
+            hint = ""
+            if jnp.shape(g)[1:] == jnp.shape(a):
+                hint = (
+                    ": one per device? mm.per_device_value_and_grad's gradients "
+                    "go to a MaskedMultiSteps built with "
+                    "reduction=mm.deferred(mesh, axis_name)"
+                )
             raise ValueError(
                 f"The gradient at {jax.tree_util.keystr(path) or '<root>'} has shape "
-                f"{jnp.shape(g)}, but the state expects {jnp.shape(a)}"
+                f"{jnp.shape(g)}, but the state expects {jnp.shape(a)}{hint}"
             )
 
 

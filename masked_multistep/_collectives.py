@@ -60,7 +60,7 @@ def weighted_mean_across(
     6e-8) beyond, never wrapped.
 
     Args:
-      tree: pytree of floating arrays, this shard's means.
+      tree: pytree of floating (or complex) arrays, this shard's means.
       count: this shard's weight ``nᵈ``: a non-negative integer or floating
         scalar (e.g. the count from :func:`masked_mean`).
       axis_name: the mesh (or ``vmap``) axis name to reduce over, or a tuple of
@@ -71,7 +71,7 @@ def weighted_mean_across(
       the same on every shard; ``total = Σ nᵈ``, a float32 scalar.
 
     Raises:
-      TypeError: if a leaf of ``tree`` is not floating, or ``count`` is
+      TypeError: if a leaf of ``tree`` is not floating or complex, or ``count`` is
         boolean, complex or not numeric.
       ValueError: if ``count`` is not a scalar, or is concrete (not traced) and
         negative, non-finite or beyond float32's range; or if, inside
@@ -99,10 +99,10 @@ def weighted_mean_across(
     count_varies = names & _varying_axes(count)
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         where = f"tree{jax.tree_util.keystr(path)}"
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
             raise TypeError(
-                f"`tree` leaves must be floating, got dtype {jnp.result_type(leaf)} "
-                f"at {where}"
+                "`tree` leaves must be floating (or complex), got dtype "
+                f"{jnp.result_type(leaf)} at {where}"
             )
         if invariant := count_varies - _varying_axes(leaf):
             # Inside shard_map, the gradient of a replicated (invariant) input is

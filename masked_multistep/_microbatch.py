@@ -154,6 +154,11 @@ def _as_aux_leaf(leaf: Any, name: str) -> jax.Array:
                 "you need"
             )
         return jnp.asarray(leaf, jnp.int32)
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        raise TypeError(
+            "`aux` leaves must be floating or integer arrays, got "
+            f"{type(leaf).__name__} {leaf!r:.60} at {name}"
+        )
     leaf = jnp.asarray(leaf)
     if not (
         jnp.issubdtype(leaf.dtype, jnp.floating)
@@ -405,6 +410,24 @@ def _check_params(params: Any) -> None:
     """
     _check_nnx_modules(params)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not isinstance(
+            leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)
+        ):
+            raise TypeError(
+                "`params` must hold only floating (or complex) arrays, the "
+                f"variables to differentiate, got {type(leaf).__name__} "
+                f"{leaf!r:.60} at params{jax.tree_util.keystr(path)}"
+            )
+        if explicit := [a for a in jax.typeof(leaf).sharding.spec if a is not None]:
+            # The loop's running means would need the leaf's explicit
+            # sharding; jax refuses to mix it with their replicated zeros.
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} is sharded over the "
+                f"AxisType.Explicit mesh axis {explicit[0]!r}: in-jit "
+                "microbatching supports parameters sharded over AxisType.Auto "
+                "axes only (jax.make_mesh(..., axis_types=...) with "
+                "jax.sharding.AxisType.Auto for that axis)"
+            )
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.inexact):
             raise TypeError(
@@ -426,13 +449,15 @@ def _check_rng(rng: Any) -> jax.Array:
             f"jax.random.PRNGKey(...)), got {type(rng).__name__}"
         ) from err
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    # A raw key has the shape of the default implementation's key data.
+    raw = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
     if not (
-        (typed and key.shape == ())
-        or (key.dtype == jnp.uint32 and key.ndim == 1 and key.size >= 2)
+        (typed and key.shape == ()) or (key.dtype == jnp.uint32 and key.shape == raw)
     ):
         raise TypeError(
             "`rng` must be a single PRNG key (jax.random.key(...) or "
-            f"jax.random.PRNGKey(...)), got shape {key.shape} and dtype {key.dtype}"
+            f"jax.random.PRNGKey(...), raw keys of shape {raw}), got shape "
+            f"{key.shape} and dtype {key.dtype}"
         )
     return key
 

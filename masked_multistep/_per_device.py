@@ -39,6 +39,7 @@ from masked_multistep._microbatch import (
     GradFnWithStats,
     ParamsT,
     _aux_reductions,
+    _batch_size,
     _check_args,
     _check_rng,
     _grad_fn,
@@ -50,16 +51,15 @@ __all__ = ["per_device_value_and_grad", "data_parallel_value_and_grad"]
 
 
 def _check_batch(batch: Any, num_devices: int, num_microbatches: int) -> None:
-    multiple = num_devices * num_microbatches
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = jnp.shape(leaf)
-        name = jax.tree_util.keystr(path) or "<root>"
-        if not shape or shape[0] % multiple:
-            raise ValueError(
-                "Every `batch` leaf needs a leading batch axis divisible by the "
-                f"number of devices ({num_devices}) times `num_microbatches` "
-                f"({num_microbatches}), got shape {shape} at {name}"
-            )
+    # One leading size, checked on the whole batch (the caller's sizes, not a
+    # device's share of them).
+    size = _batch_size(batch, 1)
+    if size % (num_devices * num_microbatches):
+        raise ValueError(
+            "The batch size (the leading axis of every `batch` leaf) must be "
+            f"divisible by the number of devices ({num_devices}) times "
+            f"`num_microbatches` ({num_microbatches}), got {size}"
+        )
 
 
 def per_device_value_and_grad(
@@ -112,8 +112,8 @@ def per_device_value_and_grad(
     Returns:
       ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``
       (``((loss, (count, aux)), grads)`` with ``has_aux``), every leaf with a
-      leading axis of size ``D`` sharded over ``axis_name``: ``loss`` and
-      ``count`` (float32) have shape ``(D,)``, each gradient leaf
+      leading axis of size ``D`` sharded over ``axis_name``: ``loss`` (in
+      ``loss_fn``'s dtype) and ``count`` (float32) have shape ``(D,)``, each gradient leaf
       ``(D, *param.shape)``. With ``rng``, device ``d`` uses
       ``jax.random.fold_in(rng, d)`` as its key (and folds in the microbatch
       index as :func:`microbatched_value_and_grad` does), so the devices draw

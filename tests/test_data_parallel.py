@@ -270,9 +270,14 @@ def test_bad_arguments(mesh):
     with pytest.raises(TypeError, match=r"`with_stats` must be a bool, got 1"):
         mm.data_parallel_value_and_grad(_loss, mesh, with_stats=1)
     grad_fn = mm.per_device_value_and_grad(_loss, mesh, num_microbatches=2)
-    batch = _batch(NDEV * ROWS, seed=5)
-    batch["x"] = batch["x"][:NDEV]
+    batch = jax.tree.map(lambda a: a[:NDEV], _batch(NDEV * ROWS, seed=5))
     with pytest.raises(ValueError, match=r"divisible by .*devices \(8\) times .*2.*"):
+        grad_fn(_params(), batch)
+    # Leaves of different sizes: the caller's sizes, not a device's share.
+    batch = _batch(NDEV * ROWS, seed=5)
+    batch["x"] = batch["x"][: NDEV * ROWS // 2]
+    sizes = r"share their leading .*\['mask'\]: 16.*\['x'\]: 8"
+    with pytest.raises(ValueError, match=sizes):
         grad_fn(_params(), batch)
 
 
@@ -297,7 +302,27 @@ def test_an_explicitly_sharded_axis_is_refused_by_name():
         ("data", "model"),
         axis_types=(AUTO, jax.sharding.AxisType.Explicit),
     )
-    mm.per_device_value_and_grad(_loss, mixed, "data")
+    grad_fn = mm.per_device_value_and_grad(_loss, mixed, "data")
+    # Params replicated over the explicit axis work; sharded over it, the
+    # in-jit microbatching (whose running means would need that sharding) names
+    # the leaf instead of failing inside jax.
+    batch = jax.device_put(_batch(NDEV * ROWS, seed=6), NamedSharding(mixed, P("data")))
+    params = _params()
+    replicated = jax.device_put(params, NamedSharding(mixed, P()))
+    with jax.set_mesh(mixed):
+        (_, counts), _ = jax.jit(grad_fn)(replicated, batch)
+        assert float(jnp.sum(counts)) == float(batch["mask"].sum())
+        params["w1"] = jax.device_put(params["w1"], NamedSharding(mixed, P("model")))
+        for fn in (
+            grad_fn,
+            mm.data_parallel_value_and_grad(_loss, mixed, "data"),
+            mm.microbatched_value_and_grad(_loss, 2),
+        ):
+            with pytest.raises(
+                ValueError,
+                match=r"params\['w1'\] is sharded over the AxisType.Explicit",
+            ):
+                jax.jit(fn)(params, batch)
 
 
 def test_a_state_for_another_number_of_devices_is_refused(mesh):
@@ -662,6 +687,25 @@ def test_deferred_bad_input(mesh):
         tx.update(per_device, state, params, count=counts, value=jnp.ones(3))
     with pytest.raises(TypeError, match=r"`reduction` must be None or mm.deferred"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, reduction="deferred")
+    # Per-device gradients into a wrapper without the deferred reduction.
+    plain = _tx(None)
+    with pytest.raises(
+        ValueError,
+        match=r"\(8, 16, 3\).*expects \(16, 3\): one per device\?.*"
+        r"reduction=mm.deferred",
+    ):
+        plain.update(per_device, plain.init(params), params, count=jnp.int32(3))
+    # per_device_value_and_grad's float32 counts with an int32 count_dtype.
+    int_counts = mm.MaskedMultiSteps(
+        optax.sgd(1.0), K, reduction=mm.deferred(mesh, "data"), count_dtype=jnp.int32
+    )
+    with pytest.raises(TypeError, match=r"count.astype\(int32\)"):
+        int_counts.update(
+            per_device,
+            int_counts.init(params),
+            params,
+            count=counts.astype(jnp.float32),
+        )
     # Under jit, where the devices agree on every microbatch's count (here:
     # a skip function needs it), a bad per-device count skips the microbatch
     # on every device.
@@ -853,3 +897,21 @@ def test_deferred_per_window_empty_window_applies_nothing(mesh):
         updates, state = step(ones, state, params, count=jnp.ones(NDEV))
     assert tx.has_updated(state) and int(state.gradient_step) == 1
     assert all(np.isfinite(u).all() and u.any() for u in jax.tree.leaves(updates))
+
+
+def test_complex_params_combine_across_devices(mesh):
+    # As microbatched_value_and_grad accepts complex params, so does the
+    # combination over devices (weighted_mean_across takes complex leaves).
+    batch = _batch(NDEV * ROWS, seed=7)
+
+    def loss(w, mb):
+        x = jnp.where(mb["mask"][..., None], mb["x"], 0)
+        return mm.masked_mean(jnp.abs(x @ w) ** 2, mb["mask"])
+
+    w = jnp.asarray([1.0 + 0.5j, -0.3j, 0.2], jnp.complex64)
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    (value, _), grads = jax.jit(mm.data_parallel_value_and_grad(loss, mesh))(w, sharded)
+    (want, _), want_grads = jax.jit(mm.microbatched_value_and_grad(loss, 1))(w, batch)
+    assert grads.dtype == jnp.complex64
+    np.testing.assert_allclose(value, want, **TOL)
+    np.testing.assert_allclose(grads, want_grads, **TOL)

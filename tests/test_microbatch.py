@@ -468,3 +468,12 @@ def test_counts_are_constants_to_differentiation():
     d_loss = jax.grad(lambda q: grad_fn(q, x)[0][0])(p)
     chex.assert_trees_all_close(d_loss, grads, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(count, sum(n), rtol=1e-6)
+
+
+@pytest.mark.parametrize("leaf", ["relu", "float32", object()], ids=repr)
+def test_a_params_leaf_that_is_not_an_array_is_named(leaf):
+    grad_fn = mm.microbatched_value_and_grad(
+        lambda p, mb: mm.masked_mean(p["w"] * mb, jnp.ones_like(mb, bool)), 2
+    )
+    with pytest.raises(TypeError, match=r"got (str|object) .* at params\['act'\]"):
+        grad_fn({"w": jnp.float32(1.0), "act": leaf}, jnp.ones(4))

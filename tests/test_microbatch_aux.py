@@ -179,6 +179,13 @@ def test_python_scalars_in_aux():
             r"`aux` leaves must be floating or integer arrays, got dtype complex64 "
             r"at aux\['c'\]",
         ),
+        (
+            {"name": "relu"},
+            "sum",
+            TypeError,
+            r"`aux` leaves must be floating or integer arrays, got str 'relu' "
+            r"at aux\['name'\]",
+        ),
     ],
 )
 def test_bad_aux_leaves_at_call(aux, reduction, error, match):

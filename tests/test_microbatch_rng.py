@@ -82,3 +82,7 @@ def test_rng_errors():
             {"row": jnp.arange(4)},
             rng=jax.random.split(jax.random.key(0)),
         )
+    # A raw key of another size (two raw keys end to end) is named here, not
+    # inside jax.random.fold_in.
+    with pytest.raises(TypeError, match=r"`rng` must be .*raw keys of shape \(2,\)"):
+        grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)}, rng=jnp.zeros(4, jnp.uint32))
