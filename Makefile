@@ -10,7 +10,19 @@ DOCS_STAMP := $(VENV)/.installed-docs
 # Worker processes for the test suite (pytest-xdist); CI machines have 2 cores.
 JOBS   ?= 2
 
-.PHONY: install test lint typecheck demo docs bench bench-quick bench-dp clean
+.PHONY: help install test lint typecheck demo docs bench bench-quick bench-dp clean
+
+# The first target, what a bare `make` runs: the list below.
+help:
+	@echo "make demo         the bug and the fix: trains a tiny LM three ways (installs the demo's extra into .venv)"
+	@echo "make test         ruff, pyright and the whole test suite (installs the development stack into .venv)"
+	@echo "make install      only the development stack, into .venv"
+	@echo "make lint         ruff check and ruff format --check"
+	@echo "make typecheck    pyright on the package, tests/test_typing.py and the README's examples"
+	@echo "make docs         the HTML docs (Sphinx) in docs/_build/html"
+	@echo "make bench        benchmarks against optax.MultiSteps (ARGS=--help for options); bench-quick: a short run"
+	@echo "make bench-dp     data parallel across two processes on 127.0.0.1"
+	@echo "make clean        removes .venv and everything built"
 
 install: $(STAMP)
 

@@ -494,7 +494,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
         def show(rule):
             if isinstance(rule, _windows.WindowPolicy):
-                return "<policy>"
+                return rule.name
             return getattr(rule, "__name__", "<schedule>") if callable(rule) else rule
 
         rules = [f"every_k_schedule={show(k)}"] if k is not None else []
@@ -503,7 +503,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             for name in ("tokens_per_window", "norm_test")
             if kwargs[name] is not None
         ]
-        acc = self._accumulator_dtype or "follows the gradients"
+        acc = self._accumulator_dtype or "follows the gradients, at least float32"
         reduction = kwargs["reduction"]
         options = f", reduction={reduction!r}" if reduction is not None else ""
         rec = self._recorder

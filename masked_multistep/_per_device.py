@@ -113,8 +113,8 @@ def per_device_value_and_grad(
       ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``
       (``((loss, (count, aux)), grads)`` with ``has_aux``), every leaf with a
       leading axis of size ``D`` sharded over ``axis_name``: ``loss`` (in
-      ``loss_fn``'s dtype) and ``count`` (float32) have shape ``(D,)``, each gradient leaf
-      ``(D, *param.shape)``. With ``rng``, device ``d`` uses
+      ``loss_fn``'s dtype) and ``count`` (float32) have shape ``(D,)``, each
+      gradient leaf ``(D, *param.shape)``. With ``rng``, device ``d`` uses
       ``jax.random.fold_in(rng, d)`` as its key (and folds in the microbatch
       index as :func:`microbatched_value_and_grad` does), so the devices draw
       different dropout masks.

@@ -204,6 +204,7 @@ class WindowPolicy(NamedTuple):
         policy's own rule is consulted (the norm test's minimum budgets):
         ``MaskedMultiSteps`` refuses a fixed ``every_k_schedule`` or
         ``tokens_per_window`` that would close every window before it.
+      name: how ``repr(tx)`` shows the policy (the call that built it).
     """
 
     init: Callable[[], Any]
@@ -212,6 +213,19 @@ class WindowPolicy(NamedTuple):
     needs_stats: bool = False
     bounded: bool = True
     minimum: tuple[int, float | int] = (1, 0)
+    name: str = "WindowPolicy(...)"
+
+
+def _call(function: str, *args: Any, **kwargs: Any) -> str:
+    """``function(args, key=value)`` as :attr:`WindowPolicy.name` shows it,
+    callables by their name, keywords left at ``None`` out."""
+
+    def show(x: Any) -> str:
+        return getattr(x, "__name__", "<schedule>") if callable(x) else repr(x)
+
+    parts = [show(a) for a in args]
+    parts += [f"{k}={show(v)}" for k, v in kwargs.items() if v is not None]
+    return f"{function}({', '.join(parts)})"
 
 
 def _no_state() -> tuple[()]:
@@ -390,7 +404,14 @@ def token_budget(
       >>> ramp = token_budget(lambda seen: jnp.interp(seen, jnp.array([0.0, 1e6]),
       ...                                             jnp.array([1e3, 8e3])))
     """
-    return _token_budget(budget, by, max_microbatches, "`budget`")
+    return _token_budget(budget, by, max_microbatches, "`budget`")._replace(
+        name=_call(
+            "mm.token_budget",
+            budget,
+            by=by if callable(budget) else None,
+            max_microbatches=max_microbatches,
+        )
+    )
 
 
 def _token_budget(
@@ -586,6 +607,14 @@ def norm_test(
         needs_stats=True,
         bounded=bounded,
         minimum=(min_microbatches, min_tokens),
+        name=_call(
+            "mm.norm_test",
+            theta,
+            min_tokens=min_tokens or None,
+            min_microbatches=min_microbatches if min_microbatches != 1 else None,
+            max_tokens=max_tokens,
+            max_microbatches=max_microbatches,
+        ),
     )
 
 

@@ -425,6 +425,15 @@ def test_bad_window_arguments():
 def test_repr_and_copy_keep_the_window_rules():
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 4, tokens_per_window=4096)
     assert "every_k_schedule=4, tokens_per_window=4096" in repr(tx)
+    # A policy shows as the call that built it.
+    budget = mm.token_budget(4096, max_microbatches=16)
+    assert "tokens_per_window=mm.token_budget(4096, max_microbatches=16)" in repr(
+        mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=budget)
+    )
+    test = mm.norm_test(0.5, min_tokens=1000, max_microbatches=64)
+    assert "norm_test=mm.norm_test(0.5, min_tokens=1000, max_microbatches=64)" in repr(
+        mm.MaskedMultiSteps(optax.sgd(1.0), norm_test=test)
+    )
     again = copy.deepcopy(tx)  # rebuilt from the constructor's arguments
     assert repr(again) == repr(tx)
     params = jnp.zeros(())
