@@ -491,12 +491,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         (opt, k), kwargs = self._config
         inner = getattr(opt.update, "__qualname__", type(opt).__name__)
         inner = inner.split(".<locals>")[0]
-
-        def show(rule):
-            if isinstance(rule, _windows.WindowPolicy):
-                return rule.name
-            return getattr(rule, "__name__", "<schedule>") if callable(rule) else rule
-
+        show = _windows.describe
         rules = [f"every_k_schedule={show(k)}"] if k is not None else []
         rules += [
             f"{name}={show(kwargs[name])}"

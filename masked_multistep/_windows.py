@@ -24,6 +24,7 @@ __all__ = [
     "WindowPolicy",
     "WindowScalars",
     "any_of",
+    "describe",
     "every_k",
     "microbatch_window",
     "norm_test",
@@ -216,15 +217,19 @@ class WindowPolicy(NamedTuple):
     name: str = "WindowPolicy(...)"
 
 
+def describe(rule: Any) -> str:
+    """A window rule as ``repr`` shows it: a policy by its ``name``, a
+    callable by its name, anything else by its ``repr``."""
+    if isinstance(rule, WindowPolicy):
+        return rule.name
+    return getattr(rule, "__name__", "<schedule>") if callable(rule) else repr(rule)
+
+
 def _call(function: str, *args: Any, **kwargs: Any) -> str:
     """``function(args, key=value)`` as :attr:`WindowPolicy.name` shows it,
-    callables by their name, keywords left at ``None`` out."""
-
-    def show(x: Any) -> str:
-        return getattr(x, "__name__", "<schedule>") if callable(x) else repr(x)
-
-    parts = [show(a) for a in args]
-    parts += [f"{k}={show(v)}" for k, v in kwargs.items() if v is not None]
+    keywords left at ``None`` out."""
+    parts = [describe(a) for a in args]
+    parts += [f"{k}={describe(v)}" for k, v in kwargs.items() if v is not None]
     return f"{function}({', '.join(parts)})"
 
 
