@@ -9,8 +9,8 @@ processes hits them alike, and reports per model size and window length ``k``:
 * its ratio to the floor (gradient plus a bare running-mean accumulate) and to
   ``optax.MultiSteps``: the median over rounds of the ratio within a round;
 * compiled memory from ``jit(step).lower(...).compile().memory_analysis()``:
-  temporary bytes, and the persistent optimizer state, both relative to the
-  parameters' bytes.
+  temporary bytes, relative to the parameters' bytes; and the persistent
+  optimizer state (the bytes of the step's carry less the params).
 
 A second table compares in-jit microbatching (``mm.microbatched_value_and_grad``)
 with one full-batch ``jax.value_and_grad`` on an activation-heavy batch.
@@ -35,6 +35,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,26 @@ REFERENCE = "optax.MultiSteps"
 
 
 # --------------------------------------------------------------------------- setup
+
+
+def _commit() -> str | None:
+    """The checkout's commit (``+`` if it has uncommitted changes), or None."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return None
+    return (head + ("+" if dirty else "")) or None
 
 
 def machine_info() -> dict[str, Any]:
@@ -79,6 +100,7 @@ def machine_info() -> dict[str, Any]:
         "jaxlib": jaxlib.__version__,
         "optax": optax.__version__,
         "masked_multistep": mm.__version__,
+        "commit": _commit(),
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -149,13 +171,24 @@ class Runner:
         return elapsed
 
 
-def interleave(runners: dict[str, Runner], repeats: int) -> dict[str, list[float]]:
-    """Round-robin windows: one warm-up each, then ``repeats`` rounds."""
+def interleave(
+    runners: dict[str, Runner],
+    repeats: int,
+    before: Callable[[], None] = lambda: None,
+) -> dict[str, list[float]]:
+    """Round-robin windows: one warm-up each, then ``repeats`` rounds.
+
+    ``before`` runs, untimed, before every window (several processes: a
+    barrier, so that no window's time includes waiting for a process that is
+    still finishing the previous competitor's).
+    """
     for r in runners.values():
+        before()
         r.window()
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(repeats):
         for name, r in runners.items():
+            before()
             times[name].append(r.window())
     return times
 

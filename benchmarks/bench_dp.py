@@ -145,6 +145,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     import bench
     import dp_steps
     import jax
+    from jax.experimental import multihost_utils
 
     lead = jax.process_index() == 0
 
@@ -166,12 +167,19 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "(+1 warm-up); load average before "
         f"{bench.load_average()}"
     )
+
+    def barrier() -> None:
+        # Every window starts on both processes together: otherwise the one
+        # that finished the previous competitor's window first would time its
+        # wait for the other at this window's first collective.
+        multihost_utils.sync_global_devices("window")
+
     t_start = time.perf_counter()
     mesh = dp_steps.make_mesh()
     rows, allreduce = [], []
     for width in cfg["widths"]:
         workload = dp_steps.workload(width)
-        t_ar = dp_steps.time_allreduce(mesh, workload, cfg["repeats"])
+        t_ar = dp_steps.time_allreduce(mesh, workload, cfg["repeats"], barrier)
         t_ar = slowest_process({"all-reduce": t_ar})["all-reduce"]
         allreduce.append(
             {
@@ -186,7 +194,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 comp.name: dp_steps.Runner(comp, mesh, workload, k)
                 for comp in dp_steps.competitors(mesh, workload, k)
             }
-            times = slowest_process(bench.interleave(runners, cfg["repeats"]))
+            times = slowest_process(
+                bench.interleave(runners, cfg["repeats"], before=barrier)
+            )
             per_mb = {name: [t / k for t in ts] for name, ts in times.items()}
             for name, r in runners.items():
                 rows.append(

@@ -274,8 +274,11 @@ class Runner:
     window = bench.Runner.window
 
 
-def time_allreduce(mesh, workload: steps.Workload, repeats: int) -> list[float]:
-    """Seconds per all-reduce of the parameters' bytes (a sum over the devices)."""
+def time_allreduce(
+    mesh, workload: steps.Workload, repeats: int, before=lambda: None
+) -> list[float]:
+    """Seconds per all-reduce of the parameters' bytes (a sum over the devices);
+    ``before`` runs, untimed, before each timed batch of calls."""
     size = mesh.shape[AXIS]
     stacked = jax.device_put(
         jax.tree.map(
@@ -291,6 +294,7 @@ def time_allreduce(mesh, workload: steps.Workload, repeats: int) -> list[float]:
     calls = 5
     out = []
     for _ in range(repeats):
+        before()
         t0 = time.perf_counter()
         for _ in range(calls):
             jax.block_until_ready(compiled(stacked))
