@@ -18,6 +18,16 @@ def _is_variable(x: Any) -> bool:
     return not isinstance(x, jax.Array) and callable(getattr(x, "get_value", None))
 
 
+def _has_field_named(tree: Any, name: str) -> bool:
+    """Whether a key on some path of ``tree`` is ``name`` (a dict key or an
+    attribute)."""
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        for key in path:
+            if getattr(key, "key", getattr(key, "name", None)) == name:
+                return True
+    return False
+
+
 def find_state(opt_state: Any) -> MaskedMultiStepsState:
     """The one :class:`MaskedMultiStepsState` inside ``opt_state``.
 
@@ -48,15 +58,22 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
         if isinstance(x, MaskedMultiStepsState)
     ]
     if len(found) != 1:
-        raise ValueError(
-            "`opt_state` must hold exactly one MaskedMultiStepsState, found "
-            f"{len(found)} in a {type(opt_state).__name__}"
-            + (
+        hint = ""
+        if found:
+            hint = (
                 ": pass the part of the state that holds the one you mean "
                 "(e.g. `state.inner_states['name']` of optax.multi_transform)"
-                if found
-                else ""
             )
+        elif _has_field_named(opt_state, "acc_grads"):
+            hint = (
+                ": it holds the state's fields by name only, as a checkpoint "
+                "restored without a template, or `nnx.state(optimizer)`, gives "
+                "them. Restore against `tx.init(params)` (the target), or pass "
+                "`optimizer.opt_state`"
+            )
+        raise ValueError(
+            "`opt_state` must hold exactly one MaskedMultiStepsState, found "
+            f"{len(found)} in a {type(opt_state).__name__}{hint}"
         )
     return jax.tree.map(
         lambda x: x.get_value() if _is_variable(x) else x,
@@ -67,7 +84,8 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
 
 def has_updated(opt_state: Any) -> jax.Array:
     """Whether the last update of the :class:`MaskedMultiSteps` inside
-    ``opt_state`` applied an inner update (ended a window with tokens).
+    ``opt_state`` applied an inner update (ended a window with tokens and a
+    finite mean gradient; a window without either closes without one).
 
     Examples:
       >>> import jax.numpy as jnp, optax

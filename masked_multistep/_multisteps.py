@@ -398,15 +398,6 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "`opt` must be an optax GradientTransformation, got "
                 f"{type(opt).__name__}"
             )
-        if isinstance(opt, (MaskedMultiSteps, optax.MultiSteps)):
-            # The outer wrapper would average the inner one's windows with
-            # equal weight, over k_outer * k_inner microbatches.
-            raise TypeError(
-                f"`opt` must be the optimizer to run once per window, got a "
-                f"{type(opt).__name__}: accumulating inside an accumulator "
-                "weighs its windows equally. Use one MaskedMultiSteps with the "
-                "whole window (every_k_schedule=k_outer * k_inner)"
-            )
         policy = _windows.window_policy(every_k_schedule, tokens_per_window, norm_test)
         acc_dtype = _checks.check_accumulator_dtype(accumulator_dtype)
         cnt_dtype = _checks.check_count_dtype(count_dtype)
@@ -539,10 +530,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             params,
             lambda p: _accumulator_dtype(jnp.result_type(p), self._accumulator_dtype),
         )
+        inner_opt_state = self._opt.init(params)
+        _refuse_nested_accumulation(inner_opt_state)
         return MaskedMultiStepsState(
             mini_step=jnp.zeros([], jnp.int32),
             gradient_step=gradient_step,
-            inner_opt_state=self._opt.init(params),
+            inner_opt_state=inner_opt_state,
             acc_grads=acc_grads,
             acc_count=jnp.zeros([], self._count_dtype),
             acc_value=jnp.zeros([], jnp.float32),
@@ -986,6 +979,29 @@ def _unflatten(tx: MaskedMultiSteps, children: Any) -> Any:
 
 
 jax.tree_util.register_pytree_node(MaskedMultiSteps, _flatten, _unflatten)
+
+
+_ACCUMULATOR_STATES = (MaskedMultiStepsState, optax.MultiStepsState)
+
+
+def _refuse_nested_accumulation(inner_opt_state: Any) -> None:
+    """Refuses an accumulator anywhere in the inner optimizer (bare or in a
+    chain): the outer wrapper would hand it each window's mean as one
+    microbatch, and it would weigh the windows equally."""
+    found = [
+        x
+        for x in jax.tree.leaves(
+            inner_opt_state, is_leaf=lambda x: isinstance(x, _ACCUMULATOR_STATES)
+        )
+        if isinstance(x, _ACCUMULATOR_STATES)
+    ]
+    if found:
+        raise TypeError(
+            "`opt` must be the optimizer to run once per window, but it holds "
+            f"an accumulator ({type(found[0]).__name__}): accumulating inside "
+            "an accumulator weighs its windows equally. Use one MaskedMultiSteps "
+            "with the whole window (every_k_schedule=k_outer * k_inner)"
+        )
 
 
 def _add_counts(counter: jax.Array, n: jax.Array) -> jax.Array:

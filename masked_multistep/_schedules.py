@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from masked_multistep._checks import check_real
 
@@ -27,8 +28,10 @@ def tokens_schedule(
         step_schedule(t) = schedule(t · tokens_per_step)
 
     The product is formed in float32. It is an approximation where windows
-    vary in size: pass the mean tokens per window (a token budget plus half a
-    microbatch is a good estimate), or, to follow the exact tokens seen, wrap
+    vary in size: pass the mean tokens per window (measured on a short run as
+    ``float(stats.tokens_seen) / int(stats.windows)``; a token budget plus
+    ``E[n²] / (2 E[n])`` for microbatch counts ``n`` estimates it), or, to
+    follow the exact tokens seen, wrap
     the inner optimizer in ``optax.inject_hyperparams`` and set its learning
     rate from ``mm.window_stats(state).tokens_seen`` before each step (the
     README's "Windows by tokens" shows how).
@@ -44,7 +47,8 @@ def tokens_schedule(
     Raises:
       TypeError: if ``schedule`` is not callable or ``tokens_per_step`` not a
         real number.
-      ValueError: if ``tokens_per_step`` is not finite and > 0.
+      ValueError: if ``tokens_per_step`` is not finite and > 0, or beyond what
+        float32 holds (below its smallest normal number, above its largest).
 
     Examples:
       A linear warmup over the first 4,096 tokens, with 1,024 tokens per
@@ -60,6 +64,12 @@ def tokens_schedule(
     if not callable(schedule):
         raise TypeError(f"`schedule` must be callable, got {schedule!r}")
     rate = float(check_real(tokens_per_step, "`tokens_per_step`"))
+    f32 = np.finfo(np.float32)
+    if not float(f32.tiny) <= rate <= float(f32.max):
+        raise ValueError(
+            "`tokens_per_step` must be a positive number float32 holds (the "
+            f"schedule's arithmetic), got {tokens_per_step!r}"
+        )
 
     def step_schedule(step):
         return jnp.asarray(schedule(jnp.asarray(step).astype(jnp.float32) * rate))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_multistep._checks import check_microbatches, check_real
+from masked_multistep._checks import _python_scalar, check_microbatches, check_real
 from masked_multistep._stats import TokenTotal, add_tokens
 
 __all__ = [
@@ -128,7 +128,13 @@ def every_k(
             raise TypeError(
                 f"`every_k_schedule` must be an integer or a callable, got {k!r}"
             )
-        k = int(k)
+        k = _python_scalar(
+            k,
+            "`every_k_schedule`",
+            (jnp.integer,),
+            "integer, or a callable of the gradient step (with "
+            "optax.inject_hyperparams: listed in static_args)",
+        )
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
         raise TypeError(
             "`every_k_schedule` must be an integer or a callable of the gradient "

@@ -314,14 +314,19 @@ def test_a_missing_count_names_the_nnx_call(tx):
     [
         lambda: optax.MultiSteps(optax.sgd(1.0), 2),
         lambda: mm.MaskedMultiSteps(optax.sgd(1.0), 2),
+        lambda: optax.chain(optax.identity(), optax.MultiSteps(optax.sgd(1.0), 2)),
+        lambda: optax.chain(optax.scale(1.0), mm.MaskedMultiSteps(optax.sgd(1.0), 2)),
     ],
-    ids=["optax.MultiSteps", "MaskedMultiSteps"],
+    ids=["optax.MultiSteps", "MaskedMultiSteps", "chained", "chained mm"],
 )
 def test_an_accumulator_inside_the_wrapper_is_refused(inner):
     # Nested, the outer wrapper would weigh the inner one's windows equally,
-    # over k_outer * k_inner microbatches.
-    with pytest.raises(TypeError, match=r"`opt` .*every_k_schedule=k_outer \* k_inner"):
-        mm.MaskedMultiSteps(inner(), 2)
+    # over k_outer * k_inner microbatches (silently, through a chain).
+    tx = mm.MaskedMultiSteps(inner(), 2)
+    with pytest.raises(
+        TypeError, match=r"`opt` .*holds an accumulator .*k_outer \* k_inner"
+    ):
+        tx.init(PARAMS)
 
 
 def test_the_wrapper_survives_tree_map():
@@ -337,3 +342,19 @@ def test_the_wrapper_survives_tree_map():
     blank = jax.tree.map(lambda f: None, tx, is_leaf=callable)
     assert type(blank) is optax.GradientTransformationExtraArgs
     assert blank == (None, None)
+
+
+def test_a_traced_window_size_is_named():
+    # optax.inject_hyperparams makes numeric arguments traced under jit; k
+    # sizes the state machine and must stay a Python number (static_args).
+    tx = optax.inject_hyperparams(lambda k: mm.MaskedMultiSteps(optax.sgd(0.1), k))(k=2)
+    with pytest.raises(
+        TypeError,
+        match=r"`every_k_schedule` must be a concrete .*"
+        r"static_args.*not a traced value",
+    ):
+        jax.jit(tx.init)(PARAMS)
+    static = optax.inject_hyperparams(
+        lambda k: mm.MaskedMultiSteps(optax.sgd(0.1), k), static_args=("k",)
+    )(k=2)
+    jax.jit(static.init)(PARAMS)

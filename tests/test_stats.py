@@ -438,8 +438,16 @@ def test_window_stats_and_has_updated_find_nested_states():
         ValueError, match="exactly one MaskedMultiStepsState.*found 2.*pass the part"
     ):
         mm.window_stats((mmtx.init(params), mmtx.init(params)))
-    with pytest.raises(ValueError, match="exactly one MaskedMultiStepsState, found 0"):
+    with pytest.raises(
+        ValueError, match=r"exactly one MaskedMultiStepsState, found 0 in a tuple$"
+    ):
         mm.has_updated(optax.adam(0.1).init(params))
+    # A state restored without a template holds its fields as a dict.
+    from flax import serialization
+
+    as_dict = serialization.to_state_dict(mmtx.init(params))
+    with pytest.raises(ValueError, match=r"found 0 in a dict: .*tx.init\(params\)"):
+        mm.has_updated({"opt_state": as_dict})
     with pytest.raises(ValueError, match="window_stats=True"):
         mm.window_stats(mm.MaskedMultiSteps(optax.sgd(0.1), 1).init(params))
 

@@ -520,6 +520,10 @@ def test_tokens_schedule_evaluates_the_schedule_at_step_times_tokens():
         mm.tokens_schedule(lambda t: t, 0)
     with pytest.raises(TypeError, match="tokens_per_step"):
         mm.tokens_schedule(lambda t: t, True)
+    # Rates float32 flushes to 0 or rounds to inf.
+    for rate in (1e-50, 1e39):
+        with pytest.raises(ValueError, match="`tokens_per_step` .*float32 holds"):
+            mm.tokens_schedule(lambda t: t, rate)
     with pytest.raises(TypeError, match="schedule"):
         mm.tokens_schedule(3e-4, 256)
 
