@@ -194,7 +194,17 @@ def to_count(
             "use the default count_dtype (float32), which takes integer and "
             "fractional counts alike"
         )
-    if not isinstance(count, jax.core.Tracer):
+    if isinstance(count, jax.core.Tracer):
+        pass
+    elif isinstance(count, jax.Array) and not count.is_fully_addressable:
+        # A global array of several processes: each checks the entries it
+        # holds (by their global index); no process can read the others'.
+        for shard in count.addressable_shards:
+            start = (shard.index[0].start or 0) if shard.index else 0
+            for i, value in enumerate(np.ravel(np.asarray(shard.data)).tolist()):
+                where = f"{what}[{start + i}]" if shape else what
+                _check_concrete(value, dtype, where)
+    else:
         # Concrete (numpy or jax): `.tolist()` is exact for every integer dtype.
         values = np.asarray(count).tolist()
         if shape == ():

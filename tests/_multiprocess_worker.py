@@ -162,6 +162,40 @@ def _deferred_run(mesh, global_batches, ckpt_dir):
     return uninterrupted[0]
 
 
+def _eager_counts(mesh, global_batches, process_id: int) -> None:
+    """Outside jit, each process checks the counts its own devices hold: a
+    valid step works, and a negative count raises on the process that holds it,
+    naming its global index (the first microbatch of a window of K > 1 has no
+    collective, so the other process goes on)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import masked_multistep as mm
+
+    tx, _ = make_deferred_step(mesh)
+    grad_fn = jax.jit(mm.per_device_value_and_grad(loss_fn, mesh, "data"))
+    params = jax.device_put(init_params(), NamedSharding(mesh, P()))
+    state = tx.init(params)
+    (loss, count), grads = grad_fn(params, global_batches[0])
+    _, after = tx.apply_gradients(grads, state, params, count=count, value=loss)
+    assert int(after.mini_step) == 1, after.mini_step
+    devices = NUM_PROCESSES * LOCAL_DEVICES
+    local = np.ones(LOCAL_DEVICES, np.float32)
+    holder = process_id == NUM_PROCESSES - 1
+    if holder:
+        local[-1] = -1.0
+    bad = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("data")), local, (devices,)
+    )
+    try:
+        tx.apply_gradients(grads, state, params, count=bad)
+    except ValueError as e:
+        assert holder and f"[{devices - 1}] must be non-negative" in str(e), e
+    else:
+        assert not holder, "the negative count was not refused"
+
+
 def main(process_id: int, port: int, out_path: str, ckpt_dir: str) -> None:
     import jax
 
@@ -209,6 +243,7 @@ def main(process_id: int, port: int, out_path: str, ckpt_dir: str) -> None:
         params, state = step(params, state, mb)
     assert int(state.gradient_step) == WINDOWS, state.gradient_step
     deferred = _deferred_run(mesh, global_batches, ckpt_dir)
+    _eager_counts(mesh, global_batches, process_id)
     np.savez(
         out_path,
         **{f"auto/{k}": np.asarray(v) for k, v in params.items()},
