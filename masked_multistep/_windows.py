@@ -140,6 +140,7 @@ def every_k(
             "`every_k_schedule` must be an integer or a callable of the gradient "
             f"step, got {every_k_schedule!r} of type {type(every_k_schedule).__name__}"
         )
+    k = int(k)
     if k < 1:
         raise ValueError(f"`every_k_schedule` must be >= 1, got {k}")
     if k > _INT32_MAX:
@@ -147,7 +148,6 @@ def every_k(
             f"`every_k_schedule` must be at most 2**31 - 1 (the state counts "
             f"microbatches in int32), got {k}"
         )
-    k = int(k)
     return lambda step: jnp.asarray(k, jnp.int32)
 
 
