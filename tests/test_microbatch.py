@@ -470,7 +470,9 @@ def test_counts_are_constants_to_differentiation():
     np.testing.assert_allclose(count, sum(n), rtol=1e-6)
 
 
-@pytest.mark.parametrize("leaf", ["relu", "float32", object()], ids=repr)
+@pytest.mark.parametrize(
+    "leaf", ["relu", "float32", object()], ids=["relu", "float32", "object"]
+)
 def test_a_params_leaf_that_is_not_an_array_is_named(leaf):
     grad_fn = mm.microbatched_value_and_grad(
         lambda p, mb: mm.masked_mean(p["w"] * mb, jnp.ones_like(mb, bool)), 2
