@@ -50,6 +50,7 @@ __all__ = [
     "check_real",
     "check_value",
     "count_weight",
+    "python_scalar",
     "to_count",
 ]
 
@@ -194,9 +195,8 @@ def to_count(
             "use the default count_dtype (float32), which takes integer and "
             "fractional counts alike"
         )
-    if isinstance(count, jax.core.Tracer):
-        pass
-    elif isinstance(count, jax.Array) and not count.is_fully_addressable:
+    traced = isinstance(count, jax.core.Tracer)
+    if not traced and isinstance(count, jax.Array) and not count.is_fully_addressable:
         # A global array of several processes: each checks the entries it
         # holds (by their global index); no process can read the others'.
         for shard in count.addressable_shards:
@@ -204,7 +204,7 @@ def to_count(
             for i, value in enumerate(np.ravel(np.asarray(shard.data)).tolist()):
                 where = f"{what}[{start + i}]" if shape else what
                 _check_concrete(value, dtype, where)
-    else:
+    elif not traced:
         # Concrete (numpy or jax): `.tolist()` is exact for every integer dtype.
         values = np.asarray(count).tolist()
         if shape == ():
@@ -294,7 +294,7 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
             )
 
 
-def _python_scalar(value: Any, what: str, kinds: tuple, noun: str) -> Any:
+def python_scalar(value: Any, what: str, kinds: tuple, noun: str) -> Any:
     """A concrete 0-d numpy or jax array of one of the dtype ``kinds`` (not
     bool) as a Python number; anything else as it is, for the caller's checks."""
     if (
@@ -314,7 +314,7 @@ def _python_scalar(value: Any, what: str, kinds: tuple, noun: str) -> Any:
 
 def check_real(value: Any, what: str, *, positive: bool = True) -> float | int:
     """A concrete real number, finite and > 0 (or >= 0); ints stay ints."""
-    value = _python_scalar(value, what, (jnp.integer, jnp.floating), "number")
+    value = python_scalar(value, what, (jnp.integer, jnp.floating), "number")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         got = (
             f"dtype {value.dtype}"
@@ -338,7 +338,7 @@ def check_microbatches(value: Any, what: str) -> int:
     Python, numpy and jax integer scalars are accepted (the state counts
     microbatches in int32).
     """
-    value = _python_scalar(value, what, (jnp.integer,), "integer")
+    value = python_scalar(value, what, (jnp.integer,), "integer")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{what} must be an integer, got {value!r}")
     k = int(value)

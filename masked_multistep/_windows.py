@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_multistep._checks import _python_scalar, check_microbatches, check_real
+from masked_multistep._checks import check_microbatches, check_real, python_scalar
 from masked_multistep._stats import TokenTotal, add_tokens
 
 __all__ = [
@@ -128,7 +128,7 @@ def every_k(
             raise TypeError(
                 f"`every_k_schedule` must be an integer or a callable, got {k!r}"
             )
-        k = _python_scalar(
+        k = python_scalar(
             k,
             "`every_k_schedule`",
             (jnp.integer,),
