@@ -274,32 +274,31 @@ class Runner:
     window = bench.Runner.window
 
 
-def time_allreduce(
-    mesh, workload: steps.Workload, repeats: int, before=lambda: None
-) -> list[float]:
-    """Seconds per all-reduce of the parameters' bytes (a sum over the devices);
-    ``before`` runs, untimed, before each timed batch of calls."""
-    size = mesh.shape[AXIS]
-    stacked = jax.device_put(
-        jax.tree.map(
-            lambda p: jnp.broadcast_to(p, (size, *p.shape)), workload.params()
-        ),
-        NamedSharding(mesh, P(AXIS)),
-    )
-    reduce = jax.jit(lambda t: jax.tree.map(lambda x: x.sum(0), t))
-    compiled = reduce.lower(stacked).compile()
-    found = collectives(compiled.as_text())
-    assert sum(c.bytes for c in found) == workload.param_bytes, found
-    jax.block_until_ready(compiled(stacked))
-    calls = 5
-    out = []
-    for _ in range(repeats):
-        before()
+class AllReduceRunner:
+    """One all-reduce of the parameters' bytes alone (a sum over the devices),
+    run as a competitor: ``window`` times ``k`` of them, one after the other,
+    so that divided by ``k`` (as the competitors' windows are) it is the time
+    of one all-reduce, measured in the same rounds as they are."""
+
+    def __init__(self, mesh, workload: steps.Workload, k: int):
+        size = mesh.shape[AXIS]
+        self.stacked = jax.device_put(
+            jax.tree.map(
+                lambda p: jnp.broadcast_to(p, (size, *p.shape)), workload.params()
+            ),
+            NamedSharding(mesh, P(AXIS)),
+        )
+        reduce = jax.jit(lambda t: jax.tree.map(lambda x: x.sum(0), t))
+        self.compiled = reduce.lower(self.stacked).compile()
+        found = collectives(self.compiled.as_text())
+        assert sum(c.bytes for c in found) == workload.param_bytes, found
+        self.k = k
+
+    def window(self) -> float:
         t0 = time.perf_counter()
-        for _ in range(calls):
-            jax.block_until_ready(compiled(stacked))
-        out.append((time.perf_counter() - t0) / calls)
-    return out
+        for _ in range(self.k):
+            jax.block_until_ready(self.compiled(self.stacked))
+        return time.perf_counter() - t0
 
 
 def summary(times: list[float]) -> float:
