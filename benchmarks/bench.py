@@ -172,11 +172,12 @@ class Runner:
 
 
 def interleave(
-    runners: dict[str, Runner],
+    runners: dict[str, Any],
     repeats: int,
     before: Callable[[], None] = lambda: None,
 ) -> dict[str, list[float]]:
-    """Round-robin windows: one warm-up each, then ``repeats`` rounds.
+    """Round-robin windows: one warm-up each, then ``repeats`` rounds (of
+    anything with a ``window() -> seconds`` method, a :class:`Runner` here).
 
     ``before`` runs, untimed, before every window (several processes: a
     barrier, so that no window's time includes waiting for a process that is

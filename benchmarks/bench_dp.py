@@ -328,28 +328,23 @@ def report(result: dict[str, Any]) -> None:
         "standalone all-reduce timed in the same round (median over rounds; "
         "<= 1.00 is within the bound)"
     )
-    for width, k in sorted({(r["width"], r["k"]) for r in rows}):
-        per_round = [
-            d / (f + 1.1 * a / k)
-            for d, f, a in zip(
-                cell[(width, k, DEFERRED)]["ms_per_microbatch_all"],
+
+    def to_bound(width: int, k: int, name: str) -> float:
+        """Median over rounds of the competitor's time / the round's bound."""
+        return statistics.median(
+            t / (f + 1.1 * a / k)
+            for t, f, a in zip(
+                cell[(width, k, name)]["ms_per_microbatch_all"],
                 cell[(width, k, "floor")]["ms_per_microbatch_all"],
                 t_ar[(width, k)]["ms_all"],
                 strict=True,
             )
-        ]
-        line = f"width {width}, k={k:<2d}: deferred {statistics.median(per_round):.3f}"
+        )
+
+    for width, k in sorted({(r["width"], r["k"]) for r in rows}):
+        line = f"width {width}, k={k:<2d}: deferred {to_bound(width, k, DEFERRED):.3f}"
         if (width, k, BY_HAND) in cell:
-            by_hand = [
-                b / (f + 1.1 * a / k)
-                for b, f, a in zip(
-                    cell[(width, k, BY_HAND)]["ms_per_microbatch_all"],
-                    cell[(width, k, "floor")]["ms_per_microbatch_all"],
-                    t_ar[(width, k)]["ms_all"],
-                    strict=True,
-                )
-            ]
-            line += f", by hand {statistics.median(by_hand):.3f}"
+            line += f", by hand {to_bound(width, k, BY_HAND):.3f}"
         print(line)
     print()
     print("deferred against the same reduction written by hand (median within rounds)")
