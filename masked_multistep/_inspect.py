@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from masked_multistep._multisteps import MaskedMultiStepsState
+from masked_multistep._multisteps import MaskedMultiStepsState, states_in
 from masked_multistep._stats import WindowStats, WindowStatsState
 
 __all__ = ["find_state", "window_stats", "has_updated"]
@@ -50,13 +50,7 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
       >>> int(mm.find_state(state).mini_step)
       0
     """
-    found = [
-        x
-        for x in jax.tree.leaves(
-            opt_state, is_leaf=lambda x: isinstance(x, MaskedMultiStepsState)
-        )
-        if isinstance(x, MaskedMultiStepsState)
-    ]
+    found = states_in(opt_state, MaskedMultiStepsState)
     if len(found) != 1:
         hint = ""
         if found:

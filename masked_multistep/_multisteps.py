@@ -981,20 +981,18 @@ def _unflatten(tx: MaskedMultiSteps, children: Any) -> Any:
 jax.tree_util.register_pytree_node(MaskedMultiSteps, _flatten, _unflatten)
 
 
-_ACCUMULATOR_STATES = (MaskedMultiStepsState, optax.MultiStepsState)
+def states_in(tree: Any, types: type | tuple[type, ...]) -> list[Any]:
+    """The nodes of ``tree`` that are instances of ``types`` (outermost ones:
+    a match is not searched further), in leaf order."""
+    is_match = lambda x: isinstance(x, types)  # noqa: E731
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_match) if is_match(x)]
 
 
 def _refuse_nested_accumulation(inner_opt_state: Any) -> None:
     """Refuses an accumulator anywhere in the inner optimizer (bare or in a
     chain): the outer wrapper would hand it each window's mean as one
     microbatch, and it would weigh the windows equally."""
-    found = [
-        x
-        for x in jax.tree.leaves(
-            inner_opt_state, is_leaf=lambda x: isinstance(x, _ACCUMULATOR_STATES)
-        )
-        if isinstance(x, _ACCUMULATOR_STATES)
-    ]
+    found = states_in(inner_opt_state, (MaskedMultiStepsState, optax.MultiStepsState))
     if found:
         raise TypeError(
             "`opt` must be the optimizer to run once per window, but it holds "
