@@ -135,6 +135,8 @@ def _accumulator_dtype(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
 
 
 # `optax.MultiSteps` keywords with no meaning here, and why.
+_DEFAULT_STATS_DECAY = 0.9
+
 _OPTAX_ONLY_KEYWORDS = {
     "use_grad_mean": (
         "MaskedMultiSteps always keeps a running (token-weighted) mean, which "
@@ -263,7 +265,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ``reduction=mm.deferred(...)`` each device's share of a microbatch is
         a small batch of its own (more of them, for free).
       stats_decay: per-window decay of the moving averages behind
-        ``WindowStats.smoothed_noise_scale``, in ``[0, 1)``.
+        ``WindowStats.smoothed_noise_scale``, in ``[0, 1)``; only with the
+        statistics on (``window_stats=True`` or a norm test).
 
     Raises:
       TypeError: if ``opt`` is not a gradient transformation, or no window rule
@@ -271,10 +274,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ``tokens_per_window`` or ``norm_test`` is not a number, callable or
         policy, or ``reduction`` is neither ``None`` nor ``mm.deferred(...)``,
         or ``window_stats`` is not a bool, or an ``optax.MultiSteps``-only
-        keyword is passed.
+        keyword is passed, or it is built by ``optax.inject_hyperparams``
+        (inject the inner optimizer's hyperparameters instead).
       ValueError: if ``every_k_schedule`` is out of range, or a budget is not
         finite and ``> 0``, or the norm test has no maximum window, or a dtype
-        cannot serve, or ``stats_decay`` is outside ``[0, 1)``.
+        cannot serve, or ``stats_decay`` is outside ``[0, 1)`` or given with
+        the statistics off.
 
     Examples:
       Three microbatches with 1, 1 and 2 tokens; the window's update is the
@@ -376,11 +381,19 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         count_dtype: jax.typing.DTypeLike = jnp.float32,
         reduction: Deferred | None = None,
         window_stats: bool = False,
-        stats_decay: float = 0.9,
+        stats_decay: float = _DEFAULT_STATS_DECAY,
         **unknown: Any,
     ) -> MaskedMultiSteps:
         for key in unknown:
             why = _OPTAX_ONLY_KEYWORDS.get(key)
+            if key == "unknown" and unknown[key] == {}:
+                # What optax.inject_hyperparams(mm.MaskedMultiSteps) passes.
+                raise TypeError(
+                    "MaskedMultiSteps cannot be built by optax.inject_hyperparams "
+                    "(it would be rebuilt on every call); inject the inner "
+                    "optimizer's hyperparameters instead: mm.MaskedMultiSteps("
+                    "optax.inject_hyperparams(optax.adam)(learning_rate=...), k)"
+                )
             if why is None:
                 known = [
                     name
@@ -423,6 +436,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 )
             # The norm test decides on the window statistics' running figures.
             recorder = recorder._replace(enabled=True)
+        if not recorder.enabled and recorder.decay != _DEFAULT_STATS_DECAY:
+            raise ValueError(
+                f"`stats_decay` ({stats_decay!r}) smooths the window statistics, "
+                "which are off: pass window_stats=True as well (or drop "
+                "`stats_decay`)"
+            )
 
         def init(params: optax.Params) -> MaskedMultiStepsState:
             return self._init(params)

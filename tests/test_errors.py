@@ -83,6 +83,16 @@ def test_optax_multisteps_keywords_are_explained():
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, unknown=1)
 
 
+def test_inject_hyperparams_around_the_wrapper_says_where_it_goes():
+    # optax binds the catch-all as `unknown={}`; the wrapper would be rebuilt
+    # on every call with traced settings.
+    tx = optax.inject_hyperparams(mm.MaskedMultiSteps, static_args="every_k_schedule")(
+        optax.sgd(1.0), every_k_schedule=2
+    )
+    with pytest.raises(TypeError, match=r"optax.inject_hyperparams\(optax.adam\)"):
+        tx.init(jnp.zeros(2))
+
+
 def test_a_misspelt_count_or_value_is_named_not_forwarded():
     # Extra keywords go to the inner optimizer, which drops what it does not
     # take: a misspelt `value=` would vanish (reduce_on_plateau would get the

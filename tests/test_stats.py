@@ -533,6 +533,10 @@ def test_constructor_checks_the_statistics_arguments():
             optax.sgd(0.1), 2, window_stats=True, stats_decay=decay
         )
         assert tx._recorder.decay == 0.5
+    # A decay with the statistics off would be silently unused.
+    with pytest.raises(ValueError, match=r"`stats_decay` \(0.99\).*window_stats=True"):
+        mm.MaskedMultiSteps(optax.sgd(0.1), 2, stats_decay=0.99)
+    mm.MaskedMultiSteps(optax.sgd(0.1), 2, norm_test=0.5, stats_decay=0.99)
 
 
 # --------------------------------------------- the Core semantics, with statistics
