@@ -7,6 +7,8 @@ microbatch with no tokens anywhere included), and the compiled HLO holds the
 gradient-sized cross-device reduction once, not once per microbatch.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -80,9 +82,14 @@ def _batch(rows, seed, empty_device=None, empty_microbatch=None, k=K):
     }
 
 
+@functools.cache
+def _jitted_value_and_grad(loss_fn, has_aux):
+    return jax.jit(jax.value_and_grad(loss_fn, has_aux=has_aux))
+
+
 def _full_batch(loss_fn, batch, has_aux=False):
     device = jax.devices()[0]
-    return jax.jit(jax.value_and_grad(loss_fn, has_aux=has_aux))(
+    return _jitted_value_and_grad(loss_fn, has_aux)(
         jax.device_put(_params(), device), jax.device_put(batch, device)
     )
 
@@ -169,12 +176,13 @@ def test_data_parallel_statistics_treat_each_device_microbatch_as_a_batch(mesh):
     per_device = NDEV * ROWS * K // NDEV
     ref_tx = mm.MaskedMultiSteps(optax.sgd(0.1), NDEV * K, window_stats=True)
     ref = ref_tx.init(params)
+    ref_update = jax.jit(ref_tx.update)
     for d in range(NDEV):
         for j in range(K):
             rows = d * per_device + np.arange(j, per_device, K)
             mb = jax.tree.map(lambda x, rows=rows: x[rows], batch)
             (mb_loss, mb_count), mb_grads = _full_batch(_loss, mb, has_aux=True)
-            _, ref = ref_tx.update(mb_grads, ref, params, count=mb_count, value=mb_loss)
+            _, ref = ref_update(mb_grads, ref, params, count=mb_count, value=mb_loss)
     want = mm.window_stats(ref)
     assert bool(ref_tx.has_updated(ref))
     assert int(stats.microbatches) == int(want.microbatches) <= (NDEV - 1) * K
