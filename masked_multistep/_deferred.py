@@ -14,6 +14,7 @@ step between window ends communicates nothing.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,7 +30,11 @@ from masked_multistep._reduction import (
     check_mesh_axes,
     mean_over_devices,
 )
-from masked_multistep._running_mean import running_mean_update
+from masked_multistep._running_mean import (
+    compute_dtype,
+    running_mean_update,
+    safe_fraction,
+)
 from masked_multistep._stats import device_shares
 
 __all__ = [
@@ -121,21 +126,70 @@ class Deferred(KnownTotals):
 
     # ------------------------------------------------------------------ state
 
-    def _leading_sharding(self, leaf: Any) -> NamedSharding:
-        """``P(axes, *rest)``: the device axis over ``axes``; the other dims keep
-        the parameter's sharding over the other mesh axes (a dim sharded over
+    def _leading_names(self, names: Any, ndim: int) -> tuple[Any, ...]:
+        """``(axes, *rest)``: the device axis over ``axes``; the other dims keep
+        the parameter's names over the other mesh axes (a dim sharded over
         ``axes`` itself, FSDP-style, is held whole by each device)."""
-        rest: list[Any] = [None] * jnp.ndim(leaf)
+        names = tuple(names) + (None,) * (ndim - len(names))
+        rest = [
+            None
+            if entry is None
+            or set(entry if isinstance(entry, tuple) else (entry,)) & set(self.axes)
+            else entry
+            for entry in names
+        ]
+        return (self._spec_axes, *rest)
+
+    def _leading_sharding(self, leaf: Any) -> NamedSharding:
+        """The accumulator's sharding for a parameter leaf: :meth:`_leading_names`
+        of the parameter's own sharding, where it is on this mesh."""
         sharding = _sharding_of(leaf)
+        spec = ()
         if sharding is not None and sharding.mesh.shape == self.mesh.shape:
-            spec = tuple(sharding.spec) + (None,) * (
-                jnp.ndim(leaf) - len(sharding.spec)
+            spec = tuple(sharding.spec)
+        return NamedSharding(self.mesh, P(*self._leading_names(spec, jnp.ndim(leaf))))
+
+    def _with_device_axis(self, tree: Any) -> Any:
+        """``tree`` with the device axis put in front of its boxes' names.
+
+        Params boxed with sharding metadata (flax linen's ``nn.Partitioned``,
+        NNX variables' ``out_sharding``) keep their boxes through
+        ``jax.tree.map``, and flax places optimizer state by those names
+        (``nn.get_partition_spec``, ``nnx.Optimizer``). The accumulator has one
+        more dimension in front, the device axis: its names must say so, as
+        :meth:`_leading_sharding` does, or flax would shard the device axis by
+        the params' first name. A logical name (``nn.LogicallyPartitioned``)
+        cannot be resolved here: the device axis gets the mesh axis' own name,
+        which the logical rules map like any other. Boxes exist only where
+        flax is imported, so flax is looked up, never imported here.
+        """
+        meta = sys.modules.get("flax.core.meta")
+        variables = sys.modules.get("flax.nnx.variablelib")
+        box_types = tuple(
+            t
+            for t in (
+                getattr(meta, "Partitioned", None),
+                getattr(variables, "Variable", None),
             )
-            for i, entry in enumerate(spec):
-                names = entry if isinstance(entry, tuple) else (entry,)
-                if entry is not None and not set(names) & set(self.axes):
-                    rest[i] = entry
-        return NamedSharding(self.mesh, P(self._spec_axes, *rest))
+            if t is not None
+        )
+        if not box_types:
+            return tree
+
+        def rename(box):
+            if meta is not None and isinstance(box, meta.Partitioned):
+                if type(box).__name__ == "LogicallyPartitioned":
+                    return box.add_axis(0, {meta.PARTITION_NAME: self._spec_axes})
+                ndim = jnp.ndim(box.value) - 1
+                return box.replace(names=self._leading_names(box.names, ndim))
+            if isinstance(box, box_types):  # an NNX variable, made by the map
+                names = box.get_metadata().get("out_sharding")
+                if isinstance(names, (tuple, list)):  # PartitionSpec included
+                    ndim = jnp.ndim(box.get_value()) - 1
+                    box.set_metadata(out_sharding=self._leading_names(names, ndim))
+            return box
+
+        return jax.tree.map(rename, tree, is_leaf=lambda x: isinstance(x, box_types))
 
     def init_accumulator(self, params: Any, leaf_dtype: Callable[[Any], Any]) -> Any:
         def leaf(p):
@@ -145,7 +199,7 @@ class Deferred(KnownTotals):
                 device=self._leading_sharding(p),
             )
 
-        return jax.tree.map(leaf, params)
+        return self._with_device_axis(jax.tree.map(leaf, params))
 
     def init(self, count_dtype: Any) -> DeferredState:
         return DeferredState(
@@ -227,13 +281,23 @@ class Deferred(KnownTotals):
         mean, _ = mean_over_devices(value, local_counts, total)
         return mean
 
-    def skip_view(self, grads: Any, local_counts: Any) -> Any:
-        """The gradients a skip function judges: a device without tokens shows
-        zeros (its gradient is meaningless and adds nothing)."""
+    def skip_view(self, grads: Any, local_counts: Any, total: jax.Array) -> Any:
+        """The gradients a skip function judges: device ``d``'s scaled by
+        ``√(n_d / n)``, so that a sum of squares over them (what
+        ``optax.skip_large_updates`` compares) is the token-weighted mean of
+        the devices' squared norms, ``Σ (n_d / n) ‖g_d‖²``: never below the
+        microbatch's ``‖ḡ‖²`` (the mean is convex), equal to it when the
+        devices agree, and independent of the number of devices. A device
+        without tokens shows zeros (its gradient is meaningless and adds
+        nothing); scaling keeps every other value's finiteness."""
+        weight = jnp.sqrt(jnp.clip(safe_fraction(local_counts, total), 0, 1))
+        take = local_counts > 0
 
         def leaf(g):
-            take = (local_counts > 0).reshape((-1,) + (1,) * (g.ndim - 1))
-            return jnp.where(take, g, jnp.zeros_like(g))
+            shape = (-1,) + (1,) * (g.ndim - 1)
+            w = weight.astype(compute_dtype(g.dtype)).reshape(shape)
+            scaled = (g * w).astype(g.dtype)
+            return jnp.where(take.reshape(shape), scaled, jnp.zeros_like(g))
 
         return jax.tree.map(leaf, grads)
 
@@ -373,8 +437,8 @@ class DeferredPerWindow(Deferred):
         del local_counts, total
         return self._device_values(value)
 
-    def skip_view(self, grads: Any, local_counts: Any) -> Any:
-        del local_counts
+    def skip_view(self, grads: Any, local_counts: Any, total: jax.Array) -> Any:
+        del local_counts, total
         return grads  # no skip function with this reduction
 
     def accumulate(self, acc, acc_count, reduction_state, grads, n, local_counts):
@@ -497,7 +561,10 @@ def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:
     microbatch's global count: with them the devices agree on it on every
     microbatch (a scalar all-reduce; a second one for ``value=``), ``acc_count``
     is the window's global total as it grows, and an invalid count on any device
-    skips the microbatch on all.
+    skips the microbatch on all. A skip function sees the stacked per-device
+    gradients, device ``d``'s scaled by ``√(n_d / n)`` (zeros where ``n_d =
+    0``): the squared norm ``optax.skip_large_updates`` compares is then
+    ``Σ (n_d / n) ‖g_d‖² ≥ ‖ḡ‖²``, equal when the devices agree.
 
     Memory: the accumulator holds ``D`` copies of the gradients, one per device;
     each device stores its own, a full-size buffer. With parameters sharded

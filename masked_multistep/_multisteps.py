@@ -134,6 +134,17 @@ def _accumulator_dtype(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
     return accumulator_dtype
 
 
+def _accumulator_fits(dtype: Any, accumulator_dtype: Any) -> bool:
+    """Whether an accumulator leaf of ``dtype`` is one that
+    :func:`_accumulator_dtype` gives for some leaf with this setting."""
+    dtype = jnp.dtype(dtype)
+    if accumulator_dtype is None:
+        return jnp.promote_types(dtype, jnp.float32) == dtype
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.promote_types(accumulator_dtype, dtype) == dtype
+    return dtype == accumulator_dtype
+
+
 # `optax.MultiSteps` keywords with no meaning here, and why.
 _DEFAULT_STATS_DECAY = 0.9
 
@@ -676,6 +687,26 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "(window_stats, the window rule or the reduction differ from "
                 f"{self!r}): use the state that this wrapper's `init` returned"
             )
+        # A restore against another wrapper's state keeps that state's dtypes
+        # (flax.serialization does): its tokens would be counted, or its mean
+        # kept, in the other precision.
+        counts = jnp.result_type(state.acc_count)
+        if counts != self._count_dtype:
+            raise ValueError(
+                f"`state` counts tokens in {counts}, but this wrapper's "
+                f"count_dtype is {self._count_dtype} ({self!r}): use the state "
+                "that this wrapper's `init` returned (restore against it)"
+            )
+        for path, acc in jax.tree_util.tree_flatten_with_path(state.acc_grads)[0]:
+            dtype = jnp.result_type(acc)
+            if not _accumulator_fits(dtype, self._accumulator_dtype):
+                want = self._accumulator_dtype or "at least float32"
+                raise ValueError(
+                    f"`state` accumulates {jax.tree_util.keystr(path) or '<root>'} "
+                    f"in {dtype}, but this wrapper's accumulator is {want} "
+                    f"({self!r}): use the state that this wrapper's `init` "
+                    "returned (restore against it)"
+                )
 
     # The state machine: gate, accumulate, decide, emit.
 
@@ -683,7 +714,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         """Whether this microbatch counts, and with how many tokens."""
         n, count_ok, local_counts = self._reduction.to_count(count, self._count_dtype)
         should_skip, skip_state = self._should_skip_update_fn(
-            self._reduction.skip_view(grads, local_counts), state.gradient_step, params
+            self._reduction.skip_view(grads, local_counts, n),
+            state.gradient_step,
+            params,
         )
         should_skip = jnp.asarray(should_skip)
         if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
@@ -701,6 +734,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # and its state kept.
         empty = valid_count & (n == 0)
         counted = valid_count & (empty | ~should_skip)
+        if not _same_avals(skip_state, state.skip_state):
+            raise ValueError(
+                "`state.skip_state` is not what `should_skip_update_fn` returns: "
+                "`state` was built by a MaskedMultiSteps with another skip "
+                f"function ({self!r}); use the state that this wrapper's `init` "
+                "returned"
+            )
         skip_state = jax.tree.map(
             lambda new, old: jnp.where(empty, old, new), skip_state, state.skip_state
         )

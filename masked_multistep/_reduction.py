@@ -189,8 +189,8 @@ class Local(KnownTotals):
         del local_counts, total
         return _checks.check_value(value)
 
-    def skip_view(self, grads: Any, local_counts: Any) -> Any:
-        del local_counts
+    def skip_view(self, grads: Any, local_counts: Any, total: jax.Array) -> Any:
+        del local_counts, total
         return grads
 
     def accumulate(self, acc, acc_count, reduction_state, grads, n, local_counts):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optax.tree as otu
 import pytest
 from _helpers import collectives, large
 from _recording import records_value
@@ -575,6 +576,53 @@ def test_nnx_optimizer_deferred_equals_single_device(mesh):
     )
 
 
+def test_deferred_accumulator_names_its_device_axis_in_flax_metadata():
+    """Params boxed with sharding names (linen's nn.Partitioned, NNX's
+    out_sharding): flax places optimizer state by the boxes' names, so the
+    per-device accumulator's names lead with the device axis (a dim sharded over
+    the data axis itself, FSDP-style, held whole), as its sharding does. The
+    params' own names made flax shard the device axis over "model" (an error
+    for 2 devices over 4) or replicate it."""
+    import flax.linen as nn
+    from flax import nnx
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AUTO, AUTO))
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=mm.deferred(mesh, "data"))
+    for names, want in [
+        (("model", None), P("data", "model", None)),
+        (("data", "model"), P("data", None, "model")),
+    ]:
+        dense = nn.Dense(
+            8,
+            kernel_init=nn.with_partitioning(nn.initializers.ones, names),
+            use_bias=False,
+        )
+
+        def init_fn(rng, dense=dense):
+            params = dense.init(rng, jnp.ones((2, 8)))["params"]
+            return mm.TrainState.create(apply_fn=dense.apply, params=params, tx=tx)
+
+        specs = nn.get_partition_spec(jax.eval_shape(init_fn, jax.random.key(0)))
+        assert specs.opt_state.acc_grads["kernel"] == want
+        shardings = jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec),
+            specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        state = jax.jit(init_fn, out_shardings=shardings)(jax.random.key(0))
+        assert state.opt_state.acc_grads["kernel"].value.sharding.spec == want
+
+        class Model(nnx.Module):
+            def __init__(self, names=names):
+                self.w = nnx.Param(jnp.ones((8, 4)), out_sharding=names)
+
+        with jax.set_mesh(mesh):
+            optimizer = nnx.Optimizer(Model(), tx, wrt=nnx.Param)
+        acc = optimizer.opt_state.acc_grads["w"]
+        assert acc.get_metadata()["out_sharding"] == tuple(want)
+        assert acc[...].sharding.spec == want and acc[...].shape == (2, 8, 4)
+
+
 def test_fsdp_reduce_every_microbatch_or_defer_is_a_memory_choice(mesh):
     """Params sharded over the data axis (FSDP): reducing every microbatch keeps
     the accumulator at 1/D of the gradients per device; deferring needs a full
@@ -827,6 +875,48 @@ def test_deferred_count_contract(mesh):
     )
     assert (int(new.num_invalid_counts), int(new.gradient_step)) == (1, 1)
     np.testing.assert_array_equal(updates["w"], -np.ones(3))  # the 7s dropped
+
+
+def test_deferred_skip_function_sees_token_weighted_device_norms(mesh):
+    """A sum of squares over what the skip function sees is the token-weighted
+    mean of the devices' squared norms: a device count independent bound on the
+    microbatch's ‖ḡ‖², exact when the devices agree, so optax.skip_large_updates
+    decides as on one device (it summed the devices' squared norms)."""
+    params = {"w": jnp.zeros(3)}
+    counts = jnp.arange(NDEV, dtype=jnp.float32).at[2].set(0)
+    rows = np.random.default_rng(0).normal(size=(NDEV, 3)).astype(np.float32)
+    grads = {"w": jnp.asarray(rows).at[2].set(jnp.nan)}
+
+    def seen(updates, gradient_step, params):
+        del gradient_step, params
+        return jnp.zeros([], bool), {"sq": otu.norm(updates, squared=True)}
+
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        2,
+        reduction=mm.deferred(mesh, "data"),
+        should_skip_update_fn=seen,
+    )
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params, count=counts)
+    w = np.asarray(counts, np.float64) / float(counts.sum())
+    sq = np.square(rows.astype(np.float64)).sum(1)
+    sq[2] = 0.0
+    np.testing.assert_allclose(state.skip_state["sq"], (w * sq).sum(), rtol=1e-6)
+    mean = (w[:, None] * np.where(w[:, None] > 0, rows, 0)).sum(0)
+    assert float(state.skip_state["sq"]) >= np.square(mean).sum()
+
+    # Devices that agree: the single-device decision (‖g‖² = 1 <= 2).
+    skip = functools.partial(optax.skip_large_updates, max_squared_norm=2.0)
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        1,
+        reduction=mm.deferred(mesh, "data"),
+        should_skip_update_fn=skip,
+    )
+    same = {"w": jnp.tile(jnp.array([1.0, 0.0, 0.0]), (NDEV, 1))}
+    updates, state = tx.update(same, tx.init(params), params, count=jnp.full(NDEV, 5))
+    assert bool(tx.has_updated(state))
+    np.testing.assert_allclose(updates["w"], [-1.0, 0.0, 0.0])
 
 
 def test_deferred_nonfinite_window_never_reaches_the_inner_optimizer(mesh):

@@ -1,5 +1,6 @@
 """Bad input: clear errors where values are known, total arithmetic under jit."""
 
+import functools
 import inspect
 
 import jax
@@ -312,6 +313,33 @@ def test_a_state_from_another_optimizer_or_settings_is_refused():
                 update(grads, other.init(params), params, count=3)
     with pytest.raises(ValueError, match="built by a MaskedMultiSteps with other"):
         with_stats.update(grads, tx.init(params), params, count=3)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_state_with_other_dtypes_or_skip_function_is_refused(jit):
+    """A restore against another wrapper's state keeps that state's dtypes
+    (flax.serialization.from_bytes does): its tokens would be counted, or its
+    mean kept, in the other precision. A skip function's state is checked too."""
+    params, grads = {"w": jnp.zeros(2)}, {"w": jnp.ones(2)}
+
+    def refused(new, old, match):
+        update = jax.jit(new.update) if jit else new.update
+        with pytest.raises(ValueError, match=match):
+            update(grads, old.init(params), params, count=jnp.int32(3))
+
+    wrapper = functools.partial(mm.MaskedMultiSteps, optax.sgd(1.0), 2)
+    bf16, ints = wrapper(accumulator_dtype=jnp.bfloat16), wrapper(count_dtype=jnp.int32)
+    refused(wrapper(), bf16, r"accumulates \['w'\] in bfloat16.*at least float32")
+    refused(bf16, wrapper(), r"accumulates \['w'\] in float32.*is bfloat16")
+    refused(ints, wrapper(), "counts tokens in float32.*count_dtype is int32")
+    refused(wrapper(), ints, "counts tokens in int32.*count_dtype is float32")
+    skips = wrapper(should_skip_update_fn=optax.skip_not_finite)
+    refused(skips, wrapper(), "`state.skip_state` is not what `should_skip_update_fn`")
+    refused(wrapper(), skips, "`state.skip_state` is not what `should_skip_update_fn`")
+    # Complex leaves keep a complex accumulator, whatever accumulator_dtype is.
+    z = {"w": jnp.zeros(2, jnp.complex64)}
+    _, state = bf16.update(z, bf16.init(z), z, count=jnp.int32(3))
+    assert state.acc_grads["w"].dtype == jnp.complex64
 
 
 def test_a_missing_count_names_the_nnx_call(tx):
