@@ -50,6 +50,8 @@ __all__ = [
     "check_real",
     "check_value",
     "count_weight",
+    "host_int_to_float",
+    "is_host_int",
     "python_scalar",
     "to_count",
 ]
@@ -292,6 +294,26 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
                 f"The gradient at {jax.tree_util.keystr(path) or '<root>'} has shape "
                 f"{jnp.shape(g)}, but the state expects {jnp.shape(a)}{hint}"
             )
+
+
+def is_host_int(x: Any) -> bool:
+    """A Python int, or a numpy integer scalar or array (not a bool)."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np.issubdtype(x.dtype, np.integer)
+    return isinstance(x, int)
+
+
+def host_int_to_float(x: Any) -> Any:
+    """A Python or numpy integer as float64 numpy, anything else as is.
+
+    Without x64, ``jnp.asarray`` makes a Python int of 2³¹ or more an
+    ``OverflowError`` and wraps a numpy int64 into int32 (2⁴⁰ becomes 0); a
+    float holds it (rounded beyond 2⁵³), and the callers clip or compare by
+    value.
+    """
+    return np.asarray(x, np.float64) if is_host_int(x) else x
 
 
 def python_scalar(value: Any, what: str, kinds: tuple, noun: str) -> Any:

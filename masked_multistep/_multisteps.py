@@ -768,7 +768,14 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             scalars = scalars._replace(
                 counted=counted, grad_sq_norm=sq_norm, grad_var_trace=var_trace
             )
-        closes = gate.counted & self._policy.closes(state.policy_state, scalars)
+        verdict = jnp.asarray(self._policy.closes(state.policy_state, scalars))
+        if (verdict.dtype, verdict.shape) != (jnp.bool_, ()):
+            raise ValueError(
+                f"The window policy {_windows.describe(self._policy)}'s `closes` "
+                "must return a boolean scalar, got dtype "
+                f"{verdict.dtype} and shape {verdict.shape}"
+            )
+        closes = gate.counted & verdict
         # A microbatch that does not count leaves the policy state as it was.
         policy_state = jax.tree.map(
             lambda new, old: jnp.where(gate.counted, new, old),

@@ -35,6 +35,9 @@ from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from masked_multistep._checks import host_int_to_float, is_host_int
 
 __all__ = [
     "all_finite",
@@ -116,6 +119,24 @@ def all_finite(tree: Any, reduced: Any = ()) -> jax.Array:
     return jax.lax.cond(quick, lambda _: jnp.ones([], jnp.bool_), elementwise, leaves)
 
 
+def _host_count(count: Any, total_dtype: Any) -> jax.Array:
+    """``count`` as an array; a Python or numpy integer by value, never wrapped
+    (``jnp.asarray`` wraps a numpy int64 into int32 without x64): into an
+    integer ``total``'s dtype if it fits, else a ``ValueError``; as a float
+    otherwise."""
+    if not is_host_int(count):
+        return jnp.asarray(count)
+    if not jnp.issubdtype(total_dtype, jnp.integer):
+        return jnp.asarray(host_int_to_float(count))
+    info = jnp.iinfo(total_dtype)
+    if not np.all((info.min <= np.asarray(count)) & (np.asarray(count) <= info.max)):
+        raise ValueError(
+            f"`count` ({np.asarray(count)}) does not fit `total`'s dtype {total_dtype} "
+            f"([{info.min}, {info.max}])"
+        )
+    return jnp.asarray(np.asarray(count, total_dtype))
+
+
 @overload
 def running_mean_update(
     mean: Any,
@@ -187,7 +208,8 @@ def running_mean_update(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
-    total, count = jnp.asarray(total), jnp.asarray(count)
+    total = jnp.asarray(total)
+    count = _host_count(count, total.dtype)
     if jnp.issubdtype(total.dtype, jnp.integer) and not jnp.issubdtype(
         count.dtype, jnp.integer
     ):

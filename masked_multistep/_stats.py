@@ -78,7 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_multistep._checks import check_real
+from masked_multistep._checks import check_real, host_int_to_float
 from masked_multistep._running_mean import sq_norm
 
 __all__ = [
@@ -450,8 +450,9 @@ def noise_scale_estimates(
     """
     dtype = jnp.result_type(_F32, jnp.asarray(sq_deviation).dtype)
     s = jnp.asarray(sq_deviation, dtype)
-    k = jnp.asarray(microbatches).astype(dtype)
-    n = jnp.asarray(tokens).astype(dtype)
+    # Host integers by value: jnp.asarray would wrap a numpy int64 into int32.
+    k = jnp.asarray(host_int_to_float(microbatches)).astype(dtype)
+    n = jnp.asarray(host_int_to_float(tokens)).astype(dtype)
     g2 = jnp.asarray(grad_sq_norm).astype(dtype)
     nan = jnp.asarray(jnp.nan, dtype)
     # S is a sum of squares and K a count: other values define nothing.

@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_multistep._checks import check_microbatches, check_real, python_scalar
+from masked_multistep._checks import (
+    check_microbatches,
+    check_real,
+    host_int_to_float,
+    is_host_int,
+    python_scalar,
+)
 from masked_multistep._stats import TokenTotal, add_tokens
 
 __all__ = [
@@ -33,26 +39,6 @@ __all__ = [
 ]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-def _is_host_int(x: Any) -> bool:
-    """A Python int, or a numpy integer scalar or array (not a bool)."""
-    if isinstance(x, (bool, np.bool_)):
-        return False
-    if isinstance(x, (np.ndarray, np.generic)):
-        return np.issubdtype(x.dtype, np.integer)
-    return isinstance(x, int)
-
-
-def _host_int_to_float(x: Any) -> Any:
-    """A Python or numpy integer as float64 numpy, anything else as is.
-
-    Without x64, ``jnp.asarray`` makes a Python int of 2³¹ or more an
-    ``OverflowError`` and wraps a numpy int64 into int32 (2⁴⁰ becomes 0); a
-    float holds it (rounded beyond 2⁵³), and the callers clip or compare by
-    value.
-    """
-    return np.asarray(x, np.float64) if _is_host_int(x) else x
 
 
 def _schedule_value(x: Any, what: str) -> jax.Array:
@@ -79,7 +65,7 @@ def _sanitize_k(k: Any, what: str = "`every_k_schedule(step)`") -> jax.Array:
     never closes); other floats are rounded to the nearest integer; everything
     is clipped to [1, 2³¹ − 1]. ``what`` names the schedule in errors.
     """
-    if _is_host_int(k) and np.ndim(k) == 0:
+    if is_host_int(k) and np.ndim(k) == 0:
         # Clipped on the host, exactly: jnp.asarray would refuse a Python int
         # of 2³¹ or more and wrap a numpy int64 into int32.
         k = np.asarray(np.clip(np.asarray(k, object), 1, _INT32_MAX)).astype(np.int32)
@@ -212,6 +198,10 @@ class WindowPolicy(NamedTuple):
         ``MaskedMultiSteps`` refuses a fixed ``every_k_schedule`` or
         ``tokens_per_window`` that would close every window before it.
       name: how ``repr(tx)`` shows the policy (the call that built it).
+      maximum: ``(microbatches, tokens)``, fixed numbers by which the policy
+        always closes a window (``None`` where it sets none, or one that
+        varies): ``MaskedMultiSteps`` refuses a norm test whose minimum they
+        would never let it reach.
     """
 
     init: Callable[[], Any]
@@ -221,6 +211,7 @@ class WindowPolicy(NamedTuple):
     bounded: bool = True
     minimum: tuple[int, float | int] = (1, 0)
     name: str = "WindowPolicy(...)"
+    maximum: tuple[int | None, float | int | None] = (None, None)
 
 
 def describe(rule: Any) -> str:
@@ -304,7 +295,7 @@ def _sanitize_budget(budget: Any, what: str = "`tokens_per_window(...)`") -> jax
     integer (a Python or numpy int beyond int32 becomes a float, by value), a
     float stays a float of at least float32 precision.
     """
-    if _is_host_int(budget) and np.ndim(budget) == 0:
+    if is_host_int(budget) and np.ndim(budget) == 0:
         value = int(budget)
         budget = np.int32(max(value, 0)) if value <= _INT32_MAX else float(value)
     b = _schedule_value(budget, what)
@@ -330,7 +321,7 @@ def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.A
             hi = np.iinfo(tokens.dtype).max
             b = jnp.asarray(min(math.ceil(budget), hi), tokens.dtype)
         else:
-            b = jnp.asarray(_host_int_to_float(budget)).astype(tokens.dtype)
+            b = jnp.asarray(host_int_to_float(budget)).astype(tokens.dtype)
         return (tokens > 0) & (tokens >= b)
     budget = jnp.asarray(budget)
     if jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -459,6 +450,10 @@ def _token_budget(
     cap = None
     if max_microbatches is not None:
         cap = _microbatch_cap(max_microbatches, "`max_microbatches`")
+    fixed_cap = None
+    if max_microbatches is not None and not callable(max_microbatches):
+        fixed_cap = int(max_microbatches)
+    maximum = (fixed_cap, None if callable(budget) else check_real(budget, what))
 
     def closes(policy_state, scalars):
         done = _tokens_reached(scalars.tokens, budget_of(policy_state, scalars))
@@ -467,13 +462,13 @@ def _token_budget(
         return done
 
     if not track_seen:
-        return WindowPolicy(_no_state, closes, _keep)
+        return WindowPolicy(_no_state, closes, _keep, maximum=maximum)
 
     def update(policy_state, scalars, closed):
         added = add_tokens(policy_state, scalars.tokens)
         return jax.tree.map(lambda a, b: jnp.where(closed, a, b), added, policy_state)
 
-    return WindowPolicy(_tokens_seen_init, closes, update)
+    return WindowPolicy(_tokens_seen_init, closes, update, maximum=maximum)
 
 
 def norm_test(
@@ -674,7 +669,17 @@ def any_of(*policies: WindowPolicy) -> WindowPolicy:
         bounded=any(p.bounded for p in policies),
         # The combination is consulted as soon as any of its policies is.
         minimum=tuple(min(m) for m in zip(*(p.minimum for p in policies))),
+        # ... and closes by the smallest of their fixed maximums.
+        maximum=(
+            _smallest(p.maximum[0] for p in policies),
+            _smallest(p.maximum[1] for p in policies),
+        ),
     )
+
+
+def _smallest(values: Any) -> Any:
+    """The smallest of ``values`` that are not ``None``; ``None`` if none is."""
+    return min((x for x in values if x is not None), default=None)
 
 
 def _check_consulted(test: WindowPolicy, every_k_schedule: Any, budget: Any) -> None:
@@ -690,7 +695,16 @@ def _check_consulted(test: WindowPolicy, every_k_schedule: Any, budget: Any) -> 
                 f"test's `min_microbatches` ({min_microbatches}): every window "
                 "would close before the test is consulted"
             )
-    if budget is None or callable(budget) or isinstance(budget, WindowPolicy):
+    if isinstance(budget, WindowPolicy):
+        max_microbatches, max_tokens = budget.maximum
+        if max_microbatches is not None and max_microbatches < min_microbatches:
+            raise ValueError(
+                f"`tokens_per_window`'s `max_microbatches` ({max_microbatches}) "
+                f"is below the norm test's `min_microbatches` ({min_microbatches})"
+                ": every window would close before the test is consulted"
+            )
+        budget = max_tokens
+    if budget is None or callable(budget):
         return
     if float(budget) < min_tokens:
         raise ValueError(

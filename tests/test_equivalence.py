@@ -157,3 +157,10 @@ def test_running_mean_takes_python_numbers_and_refuses_a_truncating_total():
     for v in (1.0, 5.0):
         mean, total = mm.running_mean_update(mean, total, jnp.float32(v), 0.5)
     assert (float(mean), float(total)) == (3.0, 1.0)
+    # Host integers by value (jnp.asarray would wrap a numpy int64 into int32:
+    # 2**32 + 1 into 1).
+    big = np.int64(2**32 + 1)
+    mean, total = mm.running_mean_update(jnp.float32(1.0), jnp.float32(1), 5.0, big)
+    assert float(total) == float(np.float32(2**32 + 2)) and float(mean) == 5.0
+    with pytest.raises(ValueError, match=r"`count` \(4294967297\) does not fit"):
+        mm.running_mean_update(jnp.zeros(()), jnp.int32(0), jnp.ones(()), big)

@@ -859,3 +859,12 @@ def test_noise_scale_estimates_are_nan_outside_their_domain():
         assert all(np.isnan(float(x)) for x in estimates), (s, k)
     var, true_sq, b = mm.noise_scale_estimates(0.0, 2, 4, 4.0)  # agreeing microbatches
     assert (float(var), float(true_sq), float(b)) == (0.0, 4.0, 0.0)
+    # Host integers by value: numpy int64 sums (mask.sum()) are not wrapped.
+    n, k = np.int64(2**33), np.int64(2**32 + 2)
+    got = mm.noise_scale_estimates(6000.0, 4, n, 2.0)
+    want = mm.noise_scale_estimates(6000.0, 4, float(n), 2.0)
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(
+        mm.noise_scale_estimates(6000.0, k, 100, 2.0)[0], 6000.0 / (2**32 + 1)
+    )

@@ -725,6 +725,22 @@ def test_jax_and_numpy_integer_scalars_are_accepted_where_ints_are():
             r"`tokens_per_window` \(100\) is below the norm test's "
             r"`min_tokens` \(1000\)",
         ),
+        (  # A fixed budget is a fixed budget, however it is written.
+            {
+                "tokens_per_window": mm.token_budget(100),
+                "norm_test": mm.norm_test(0.5, min_tokens=1000),
+            },
+            r"`tokens_per_window` \(100\) is below the norm test's "
+            r"`min_tokens` \(1000\)",
+        ),
+        (
+            {
+                "tokens_per_window": mm.token_budget(10**6, max_microbatches=2),
+                "norm_test": mm.norm_test(0.5, min_microbatches=4),
+            },
+            r"`tokens_per_window`'s `max_microbatches` \(2\) is below the norm "
+            r"test's `min_microbatches` \(4\)",
+        ),
     ],
 )
 def test_a_window_that_closes_before_the_norm_test_is_consulted_is_refused(
@@ -765,3 +781,24 @@ def test_a_skipped_microbatch_leaves_a_custom_policys_state_as_it_was():
         assert int(after.mini_step) == 1
     _, state = update_fn(jnp.ones(2), state, p, count=jnp.float32(2))
     assert [int(x) for x in state.policy_state] == [2, 2]
+
+
+@pytest.mark.parametrize(
+    "verdict, got",
+    [
+        (lambda s: s.microbatches >= jnp.array([3]), "bool and shape \\(1,\\)"),
+        (lambda s: s.tokens, "float32 and shape \\(\\)"),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_a_custom_policy_whose_closes_is_not_a_boolean_scalar_is_named(verdict, got):
+    policy = mm.WindowPolicy(
+        lambda: (), lambda ps, s: verdict(s), lambda *a: (), name="P"
+    )
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=policy)
+    p = jnp.zeros(2)
+    with pytest.raises(
+        ValueError,
+        match=f"policy P's `closes` must return a boolean scalar, got dtype {got}",
+    ):
+        tx.update(jnp.ones(2), tx.init(p), p, count=jnp.float32(2))
