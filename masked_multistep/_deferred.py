@@ -165,6 +165,9 @@ class Deferred(KnownTotals):
         """
         meta = sys.modules.get("flax.core.meta")
         variables = sys.modules.get("flax.nnx.variablelib")
+        logical = getattr(
+            sys.modules.get("flax.linen.spmd"), "LogicallyPartitioned", ()
+        )
         box_types = tuple(
             t
             for t in (
@@ -178,7 +181,7 @@ class Deferred(KnownTotals):
 
         def rename(box):
             if meta is not None and isinstance(box, meta.Partitioned):
-                if type(box).__name__ == "LogicallyPartitioned":
+                if isinstance(box, logical):
                     return box.add_axis(0, {meta.PARTITION_NAME: self._spec_axes})
                 ndim = jnp.ndim(box.value) - 1
                 return box.replace(names=self._leading_names(box.names, ndim))
