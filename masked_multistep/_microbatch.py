@@ -330,8 +330,10 @@ def _check_output(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
 _SPLIT_RECIPE = (
     "pass `params` from `graphdef, params, rest = nnx.split(model, nnx.Param, "
     "...)` and rebuild the module in `loss_fn` with `nnx.merge(graphdef, "
-    "params, rest, copy=True)` (then `nnx.reseed(module, dropout=rng)` gives "
-    "each microbatch its own dropout key when `grad_fn` is called with `rng=`)"
+    "params, rest, copy=True)` (then `nnx.reseed(module, default=rng, "
+    "dropout=rng)` gives each microbatch its own dropout key when `grad_fn` is "
+    "called with `rng=`; dropout draws from the `default` stream of an "
+    "`nnx.Rngs(0)`)"
 )
 
 
@@ -669,9 +671,12 @@ def microbatched_value_and_grad(
         pass ``params``, and rebuild it in ``loss_fn`` with
         ``nnx.merge(graphdef, params, rest, copy=True)`` (``copy=True``: the
         rebuilt module's variables belong to the traced call, so dropout may
-        advance its stream); ``nnx.reseed(module, dropout=rng)`` then gives
-        each microbatch its own key. Either way, state that ``loss_fn`` writes
-        (RNG counters, running batch statistics) is not returned.
+        advance its stream); ``nnx.reseed(module, default=rng, dropout=rng)``
+        then gives each microbatch its own key (dropout draws from its
+        ``dropout`` stream where the model's ``nnx.Rngs`` has one, else from
+        ``default``; reseeding a stream the model lacks does nothing). Either
+        way, state that ``loss_fn`` writes (RNG counters, running batch
+        statistics) is not returned.
       * ``with_stats=True`` also returns the call's :class:`WindowStats`, the
         statistics :class:`MaskedMultiSteps` keeps per window (the call is one
         window of ``k`` microbatches): tokens, microbatches with tokens, loss,

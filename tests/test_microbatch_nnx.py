@@ -164,8 +164,15 @@ class _WithRngs(nnx.Module):
         return self.dropout(self.hidden(x))
 
 
-def test_module_with_rng_streams_is_a_clear_error_naming_the_split_recipe():
-    model = _WithRngs(nnx.Rngs(0, dropout=1))
+# Dropout draws from its `dropout` stream, or from `default` where the model's
+# Rngs has no `dropout` stream (`nnx.Rngs(0)`): the recipe must reseed both.
+@pytest.mark.parametrize(
+    "rngs",
+    [lambda: nnx.Rngs(0, dropout=1), lambda: nnx.Rngs(0)],
+    ids=["dropout stream", "default stream"],
+)
+def test_module_with_rng_streams_is_a_clear_error_naming_the_split_recipe(rngs):
+    model = _WithRngs(rngs())
 
     def loss_fn(model, batch):
         x = jnp.where(batch["mask"][..., None], batch["x"], 0.0)
@@ -187,7 +194,7 @@ def test_module_with_rng_streams_is_a_clear_error_naming_the_split_recipe():
 
     def merged_loss(params, batch, rng):
         module = nnx.merge(graphdef, params, rest, copy=True)
-        nnx.reseed(module, dropout=rng)
+        nnx.reseed(module, default=rng, dropout=rng)
         return loss_fn(module, batch)
 
     grad_fn = jax.jit(mm.microbatched_value_and_grad(merged_loss, K))
