@@ -68,6 +68,8 @@ def _x64() -> bool:
 def check_count_dtype(count_dtype: Any) -> jnp.dtype:
     """``count_dtype`` as a numpy dtype, refusing those that cannot hold counts."""
     try:
+        if count_dtype is None:  # jnp.dtype(None) is float64
+            raise TypeError
         dtype = jnp.dtype(count_dtype)
     except TypeError as err:
         raise TypeError(f"`count_dtype` must be a dtype, got {count_dtype!r}") from err
@@ -293,6 +295,15 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
             raise ValueError(
                 f"The gradient at {jax.tree_util.keystr(path) or '<root>'} has shape "
                 f"{jnp.shape(g)}, but the state expects {jnp.shape(a)}{hint}"
+            )
+        g_dtype, a_dtype = jnp.result_type(g), jnp.result_type(a)
+        if jnp.issubdtype(g_dtype, jnp.complexfloating) and not jnp.issubdtype(
+            a_dtype, jnp.complexfloating
+        ):
+            raise TypeError(
+                f"The gradient at {jax.tree_util.keystr(path) or '<root>'} is "
+                f"complex ({g_dtype}), but the state's accumulator is {a_dtype} "
+                "(built from real params): its imaginary part would be dropped"
             )
 
 

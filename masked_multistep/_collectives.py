@@ -141,11 +141,15 @@ def weighted_sum_across(
     even if its ``gᵈ`` is NaN, and a zero ``total`` gives zeros.
     """
     take = count > 0
-    weight = safe_fraction(jnp.where(take, count, jnp.zeros_like(count)), total)
+    count = jnp.where(take, count, jnp.zeros_like(count))
 
     def leaf(g):
         g = jnp.asarray(g)
         dtype = compute_dtype(g.dtype)
+        # The weight in the leaf's own precision: a float32 ratio would cap a
+        # float64 leaf (under x64) at float32 accuracy.
+        real = jnp.finfo(dtype).dtype
+        weight = safe_fraction(count.astype(real), total.astype(real))
         # Zero an empty shard's (possibly NaN) value before multiplying:
         # NaN * 0 is NaN, in the value and in the weight's cotangent.
         g_c = jnp.where(take, g.astype(dtype), jnp.zeros((), dtype))

@@ -254,8 +254,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
       should_skip_update_fn: optional optax ``ShouldSkipUpdateFunction``, e.g.
         ``optax.skip_not_finite``.
       accumulator_dtype: dtype of the running mean ``acc_grads``. ``None``
-        (default) follows each gradient leaf, at least float32 (float64
-        gradients under x64 accumulate in float64; complex stays complex).
+        (default) follows each parameter leaf, at least float32 (float64
+        gradients under x64 accumulate in float64; complex stays complex, and
+        a complex gradient for a real parameter is a ``TypeError``).
       count_dtype: dtype of the window's token total: float32 (default; integer
         and fractional counts, integers exact to 2²⁴ per window), int32 (exact
         to 2³¹ − 1, integer counts only), or float64/int64 under x64.
@@ -519,7 +520,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             for name in ("tokens_per_window", "norm_test")
             if kwargs[name] is not None
         ]
-        acc = self._accumulator_dtype or "follows the gradients, at least float32"
+        acc = self._accumulator_dtype or "follows the params, at least float32"
         reduction = kwargs["reduction"]
         options = f", reduction={reduction!r}" if reduction is not None else ""
         rec = self._recorder

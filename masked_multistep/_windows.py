@@ -339,8 +339,14 @@ def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.A
             fits = c < 2.0 ** (info.bits - 1)
             b = jnp.where(fits, jnp.where(fits, c, 0).astype(tokens.dtype), hi)
     else:
-        if jnp.issubdtype(budget.dtype, jnp.floating):
-            budget = jnp.minimum(budget, float(jnp.finfo(tokens.dtype).max))
+        top = jnp.finfo(tokens.dtype).max
+        if (
+            jnp.issubdtype(budget.dtype, jnp.floating)
+            and jnp.finfo(budget.dtype).max > top
+        ):
+            # A wider budget is clipped to the largest total, not cast to inf
+            # (a narrower one, cast to the total's dtype, always fits).
+            budget = jnp.minimum(budget, jnp.asarray(top, budget.dtype))
         b = budget.astype(tokens.dtype)
     return (tokens > 0) & (tokens >= b)
 

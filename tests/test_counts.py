@@ -270,6 +270,13 @@ for cd in (jnp.float32, jnp.float64, jnp.int32, jnp.int64):
     err = float(np.max(np.abs(np.asarray(u) - reference)))
     # float32 anywhere on the way gives ~3e-5 at this magnitude.
     assert err < 1e-9, (cd, err)
+# Across devices (a vmapped axis here) the weights n_d / N are float64 too.
+mean, _ = jax.vmap(
+    lambda g, c: mm.weighted_mean_across(g, c, "d"), axis_name="d"
+)(jnp.asarray(np.stack(grads)), jnp.asarray(counts))
+assert mean.dtype == jnp.float64
+err = float(np.max(np.abs(np.asarray(mean[0]) - reference)))
+assert err < 1e-9, err
 # An explicit float32 accumulator stays float32.
 tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype=jnp.float32)
 assert tx.init(jnp.zeros(2)).acc_grads.dtype == jnp.float32
@@ -281,6 +288,18 @@ s = tx.init(jnp.zeros(2))
 s = s._replace(mini_step=jnp.int32(2**31 - 2))
 _, s = jax.jit(tx.update)(jnp.ones(2), s, count=jnp.int64(1))
 assert bool(s.updated) and int(s.mini_step) == 0, s
+# A float32 budget against float64 totals: compared, not clipped through an
+# overflowing cast (it warned "overflow encountered in cast").
+import warnings
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        tokens_per_window=lambda seen: 3.0 + seen / 10,  # float32, as seen is
+        count_dtype=jnp.float64,
+    )
+    _, s = jax.jit(tx.update)(jnp.ones(2), tx.init(jnp.zeros(2)), count=4.0)
+assert int(s.gradient_step) == 1, s
 """
 
 

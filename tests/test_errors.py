@@ -50,6 +50,18 @@ def test_bad_constructor_arguments():
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype="flaot32")
     with pytest.raises(ValueError, match="`count_dtype` must be one of"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=jnp.int8)
+    # jnp.dtype(None) is float64: it named a dtype nobody passed.
+    with pytest.raises(TypeError, match="`count_dtype` must be a dtype, got None"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=None)
+
+
+def test_a_complex_gradient_for_a_real_parameter_is_refused():
+    # The accumulator follows the params: a complex gradient would lose its
+    # imaginary part (jax only warns, hidden by default).
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1)
+    p = {"w": jnp.zeros(2)}
+    with pytest.raises(TypeError, match=r"\['w'\] is complex \(complex64\).*float32"):
+        tx.update({"w": jnp.ones(2, jnp.complex64)}, tx.init(p), p, count=1)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int16, jnp.uint32])
