@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -147,7 +148,29 @@ class Deferred(KnownTotals):
         spec = ()
         if sharding is not None and sharding.mesh.shape == self.mesh.shape:
             spec = tuple(sharding.spec)
-        return NamedSharding(self.mesh, P(*self._leading_names(spec, jnp.ndim(leaf))))
+        names = list(self._leading_names(spec, jnp.ndim(leaf)))
+        while names[-1] is None:  # P("data", None) is P("data") to jit's cache
+            names.pop()
+        return NamedSharding(self.mesh, P(*names))
+
+    def place(self, state: Any) -> Any:
+        """``state`` with its uncommitted leaves (the scalars ``init`` makes, the
+        inner optimizer's step count) replicated on the mesh, where ``jit``
+        puts them after a step: else the first step's inputs differ from every
+        later step's, and the step compiles twice. A traced ``init`` is left to
+        its ``out_shardings``."""
+        replicated = NamedSharding(self.mesh, P())
+
+        def leaf(x):
+            if isinstance(x, jax.Array) and not getattr(x, "_committed", True):
+                # From each process's own copy (every process builds the same
+                # state): jax.device_put would compare them across processes,
+                # and the statistics' NaN placeholders never compare equal.
+                host = np.asarray(x)
+                return jax.make_array_from_callback(x.shape, replicated, lambda _: host)
+            return x
+
+        return jax.tree.map(leaf, state)
 
     def _with_device_axis(self, tree: Any) -> Any:
         """``tree`` with the device axis put in front of its boxes' names.

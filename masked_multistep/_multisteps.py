@@ -563,7 +563,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
         inner_opt_state = self._opt.init(params)
         _refuse_nested_accumulation(inner_opt_state)
-        return MaskedMultiStepsState(
+        state = MaskedMultiStepsState(
             mini_step=jnp.zeros([], jnp.int32),
             gradient_step=gradient_step,
             inner_opt_state=inner_opt_state,
@@ -579,6 +579,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             policy_state=self._policy.init(),
             reduction_state=self._reduction.init(self._count_dtype),
         )
+        return self._reduction.place(state)
 
     def has_updated(self, state: MaskedMultiStepsState) -> jax.Array:
         """True exactly when the last :meth:`update` applied an inner update."""

@@ -178,6 +178,9 @@ class Local(KnownTotals):
         del count_dtype
         return ()
 
+    def place(self, state: Any) -> Any:
+        return state
+
     def check_grads(self, grads: Any, acc_grads: Any) -> None:
         _checks.check_grads_match(grads, acc_grads)
 

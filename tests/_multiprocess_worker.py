@@ -121,9 +121,9 @@ def _deferred_run(mesh, global_batches, ckpt_dir):
         return params, state
 
     uninterrupted = finish(params, state)
-    # A fresh state as the template. tx.init leaves its scalars uncommitted on
-    # this process's first device; restored arrays are committed, so they are
-    # placed on the global mesh (replicated), like everything jit returns.
+    # A fresh state as the template. tx.init places its leaves on the global
+    # mesh (replicated, like everything jit returns); anything else would be
+    # restored onto this process's first device.
     template = {"params": params, "opt_state": tx.init(params)}
     replicated = NamedSharding(mesh, P())
 
