@@ -11,6 +11,7 @@ token-weighted running mean that :class:`MaskedMultiSteps` uses across steps.
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import sys
 from collections.abc import Callable
@@ -86,8 +87,16 @@ def _batch_size(batch: Any, num_microbatches: int) -> int:
         )
     sizes = {}
     for path, leaf in leaves:
-        shape = jnp.shape(leaf)
         name = jax.tree_util.keystr(path) or "<root>"
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or not any(
+            jnp.issubdtype(leaf.dtype, kind)
+            for kind in (jnp.number, jnp.bool_, jax.dtypes.extended)
+        ):
+            raise TypeError(
+                "`batch` leaves must be arrays of numbers (or keys), got "
+                f"{type(leaf).__name__} {leaf!r:.40} at batch{name}"
+            )
+        shape = jnp.shape(leaf)
         if not shape:
             raise ValueError(
                 f"`batch` leaves need a leading batch axis, but the leaf at {name} "
@@ -105,6 +114,23 @@ def _batch_size(batch: Any, num_microbatches: int) -> int:
             f"The batch size ({size}, leading axis of `batch`) must be divisible by "
             f"`num_microbatches`, got {num_microbatches}"
         )
+    for path, leaf in leaves:
+        sharding = jax.typeof(leaf).sharding
+        axes = sharding.spec[0] if sharding.spec else None
+        if axes is None:
+            continue
+        # Explicit sharding of the batch axis: each microbatch's rows must split
+        # evenly over the axis' devices too (jax cannot reshape them otherwise).
+        axes_t: tuple[Any, ...] = axes if isinstance(axes, tuple) else (axes,)
+        devices = math.prod(sharding.mesh.shape[a] for a in axes_t)
+        if (size // num_microbatches) % devices:
+            raise ValueError(
+                f"`batch`{jax.tree_util.keystr(path)} is sharded over the "
+                f"AxisType.Explicit mesh axis {axes!r} "
+                f"({devices} devices): each microbatch's {size} // "
+                f"{num_microbatches} = {size // num_microbatches} rows must divide "
+                "among them; choose `num_microbatches` so that they do"
+            )
     return size
 
 

@@ -50,6 +50,13 @@ def test_demo_outputs_show_masked_equals_full_batch(tmp_path, capsys):
     # The first microbatch holds the short sequences, the last the long ones.
     tokens = summary["tokens_per_microbatch_first_batch"]
     assert tokens == sorted(tokens) and tokens[-1] > 4 * tokens[0]
+    # The noise scale is compared with the run's batches, all of them.
+    from masked_multistep.demo import train
+
+    batches, _ = train.make_data(train.Config(**summary["config"]))
+    mean = batches.mask.reshape(3, -1).sum(axis=-1).mean()
+    assert summary["mean_tokens_per_batch"] == pytest.approx(mean)
+    assert f"hold {mean:.0f} tokens on average" in printed
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import masked_multistep as mm
 
@@ -302,6 +304,50 @@ def test_bad_batch(batch, match):
     )
     with pytest.raises(ValueError, match=match):
         grad_fn(jnp.ones(()), batch)
+
+
+@pytest.mark.parametrize(
+    "leaf, shown",
+    [("train", r"str 'train'"), (np.array(["a"] * 8), r"ndarray array\(\['a'")],
+)
+def test_a_batch_leaf_that_is_not_numbers_is_named(leaf, shown):
+    grad_fn = mm.microbatched_value_and_grad(
+        lambda p, mb: (jnp.sum(p), jnp.array(1)), 4
+    )
+    with pytest.raises(
+        TypeError, match=rf"arrays of numbers .*got {shown}.* at batch\['tag'\]"
+    ):
+        grad_fn(jnp.ones(()), {"x": jnp.ones((8, 2)), "tag": leaf})
+
+
+def test_a_batch_on_an_explicit_axis_needs_microbatches_that_split_evenly():
+    # jax.make_mesh's default axis type is Explicit: jax cannot reshape 16 rows
+    # sharded over 4 devices into 8 microbatches of 2 rows (it raised inside jax).
+    mesh = jax.make_mesh(
+        (4,),
+        ("data",),
+        axis_types=(jax.sharding.AxisType.Explicit,),
+        devices=jax.devices()[:4],
+    )
+    rows = jnp.arange(16.0)
+    batch = jax.device_put(
+        {"x": rows, "mask": rows > 0}, NamedSharding(mesh, P("data"))
+    )
+
+    def loss(p, mb):
+        return mm.masked_mean(p * mb["x"], mb["mask"])
+
+    with jax.set_mesh(mesh):
+        (value, count), grads = jax.jit(mm.microbatched_value_and_grad(loss, 4))(
+            jnp.float32(1.0), batch
+        )
+        assert (float(value), float(count)) == (8.0, 15.0)
+        with pytest.raises(
+            ValueError,
+            match=r"`batch`\['mask'\] is sharded over the AxisType.Explicit mesh axis "
+            r"'data' \(4 devices\): each microbatch's 16 // 8 = 2 rows must divide",
+        ):
+            jax.jit(mm.microbatched_value_and_grad(loss, 8))(jnp.float32(1.0), batch)
 
 
 @pytest.mark.parametrize(

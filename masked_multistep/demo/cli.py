@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     results = train.train_all(
         config, progress=lambda n: tqdm(range(n), desc="training", unit="step")
     )
-    summary = report.summarize(config, results, train.token_counts(config))
+    summary = report.summarize(
+        config, results, train.token_counts(config), train.mean_batch_tokens(config)
+    )
     print(report.format_table(summary))
     paths = report.write(summary, args.out)
     for path in paths:

@@ -20,7 +20,10 @@ LABELS = {
 
 
 def summarize(
-    config: Config, results: dict[str, RunResult], token_counts: np.ndarray
+    config: Config,
+    results: dict[str, RunResult],
+    token_counts: np.ndarray,
+    mean_batch_tokens: float,
 ) -> dict[str, Any]:
     """The numbers the demo reports, as plain JSON-able Python values.
 
@@ -45,6 +48,7 @@ def summarize(
     return {
         "config": config._asdict(),
         "tokens_per_microbatch_first_batch": [int(n) for n in token_counts],
+        "mean_tokens_per_batch": float(mean_batch_tokens),
         "runs": runs,
     }
 
@@ -72,15 +76,15 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{r['grad_rel_error_max']:>9.2e} {r['final_train_loss']:>11.4f} "
             f"{r['heldout_loss']:>14.4f}"
         )
-    tokens_per_step = sum(summary["tokens_per_microbatch_first_batch"])
+    tokens_per_step = summary["mean_tokens_per_batch"]
     lines += [
         "",
         "mm.MaskedMultiSteps window statistics: gradient noise scale B_simple "
         "(smoothed),",
         f"{summary['runs']['masked_multisteps']['final_noise_scale']:.3g} tokens at "
         "the last step: an estimate of the critical batch size (this",
-        f"run's batches hold about {tokens_per_step} tokens). Length-sorted "
-        "microbatches (--skew above 0) differ",
+        f"run's batches hold {tokens_per_step:.0f} tokens on average). "
+        "Length-sorted microbatches (--skew above 0) differ",
         "systematically and inflate it; --skew 0 measures it without that bias.",
         "",
         "grad rel. error: ‖g − g_full‖ / ‖g_full‖, mean and max over steps; g is the",

@@ -232,3 +232,9 @@ def token_counts(config: Config) -> np.ndarray:
     """Real tokens per microbatch of the first batch (shows the length skew)."""
     train, _ = make_data(config._replace(steps=1))
     return train.mask[0].reshape(config.microbatches, -1).sum(axis=-1)
+
+
+def mean_batch_tokens(config: Config) -> float:
+    """Real tokens per batch, averaged over the run's batches."""
+    train, _ = make_data(config)
+    return float(train.mask.reshape(config.steps, -1).sum(axis=-1).mean())
