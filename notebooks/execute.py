@@ -8,6 +8,7 @@ display their figures as PNG images themselves.
 
 from __future__ import annotations
 
+import base64
 import copy
 import os
 import pathlib
@@ -67,11 +68,28 @@ def execute(path: os.PathLike | str, timeout: int = 300) -> nbformat.NotebookNod
     return run
 
 
+def store_figure(nb: nbformat.NotebookNode, path: pathlib.Path) -> None:
+    """Rewrites ``path`` (a figure the README shows as a file) from the
+    notebook's one PNG output, so that the two stay the same."""
+    pngs = [
+        base64.b64decode(out["data"]["image/png"])
+        for cell in nb.cells
+        for out in cell.get("outputs", [])
+        if "image/png" in out.get("data", {})
+    ]
+    if len(pngs) != 1:
+        raise RuntimeError(f"{path} needs one figure in its notebook, got {len(pngs)}")
+    path.write_bytes(pngs[0])
+
+
 def main(argv: list[str]) -> int:
     paths = [pathlib.Path(p) for p in argv] or NOTEBOOKS
     for path in paths:
         print(f"executing {path}", flush=True)
-        nbformat.write(execute(path), path)
+        nb = execute(path)
+        nbformat.write(nb, path)
+        if (figure := path.with_suffix(".png")).exists():
+            store_figure(nb, figure)
     return 0
 
 

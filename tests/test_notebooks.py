@@ -73,7 +73,7 @@ def test_notebook_executes_and_its_claim_holds(name):
 
 def test_readme_figure_is_the_stored_notebooks_figure():
     # The README shows notebook 05's figure as a file; it must be the one the
-    # stored notebook holds (re-store both together).
+    # stored notebook holds (notebooks/execute.py re-stores both together).
     nb = nbformat.read(NOTEBOOK_DIR / "05_token_windows.ipynb", as_version=4)
     pngs = [
         base64.b64decode(out["data"]["image/png"])
