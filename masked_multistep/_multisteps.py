@@ -60,8 +60,10 @@ class MaskedMultiStepsState(NamedTuple):
         deferred reduction agreeing only at the window's end, devices' shares,
         added when the window closes).
       value_count: the token total behind ``acc_value``.
-      num_nonfinite_windows: windows whose mean gradient was not finite, and
-        which were therefore not handed to the inner optimizer.
+      num_nonfinite_windows: windows whose mean gradient was not finite (or,
+        for an inner optimizer that needs ``value=``, whose mean value was
+        missing or not finite), and which were therefore not handed to the
+        inner optimizer.
       skip_state: what ``should_skip_update_fn`` returned last (``()`` without
         one).
       stats: with ``window_stats=True``, the window statistics'
@@ -215,9 +217,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         with the same weights over the microbatches that pass one, and handed to
         the inner optimizer as ``value=`` at the end of the window. An inner
         optimizer that needs ``value=`` (``optax.contrib.reduce_on_plateau``)
-        receives the window's mean also when the closing microbatch passes none
-        (NaN if no microbatch of the window passed one). Other extra arguments go
-        to the inner optimizer unchanged.
+        receives the window's mean also when the closing microbatch passes none;
+        a window in which no microbatch passed one (a forgotten ``value=``), or
+        whose mean is not finite, is held for such an optimizer like a
+        non-finite mean (counted in ``state.num_nonfinite_windows``). Other
+        extra arguments go to the inner optimizer unchanged.
       * With ``window_stats=True`` each completed window's statistics (tokens,
         microbatches, loss, ‖ḡ‖², the gradient noise scale; see
         :class:`WindowStats`) are kept in ``state.stats`` until the next window
@@ -886,19 +890,23 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         inner_operands = (mean_avals, state.inner_opt_state, params, dynamic_args)
         run_with_value = self._inner_update(grads, static_args, with_value=True)
         run_without_value = self._inner_update(grads, static_args, with_value=False)
-        if value is not None:
+        # Statically: an inner optimizer that runs without `value=` gets none
+        # unless this call passes one (a choice between the two at run time
+        # would compile the inner update twice and triple the step's scratch
+        # memory); one that needs it (reduce_on_plateau, polyak_sgd) gets the
+        # window's mean, and a window without one (no microbatch passed a
+        # value, or its mean is not finite) is held like a non-finite mean: a
+        # NaN loss would make polyak_sgd's step NaN and every window a plateau.
+        try:
+            jax.eval_shape(run_without_value, *inner_operands)
+        except TypeError:
+            needs_value = True
+        else:
+            needs_value = False
+        if value is not None or needs_value:
             inner_update = run_with_value
         else:
-            # Statically: an inner optimizer that runs without `value=` gets none
-            # (a choice between the two at run time would compile the inner
-            # update twice and triple the step's scratch memory); one that needs
-            # it (reduce_on_plateau, polyak_sgd) gets the window's mean.
-            try:
-                jax.eval_shape(run_without_value, *inner_operands)
-            except TypeError:
-                inner_update = run_with_value
-            else:
-                inner_update = run_without_value
+            inner_update = run_without_value
 
         updates_avals, _ = jax.eval_shape(inner_update, *inner_operands)
         # Once the inner optimizer has read the window's mean, the mean is dead
@@ -945,6 +953,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # A non-finite mean never reaches the inner optimizer: a stateful
             # one (adam's moments) would carry the NaN into every later update.
             finite = all_finite(mean, mean_sq_norm)
+            if needs_value:
+                finite = finite & jnp.isfinite(window_loss)
             out = jax.lax.cond(
                 has_tokens & finite,
                 run,

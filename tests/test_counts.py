@@ -556,11 +556,20 @@ def test_inner_that_needs_value_gets_the_window_value_when_the_last_call_has_non
     _, state = update(_grads(1.0), state, PARAMS, count=2.0)
     assert int(state.inner_opt_state["calls"]) == 1
     np.testing.assert_allclose(state.inner_opt_state["value"], 4.0, rtol=1e-6)
-    # A window in which no microbatch passed a value hands over NaN.
+    # A window in which no microbatch passed a value (a forgotten `value=`) is
+    # held like a non-finite mean, and counted: handed over, its NaN made
+    # polyak_sgd's params NaN and every window a reduce_on_plateau plateau.
     for _ in range(3):
         _, state = update(_grads(1.0), state, PARAMS, count=1.0)
+    assert int(state.inner_opt_state["calls"]) == 1
+    assert (int(state.gradient_step), int(state.num_nonfinite_windows)) == (1, 1)
+    assert not bool(tx.has_updated(state))
+    # So is a window whose value is not finite; the next window runs as usual.
+    for v in (jnp.nan, 2.0, 2.0, 2.0, 2.0, 2.0):
+        _, state = update(_grads(1.0), state, PARAMS, count=1.0, value=jnp.float32(v))
+    assert int(state.num_nonfinite_windows) == 2
     assert int(state.inner_opt_state["calls"]) == 2
-    assert np.isnan(state.inner_opt_state["value"])
+    np.testing.assert_allclose(state.inner_opt_state["value"], 2.0)
 
 
 def test_reduce_on_plateau_gets_the_window_loss_when_the_last_call_has_none():

@@ -948,13 +948,16 @@ def test_deferred_nonfinite_window_never_reaches_the_inner_optimizer(mesh):
     step = jax.jit(tx.update)
     ones = jax.tree.map(lambda p: jnp.ones((NDEV, *p.shape)), params)
     nan_on_3 = jax.tree.map(lambda g: g.at[3].set(jnp.nan), ones)
-    counts = jnp.ones(NDEV)
+    counts, loss = jnp.ones(NDEV), jnp.float32(1.0)  # _tx's recorder needs value=
     for i in range(K):
-        _, state = step(nan_on_3 if i == 1 else ones, state, params, count=counts)
+        grads = nan_on_3 if i == 1 else ones
+        _, state = step(grads, state, params, count=counts, value=loss)
     assert int(state.num_nonfinite_windows) == 1 and int(state.gradient_step) == 0
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.inner_opt_state))
     for _ in range(K):
-        updates, state = step(nan_on_3, state, params, count=counts.at[3].set(0))
+        updates, state = step(
+            nan_on_3, state, params, count=counts.at[3].set(0), value=loss
+        )
     assert int(state.num_nonfinite_windows) == 1 and int(state.gradient_step) == 1
     assert all(np.isfinite(u).all() and u.any() for u in jax.tree.leaves(updates))
 
@@ -1010,8 +1013,8 @@ def test_deferred_per_window_empty_window_applies_nothing(mesh):
     assert int(state.num_nonfinite_windows) == 0
     assert all(not np.asarray(u).any() for u in jax.tree.leaves(updates))
     chex.assert_trees_all_equal(state.inner_opt_state, tx.init(params).inner_opt_state)
-    for _ in range(K):
-        updates, state = step(ones, state, params, count=jnp.ones(NDEV))
+    for _ in range(K):  # _tx's recorder needs value=
+        updates, state = step(ones, state, params, count=jnp.ones(NDEV), value=1.0)
     assert tx.has_updated(state) and int(state.gradient_step) == 1
     assert all(np.isfinite(u).all() and u.any() for u in jax.tree.leaves(updates))
 

@@ -19,7 +19,9 @@ model of their documented semantics:
 In both a window applies ``-Σ nᵢᵈ gᵢᵈ / Σ nᵢᵈ`` over the shares it holds if it
 has tokens and that mean is finite, counts a non-finite mean in
 ``num_nonfinite_windows``, and applies nothing without tokens; the recorded
-``value`` is the token-weighted mean of the values passed (NaN if none was).
+``value`` is the token-weighted mean of the values passed. The recording step
+needs ``value=``: a window in which none was passed is held and counted as
+non-finite.
 With window statistics on, every closed window's tokens, ``K`` (the shares
 with tokens), ``‖ḡ‖²`` and ``tr Σ̂`` match the model's, each share a small
 batch of its own.
@@ -100,17 +102,18 @@ class Model:
             return None
         update = None
         total = sum(n for n, _ in self.shares)
-        if total > 0:
-            mean = sum(n * g for n, g in self.shares) / total
-            if np.isfinite(mean).all():
-                update = -mean
-                self.gradient_step += 1
-            else:
-                self.nonfinite += 1
         vtotal = sum(n for n, _ in self.values)
         value = sum(n * v for n, v in self.values) / vtotal if vtotal else math.nan
-        if update is not None:
-            self.last_value = value
+        if total > 0:
+            mean = sum(n * g for n, g in self.shares) / total
+            # The recording inner step needs value=: a window without one is
+            # held like a non-finite mean.
+            if np.isfinite(mean).all() and math.isfinite(value):
+                update = -mean
+                self.gradient_step += 1
+                self.last_value = value
+            else:
+                self.nonfinite += 1
         k = len(self.shares)
         g2 = float(mean @ mean) if total > 0 else math.nan
         s = sum(n * float(g @ g) for n, g in self.shares) - total * g2

@@ -186,8 +186,9 @@ def _wrapper(skip, schedule, fused, needs_value, jit):
 class Model:
     """The documented semantics, in float64 (counts summed in float32, as stated)."""
 
-    def __init__(self, skip, k_of_step):
+    def __init__(self, skip, k_of_step, needs_value=False):
         self.skip, self.k_of_step = skip, k_of_step
+        self.needs_value = needs_value
         self.mini_step = self.gradient_step = 0
         self.num_invalid_counts = self.num_nonfinite_windows = 0
         self.updated = False
@@ -250,15 +251,17 @@ class Model:
         update = None
         if self.acc_count > 0:
             mean = self.mean()
-            if all(np.all(np.isfinite(m)) for m in mean.values()):
+            # The window's token-weighted loss over the microbatches that
+            # passed one; NaN if none did. An inner optimizer that needs it
+            # never sees a NaN: the window is held, like a non-finite mean.
+            window_value = (
+                self.value_sum / self.value_weight if self.value_weight else math.nan
+            )
+            if all(np.all(np.isfinite(m)) for m in mean.values()) and not (
+                self.needs_value and math.isnan(window_value)
+            ):
                 update = {key: -m for key, m in mean.items()}
-                # The window's token-weighted loss over the microbatches that
-                # passed one; NaN if none did.
-                self.inner_value = (
-                    self.value_sum / self.value_weight
-                    if self.value_weight
-                    else math.nan
-                )
+                self.inner_value = window_value
                 self.params = {key: self.params[key] + update[key] for key in update}
                 self.gradient_step += 1
                 self.updated = True
@@ -287,7 +290,7 @@ class MaskedMultiStepsMachine(RuleBasedStateMachine):
         self.tx, self.step_fn = _wrapper(skip, schedule, fused, needs_value, self.JIT)
         self.state = self.tx.init(PARAMS)
         self.params = PARAMS
-        self.model = Model(skip, SCHEDULES[schedule][1])
+        self.model = Model(skip, SCHEDULES[schedule][1], needs_value)
 
     def check_microbatch(self, grads, count, value):
         """One `update` (or `apply_gradients`) call, checked against the model."""
