@@ -147,9 +147,9 @@ def _accumulator_fits(dtype: Any, accumulator_dtype: Any) -> bool:
     return dtype == accumulator_dtype
 
 
-# `optax.MultiSteps` keywords with no meaning here, and why.
 _DEFAULT_STATS_DECAY = 0.9
 
+# `optax.MultiSteps` keywords with no meaning here, and why.
 _OPTAX_ONLY_KEYWORDS = {
     "use_grad_mean": (
         "MaskedMultiSteps always keeps a running (token-weighted) mean, which "
