@@ -435,6 +435,7 @@ def _token_budget(
         )
     track_seen = callable(budget) and by == "tokens_seen"
     budget_of: Callable[[Any, WindowScalars], float | int | jax.Array]
+    fixed_budget = None
     if callable(budget):
         budget_fn = budget
         if track_seen:
@@ -450,7 +451,7 @@ def _token_budget(
                 )
             )
     else:
-        constant = check_real(budget, what)
+        fixed_budget = constant = check_real(budget, what)
         budget_of = lambda _, s: constant  # noqa: E731
 
     cap = None
@@ -459,7 +460,7 @@ def _token_budget(
     fixed_cap = None
     if max_microbatches is not None and not callable(max_microbatches):
         fixed_cap = int(max_microbatches)
-    maximum = (fixed_cap, None if callable(budget) else check_real(budget, what))
+    maximum = (fixed_cap, fixed_budget)
 
     def closes(policy_state, scalars):
         done = _tokens_reached(scalars.tokens, budget_of(policy_state, scalars))
