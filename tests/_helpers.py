@@ -7,13 +7,18 @@ with the bytes it produces and where it runs: at the top level of the step
 inside a branch of a conditional (``"branch"``: only when that branch is taken,
 e.g. the window-closing branch of ``MaskedMultiSteps``). Deterministic for a given
 jax/XLA version, so tests may assert on it.
+
+``backend_compiles()`` records the backend compilations that run inside its block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+
+import jax
 
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 _OP = re.compile(
@@ -130,3 +135,20 @@ def large(found: Iterable[Collective], min_bytes: int) -> list[Collective]:
 
 def bytes_where(found: Iterable[Collective], where: str) -> int:
     return sum(c.bytes for c in found if c.where == where)
+
+
+@contextlib.contextmanager
+def backend_compiles() -> Iterator[list[str]]:
+    """A list that collects one event per backend compilation in the block."""
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: object) -> None:
+        del duration, kwargs
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

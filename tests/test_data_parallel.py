@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import optax.tree as otu
 import pytest
-from _helpers import collectives, large
+from _helpers import backend_compiles, collectives, large
 from _recording import records_value
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -460,21 +460,12 @@ def test_plain_loop_deferred_equals_single_device_and_reduces_once(mesh, synced)
         step.lower(params, state, jax.device_put(batches[0], data)).compile().as_text(),
         synced_counts=synced,
     )
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         for i, mb in enumerate(batches):
             params, state = step(params, state, jax.device_put(mb, data))
             counts = np.asarray(state.reduction_state.counts)
             assert counts[EMPTY_DEVICE] == 0
             _check_window_totals(i, counts, state, synced)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     # tx.init puts its scalars (and adam's count) on the mesh, replicated, and
     # the accumulator as jit returns it: the first step's state is laid out as
     # every later one's, so every step runs what `step.lower(...)` compiled

@@ -186,29 +186,20 @@ def test_python_m_demo_without_tqdm_names_the_extra(tmp_path):
 
 
 def test_nothing_compiles_while_the_progress_bar_runs():
-    import jax
+    from _helpers import backend_compiles
 
     from masked_multistep.demo import train
 
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
     seen = {}
-
-    def progress(n):
-        seen["at_start"] = len(compiles)
-        yield from range(n)
-        seen["at_end"] = len(compiles)
-
     # A configuration of its own, so that its step functions compile here.
     config = train.Config(steps=2, microbatches=3, batch_size=12, heldout_size=24)
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
+
+        def progress(n):
+            seen["at_start"] = len(compiles)
+            yield from range(n)
+            seen["at_end"] = len(compiles)
+
         train.train_all(config, progress=progress)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert seen["at_start"] > 0  # the step functions compiled before the bar
     assert seen["at_end"] == seen["at_start"]  # and nothing while it ran
