@@ -297,6 +297,16 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
                 f"{jnp.shape(g)}, but the state expects {jnp.shape(a)}{hint}"
             )
         g_dtype, a_dtype = jnp.result_type(g), jnp.result_type(a)
+        if not jnp.issubdtype(g_dtype, jnp.inexact):
+            # The window's mean goes to the inner optimizer in the gradients'
+            # dtype: an integer one would truncate it (2.5 -> 2), silently.
+            raise TypeError(
+                f"The gradient at {jax.tree_util.keystr(path) or '<root>'} has "
+                f"dtype {g_dtype}: gradients must be floating point (the window's "
+                "mean is fractional and the inner optimizer gets it in the "
+                "gradients' dtype, so it would be truncated); e.g. "
+                "jnp.full(3, 2.0), not jnp.full(3, 2)"
+            )
         if jnp.issubdtype(g_dtype, jnp.complexfloating) and not jnp.issubdtype(
             a_dtype, jnp.complexfloating
         ):

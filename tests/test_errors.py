@@ -64,6 +64,20 @@ def test_a_complex_gradient_for_a_real_parameter_is_refused():
         tx.update({"w": jnp.ones(2, jnp.complex64)}, tx.init(p), p, count=1)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_])
+def test_an_integer_gradient_is_refused(dtype):
+    # The window's mean reaches the inner optimizer in the gradients' dtype: an
+    # integer one truncated it, (1·1 + 3·3) / 4 = 2.5 became 2, silently.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    p = {"w": jnp.zeros(2)}
+    with pytest.raises(
+        TypeError,
+        match=rf"\['w'\] has dtype {jnp.dtype(dtype)}.*"
+        "floating point",
+    ):
+        tx.update({"w": jnp.ones(2, dtype)}, tx.init(p), p, count=1)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int16, jnp.uint32])
 def test_count_dtypes_that_cannot_hold_counts_are_refused(dtype):
     # A float16 total rounds 2049 to 2048; bfloat16 rounds 257 to 256.
