@@ -175,7 +175,10 @@ def running_mean_update(
       value: pytree with the structure of ``mean``, the new microbatch's mean.
       count: scalar, non-negative weight of ``value`` (same dtype as ``total``;
         a float ``count`` with an integer ``total`` is a ``TypeError``).
-        Zero leaves ``mean`` and ``total`` bit-identical, whatever ``value`` holds.
+        Zero leaves ``mean`` and ``total`` bit-identical, whatever ``value`` holds;
+        so does a weight that is negative, NaN or infinite, or that would take
+        an integer ``total`` past its dtype's maximum (a Python or numpy
+        integer that does not fit ``total``'s dtype is a ``ValueError``).
       with_sq_deviation: also return ``n·(N_old/N)·Σ_leaves ‖value − mean‖²``,
         the increment of West's weighted sum of squared deviations, reduced in
         the same pass over the leaves (at least float32; exactly 0 when
@@ -221,15 +224,27 @@ def running_mean_update(
             "jnp.zeros([], jnp.float32)) for fractional weights"
         )
     new_total = total + count
-    take = count > 0
+    # A weight that is not a positive number, or whose addition overflows the
+    # total (an integer total would wrap; an infinite weight makes N / n NaN),
+    # is ignored like a zero weight.
+    if jnp.issubdtype(total.dtype, jnp.integer):
+        fits = count <= jnp.iinfo(total.dtype).max - total
+    else:
+        fits = jnp.isfinite(new_total)
+    take = (count > 0) & fits
     first = total == 0
     # West's weight of δ below uses the window's ratio N / n (each leaf's update
     # forms its own in the leaf's precision).
     ratio = jnp.where(take, safe_fraction(new_total, count), 1)
     sq_devs = []
 
-    def leaf(m, g):
+    def leaf(path, m, g):
         m, g = jnp.asarray(m), jnp.asarray(g)
+        if m.shape != g.shape:
+            raise ValueError(
+                f"`value` at {jax.tree_util.keystr(path) or '<root>'} has shape "
+                f"{g.shape}, but `mean` has {m.shape}"
+            )
         dtype = compute_dtype(m.dtype)
         # N / n rather than n / N: with equal weights N / n is the exact integer
         # j, so the update equals optax.MultiSteps' `acc + (g - acc) / j` bit for
@@ -255,7 +270,7 @@ def running_mean_update(
         return jnp.where(take, new, m_c).astype(m.dtype)
 
     with jax.named_scope("masked_multistep/running_mean"):
-        new_mean = jax.tree.map(leaf, mean, value)
+        new_mean = jax.tree_util.tree_map_with_path(leaf, mean, value)
         new_total_out = jnp.where(take, new_total, total).astype(total.dtype)
         if not with_sq_deviation:
             return new_mean, new_total_out

@@ -164,3 +164,35 @@ def test_running_mean_takes_python_numbers_and_refuses_a_truncating_total():
     assert float(total) == float(np.float32(2**32 + 2)) and float(mean) == 5.0
     with pytest.raises(ValueError, match=r"`count` \(4294967297\) does not fit"):
         mm.running_mean_update(jnp.zeros(()), jnp.int32(0), jnp.ones(()), big)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_running_mean_ignores_weights_that_would_corrupt_it(jit):
+    update = jax.jit(mm.running_mean_update) if jit else mm.running_mean_update
+    mean, g = jnp.float32(1.0), jnp.float32(3.0)
+    cases = [
+        # An integer total that would wrap: 2³¹ − 1 + 2³¹ − 1 was −2, mean −2e9.
+        (jnp.int32(2**31 - 1), jnp.int32(2**31 - 1)),
+        (jnp.int8(100), jnp.int8(100)),  # 100 + 100 wrapped to −56
+        (jnp.float32(2.0), jnp.float32(jnp.inf)),  # N / n = inf / inf: NaN mean
+        (jnp.float32(3e38), jnp.float32(3e38)),  # a total past float32's range
+        (jnp.float32(2.0), jnp.float32(-1.0)),
+        (jnp.float32(2.0), jnp.float32(jnp.nan)),
+    ]
+    for total, count in cases:
+        new_mean, new_total = update(mean, total, g, count)
+        assert float(new_mean) == 1.0, (total, count)
+        assert new_total.dtype == total.dtype and new_total == total, (total, count)
+    # The largest weight that fits is taken.
+    new_mean, new_total = update(mean, jnp.int32(1), g, jnp.int32(2**31 - 2))
+    assert int(new_total) == 2**31 - 1 and float(new_mean) == 3.0
+
+
+def test_running_mean_refuses_a_value_of_another_shape():
+    # It broadcast: a scalar mean became a vector.
+    with pytest.raises(ValueError, match=r"`value` at <root> has shape \(3,\), "):
+        mm.running_mean_update(jnp.float32(1.0), jnp.float32(2.0), jnp.ones(3), 2.0)
+    with pytest.raises(ValueError, match=r"`value` at \['a'\] has shape \(2, 2\)"):
+        mm.running_mean_update(
+            {"a": jnp.ones(2)}, jnp.float32(2.0), {"a": jnp.ones((2, 2))}, 2.0
+        )
