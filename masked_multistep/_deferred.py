@@ -411,6 +411,8 @@ class DeferredPerWindow(Deferred):
     traced invalid count (negative, non-finite, or overflowing that device's
     total) drops that device's share of the microbatch only, not the whole
     microbatch; it is added to ``num_invalid_counts`` when the window closes.
+    The microbatch still counts toward the window's ``k`` (``mini_step``
+    advances) even when every device's count is invalid.
     A window whose global token total overflows an integer ``count_dtype``
     applies no update and counts as one invalid count. With window statistics
     the state's ``stats.weighted_sq_norms`` and ``stats.microbatches`` stay 0
@@ -582,7 +584,8 @@ def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:
     ``value_count`` stay 0 (every device's own figures are in
     ``state.reduction_state``), and a traced invalid count on one device drops
     that device's share of the microbatch and is added to ``num_invalid_counts``
-    when the window closes (with window statistics, ``state.stats``' running
+    when the window closes, and the microbatch counts toward ``k`` even when
+    every device's count is invalid (with window statistics, ``state.stats``' running
     sums stay 0 likewise). Token budgets and skip functions need every
     microbatch's global count: with them the devices agree on it on every
     microbatch (a scalar all-reduce; a second one for ``value=``), ``acc_count``
