@@ -101,6 +101,15 @@ def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
         raise ValueError(
             f"`accumulator_dtype` must be a floating dtype or None, got {dtype}"
         )
+    if dtype.itemsize == 8 and not _x64():
+        # Without x64 the arrays would be float32, and every update would then
+        # refuse the state that `init` built as another wrapper's.
+        hint = " (`float` is float64)" if accumulator_dtype is float else ""
+        raise ValueError(
+            f"`accumulator_dtype={dtype}` needs "
+            "`jax.config.update('jax_enable_x64', True)` (without it, jax "
+            f"computes in float32){hint}"
+        )
     return dtype
 
 
@@ -260,7 +269,13 @@ def check_value(value: Any) -> jax.Array | None:
     """``value=`` (a microbatch's mean loss) as a real scalar array."""
     if value is None:
         return None
-    arr = jnp.asarray(value)
+    try:
+        arr = jnp.asarray(value)
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            "`value` must be a real scalar (the microbatch's mean loss), got "
+            f"{value!r} of type {type(value).__name__}"
+        ) from err
     if arr.shape != ():
         raise ValueError(
             "`value` must be a scalar (the microbatch's mean loss), got shape "
@@ -317,6 +332,34 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
             )
 
 
+def check_params_match(params: Any, acc_grads: Any, device_axes: int) -> None:
+    """``apply_gradients``' params have the structure and shapes of the params
+    the state was built from (the accumulator's, less ``device_axes`` leading
+    axes)."""
+    if params is None:
+        raise TypeError(
+            "`params` must be the parameters to update, got None (apply_gradients "
+            "returns the new params; `update` returns the updates alone)"
+        )
+    p_def, a_def = jax.tree.structure(params), jax.tree.structure(acc_grads)
+    if p_def != a_def:
+        raise ValueError(
+            "The params' tree structure does not match the state's: got "
+            f"{p_def}, expected {a_def} (the structure of the params passed to init)"
+        )
+    for (path, p), a in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0],
+        jax.tree.leaves(acc_grads),
+        strict=True,
+    ):
+        if jnp.shape(p) != jnp.shape(a)[device_axes:]:
+            raise ValueError(
+                f"The params at {jax.tree_util.keystr(path) or '<root>'} have shape "
+                f"{jnp.shape(p)}, but the state was built for "
+                f"{jnp.shape(a)[device_axes:]}"
+            )
+
+
 def is_host_int(x: Any) -> bool:
     """A Python int, or a numpy integer scalar or array (not a bool)."""
     if isinstance(x, (bool, np.bool_)):
@@ -366,9 +409,16 @@ def check_real(value: Any, what: str, *, positive: bool = True) -> float | int:
         )
         raise TypeError(f"{what} must be a real number, got {got}")
     value = int(value) if isinstance(value, numbers.Integral) else float(value)
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        finite = False
+    if not finite or value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{what} must be finite and {bound}, got {value}")
+        shown = str(value)
+        if len(shown) > 24:  # an int of hundreds of digits
+            shown = f"an integer of {len(shown)} digits"
+        raise ValueError(f"{what} must be finite and {bound}, got {shown}")
     return value
 
 

@@ -108,6 +108,9 @@ class Deferred(KnownTotals):
     :meth:`per_window` is the variant that agrees only at the window's end.
     """
 
+    # The accumulator's leading axis: one running mean per device.
+    device_axes = 1
+
     def __init__(self, mesh: jax.sharding.Mesh, axis_name: Any = "data"):
         self.mesh = mesh
         self.axes, self.size = check_mesh_axes(mesh, axis_name)

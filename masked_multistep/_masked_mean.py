@@ -10,6 +10,15 @@ from masked_multistep._running_mean import compute_dtype, safe_fraction
 __all__ = ["masked_mean"]
 
 
+def _as_array(x: jax.typing.ArrayLike, what: str) -> jax.Array:
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            f"`{what}` must be an array, got {x!r} of type {type(x).__name__}"
+        ) from err
+
+
 def masked_mean(
     values: jax.typing.ArrayLike,
     mask: jax.typing.ArrayLike,
@@ -45,8 +54,7 @@ def masked_mean(
       >>> print(*mm.masked_mean(jnp.ones(3), jnp.zeros(3, bool)))
       0.0 0
     """
-    values = jnp.asarray(values)
-    mask = jnp.asarray(mask)
+    values, mask = _as_array(values, "values"), _as_array(mask, "mask")
     try:
         mask = jnp.broadcast_to(mask, values.shape)
     except ValueError as err:

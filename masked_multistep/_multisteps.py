@@ -586,7 +586,18 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         return self._reduction.place(state)
 
     def has_updated(self, state: MaskedMultiStepsState) -> jax.Array:
-        """True exactly when the last :meth:`update` applied an inner update."""
+        """True exactly when the last :meth:`update` applied an inner update.
+
+        ``state`` is this wrapper's own state; :func:`masked_multistep.has_updated`
+        finds it inside a chain's state, a ``TrainState`` or an NNX optimizer.
+        """
+        if not hasattr(state, "updated"):
+            raise TypeError(
+                "`has_updated` takes the wrapper's own state (a "
+                f"MaskedMultiStepsState), got {type(state).__name__}: for a nested "
+                "state (optax.chain, mm.TrainState.opt_state, an NNX optimizer's "
+                "opt_state) use mm.has_updated(opt_state)"
+            )
         return jnp.asarray(state.updated)
 
     def _update(
@@ -816,6 +827,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         _checks.check_extra_args(extra_args)
         self._check_state(state)
         self._reduction.check_grads(grads, state.acc_grads)
+        if apply_params:
+            _checks.check_params_match(
+                params, state.acc_grads, self._reduction.device_axes
+            )
         extra_args = dict(extra_args)
 
         with jax.named_scope("masked_multistep/accumulate"):

@@ -140,6 +140,8 @@ class KnownTotals:
 
     # The window statistics' running sums live in the statistics' state.
     keeps_stats = False
+    # Leading (device) axes of the accumulator beyond the params' shape.
+    device_axes = 0
 
     def may_have_tokens(self, acc_count: jax.Array) -> jax.Array:
         return acc_count > 0

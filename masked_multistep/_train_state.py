@@ -134,6 +134,11 @@ class TrainState(_flax_train_state.TrainState):
                 "call `state.apply_gradients(grads=grads, count=n)`, got "
                 "count=None."
             )
+        if extra_args is not None and not isinstance(extra_args, Mapping):
+            raise TypeError(
+                "`extra_args` must be a mapping of keyword arguments for the "
+                f"optimizer's update, got {type(extra_args).__name__}"
+            )
         extra_args = dict(extra_args or {})
         clash = [k for k in ("count", "value") if k in extra_args]
         if clash:

@@ -422,3 +422,58 @@ def test_a_traced_window_size_is_named():
         lambda k: mm.MaskedMultiSteps(optax.sgd(0.1), k), static_args=("k",)
     )(k=2)
     jax.jit(static.init)(PARAMS)
+
+
+def test_apply_gradients_checks_the_params():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1)
+    state = tx.init({"w": jnp.zeros(3)})
+    grads = {"w": jnp.ones(3)}
+    # None was returned as the new params while the state recorded an update.
+    with pytest.raises(TypeError, match="`params` must be the parameters.*got None"):
+        tx.apply_gradients(grads, state, None, count=3)
+    # jax's broadcasting error, naming no argument.
+    with pytest.raises(
+        ValueError, match=r"params at \['w'\] have shape \(4,\).*\(3,\)"
+    ):
+        tx.apply_gradients(grads, state, {"w": jnp.zeros(4)}, count=3)
+    with pytest.raises(ValueError, match="params' tree structure does not match"):
+        tx.apply_gradients(grads, state, {"v": jnp.zeros(3)}, count=3)
+
+
+def test_a_float64_accumulator_without_x64_is_refused_when_built():
+    # It was accepted, init built float32 accumulators, and every update then
+    # refused that state as another wrapper's.
+    for dtype in (float, jnp.float64, "float64"):
+        with pytest.raises(ValueError, match="`accumulator_dtype=float64` needs"):
+            mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype=dtype)
+
+
+def test_non_numeric_arguments_are_named():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1)
+    state = tx.init({"w": jnp.zeros(3)})
+    grads = {"w": jnp.ones(3)}
+    for value in ("abc", {"a": 1.0}):
+        with pytest.raises(TypeError, match="`value` must be a real scalar.*got"):
+            tx.update(grads, state, None, count=3, value=value)
+    with pytest.raises(TypeError, match="`mask` must be an array, got None"):
+        mm.masked_mean(jnp.ones(3), None)
+    with pytest.raises(TypeError, match="`values` must be an array, got 'x'"):
+        mm.masked_mean("x", jnp.ones(3, bool))
+    # An int beyond any float: an OverflowError that named nothing.
+    with pytest.raises(
+        ValueError, match="`budget` must be .* an integer of 401 digits"
+    ):
+        mm.token_budget(10**400)
+    with pytest.raises(ValueError, match="`tokens_per_window` must be finite"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, tokens_per_window=10**400)
+
+
+def test_has_updated_on_a_nested_state_points_to_mm_has_updated():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1)
+    chain = optax.chain(optax.scale(1.0), tx)
+    state = chain.init(jnp.zeros(3))
+    with pytest.raises(
+        TypeError, match=r"got tuple: .* use mm.has_updated\(opt_state\)"
+    ):
+        tx.has_updated(state)
+    assert not mm.has_updated(state)

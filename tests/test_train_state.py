@@ -84,6 +84,14 @@ def test_count_and_value_inside_extra_args_are_refused():
         )
 
 
+def test_extra_args_that_are_not_a_mapping_are_named():
+    # dict([1]) failed inside: "cannot convert dictionary update sequence".
+    with pytest.raises(TypeError, match="`extra_args` must be a mapping.*got list"):
+        _state().apply_gradients(
+            grads={"w": jnp.ones(2)}, count=jnp.int32(1), extra_args=[1]
+        )
+
+
 def test_without_flax_the_import_error_says_how_to_install_it(monkeypatch):
     # Make flax unimportable for the lazy import of `masked_multistep.TrainState`.
     for name in [m for m in sys.modules if m == "flax" or m.startswith("flax.")]:
