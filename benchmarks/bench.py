@@ -337,7 +337,7 @@ def fmt_size(width: int, layers: int, num_params: int) -> str:
 
 def print_window_table(rows: list[dict[str, Any]]) -> None:
     header = (
-        f"{'params':>16} {'k':>3}  {'competitor':<32} {'ms/mb':>8} {'x floor':>8} "
+        f"{'params':>16} {'k':>3}  {'competitor':<34} {'ms/mb':>8} {'x floor':>8} "
         f"{'x optax':>8} {'temp MB':>8} {'temp/P':>7} {'state/P':>8} "
         f"{'arg MB':>7} {'out MB':>7} {'alias MB':>8}"
     )
@@ -351,7 +351,7 @@ def print_window_table(rows: list[dict[str, Any]]) -> None:
         last = key
         print(
             f"{fmt_size(r['width'], r['layers'], r['num_params']):>16} {r['k']:>3}  "
-            f"{r['competitor']:<32} {r['ms_per_microbatch']:>8.2f} "
+            f"{r['competitor']:<34} {r['ms_per_microbatch']:>8.2f} "
             f"{r['x_floor']:>8.2f} {r['x_optax_multisteps']:>8.2f} "
             f"{r['temp_bytes'] / MB:>8.1f} {r['temp_bytes'] / r['param_bytes']:>7.2f} "
             f"{r['state_bytes'] / r['param_bytes']:>8.2f} "
@@ -365,12 +365,12 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
     keys = sorted({(r["width"], r["k"]) for r in rows})
     names = list(dict.fromkeys(r["competitor"] for r in rows))
     cell = {(r["competitor"], r["width"], r["k"]): r["x_floor"] for r in rows}
-    head = f"{'x floor':<32}" + "".join(f" {f'{w}/k={k}':>10}" for w, k in keys)
+    head = f"{'x floor':<34}" + "".join(f" {f'{w}/k={k}':>10}" for w, k in keys)
     print(head)
     print("-" * len(head))
     for name in names:
         print(
-            f"{name:<32}"
+            f"{name:<34}"
             + "".join(
                 f" {cell.get((name, w, k), float('nan')):>10.2f}" for w, k in keys
             )

@@ -6,6 +6,7 @@ loss. :class:`MaskedMultiSteps` weights each microbatch by its token count and
 runs the inner optimizer once per window on exactly the full-batch gradient.
 """
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 from masked_multistep._checkpoint import (
@@ -39,12 +40,12 @@ if TYPE_CHECKING:
     # Type checkers see the real class; at run time it is imported on first
     # access (`__getattr__` below), so that `import masked_multistep` neither
     # needs flax, an optional dependency, nor pays for importing it.
-    from masked_multistep._train_state import TrainState
+    from masked_multistep._train_state import TrainState as TrainState
 
 
-# The same in every environment: `TrainState` is listed whether or not flax is
-# installed; without flax, accessing it raises an ImportError that says what
-# to install.
+# `TrainState` (flax's) is listed where flax is installed, so that
+# `from masked_multistep import *` works without it too; without flax, accessing
+# `mm.TrainState` raises an ImportError that says what to install.
 __all__ = [
     "MaskedMultiSteps",
     "MaskedMultiStepsState",
@@ -60,7 +61,6 @@ __all__ = [
     "from_state_0_1",
     "has_updated",
     "state_0_1_target",
-    "TrainState",
     "masked_mean",
     "noise_scale_estimates",
     "microbatched_value_and_grad",
@@ -72,6 +72,8 @@ __all__ = [
     "weighted_mean_across",
     "window_stats",
 ]
+if importlib.util.find_spec("flax") is not None:
+    __all__.append("TrainState")
 
 
 def __getattr__(name: str):

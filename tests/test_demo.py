@@ -57,6 +57,33 @@ def test_demo_outputs_show_masked_equals_full_batch(tmp_path, capsys):
     mean = batches.mask.reshape(3, -1).sum(axis=-1).mean()
     assert summary["mean_tokens_per_batch"] == pytest.approx(mean)
     assert f"hold {mean:.0f} tokens on average" in printed
+    # The footer names what it averaged: 3 steps, not "the last 10".
+    assert "mean full-batch loss over the last 3 steps." in printed
+    assert "Length-sorted" in printed  # the default skew sorts by length
+
+
+def test_the_footer_follows_the_run():
+    from masked_multistep.demo import report
+
+    summary = {
+        "config": {"steps": 1, "batch_size": 8, "microbatches": 2, "skew": 0.0},
+        "tokens_per_microbatch_first_batch": [3, 5],
+        "mean_tokens_per_batch": 8.0,
+        "runs": {
+            name: {
+                "grad_rel_error_mean": 0.0,
+                "grad_rel_error_max": 0.0,
+                "final_train_loss": 1.0,
+                "heldout_loss": 1.0,
+                "final_noise_scale": 10.0,
+            }
+            for name in report.RUNS
+        },
+    }
+    text = report.format_table(summary)
+    assert "over the last step." in text
+    # The length-order caveat only where microbatches are sorted by length.
+    assert "Length-sorted" not in text and "--skew" not in text
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ def summarize(
     ``final_train_loss`` averages the last 10 steps' full-batch training losses
     (each measured at the run's params before that step's update).
     """
-    tail = max(1, min(10, config.steps))
+    tail = _loss_tail(config.steps)
     runs = {}
     for name in RUNS:
         r = results[name]
@@ -51,6 +51,11 @@ def summarize(
         "mean_tokens_per_batch": float(mean_batch_tokens),
         "runs": runs,
     }
+
+
+def _loss_tail(steps: int) -> int:
+    """How many of the last steps ``final_train_loss`` averages."""
+    return max(1, min(10, steps))
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -83,13 +88,21 @@ def format_table(summary: dict[str, Any]) -> str:
         "(smoothed),",
         f"{summary['runs']['masked_multisteps']['final_noise_scale']:.3g} tokens at "
         "the last step: an estimate of the critical batch size (this",
-        f"run's batches hold {tokens_per_step:.0f} tokens on average). "
-        "Length-sorted microbatches (--skew above 0) differ",
-        "systematically and inflate it; --skew 0 measures it without that bias.",
+        f"run's batches hold {tokens_per_step:.0f} tokens on average).",
+    ]
+    if c["skew"] > 0:
+        lines[-1] += " Length-sorted"
+        lines += [
+            "microbatches (--skew above 0) differ systematically and inflate it;",
+            "--skew 0 measures it without that bias.",
+        ]
+    tail = _loss_tail(c["steps"])
+    steps = "the last step" if tail == 1 else f"the last {tail} steps"
+    lines += [
         "",
         "grad rel. error: ‖g − g_full‖ / ‖g_full‖, mean and max over steps; g is the",
         "gradient the accumulator handed to adam, g_full the full-batch gradient at",
-        "the same params. train loss: mean full-batch loss over the last 10 steps.",
+        f"the same params. train loss: mean full-batch loss over {steps}.",
     ]
     return "\n".join(lines)
 
