@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -30,6 +29,7 @@ from masked_multistep._reduction import (
     WindowTotals,
     check_mesh_axes,
     mean_over_devices,
+    replicate_uncommitted,
 )
 from masked_multistep._running_mean import (
     compute_dtype,
@@ -156,24 +156,11 @@ class Deferred(KnownTotals):
             names.pop()
         return NamedSharding(self.mesh, P(*names))
 
-    def place(self, state: Any) -> Any:
-        """``state`` with its uncommitted leaves (the scalars ``init`` makes, the
-        inner optimizer's step count) replicated on the mesh, where ``jit``
-        puts them after a step: else the first step's inputs differ from every
-        later step's, and the step compiles twice. A traced ``init`` is left to
-        its ``out_shardings``."""
-        replicated = NamedSharding(self.mesh, P())
-
-        def leaf(x):
-            if isinstance(x, jax.Array) and not getattr(x, "_committed", True):
-                # From each process's own copy (every process builds the same
-                # state): jax.device_put would compare them across processes,
-                # and the statistics' NaN placeholders never compare equal.
-                host = np.asarray(x)
-                return jax.make_array_from_callback(x.shape, replicated, lambda _: host)
-            return x
-
-        return jax.tree.map(leaf, state)
+    def place(self, state: Any, params: Any) -> Any:
+        """``state`` placed as a step returns it (:func:`replicate_uncommitted`
+        on this reduction's mesh)."""
+        del params
+        return replicate_uncommitted(state, self.mesh)
 
     def _with_device_axis(self, tree: Any) -> Any:
         """``tree`` with the device axis put in front of its boxes' names.

@@ -583,7 +583,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             policy_state=self._policy.init(),
             reduction_state=self._reduction.init(self._count_dtype),
         )
-        return self._reduction.place(state)
+        return self._reduction.place(state, params)
 
     def has_updated(self, state: MaskedMultiStepsState) -> jax.Array:
         """True exactly when the last :meth:`update` applied an inner update.

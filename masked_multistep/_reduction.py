@@ -29,6 +29,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from masked_multistep import _checks
 from masked_multistep._collectives import weighted_mean_across, weighted_sum_across
@@ -40,10 +42,31 @@ __all__ = [
     "WindowTotals",
     "check_mesh_axes",
     "mean_over_devices",
+    "replicate_uncommitted",
 ]
 
 # The name of the leading (device) axis inside `mean_over_devices`' vmap.
 _DEVICES = "masked_multistep/devices"
+
+
+def replicate_uncommitted(state: Any, mesh: jax.sharding.Mesh) -> Any:
+    """``state`` with its uncommitted leaves (the scalars ``init`` makes, the
+    inner optimizer's step count) replicated on ``mesh``, where ``jit`` puts
+    them after a step: else the first step's inputs differ from every later
+    step's, and the step compiles twice. A traced ``init`` is left to its
+    ``out_shardings``."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def leaf(x):
+        if isinstance(x, jax.Array) and not getattr(x, "_committed", True):
+            # From each process's own copy (every process builds the same
+            # state): jax.device_put would compare them across processes, and
+            # the statistics' NaN placeholders never compare equal.
+            host = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, replicated, lambda _: host)
+        return x
+
+    return jax.tree.map(leaf, state)
 
 
 def check_mesh_axes(
@@ -180,8 +203,32 @@ class Local(KnownTotals):
         del count_dtype
         return ()
 
-    def place(self, state: Any) -> Any:
-        return state
+    def place(self, state: Any, params: Any) -> Any:
+        """``state`` placed as a step returns it: with params on one mesh
+        (``NamedSharding``), its scalars replicated on that mesh
+        (:func:`replicate_uncommitted`); with params committed to one device,
+        committed to it; as it is otherwise."""
+        places = set()
+        for x in jax.tree.leaves(params):
+            if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+                continue
+            if isinstance(x.sharding, NamedSharding):
+                places.add(x.sharding.mesh)
+            elif getattr(x, "_committed", False):
+                places.update(x.devices())
+        if len(places) != 1:
+            return state
+        place = places.pop()
+        if isinstance(place, jax.sharding.Mesh):
+            return replicate_uncommitted(state, place)
+        return jax.tree.map(
+            lambda x: (
+                jax.device_put(x, place)
+                if isinstance(x, jax.Array) and not getattr(x, "_committed", True)
+                else x
+            ),
+            state,
+        )
 
     def check_grads(self, grads: Any, acc_grads: Any) -> None:
         _checks.check_grads_match(grads, acc_grads)
