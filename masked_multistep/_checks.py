@@ -208,16 +208,14 @@ def to_count(
             "use the default count_dtype (float32), which takes integer and "
             "fractional counts alike"
         )
-    traced = isinstance(count, jax.core.Tracer)
-    if not traced and isinstance(count, jax.Array) and not count.is_fully_addressable:
-        # A global array of several processes: each checks the entries it
-        # holds (by their global index); no process can read the others'.
-        for shard in count.addressable_shards:
-            start = (shard.index[0].start or 0) if shard.index else 0
-            for i, value in enumerate(np.ravel(np.asarray(shard.data)).tolist()):
-                where = f"{what}[{start + i}]" if shape else what
-                _check_concrete(value, dtype, where)
-    elif not traced:
+    # A global array of several processes is checked like a traced one: no
+    # process can read the others' entries, and one raising alone (a bad entry
+    # it holds) would leave the processes' windows a microbatch out of step, so
+    # that their once-per-window all-reduces pair different windows.
+    traced = isinstance(count, jax.core.Tracer) or (
+        isinstance(count, jax.Array) and not count.is_fully_addressable
+    )
+    if not traced:
         # Concrete (numpy or jax): `.tolist()` is exact for every integer dtype.
         values = np.asarray(count).tolist()
         if shape == ():

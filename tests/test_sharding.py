@@ -274,3 +274,40 @@ def test_weighted_mean_across_of_shard_gradients_equals_full_batch(mesh8):
     # Without the cast, shard_map already summed the gradients over the shards.
     with pytest.raises(ValueError, match=r"tree\['w1'\] is the same on every shard"):
         run(False)
+
+
+def test_orbax_restore_on_the_mesh_continues(mesh, tmp_path):
+    # The README's recipe: restore against a template from tx.init. Its scalars
+    # were left on one device, orbax restored them there, and the step met them
+    # with the mesh's params: "Received incompatible devices".
+    import orbax.checkpoint as ocp
+
+    params = jax.device_put(
+        _params(), {k: NamedSharding(mesh, s) for k, s in PARAM_SPECS.items()}
+    )
+    batches = [
+        jax.device_put(mb, NamedSharding(mesh, BATCH_SPEC)) for mb in _microbatches()
+    ]
+    tx = _tx()
+
+    @jax.jit
+    def step(params, state, mb):
+        (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
+        return tx.apply_gradients(grads, state, params, count=count, value=loss)
+
+    state = tx.init(params)
+    params, state = step(params, state, batches[0])  # mid-window
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
+    checkpointer.wait_until_finished()
+    template = {"params": params, "opt_state": tx.init(params)}
+    restored = checkpointer.restore(
+        tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    )
+    checkpointer.close()
+    resumed = (restored["params"], restored["opt_state"])
+    for mb in batches[1:]:
+        params, state = step(params, state, mb)
+        resumed = step(*resumed, mb)
+    assert int(state.gradient_step) == WINDOWS
+    chex.assert_trees_all_equal((params, state), resumed)
