@@ -160,10 +160,10 @@ def to_count(
     """``count`` converted by value to ``dtype``, and whether it may be used.
 
     Concrete counts are checked eagerly (``ValueError``); traced ones, and
-    global arrays spanning several processes, return a validity flag (finite, non-negative, representable in ``dtype``), with the
-    count replaced by zero where it is invalid. ``shape`` other than ``()``
-    takes an array of counts (one per device), checked element by element; the
-    flag then has that shape.
+    global arrays spanning several processes, return a validity flag (finite,
+    non-negative, representable in ``dtype``), with the count replaced by zero
+    where it is invalid. ``shape`` other than ``()`` takes an array of counts
+    (one per device), checked element by element; the flag then has that shape.
     """
     if count is None:
         raise TypeError(_MISSING_COUNT)

@@ -513,6 +513,17 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         args, kwargs = self._config
         return (functools.partial(MaskedMultiSteps, **kwargs), args)
 
+    # Immutable: a copy is the wrapper itself. A rebuilt one (`__reduce__`)
+    # would compare unequal (its closures are new), so a step taking a deep
+    # copy of it (e.g. in a copied NNX optimizer) as a static argument, or
+    # closing over it, would compile again.
+    def __copy__(self) -> MaskedMultiSteps:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MaskedMultiSteps:
+        del memo
+        return self
+
     def __repr__(self) -> str:
         (opt, k), kwargs = self._config
         inner = getattr(opt.update, "__qualname__", type(opt).__name__)

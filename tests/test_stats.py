@@ -732,9 +732,12 @@ def test_repr_and_copies_keep_the_statistics_options():
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=0.5)
     assert "window_stats=True, stats_decay=0.5" in repr(tx)
     assert "window_stats" not in repr(mm.MaskedMultiSteps(optax.sgd(0.1), 2))
-    # A copy is rebuilt from the constructor's arguments (`__reduce__`).
-    again = copy.deepcopy(tx)
+    # Pickling rebuilds it from the constructor's arguments (`__reduce__`).
+    rebuild, args = tx.__reduce__()
+    again = rebuild(*args)
     assert again is not tx and repr(again) == repr(tx)
+    # A copy is the (immutable) wrapper itself.
+    assert copy.deepcopy(tx) is tx and copy.copy(tx) is tx
     assert isinstance(again.init(jnp.zeros(2)).stats, _stats.WindowStatsState)
 
 
