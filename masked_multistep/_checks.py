@@ -284,19 +284,30 @@ def check_value(value: Any) -> jax.Array | None:
     return arr
 
 
+def _paired_with_state(
+    tree: Any, acc_grads: Any, what: str
+) -> list[tuple[str, Any, Any]]:
+    """``(where, leaf, accumulator leaf)`` for every leaf of ``tree``, whose tree
+    structure must be the state's (``what``: "gradients", "params")."""
+    t_def, a_def = jax.tree.structure(tree), jax.tree.structure(acc_grads)
+    if t_def != a_def:
+        raise ValueError(
+            f"The {what}' tree structure does not match the state's: got "
+            f"{t_def}, expected {a_def} (the structure of the params passed to init)"
+        )
+    return [
+        (jax.tree_util.keystr(path) or "<root>", x, a)
+        for (path, x), a in zip(
+            jax.tree_util.tree_flatten_with_path(tree)[0],
+            jax.tree.leaves(acc_grads),
+            strict=True,
+        )
+    ]
+
+
 def check_grads_match(grads: Any, acc_grads: Any) -> None:
     """The gradients have the structure and shapes of the accumulator."""
-    g_def, a_def = jax.tree.structure(grads), jax.tree.structure(acc_grads)
-    if g_def != a_def:
-        raise ValueError(
-            "The gradients' tree structure does not match the state's: got "
-            f"{g_def}, expected {a_def} (the structure of the params passed to init)"
-        )
-    for (path, g), a in zip(
-        jax.tree_util.tree_flatten_with_path(grads)[0],
-        jax.tree.leaves(acc_grads),
-        strict=True,
-    ):
+    for where, g, a in _paired_with_state(grads, acc_grads, "gradients"):
         if jnp.shape(g) != jnp.shape(a):
             hint = ""
             if jnp.shape(g)[1:] == jnp.shape(a):
@@ -306,27 +317,26 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
                     "reduction=mm.deferred(mesh, axis_name)"
                 )
             raise ValueError(
-                f"The gradient at {jax.tree_util.keystr(path) or '<root>'} has shape "
-                f"{jnp.shape(g)}, but the state expects {jnp.shape(a)}{hint}"
+                f"The gradient at {where} has shape {jnp.shape(g)}, but the state "
+                f"expects {jnp.shape(a)}{hint}"
             )
         g_dtype, a_dtype = jnp.result_type(g), jnp.result_type(a)
         if not jnp.issubdtype(g_dtype, jnp.inexact):
             # The window's mean goes to the inner optimizer in the gradients'
             # dtype: an integer one would truncate it (2.5 -> 2), silently.
             raise TypeError(
-                f"The gradient at {jax.tree_util.keystr(path) or '<root>'} has "
-                f"dtype {g_dtype}: gradients must be floating point (the window's "
-                "mean is fractional and the inner optimizer gets it in the "
-                "gradients' dtype, so it would be truncated); e.g. "
-                "jnp.full(3, 2.0), not jnp.full(3, 2)"
+                f"The gradient at {where} has dtype {g_dtype}: gradients must be "
+                "floating point (the window's mean is fractional and the inner "
+                "optimizer gets it in the gradients' dtype, so it would be "
+                "truncated); e.g. jnp.full(3, 2.0), not jnp.full(3, 2)"
             )
         if jnp.issubdtype(g_dtype, jnp.complexfloating) and not jnp.issubdtype(
             a_dtype, jnp.complexfloating
         ):
             raise TypeError(
-                f"The gradient at {jax.tree_util.keystr(path) or '<root>'} is "
-                f"complex ({g_dtype}), but the state's accumulator is {a_dtype} "
-                "(built from real params): its imaginary part would be dropped"
+                f"The gradient at {where} is complex ({g_dtype}), but the state's "
+                f"accumulator is {a_dtype} (built from real params): its imaginary "
+                "part would be dropped"
             )
 
 
@@ -339,22 +349,11 @@ def check_params_match(params: Any, acc_grads: Any, device_axes: int) -> None:
             "`params` must be the parameters to update, got None (apply_gradients "
             "returns the new params; `update` returns the updates alone)"
         )
-    p_def, a_def = jax.tree.structure(params), jax.tree.structure(acc_grads)
-    if p_def != a_def:
-        raise ValueError(
-            "The params' tree structure does not match the state's: got "
-            f"{p_def}, expected {a_def} (the structure of the params passed to init)"
-        )
-    for (path, p), a in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0],
-        jax.tree.leaves(acc_grads),
-        strict=True,
-    ):
+    for where, p, a in _paired_with_state(params, acc_grads, "params"):
         if jnp.shape(p) != jnp.shape(a)[device_axes:]:
             raise ValueError(
-                f"The params at {jax.tree_util.keystr(path) or '<root>'} have shape "
-                f"{jnp.shape(p)}, but the state was built for "
-                f"{jnp.shape(a)[device_axes:]}"
+                f"The params at {where} have shape {jnp.shape(p)}, but the state "
+                f"was built for {jnp.shape(a)[device_axes:]}"
             )
 
 
