@@ -16,7 +16,8 @@ uses the gradient of the whole batch's token-mean loss. What it shows:
 * a warmup-cosine learning rate that advances once per window, read back from
   the optimizer state (``optax.inject_hyperparams``);
 * one log line per window: its token-weighted loss, its tokens, the learning
-  rate its update used; also appended to ``OUT/metrics.jsonl``;
+  rate its update used; also appended to ``OUT/metrics.jsonl`` (a window
+  without tokens applies no update and logs ``null`` for both);
 * orbax checkpoints every ``--checkpoint-every`` windows, and ``--resume``.
   A checkpoint may also fall in the middle of a window (``--stop-after``, the
   way a preemption handler saves): the optimizer state holds the half-accumulated
@@ -235,6 +236,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--vocab-size must be >= 8, got {args.vocab_size}")
     if args.clip_norm <= 0:
         parser.error(f"--clip-norm must be > 0, got {args.clip_norm}")
+    if args.learning_rate <= 0:
+        parser.error(f"--learning-rate must be > 0, got {args.learning_rate}")
+    if args.weight_decay < 0:
+        parser.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if args.stop_after is not None and args.stop_after < 1:
         parser.error(f"--stop-after must be >= 1, got {args.stop_after}")
     return args
@@ -248,7 +253,8 @@ def make_optimizer(config: Config) -> mm.MaskedMultiSteps:
     """Clip and adamw *inside* the wrapper: both act on the full-batch gradient.
 
     The schedule's step is the inner optimizer's count, which advances once per
-    window, so ``--warmup`` and the decay are in windows. (Cached: the optimizer
+    update, so ``--warmup`` and the decay are in windows (a window without
+    tokens applies no update and does not advance it). (Cached: the optimizer
     is part of the compiled step's static structure, so runs with the same
     settings in one process share one compilation.)
     """
@@ -308,12 +314,34 @@ def save(manager, microbatches_done, model, optimizer, window_meter, config):
     )
 
 
-def restore(manager, model, optimizer, config) -> tuple[int, dict]:
-    """Restores the latest checkpoint into ``model`` and ``optimizer``.
+def restore(manager, model, optimizer, config, print_fn=print) -> tuple[int, dict]:
+    """Restores the latest readable checkpoint into ``model`` and ``optimizer``.
 
-    Returns the number of microbatches done and the pending window's meter.
+    A checkpoint that cannot be read (cut short by a crash, damaged) is
+    reported and the one before it tried; once one is restored, the unreadable
+    ones after it are deleted (the run saves those steps again). Returns the
+    number of microbatches done and the pending window's meter.
     """
-    step = manager.latest_step()
+    failures = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            restored = _restore_step(manager, step, model, optimizer, config)
+        except Exception as err:  # noqa: BLE001 - orbax raises many kinds
+            failures.append(f"checkpoint {step}: {type(err).__name__}: {err}")
+            print_fn(f"--resume: cannot read {failures[-1]}; trying an earlier one")
+            continue
+        for bad in manager.all_steps():
+            if bad > step:
+                manager.delete(bad)
+                print_fn(f"--resume: deleted the unreadable checkpoint {bad}")
+        return restored
+    raise SystemExit(
+        "--resume: no readable checkpoint in "
+        f"{manager.directory}:\n" + "\n".join(failures)
+    )
+
+
+def _restore_step(manager, step, model, optimizer, config) -> tuple[int, dict]:
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     saved = meta["meta"]["config"]
     changed = [k for k, v in dataclasses.asdict(config).items() if saved[k] != v]
@@ -376,7 +404,7 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
                 f"{out} already holds checkpoints: pass --resume to continue "
                 "that run, or choose another --out"
             )
-        done, meter = restore(manager, model, optimizer, config)
+        done, meter = restore(manager, model, optimizer, config, print_fn)
         print_fn(
             f"resumed after {done} microbatches ({done // k} windows + {done % k})"
         )
@@ -384,8 +412,11 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
         lines = metrics.read_text().splitlines() if metrics.exists() else []
         kept = [s for s in lines if json.loads(s)["window"] <= done // k]
         metrics.write_text("".join(s + "\n" for s in kept))
-    elif metrics.exists():
-        metrics.unlink()
+    else:
+        if args.resume:
+            print_fn(f"--resume: no checkpoint in {out}: starting afresh")
+        if metrics.exists():
+            metrics.unlink()
 
     stop = total if args.stop_after is None else min(args.stop_after, total)
     if stop < done:
@@ -403,17 +434,23 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
         meter["loss_sum"] += float(loss) * int(count)
         meter["tokens"] += int(count)
 
-        if index == k - 1:  # the window's update has just been applied
+        if index == k - 1:  # the window closes, with its update
+            # None without one: a window without tokens (or with a non-finite
+            # gradient) applies no update, and its loss is undefined.
+            updated = bool(mm.has_updated(optimizer.opt_state))
+            tokens = meter["tokens"]
             record = {
                 "window": window + 1,
-                "loss": meter["loss_sum"] / max(meter["tokens"], 1),
-                "tokens": meter["tokens"],
-                "learning_rate": learning_rate_used(optimizer),
+                "loss": meter["loss_sum"] / tokens if tokens else None,
+                "tokens": tokens,
+                "learning_rate": learning_rate_used(optimizer) if updated else None,
             }
             meter = {"loss_sum": 0.0, "tokens": 0}
+            loss_text = f"{record['loss']:.4f}" if tokens else "   n/a"
+            lr_text = f"{record['learning_rate']:.2e}" if updated else "(no update)"
             print_fn(
-                f"window {record['window']:5d}  loss {record['loss']:.4f}  "
-                f"tokens {record['tokens']:6d}  lr {record['learning_rate']:.2e}"
+                f"window {record['window']:5d}  loss {loss_text}  "
+                f"tokens {tokens:6d}  lr {lr_text}"
             )
             with metrics.open("a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -106,6 +106,9 @@ def test_resume_from_a_mid_window_checkpoint_is_bit_identical(tmp_path):
         (["--windows", "0"], "--windows must be >= 1, got 0"),
         (["--skew", "1.5"], "--skew must be between 0 and 1"),
         (["--clip-norm", "0"], "--clip-norm must be > 0"),
+        # A negative rate trained uphill.
+        (["--learning-rate", "-1"], "--learning-rate must be > 0, got -1.0"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
     ],
 )
 def test_bad_flags_exit_with_a_message(flags, message, capsys):
@@ -113,3 +116,62 @@ def test_bad_flags_exit_with_a_message(flags, message, capsys):
         train_lm.parse_args([*SMALL, *flags])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+TINY = [
+    *("--windows", "3", "--warmup", "1", "--microbatches", "1", "--batch-size", "1"),
+    *(
+        "--seq-len",
+        "2",
+        "--d-model",
+        "16",
+        "--num-layers",
+        "1",
+        "--eval-sequences",
+        "8",
+    ),
+]
+
+
+@pytest.mark.slow
+def test_a_window_without_tokens_logs_no_loss_and_no_rate(tmp_path):
+    # Sequences of 2 tokens: some windows hold none. Such a window applies no
+    # update; it logged "loss 0.0000" and the previous update's rate.
+    args = train_lm.parse_args([*TINY, "--windows", "12", "--out", str(tmp_path)])
+    lines = []
+    result = train_lm.train(args, print_fn=lines.append)
+    history = records(tmp_path)
+    empty = [r for r in history if r["tokens"] == 0]
+    assert empty, "the seed gives windows without tokens"
+    assert all(r["loss"] is None and r["learning_rate"] is None for r in empty)
+    assert all(
+        r["loss"] > 0 and r["learning_rate"] is not None for r in history if r["tokens"]
+    )
+    assert int(result.optimizer.opt_state.gradient_step[...]) == 12 - len(empty)
+    assert sum("loss    n/a" in s and "(no update)" in s for s in lines) == len(empty)
+
+
+@pytest.mark.slow
+def test_resume_skips_an_unreadable_checkpoint(tmp_path):
+    flags = [*TINY, "--windows", "4", "--checkpoint-every", "1", "--out", str(tmp_path)]
+    first = train_lm.train(train_lm.parse_args([*flags, "--stop-after", "3"]), print)
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(int(p.name) for p in ckpts.iterdir()) == [1, 2, 3]
+    (ckpts / "3" / "meta" / "metadata").unlink()  # cut short by a crash
+    lines = []
+    again = train_lm.train(train_lm.parse_args([*flags, "--resume"]), lines.append)
+    assert lines[0].startswith("--resume: cannot read checkpoint 3: FileNotFoundError")
+    assert lines[1:3] == [
+        "--resume: deleted the unreadable checkpoint 3",
+        "resumed after 2 microbatches (2 windows + 0)",
+    ]
+    assert again.microbatches_done == 4 and first.microbatches_done == 3
+    # Nothing readable: one message that lists every checkpoint's failure.
+    assert sorted(int(p.name) for p in ckpts.iterdir()) == [2, 3, 4]  # 3 kept
+    for step in (2, 3, 4):
+        (ckpts / str(step) / "meta" / "metadata").unlink()
+    with pytest.raises(
+        SystemExit,
+        match="no readable checkpoint in .*\\ncheckpoint 4: FileNotFoundError",
+    ):
+        train_lm.train(train_lm.parse_args([*flags, "--resume"]), lines.append)
