@@ -684,3 +684,26 @@ def test_bf16_params_with_f32_grads_keep_the_inner_state_dtypes(make):
     assert int(state.gradient_step) == 3
     ref_dtypes = [x.dtype for x in jax.tree.leaves(ref_state.inner_opt_state)]
     assert dtypes == ref_dtypes
+
+
+def test_the_state_counters_saturate_at_the_int32_maximum():
+    # `num_invalid_counts` is added to with a clip at 2**31 - 1: without the
+    # clip one more invalid count wrapped it to -2**31.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1)
+    top = jnp.int32(2**31 - 1)
+    s = tx.init(jnp.zeros(2))._replace(
+        num_invalid_counts=top, num_nonfinite_windows=top
+    )
+    step = jax.jit(tx.update)
+    _, s = step(jnp.ones(2), s, count=jnp.int32(-1))  # invalid (traced)
+    _, s = step(jnp.full(2, jnp.nan), s, count=jnp.int32(3))  # a non-finite window
+    assert int(s.num_invalid_counts) == 2**31 - 1
+    assert int(s.num_nonfinite_windows) == 2**31 - 1
+    # Deferred: every device's invalid counts are added when the window closes.
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1, reduction=mm.deferred(mesh, "data"))
+    s = tx.init(jnp.zeros(2))._replace(num_invalid_counts=top)
+    counts = jnp.full(n, -1, jnp.int32)  # n invalid counts in one window
+    _, s = jax.jit(tx.update)(jnp.ones((n, 2)), s, count=counts)
+    assert int(s.num_invalid_counts) == 2**31 - 1
