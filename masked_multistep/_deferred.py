@@ -29,7 +29,7 @@ from masked_multistep._reduction import (
     WindowTotals,
     check_mesh_axes,
     mean_over_devices,
-    replicate_uncommitted,
+    place_uncommitted,
 )
 from masked_multistep._running_mean import (
     compute_dtype,
@@ -157,10 +157,10 @@ class Deferred(KnownTotals):
         return NamedSharding(self.mesh, P(*names))
 
     def place(self, state: Any, params: Any) -> Any:
-        """``state`` placed as a step returns it (:func:`replicate_uncommitted`
-        on this reduction's mesh)."""
+        """``state`` placed as a step returns it: its scalars replicated on
+        this reduction's mesh (:func:`place_uncommitted`)."""
         del params
-        return replicate_uncommitted(state, self.mesh)
+        return place_uncommitted(state, NamedSharding(self.mesh, P()))
 
     def _with_device_axis(self, tree: Any) -> Any:
         """``tree`` with the device axis put in front of its boxes' names.

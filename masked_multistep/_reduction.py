@@ -43,20 +43,19 @@ __all__ = [
     "WindowTotals",
     "check_mesh_axes",
     "mean_over_devices",
-    "replicate_uncommitted",
+    "place_uncommitted",
 ]
 
 # The name of the leading (device) axis inside `mean_over_devices`' vmap.
 _DEVICES = "masked_multistep/devices"
 
 
-def replicate_uncommitted(state: Any, mesh: jax.sharding.Mesh) -> Any:
+def place_uncommitted(state: Any, sharding: jax.sharding.Sharding) -> Any:
     """``state`` with its uncommitted leaves (the scalars ``init`` makes, the
-    inner optimizer's step count) replicated on ``mesh``, where ``jit`` puts
-    them after a step: else the first step's inputs differ from every later
-    step's, and the step compiles twice. A traced ``init`` is left to its
-    ``out_shardings``."""
-    replicated = NamedSharding(mesh, PartitionSpec())
+    inner optimizer's step count) put where ``jit`` puts them after a step
+    (``sharding``: replicated on the params' mesh, or their one device): else
+    the first step's inputs differ from every later step's, and the step
+    compiles twice. A traced ``init`` is left to its ``out_shardings``."""
 
     def leaf(x):
         if isinstance(x, jax.Array) and not getattr(x, "_committed", True):
@@ -64,7 +63,7 @@ def replicate_uncommitted(state: Any, mesh: jax.sharding.Mesh) -> Any:
             # state): jax.device_put would compare them across processes, and
             # the statistics' NaN placeholders never compare equal.
             host = np.asarray(x)
-            return jax.make_array_from_callback(x.shape, replicated, lambda _: host)
+            return jax.make_array_from_callback(x.shape, sharding, lambda _: host)
         return x
 
     return jax.tree.map(leaf, state)
@@ -205,10 +204,10 @@ class Local(KnownTotals):
         return ()
 
     def place(self, state: Any, params: Any) -> Any:
-        """``state`` placed as a step returns it: with params on one mesh
-        (``NamedSharding``), its scalars replicated on that mesh
-        (:func:`replicate_uncommitted`); with params committed to one device,
-        committed to it; as it is otherwise."""
+        """``state`` placed as a step returns it (:func:`place_uncommitted`):
+        with params on one mesh (``NamedSharding``), its scalars replicated on
+        that mesh; with params committed to one device, committed to it; as it
+        is otherwise."""
         places = set()
         for x in jax.tree.leaves(params):
             if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
@@ -221,15 +220,8 @@ class Local(KnownTotals):
             return state
         place = places.pop()
         if isinstance(place, jax.sharding.Mesh):
-            return replicate_uncommitted(state, place)
-        return jax.tree.map(
-            lambda x: (
-                jax.device_put(x, place)
-                if isinstance(x, jax.Array) and not getattr(x, "_committed", True)
-                else x
-            ),
-            state,
-        )
+            return place_uncommitted(state, NamedSharding(place, PartitionSpec()))
+        return place_uncommitted(state, jax.sharding.SingleDeviceSharding(place))
 
     def check_grads(self, grads: Any, acc_grads: Any) -> None:
         _checks.check_grads_match(grads, acc_grads)
