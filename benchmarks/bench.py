@@ -47,7 +47,7 @@ import masked_multistep as mm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import steps  # noqa: E402
 
-MB = 1 << 20
+MiB = 1 << 20
 REFERENCE = "optax.MultiSteps"
 
 
@@ -338,8 +338,8 @@ def fmt_size(width: int, layers: int, num_params: int) -> str:
 def print_window_table(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'params':>16} {'k':>3}  {'competitor':<34} {'ms/mb':>8} {'x floor':>8} "
-        f"{'x optax':>8} {'temp MB':>8} {'temp/P':>7} {'state/P':>8} "
-        f"{'arg MB':>7} {'out MB':>7} {'alias MB':>8}"
+        f"{'x optax':>8} {'temp MiB':>8} {'temp/P':>7} {'state/P':>8} "
+        f"{'arg MiB':>7} {'out MiB':>7} {'alias MiB':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -353,10 +353,10 @@ def print_window_table(rows: list[dict[str, Any]]) -> None:
             f"{fmt_size(r['width'], r['layers'], r['num_params']):>16} {r['k']:>3}  "
             f"{r['competitor']:<34} {r['ms_per_microbatch']:>8.2f} "
             f"{r['x_floor']:>8.2f} {r['x_optax_multisteps']:>8.2f} "
-            f"{r['temp_bytes'] / MB:>8.1f} {r['temp_bytes'] / r['param_bytes']:>7.2f} "
+            f"{r['temp_bytes'] / MiB:>8.1f} {r['temp_bytes'] / r['param_bytes']:>7.2f} "
             f"{r['state_bytes'] / r['param_bytes']:>8.2f} "
-            f"{r['argument_bytes'] / MB:>7.1f} {r['output_bytes'] / MB:>7.1f} "
-            f"{r['alias_bytes'] / MB:>8.1f}"
+            f"{r['argument_bytes'] / MiB:>7.1f} {r['output_bytes'] / MiB:>7.1f} "
+            f"{r['alias_bytes'] / MiB:>8.1f}"
         )
 
 
@@ -388,7 +388,7 @@ def print_stats_cost(rows: list[dict[str, Any]]) -> None:
         print(
             f"width {r['width']}, k={r['k']}: {r['competitor']:<34} "
             f"{r['x_without_stats']:.3f}x {r['baseline']}; temp "
-            f"{(r['temp_bytes'] - base['temp_bytes']) / MB:+.2f} MB"
+            f"{(r['temp_bytes'] - base['temp_bytes']) / MiB:+.2f} MiB"
         )
 
 
@@ -410,13 +410,13 @@ def print_memory_checks(checks: list[dict[str, Any]]) -> None:
 
 
 def print_micro_table(rows: list[dict[str, Any]]) -> None:
-    header = f"{'variant':<34} {'ms/batch':>9} {'x full':>7} {'temp MB':>8}"
+    header = f"{'variant':<34} {'ms/batch':>9} {'x full':>7} {'temp MiB':>8}"
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
             f"{r['variant']:<34} {r['ms_per_batch']:>9.2f} {r['x_full_batch']:>7.2f} "
-            f"{r['temp_bytes'] / MB:>8.1f}"
+            f"{r['temp_bytes'] / MiB:>8.1f}"
         )
 
 

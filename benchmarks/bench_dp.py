@@ -34,7 +34,7 @@ bytes per window. Params and optimizer state are donated.
 Usage::
 
     python benchmarks/bench_dp.py           # two sizes, k = 1, 4, 8, 16 (~2 min)
-    python benchmarks/bench_dp.py --quick   # smoke test (~30 s)
+    python benchmarks/bench_dp.py --quick   # smoke test (1-2 min)
     python benchmarks/bench_dp.py --malloc default  # glibc's allocator defaults
 
 The parent process starts the two workers, relays process 0's output and
@@ -86,7 +86,7 @@ KEEP_FREED_MEMORY = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke test, ~30 s")
+    p.add_argument("--quick", action="store_true", help="smoke test, 1-2 min")
     p.add_argument("--out", type=Path, help="JSON output path")
     p.add_argument("--widths", type=str, help="comma-separated matrix widths")
     p.add_argument("--ks", type=str, help="comma-separated window lengths k")
@@ -274,7 +274,7 @@ def report(result: dict[str, Any]) -> None:
     print()
     header = (
         f"{'params':>15} {'k':>3}  {'competitor':<25} {'ms/mb':>7} {'x per-mb':>8} "
-        f"{'reductions/window':>17} {'MB/window':>9}"
+        f"{'reductions/window':>17} {'MiB/window':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -289,7 +289,7 @@ def report(result: dict[str, Any]) -> None:
             f"{size:>15} {r['k']:>3}  {r['competitor']:<25} "
             f"{r['ms_per_microbatch']:>7.2f} {r['x_per_microbatch']:>8.2f} "
             f"{r['reductions_per_window']:>17d} "
-            f"{r['bytes_per_window'] / 2**20:>9.2f}"
+            f"{r['bytes_per_window'] / 2**20:>10.2f}"
         )
     print()
     for a in allreduce:

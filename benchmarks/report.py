@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-MB = 1 << 20
+MiB = 1 << 20
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -92,11 +92,11 @@ def microbatching(result: dict[str, Any]) -> str:
             r["variant"],
             f"{r['ms_per_batch']:.1f}",
             f"{r['x_full_batch']:.2f}",
-            f"{r['temp_bytes'] / MB:.1f}",
+            f"{r['temp_bytes'] / MiB:.1f}",
         ]
         for r in result["microbatching"]
     ]
-    return _table(["variant", "ms/batch", "x full batch", "temp MB"], body)
+    return _table(["variant", "ms/batch", "x full batch", "temp MiB"], body)
 
 
 def main() -> None:

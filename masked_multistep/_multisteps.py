@@ -260,7 +260,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
       accumulator_dtype: dtype of the running mean ``acc_grads``. ``None``
         (default) follows each parameter leaf, at least float32 (float64
         gradients under x64 accumulate in float64; complex stays complex, and
-        a complex gradient for a real parameter is a ``TypeError``).
+        a complex gradient for a real parameter is a ``TypeError``). A bfloat16
+        or float16 accumulator rounds the mean on every microbatch; with
+        gradients that drift within a long window the mean stops moving once
+        ``(g − m)·n/N`` is below half a rounding unit of ``m`` (README,
+        "Windows and the state").
       count_dtype: dtype of the window's token total: float32 (default; integer
         and fractional counts, integers exact to 2²⁴ per window), int32 (exact
         to 2³¹ − 1, integer counts only), or float64/int64 under x64.

@@ -267,6 +267,32 @@ def test_fp16_accumulator_does_not_overflow_on_large_gradients():
     assert not np.all(np.isfinite(np.asarray(u, np.float32)))
 
 
+@pytest.mark.parametrize(
+    "accumulator_dtype, expected",
+    [(None, 1.5), (jnp.bfloat16, 1.0)],
+    ids=["default", "bfloat16"],
+)
+def test_a_low_precision_mean_stops_moving_when_gradients_drift(
+    accumulator_dtype, expected
+):
+    # As the README says of accumulator_dtype: 1024 equal counts, gradients of
+    # 1 then 2. A bfloat16 mean stays at 1 once (g - m) / j is below half its
+    # rounding unit; the default (float32) accumulator gets 1.5.
+    k = 1024
+    tx = mm.MaskedMultiSteps(optax.sgd(-1.0), k, accumulator_dtype=accumulator_dtype)
+    params = jnp.zeros(4, jnp.bfloat16)
+    grads = jnp.repeat(jnp.array([1.0, 2.0], jnp.bfloat16), k // 2)[:, None]
+
+    def body(state, g):
+        updates, state = tx.update(
+            jnp.broadcast_to(g, (4,)), state, params, count=jnp.int32(1)
+        )
+        return state, updates
+
+    _, updates = jax.lax.scan(body, tx.init(params), grads)
+    np.testing.assert_allclose(np.asarray(updates[-1], np.float32), expected, rtol=1e-6)
+
+
 def test_float_weights_with_float_count_dtype():
     tx = mm.MaskedMultiSteps(optax.sgd(-1.0), 3, count_dtype=jnp.float32)
     state = tx.init(jnp.zeros(()))
