@@ -31,13 +31,13 @@ the relative rounding error of ``S`` grows with ``N / B_simple``. Measured again
 a float64 two-pass sum (8 microbatches, 1e5 parameters, float32 state, worst of
 12 seeds): 3e-7 at ``N = 10·B_simple``, 2.5e-6 at ``100·B_simple``, 1.3e-5 at
 ``1000·B_simple`` (tested: one seed each, ≤ 1e-5), 1.4e-4 at ``10⁴·B_simple``,
-7e-4 at ``10⁵·B_simple``. Over ``K`` = 8 and 256 microbatches and ``N`` up to
-``10⁸·B_simple`` it stayed below about ``5e-9 · N / B_simple`` (0.10 and 0.13 at
-``10⁸·B_simple``), which is below the statistical noise of an estimate from
-``K`` microbatches (relative standard deviation about ``√(2 / (K − 1))``) while
-``N / B_simple ≲ 3e8 / √K``: for a window of up to 10⁸ tokens, unless
-``B_simple`` is a few tokens or less. (A two-pass sum in float32, which needs
-the window's microbatches twice, stays near 1e-7 throughout.)
+7e-4 at ``10⁵·B_simple``: at most about ``1.5e-8 · N / B_simple`` (one seed
+each with ``K`` = 8 and 256 microbatches: 0.10 and 0.13 at ``10⁸·B_simple``).
+That is below the statistical noise of an estimate from ``K`` microbatches
+(relative standard deviation about ``√(2 / (K − 1))``) while
+``N / B_simple ≲ 10⁸ / √K``: for a window of up to 10⁸ tokens, unless
+``B_simple`` is a few tens of tokens or less. (A two-pass sum in float32, which
+needs the window's microbatches twice, stays near 1e-7 throughout.)
 Rounding can make ``S`` slightly negative when the microbatches agree; it is
 clamped at 0.
 
