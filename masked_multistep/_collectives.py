@@ -80,6 +80,7 @@ def weighted_mean_across(
         respect to a replicated input is summed over shards automatically.
         Differentiate with respect to
         ``jax.lax.pcast(params, axis_name, to="varying")`` instead.
+      NameError: if ``axis_name`` is not bound (outside ``shard_map``).
 
     Examples:
       Three shards with 1, 2 and 0 tokens; the empty one's NaN is ignored:
@@ -122,7 +123,17 @@ def weighted_mean_across(
         # with no tokens is left out of the mean and of its derivatives (with
         # respect to its count too), as if it were not there.
         count = jnp.where(count > 0, count, jnp.zeros_like(count))
-        total = jax.lax.psum(count, axis_name)
+        try:
+            total = jax.lax.psum(count, axis_name)
+        except NameError as err:
+            raise NameError(
+                f"{err}: `weighted_mean_across` reduces over a named axis, so it "
+                "runs inside `jax.shard_map` (or `jax.vmap(..., axis_name=...)`) "
+                "over that axis; under plain `jit`, "
+                "mm.data_parallel_value_and_grad or "
+                "MaskedMultiSteps(..., reduction=mm.deferred(mesh, axis_name)) "
+                "do it for you"
+            ) from err
         mean = weighted_sum_across(tree, count, total, axis_name)
     return mean, total
 

@@ -42,6 +42,9 @@ def masked_mean(
       float32; ``count`` a scalar, ``int32`` for boolean/integer masks.
 
     Raises:
+      TypeError: if ``values`` is boolean or integer and ``mask`` floating (the
+        two swapped, most likely; cast ``values`` to float for a weighted mean
+        of booleans).
       ValueError: if ``mask`` does not broadcast to ``values``' shape.
 
     Examples:
@@ -62,6 +65,17 @@ def masked_mean(
             f"`mask` of shape {mask.shape} does not broadcast to `values` of shape "
             f"{values.shape}"
         ) from err
+    if jnp.issubdtype(mask.dtype, jnp.floating) and not jnp.issubdtype(
+        values.dtype, jnp.inexact
+    ):
+        # What `masked_mean(mask, per_token_loss)` looks like: silently a mean
+        # of the mask weighted by the losses, and their sum as the count.
+        raise TypeError(
+            f"`values` has dtype {values.dtype} and `mask` is floating "
+            f"({mask.dtype}): were they swapped? The call is "
+            "masked_mean(per_token_values, mask). For a weighted mean of "
+            "booleans or integers (an accuracy), pass values.astype(jnp.float32)"
+        )
     dtype = compute_dtype(values.dtype)
     if jnp.issubdtype(mask.dtype, jnp.floating):
         weights = mask.astype(dtype)

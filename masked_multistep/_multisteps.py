@@ -13,7 +13,7 @@ import difflib
 import functools
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -148,12 +148,27 @@ def _accumulator_fits(dtype: Any, accumulator_dtype: Any) -> bool:
 
 
 _DEFAULT_STATS_DECAY = 0.9
+# The params' type, which `apply_gradients` returns them in.
+_ParamsT = TypeVar("_ParamsT")
 
-# `optax.MultiSteps` keywords with no meaning here, and why.
-_OPTAX_ONLY_KEYWORDS = {
+# `optax.MultiSteps` keywords with no meaning here, and why; and what other
+# libraries call the window size.
+_WINDOW_SIZE_HINT = "the microbatches per window are `every_k_schedule=`"
+_KEYWORD_HINTS = {
     "use_grad_mean": (
         "MaskedMultiSteps always keeps a running (token-weighted) mean, which "
         "cannot overflow in low precision; drop `use_grad_mean`."
+    ),
+    **dict.fromkeys(
+        (
+            "k",
+            "every_k",
+            "num_microbatches",
+            "accumulation_steps",
+            "gradient_accumulation_steps",
+            "grad_accum_steps",
+        ),
+        _WINDOW_SIZE_HINT,
     ),
 }
 
@@ -238,6 +253,16 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     Pass ``count`` as a ``jax.Array`` (e.g. from :func:`masked_mean`) to a jitted
     step: a Python int is a different type to ``jit`` and costs a retrace.
 
+    Calls: ``tx.init(params)``; per microbatch ``tx.update(grads, state, params,
+    count=n, value=loss)`` (see its ``help``) or :meth:`apply_gradients`, which
+    returns the new params. Around it: :func:`has_updated`, :func:`window_stats`
+    and :func:`find_state` read the state wherever it is nested;
+    :class:`TrainState` and ``nnx.Optimizer`` take the wrapper as their ``tx``;
+    :func:`microbatched_value_and_grad` accumulates inside one jitted call
+    instead; :func:`from_optax_multisteps` converts an ``optax.MultiSteps``
+    state; checkpoints mid-window restore with orbax against ``tx.init``'s
+    state (README, "Checkpointing").
+
     Args:
       opt: the inner optimizer (``optax.GradientTransformation``).
       every_k_schedule: microbatches per window: an int in ``[1, 2³¹ − 1]``, or a
@@ -297,9 +322,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         keyword is passed, or it is built by ``optax.inject_hyperparams``
         (inject the inner optimizer's hyperparameters instead).
       ValueError: if ``every_k_schedule`` is out of range, or a budget is not
-        finite and ``> 0``, or the norm test has no maximum window, or a dtype
-        cannot serve, or ``stats_decay`` is outside ``[0, 1)`` or given with
-        the statistics off.
+        finite and ``> 0``, or the norm test has no maximum window, or a window
+        policy is given to the other keyword (:func:`norm_test` to
+        ``tokens_per_window``, :func:`token_budget` to ``norm_test``), or a
+        dtype cannot serve, or ``stats_decay`` is outside ``[0, 1)`` or given
+        with the statistics off.
 
     Examples:
       Three microbatches with 1, 1 and 2 tokens; the window's update is the
@@ -405,7 +432,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         **unknown: Any,
     ) -> MaskedMultiSteps:
         for key in unknown:
-            why = _OPTAX_ONLY_KEYWORDS.get(key)
+            why = _KEYWORD_HINTS.get(key)
             if key == "unknown" and unknown[key] == {}:
                 # What optax.inject_hyperparams(mm.MaskedMultiSteps) passes.
                 raise TypeError(
@@ -573,8 +600,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
     def _init(self, params: optax.Params) -> MaskedMultiStepsState:
         gradient_step = jnp.zeros([], jnp.int32)
+        # The skip function's state starts from gradients shaped as `update`
+        # hands them over (with a deferred reduction, a leading device axis).
         _, skip_state = self._should_skip_update_fn(
-            otu.zeros_like(params), gradient_step, params
+            self._reduction.init_accumulator(params, jnp.result_type),
+            gradient_step,
+            params,
         )
         acc_grads = self._reduction.init_accumulator(
             params,
@@ -655,11 +686,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         self,
         grads: optax.Updates,
         state: MaskedMultiStepsState,
-        params: optax.Params,
+        params: _ParamsT,
         *,
         count: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
-    ) -> tuple[optax.Params, MaskedMultiStepsState]:
+    ) -> tuple[_ParamsT, MaskedMultiStepsState]:
         """:meth:`update` followed by ``optax.apply_updates``, fused.
 
         Returns the new params directly. Between windows the params pass through

@@ -140,9 +140,9 @@ def _host_count(count: Any, total_dtype: Any) -> jax.Array:
 @overload
 def running_mean_update(
     mean: Any,
-    total: jax.Array,
+    total: jax.typing.ArrayLike,
     value: Any,
-    count: jax.Array,
+    count: jax.typing.ArrayLike,
     *,
     with_sq_deviation: Literal[False] = False,
 ) -> tuple[Any, jax.Array]: ...
@@ -151,9 +151,9 @@ def running_mean_update(
 @overload
 def running_mean_update(
     mean: Any,
-    total: jax.Array,
+    total: jax.typing.ArrayLike,
     value: Any,
-    count: jax.Array,
+    count: jax.typing.ArrayLike,
     *,
     with_sq_deviation: Literal[True],
 ) -> tuple[Any, jax.Array, jax.Array]: ...
@@ -161,9 +161,9 @@ def running_mean_update(
 
 def running_mean_update(
     mean: Any,
-    total: jax.Array,
+    total: jax.typing.ArrayLike,
     value: Any,
-    count: jax.Array,
+    count: jax.typing.ArrayLike,
     *,
     with_sq_deviation: bool = False,
 ) -> tuple[Any, jax.Array] | tuple[Any, jax.Array, jax.Array]:

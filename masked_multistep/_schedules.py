@@ -16,7 +16,7 @@ __all__ = ["tokens_schedule"]
 def tokens_schedule(
     schedule: Callable[[jax.Array], jax.typing.ArrayLike],
     tokens_per_step: float,
-) -> Callable[[jax.Array], jax.Array]:
+) -> Callable[[jax.typing.ArrayLike], jax.Array]:
     """A schedule written in tokens seen, as a schedule of the optimizer step.
 
     The inner optimizer's schedules advance once per window. With windows of a
@@ -42,7 +42,8 @@ def tokens_schedule(
       tokens_per_step: tokens per optimizer step (per window), finite and > 0.
 
     Returns:
-      A schedule of the optimizer step, for the inner optimizer.
+      A schedule of the optimizer step, for the inner optimizer (an
+      ``optax.Schedule``).
 
     Raises:
       TypeError: if ``schedule`` is not callable or ``tokens_per_step`` not a

@@ -116,11 +116,20 @@ class TokenTotal(NamedTuple):
     total's integer value stays below ``2**48`` (2.8e14 tokens), whatever the
     count dtype, far beyond the ``2**24`` of one float32 or the ``2**31`` of an
     int32. ``float(total)`` (or :meth:`value`) gives it as a Python float, exact
-    for integer totals below ``2**53``.
+    for integer totals below ``2**53``; ``int(total)`` and format specs
+    (``f"{total:,.0f}"``) work as on that float. Under ``jit``, ``hi + lo`` is
+    the total rounded to float32.
 
     Attributes:
       hi: float32, the leading part.
       lo: float32, the remainder (``|lo| <= ulp(hi) / 2``).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> seen = add_tokens(TokenTotal(jnp.float32(0), jnp.float32(0)),
+      ...                   jnp.int32(2**24 + 1))
+      >>> print(int(seen), f"{seen:,.0f}", float(seen.hi + seen.lo))
+      16777217 16,777,217 16777216.0
     """
 
     hi: jax.Array
@@ -132,6 +141,12 @@ class TokenTotal(NamedTuple):
 
     def __float__(self) -> float:
         return float(self.value())
+
+    def __int__(self) -> int:
+        return int(float(self))
+
+    def __format__(self, format_spec: str) -> str:
+        return format(float(self), format_spec)
 
 
 def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -200,11 +200,24 @@ class TrainState(_flax_train_state.TrainState):
           ValueError: if ``opt_state`` holds no :class:`MaskedMultiStepsState`,
             or more than one at the outermost level.
         """
+        return self._multisteps_state("gradient_step").gradient_step
+
+    @property
+    def mini_step(self) -> jax.Array:
+        """The microbatches of the current window so far (0 right after a
+        window closed), read as :attr:`gradient_step` is.
+
+        Raises:
+          ValueError: as :attr:`gradient_step`.
+        """
+        return self._multisteps_state("mini_step").mini_step
+
+    def _multisteps_state(self, attribute: str) -> MaskedMultiStepsState:
         states = _find_multisteps_states(self.opt_state)
         if len(states) != 1:
             raise ValueError(
-                "TrainState.gradient_step reads the MaskedMultiSteps state in "
+                f"TrainState.{attribute} reads the MaskedMultiSteps state in "
                 "`opt_state`; expected exactly one, found "
                 f"{len(states)} in an opt_state of type {type(self.opt_state).__name__}"
             )
-        return states[0].gradient_step
+        return states[0]

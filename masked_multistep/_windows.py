@@ -197,7 +197,8 @@ class WindowPolicy(NamedTuple):
         policy's own rule is consulted (the norm test's minimum budgets):
         ``MaskedMultiSteps`` refuses a fixed ``every_k_schedule`` or
         ``tokens_per_window`` that would close every window before it.
-      name: how ``repr(tx)`` shows the policy (the call that built it).
+      name: how ``repr(policy)`` and ``repr(tx)`` show the policy (the call
+        that built it).
       maximum: ``(microbatches, tokens)``, fixed numbers by which the policy
         always closes a window (``None`` where it sets none, or one that
         varies): ``MaskedMultiSteps`` refuses a norm test whose minimum they
@@ -212,6 +213,9 @@ class WindowPolicy(NamedTuple):
     minimum: tuple[int, float | int] = (1, 0)
     name: str = "WindowPolicy(...)"
     maximum: tuple[int | None, float | int | None] = (None, None)
+
+    def __repr__(self) -> str:
+        return self.name
 
 
 def describe(rule: Any) -> str:
@@ -744,11 +748,13 @@ def window_policy(
 
     Raises:
       TypeError: if none of the three is given, or one has the wrong type.
-      ValueError: if a value is out of range, or the norm test is given no
-        maximum: neither ``every_k_schedule`` nor ``tokens_per_window`` nor its
-        own ``max_tokens``/``max_microbatches``, or a fixed ``every_k_schedule``
-        or ``tokens_per_window`` is below its minimum (it would never be
-        consulted).
+      ValueError: if a value is out of range, or a policy is given to the
+        other keyword (``norm_test=`` takes a policy that reads the window
+        statistics, ``tokens_per_window=`` one that does not), or the norm
+        test is given no maximum: neither ``every_k_schedule`` nor
+        ``tokens_per_window`` nor its own ``max_tokens``/``max_microbatches``,
+        or a fixed ``every_k_schedule`` or ``tokens_per_window`` is below its
+        minimum (it would never be consulted).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -762,10 +768,21 @@ def window_policy(
         policies.append(microbatch_window(every_k_schedule))
     if tokens_per_window is not None:
         if isinstance(tokens_per_window, WindowPolicy):
+            if tokens_per_window.needs_stats:
+                raise ValueError(
+                    f"`tokens_per_window` got {tokens_per_window.name}, a policy "
+                    "that decides on the window statistics: pass it as "
+                    "`norm_test=`"
+                )
             policies.append(tokens_per_window)
         else:
             policies.append(_token_budget(tokens_per_window))
     if norm_test is not None:
+        if isinstance(norm_test, WindowPolicy) and not norm_test.needs_stats:
+            raise ValueError(
+                f"`norm_test` got {norm_test.name}, a policy that reads no window "
+                "statistics: pass it as `tokens_per_window=`"
+            )
         test = (
             norm_test if isinstance(norm_test, WindowPolicy) else _norm_test(norm_test)
         )

@@ -586,6 +586,78 @@ def test_nnx_optimizer_deferred_equals_single_device(mesh):
     )
 
 
+def test_nnx_deferred_checkpoint_mid_window_restores_with_a_mesh_template(
+    mesh, tmp_path
+):
+    """The README's NNX checkpoint on a mesh: nnx.Optimizer's own step counter
+    starts on one device, and orbax restores each array onto its template's
+    devices, so the template puts every leaf on the mesh; the resumed run is
+    bit-identical."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    def make():
+        model = nnx.Linear(D, 1, rngs=nnx.Rngs(0))
+        tx = mm.MaskedMultiSteps(optax.adamw(1e-1), K, reduction=mm.deferred(mesh))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    model, optimizer = make()
+    graphdef, _ = nnx.split(model)
+    grad_fn = mm.per_device_value_and_grad(
+        lambda params, mb: mm.masked_mean(
+            (nnx.merge(graphdef, params)(mb["x"])[..., 0] - mb["y"]) ** 2, mb["mask"]
+        ),
+        mesh,
+        "data",
+    )
+
+    @nnx.jit
+    def train_step(model, optimizer, mb):
+        (loss, count), grads = grad_fn(nnx.state(model, nnx.Param), mb)
+        optimizer.update(model, grads, count=count, value=loss)
+
+    rng = np.random.default_rng(0)
+    batches = [
+        jax.device_put(
+            {
+                "x": rng.normal(size=(NDEV * ROWS, D)).astype(np.float32),
+                "y": rng.normal(size=(NDEV * ROWS,)).astype(np.float32),
+                "mask": rng.random(NDEV * ROWS) < 0.7,
+            },
+            NamedSharding(mesh, P("data")),
+        )
+        for _ in range(2 * K)
+    ]
+    for mb in batches[: K + 1]:  # one window and one microbatch into the next
+        train_step(model, optimizer, mb)
+    assert int(optimizer.opt_state.mini_step[...]) == 1
+    checkpointer = ocp.StandardCheckpointer()
+    path = tmp_path / "ckpt"
+    checkpointer.save(path, {"model": nnx.state(model), "opt": nnx.state(optimizer)})
+    checkpointer.wait_until_finished()
+    for mb in batches[K + 1 :]:
+        train_step(model, optimizer, mb)
+
+    resumed_model, resumed_optimizer = make()
+
+    def on_mesh(x):  # as the README's recipe
+        if isinstance(x.sharding, NamedSharding):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))
+
+    template = {"model": nnx.state(resumed_model), "opt": nnx.state(resumed_optimizer)}
+    restored = checkpointer.restore(path, jax.tree.map(on_mesh, template))
+    nnx.update(resumed_model, restored["model"])
+    nnx.update(resumed_optimizer, restored["opt"])
+    for mb in batches[K + 1 :]:
+        train_step(resumed_model, resumed_optimizer, mb)
+    assert int(resumed_optimizer.opt_state.gradient_step[...]) == 2
+    chex.assert_trees_all_equal(
+        nnx.state((model, optimizer)), nnx.state((resumed_model, resumed_optimizer))
+    )
+    checkpointer.close()
+
+
 def test_deferred_accumulator_names_its_device_axis_in_flax_metadata():
     """Params boxed with sharding names (linen's nn.Partitioned, NNX's
     out_sharding): flax places optimizer state by the boxes' names, so the
@@ -927,6 +999,35 @@ def test_deferred_skip_function_sees_token_weighted_device_norms(mesh):
     updates, state = tx.update(same, tx.init(params), params, count=jnp.full(NDEV, 5))
     assert bool(tx.has_updated(state))
     np.testing.assert_allclose(updates["w"], [-1.0, 0.0, 0.0])
+
+
+def test_deferred_skip_function_state_starts_from_the_device_axis_view(mesh):
+    """`tx.init` builds the skip function's state from gradients shaped as
+    `update` hands them over, with the device axis: a rule on each device's
+    share, and a state shaped like the gradients, work from the first call."""
+    params = {"w": jnp.zeros((4, 3))}
+
+    def per_device(updates, gradient_step, params):
+        del gradient_step, params
+        sq = jnp.sum(updates["w"] ** 2, axis=(1, 2))  # one per device
+        return jnp.any(sq > 10.0), {"largest": jnp.max(jnp.abs(updates["w"]), 0)}
+
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        2,
+        reduction=mm.deferred(mesh, "data"),
+        should_skip_update_fn=per_device,
+    )
+    state = tx.init(params)
+    assert state.skip_state["largest"].shape == (4, 3)
+    grads = {"w": jnp.ones((NDEV, 4, 3)).at[5].set(2.0)}
+    counts = jnp.ones(NDEV)
+    for _ in range(2):
+        updates, state = jax.jit(tx.update)(grads, state, params, count=counts)
+    assert bool(tx.has_updated(state))
+    np.testing.assert_allclose(updates["w"], -9.0 / 8, rtol=1e-6)
+    # Each device's view is its gradient scaled by sqrt(n_d / n).
+    np.testing.assert_allclose(state.skip_state["largest"], 2.0 / np.sqrt(8), rtol=1e-6)
 
 
 def test_deferred_nonfinite_window_never_reaches_the_inner_optimizer(mesh):

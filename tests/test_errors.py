@@ -110,6 +110,31 @@ def test_optax_multisteps_keywords_are_explained():
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, unknown=1)
 
 
+@pytest.mark.parametrize("keyword", ["k", "num_microbatches", "accumulation_steps"])
+def test_other_names_of_the_window_size_point_to_every_k_schedule(keyword):
+    with pytest.raises(TypeError, match=f"'{keyword}': the microbatches per window"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), **{keyword: 4})
+
+
+def test_a_window_policy_given_to_the_other_keyword_is_refused():
+    budget = mm.token_budget(100)
+    with pytest.raises(
+        ValueError,
+        match=r"`norm_test` got mm.token_budget\(100\).*"
+        "pass it as `tokens_per_window=`",
+    ):
+        mm.MaskedMultiSteps(optax.sgd(1.0), norm_test=budget)
+    test = mm.norm_test(0.5, max_tokens=100)
+    with pytest.raises(
+        ValueError,
+        match=r"`tokens_per_window` got mm.norm_test.*"
+        "pass it as `norm_test=`",
+    ):
+        mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=test)
+    # Each where it belongs.
+    mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=budget, norm_test=test)
+
+
 def test_inject_hyperparams_around_the_wrapper_says_where_it_goes():
     # optax binds the catch-all as `unknown={}`; the wrapper would be rebuilt
     # on every call with traced settings.
@@ -477,3 +502,10 @@ def test_has_updated_on_a_nested_state_points_to_mm_has_updated():
     ):
         tx.has_updated(state)
     assert not mm.has_updated(state)
+
+
+def test_weighted_mean_across_outside_shard_map_says_where_it_runs():
+    with pytest.raises(
+        NameError, match="unbound axis name: data.*inside `jax.shard_map`"
+    ):
+        mm.weighted_mean_across(jnp.ones(2), 3, "data")

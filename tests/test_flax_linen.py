@@ -88,6 +88,7 @@ def test_microbatches_match_one_full_batch_step(path):
         for i, mb in enumerate(microbatches(window)):
             before = state.params
             state = step(state, *mb)
+            assert int(state.mini_step) == (i + 1) % K
             if i < K - 1:
                 # Between windows the params do not move at all.
                 chex.assert_trees_all_equal(state.params, before, strict=True)
@@ -210,8 +211,10 @@ def test_gradient_step_needs_one_masked_multisteps_state():
     # Any optax transformation works; it ignores `count`.
     state = state.apply_gradients(grads=jnp.ones(2), count=jnp.array(1))
     np.testing.assert_array_equal(state.params, -jnp.ones(2))
-    with pytest.raises(ValueError, match="found 0"):
+    with pytest.raises(ValueError, match="gradient_step reads .* found 0"):
         state.gradient_step  # noqa: B018
+    with pytest.raises(ValueError, match="mini_step reads .* found 0"):
+        state.mini_step  # noqa: B018
 
 
 def test_overwrite_with_gradient_params_are_replaced_by_their_gradient():

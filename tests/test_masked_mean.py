@@ -53,3 +53,24 @@ def test_mask_that_does_not_broadcast_is_a_clear_error():
 def test_works_under_jit():
     mean, count = jax.jit(mm.masked_mean)(jnp.arange(3.0), jnp.array([0, 1, 1]))
     assert float(mean) == 1.5 and int(count) == 2
+
+
+@pytest.mark.parametrize("mask_dtype", [jnp.bool_, jnp.int32])
+def test_swapped_values_and_mask_are_refused(mask_dtype):
+    loss = jnp.array([2.0, 3.0, 0.5])
+    mask = jnp.array([1, 0, 1], mask_dtype)
+    # Swapped, the mask would be averaged with the losses as weights (0.45, and
+    # a "count" of 5.5 tokens).
+    with pytest.raises(TypeError, match=r"were they swapped\? .*masked_mean\(per_tok"):
+        mm.masked_mean(mask, loss)
+    mean, count = mm.masked_mean(loss, mask)
+    assert float(mean) == 1.25 and int(count) == 2
+
+
+def test_booleans_average_under_a_boolean_mask_and_as_floats_under_weights():
+    hit = jnp.array([True, False, True, True])
+    mean, count = mm.masked_mean(hit, jnp.array([True, True, True, False]))
+    assert abs(float(mean) - 2 / 3) < 1e-7 and int(count) == 3
+    weights = jnp.array([0.5, 0.25, 0.25, 0.0])
+    mean, count = mm.masked_mean(hit.astype(jnp.float32), weights)
+    assert float(mean) == 0.75 and float(count) == 1.0

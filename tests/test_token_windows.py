@@ -426,6 +426,7 @@ def test_repr_and_copy_keep_the_window_rules():
     assert "every_k_schedule=4, tokens_per_window=4096" in repr(tx)
     # A policy shows as the call that built it.
     budget = mm.token_budget(4096, max_microbatches=16)
+    assert repr(budget) == "mm.token_budget(4096, max_microbatches=16)"
     assert "tokens_per_window=mm.token_budget(4096, max_microbatches=16)" in repr(
         mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=budget)
     )

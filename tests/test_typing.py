@@ -98,6 +98,8 @@ def test_init_and_update_are_typed_with_the_wrappers_state():
         {"w": jnp.ones(())}, state, params, count=jnp.array(1)
     )
     assert_type(state, mm.MaskedMultiStepsState)
+    # The params come back in their own type, so a loop's annotation holds.
+    assert_type(params, dict[str, jax.Array])
     assert int(state.gradient_step) == 1 and bool(tx.has_updated(state))
     # The bare pair is typed as optax types any transformation.
     assert_type(tx.gradient_transformation().init(params), optax.OptState)
@@ -180,6 +182,10 @@ def test_window_rules_are_typed():
     assert_type(mm.token_budget(4096), mm.WindowPolicy)
     lr = mm.tokens_schedule(optax.linear_schedule(0.0, 1.0, 4096), 1024)
     assert float(lr(jnp.asarray(2))) == 0.5
+    # What it is for: an optax learning rate (a `Schedule`).
+    schedule: optax.Schedule = lr
+    mm.MaskedMultiSteps(optax.adamw(learning_rate=lr), 4).init({"w": jnp.zeros(())})
+    del schedule
     with pytest.raises(TypeError, match="tokens_per_window"):
         mm.MaskedMultiSteps(adam, tokens_per_window="4096")  # pyright: ignore[reportArgumentType]
 
