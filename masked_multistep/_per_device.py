@@ -25,7 +25,7 @@ own, never summed over the devices.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Concatenate, Literal, overload
+from typing import Any, Concatenate, Literal, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -63,14 +63,14 @@ def _check_batch(batch: Any, num_devices: int, num_microbatches: int) -> None:
 
 
 def per_device_value_and_grad(
-    loss_fn: Callable[[optax.Params, Any], Any],
+    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable] = "data",
     *,
     num_microbatches: int = 1,
     has_aux: bool = False,
     aux_reduction: Any = None,
-) -> Callable[..., tuple[Any, optax.Updates]]:
+) -> GradFn[ParamsT, BatchT]:
     """Every device's own ``value_and_grad`` of a masked mean loss, unreduced.
 
     The batch's leading axis is split over the mesh axes ``axis_name`` (``D``
@@ -147,8 +147,9 @@ def per_device_value_and_grad(
       >>> float((grad * count).sum() / count.sum()) == (2 * n - 1) / 2  # global
       True
     """
-    return _per_device(
-        loss_fn, mesh, axis_name, num_microbatches, has_aux, aux_reduction
+    return cast(
+        GradFn[ParamsT, BatchT],
+        _per_device(loss_fn, mesh, axis_name, num_microbatches, has_aux, aux_reduction),
     )
 
 

@@ -160,6 +160,12 @@ def test_data_parallel_value_and_grad_is_typed_like_microbatched_value_and_grad(
     assert_type(grads, dict[str, jax.Array])
     assert_type(stats, mm.WindowStats)
     assert int(stats.tokens) == int(count) == 10
+    # Per device: the same typed `loss_fn`; each gradient leaf gains the
+    # device axis, the pytree keeps the params' type.
+    per_device = mm.per_device_value_and_grad(loss_fn, mesh, "data")
+    (_, counts), grads = per_device(params, batch)
+    assert_type(grads, dict[str, jax.Array])
+    assert grads["w"].shape == (8,) and int(counts.sum()) == 10
 
 
 def test_window_rules_are_typed():
