@@ -339,7 +339,7 @@ def print_window_table(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'params':>16} {'k':>3}  {'competitor':<34} {'ms/mb':>8} {'x floor':>8} "
         f"{'x optax':>8} {'temp MiB':>8} {'temp/P':>7} {'state/P':>8} "
-        f"{'arg MiB':>7} {'out MiB':>7} {'alias MiB':>8}"
+        f"{'arg MiB':>7} {'out MiB':>7} {'alias MiB':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -356,7 +356,7 @@ def print_window_table(rows: list[dict[str, Any]]) -> None:
             f"{r['temp_bytes'] / MiB:>8.1f} {r['temp_bytes'] / r['param_bytes']:>7.2f} "
             f"{r['state_bytes'] / r['param_bytes']:>8.2f} "
             f"{r['argument_bytes'] / MiB:>7.1f} {r['output_bytes'] / MiB:>7.1f} "
-            f"{r['alias_bytes'] / MiB:>8.1f}"
+            f"{r['alias_bytes'] / MiB:>9.1f}"
         )
 
 

@@ -398,6 +398,8 @@ def python_scalar(value: Any, what: str, kinds: tuple, noun: str) -> Any:
 def check_real(value: Any, what: str, *, positive: bool = True) -> float | int:
     """A concrete real number, finite and > 0 (or >= 0); ints stay ints."""
     value = python_scalar(value, what, (jnp.integer, jnp.floating), "number")
+    if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) != 0:
+        raise ValueError(f"{what} must be a scalar, got shape {np.shape(value)}")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         got = (
             f"dtype {value.dtype}"

@@ -127,9 +127,9 @@ def weighted_mean_across(
             total = jax.lax.psum(count, axis_name)
         except NameError as err:
             raise NameError(
-                f"{err}: `weighted_mean_across` reduces over a named axis, so it "
-                "runs inside `jax.shard_map` (or `jax.vmap(..., axis_name=...)`) "
-                "over that axis; under plain `jit`, "
+                f"{str(err).rstrip('.')}: `weighted_mean_across` reduces over a "
+                "named axis, so it runs inside `jax.shard_map` (or "
+                "`jax.vmap(..., axis_name=...)`) over that axis; under plain `jit`, "
                 "mm.data_parallel_value_and_grad or "
                 "MaskedMultiSteps(..., reduction=mm.deferred(mesh, axis_name)) "
                 "do it for you"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import optax
 
 from masked_multistep._multisteps import MaskedMultiStepsState, states_in
 from masked_multistep._stats import WindowStats, WindowStatsState
@@ -58,6 +59,11 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
                 ": pass the part of the state that holds the one you mean "
                 "(e.g. `state.inner_states['name']` of optax.multi_transform)"
             )
+        elif states_in(opt_state, optax.MultiStepsState):
+            hint = (
+                ": it holds an optax.MultiStepsState; convert it with "
+                "`mm.from_optax_multisteps(state, tx, params, acc_count=...)`"
+            )
         elif _has_field_named(opt_state, "acc_grads"):
             hint = (
                 ": it holds the state's fields by name only, as a checkpoint "
@@ -79,7 +85,8 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
 def has_updated(opt_state: Any) -> jax.Array:
     """Whether the last update of the :class:`MaskedMultiSteps` inside
     ``opt_state`` applied an inner update (ended a window with tokens and a
-    finite mean gradient; a window without either closes without one).
+    finite mean gradient, and, for an inner optimizer that needs ``value=``, a
+    finite mean value; a window without them closes without one).
 
     Examples:
       >>> import jax.numpy as jnp, optax

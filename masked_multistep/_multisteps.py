@@ -55,10 +55,11 @@ class MaskedMultiStepsState(NamedTuple):
         (float32), over the microbatches that passed one (0 where
         ``acc_count`` is).
       updated: whether the last ``update`` applied an inner update.
-      num_invalid_counts: microbatches rejected under ``jit`` because their count
-        was negative, non-finite or overflowed the window's total (with a
-        deferred reduction agreeing only at the window's end, devices' shares,
-        added when the window closes).
+      num_invalid_counts: microbatches skipped because their count was
+        negative or non-finite under ``jit`` (concrete ones raise), or would
+        overflow the window's total (eagerly too) (with a deferred reduction
+        agreeing only at the window's end, devices' shares, added when the
+        window closes).
       value_count: the token total behind ``acc_value``.
       num_nonfinite_windows: windows whose mean gradient was not finite (or,
         for an inner optimizer that needs ``value=``, whose mean value was

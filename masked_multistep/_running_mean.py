@@ -173,12 +173,15 @@ def running_mean_update(
       mean: pytree, the current running mean (any float dtype; kept).
       total: scalar, the sum of the weights folded in so far.
       value: pytree with the structure of ``mean``, the new microbatch's mean.
-      count: scalar, non-negative weight of ``value`` (same dtype as ``total``;
-        a float ``count`` with an integer ``total`` is a ``TypeError``).
+      count: scalar, non-negative weight of ``value`` (any integer dtype with
+        an integer ``total``, compared by value with the room left in it; any
+        real dtype with a float ``total``; a float ``count`` with an integer
+        ``total`` is a ``TypeError``).
         Zero leaves ``mean`` and ``total`` bit-identical, whatever ``value`` holds;
         so does a weight that is negative, NaN or infinite, or that would take
-        an integer ``total`` past its dtype's maximum (a Python or numpy
-        integer that does not fit ``total``'s dtype is a ``ValueError``).
+        ``total`` past its dtype's range (an integer's maximum, a float's
+        largest finite value; a Python or numpy integer that does not fit an
+        integer ``total``'s dtype is a ``ValueError``).
       with_sq_deviation: also return ``n·(N_old/N)·Σ_leaves ‖value − mean‖²``,
         the increment of West's weighted sum of squared deviations, reduced in
         the same pass over the leaves (at least float32; exactly 0 when
@@ -223,13 +226,21 @@ def running_mean_update(
             f"{total.dtype}, which would truncate it: pass a float `total` (e.g. "
             "jnp.zeros([], jnp.float32)) for fractional weights"
         )
-    new_total = total + count
     # A weight that is not a positive number, or whose addition overflows the
     # total (an integer total would wrap; an infinite weight makes N / n NaN),
-    # is ignored like a zero weight.
+    # is ignored like a zero weight. The test runs in the total's own dtype: a
+    # count of another dtype is compared with the total's range first (an
+    # int32 total and a uint32 count would be compared as int32, wrapped).
     if jnp.issubdtype(total.dtype, jnp.integer):
-        fits = count <= jnp.iinfo(total.dtype).max - total
+        top = np.iinfo(total.dtype).max
+        in_range = count > 0
+        if np.iinfo(count.dtype).max > top:
+            in_range = in_range & (count <= jnp.asarray(top, count.dtype))
+        addend = jnp.where(in_range, count, jnp.zeros_like(count)).astype(total.dtype)
+        fits = in_range & (addend <= jnp.asarray(top, total.dtype) - total)
+        new_total = total + addend
     else:
+        new_total = (total + count).astype(total.dtype)
         fits = jnp.isfinite(new_total)
     take = (count > 0) & fits
     first = total == 0

@@ -31,8 +31,10 @@ the relative rounding error of ``S`` grows with ``N / B_simple``. Measured again
 a float64 two-pass sum (8 microbatches, 1e5 parameters, float32 state, worst of
 12 seeds): 3e-7 at ``N = 10·B_simple``, 2.5e-6 at ``100·B_simple``, 1.3e-5 at
 ``1000·B_simple`` (tested: one seed each, ≤ 1e-5), 1.4e-4 at ``10⁴·B_simple``,
-7e-4 at ``10⁵·B_simple``: at most about ``1.5e-8 · N / B_simple`` (one seed
-each with ``K`` = 8 and 256 microbatches: 0.10 and 0.13 at ``10⁸·B_simple``).
+7e-4 at ``10⁵·B_simple``: from about ``10³·B_simple`` on, at most about
+``1.5e-8 · N / B_simple`` (below it, float32's floor of a few 1e-7 dominates;
+one seed each with ``K`` = 8 and 256 microbatches: 0.10 and 0.13 at
+``10⁸·B_simple``).
 That is below the statistical noise of an estimate from ``K`` microbatches
 (relative standard deviation about ``√(2 / (K − 1))``) while
 ``N / B_simple ≲ 10⁸ / √K``: for a window of up to 10⁸ tokens, unless
@@ -146,7 +148,9 @@ class TokenTotal(NamedTuple):
         return int(float(self))
 
     def __format__(self, format_spec: str) -> str:
-        return format(float(self), format_spec)
+        # A spec formats the number; none, the tuple (as `str`, also under
+        # `jit` and for batched totals).
+        return format(float(self), format_spec) if format_spec else str(self)
 
 
 def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -475,7 +479,7 @@ def noise_scale_estimates(
     g2 = jnp.asarray(grad_sq_norm).astype(dtype)
     nan = jnp.asarray(jnp.nan, dtype)
     # S is a sum of squares and K a count: other values define nothing.
-    ok = (k >= 2) & (k == jnp.round(k)) & (n > 0) & (s >= 0)
+    ok = (k >= 2) & jnp.isfinite(k) & (k == jnp.round(k)) & (n > 0) & (s >= 0)
     var = jnp.where(ok, s / jnp.where(ok, k - 1, 1), nan)
     true_sq = jnp.where(ok, g2 - var / jnp.where(ok, n, 1), nan)
     resolved = ok & (true_sq > 0)

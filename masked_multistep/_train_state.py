@@ -191,7 +191,8 @@ class TrainState(_flax_train_state.TrainState):
 
     @property
     def gradient_step(self) -> jax.Array:
-        """The number of optimizer updates applied (windows that saw tokens).
+        """The number of optimizer updates applied (windows that saw tokens and
+        whose mean was finite: the inner optimizer ran on them).
 
         Read from the :class:`MaskedMultiStepsState` in ``opt_state``, which may
         be nested (e.g. inside ``optax.chain``).

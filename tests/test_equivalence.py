@@ -178,14 +178,26 @@ def test_running_mean_ignores_weights_that_would_corrupt_it(jit):
         (jnp.float32(3e38), jnp.float32(3e38)),  # a total past float32's range
         (jnp.float32(2.0), jnp.float32(-1.0)),
         (jnp.float32(2.0), jnp.float32(jnp.nan)),
+        # A count of another dtype: compared as int32, 3e9 was negative and
+        # wrapped the total to -1294967286.
+        (jnp.int32(10), jnp.uint32(3_000_000_000)),
+        (jnp.int16(10), jnp.uint16(60000)),
+        (jnp.uint8(250), jnp.int32(6)),
+        # Finite in float32 but not in the float16 total it is stored in.
+        (jnp.float16(60000), jnp.float32(10000)),
     ]
     for total, count in cases:
         new_mean, new_total = update(mean, total, g, count)
         assert float(new_mean) == 1.0, (total, count)
         assert new_total.dtype == total.dtype and new_total == total, (total, count)
-    # The largest weight that fits is taken.
+    # The largest weight that fits is taken, in any dtype (a uint32 total's
+    # range check crashed: its maximum was parsed as an int32).
     new_mean, new_total = update(mean, jnp.int32(1), g, jnp.int32(2**31 - 2))
     assert int(new_total) == 2**31 - 1 and float(new_mean) == 3.0
+    new_mean, new_total = update(mean, jnp.uint8(250), g, jnp.int32(5))
+    assert new_total.dtype == jnp.uint8 and int(new_total) == 255
+    new_mean, new_total = update(mean, jnp.uint32(1), g, jnp.uint32(3))
+    assert int(new_total) == 4 and float(new_mean) == 2.5
 
 
 def test_running_mean_refuses_a_value_of_another_shape():

@@ -509,3 +509,14 @@ def test_weighted_mean_across_outside_shard_map_says_where_it_runs():
         NameError, match="unbound axis name: data.*inside `jax.shard_map`"
     ):
         mm.weighted_mean_across(jnp.ones(2), 3, "data")
+
+
+def test_find_state_on_an_optax_multisteps_state_points_to_the_conversion():
+    state = optax.MultiSteps(optax.sgd(1.0), 2).init({"w": jnp.zeros(2)})
+    with pytest.raises(ValueError, match=r"optax.MultiStepsState; convert it with"):
+        mm.find_state(state)
+
+
+def test_an_array_number_of_another_shape_is_a_value_error():
+    with pytest.raises(ValueError, match=r"`tokens_per_step` must be a scalar, got "):
+        mm.tokens_schedule(optax.constant_schedule(1.0), np.array([1024]))

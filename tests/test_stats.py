@@ -857,7 +857,14 @@ def test_deferred_reduction_counts_each_devices_share_as_a_small_batch():
 
 def test_noise_scale_estimates_are_nan_outside_their_domain():
     # S is a sum of squares and K a count of microbatches.
-    for s, k in [(-1.0, 2), (jnp.nan, 2), (4.0, 2.5), (4.0, 1), (4.0, 0)]:
+    for s, k in [
+        (-1.0, 2),
+        (jnp.nan, 2),
+        (4.0, 2.5),
+        (4.0, 1),
+        (4.0, 0),
+        (4.0, jnp.inf),
+    ]:
         estimates = mm.noise_scale_estimates(s, k, 4, 4.0)
         assert all(np.isnan(float(x)) for x in estimates), (s, k)
     var, true_sq, b = mm.noise_scale_estimates(0.0, 2, 4, 4.0)  # agreeing microbatches
@@ -887,3 +894,13 @@ def test_microbatches_that_agree_have_zero_variance_not_nan(g):
     np.testing.assert_allclose(
         stats.true_grad_sq_norm, 5 * np.float32(g) ** 2, rtol=1e-6
     )
+
+
+def test_tokens_seen_formats_as_a_number_with_a_spec_and_as_a_tuple_without():
+    stats_total = mm.TokenTotal(jnp.float32(2.0**24), jnp.float32(1.0))
+    assert (int(stats_total), f"{stats_total:,.0f}") == (16777217, "16,777,217")
+    # No spec: the tuple, as `str` shows it, also batched and under jit.
+    assert f"{stats_total}" == str(stats_total)
+    batched = jax.tree.map(lambda x: jnp.stack([x, x]), stats_total)
+    assert f"{batched}" == str(batched)
+    jax.jit(lambda t: f"{t}" and t.hi)(stats_total)
