@@ -409,6 +409,24 @@ def _check_nnx_modules(params: Any) -> None:
             f"`params` holds variables that are not parameters "
             f"({_first_three(found_in_state)}): {_SPLIT_RECIPE}"
         )
+    # A variable reached twice (tied weights) is differentiated as two leaves:
+    # its gradient would come back split between them.
+    first_seen: dict[int, str] = {}
+    for path, variable in jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )[0]:
+        if not isinstance(variable, nnx.Variable):
+            continue
+        where = f"params{jax.tree_util.keystr(path)}"
+        if id(variable) in first_seen:
+            raise TypeError(
+                f"`params` reaches the same NNX variable at {first_seen[id(variable)]} "
+                f"and at {where} (shared, tied weights): differentiated whole, "
+                "its gradient would be split between the two. "
+                f"{_SPLIT_RECIPE[0].upper()}{_SPLIT_RECIPE[1:]} "
+                "(nnx.split lists a shared variable once)"
+            )
+        first_seen[id(variable)] = where
     for prefix, module in leaves:
         if not isinstance(module, nnx.Module):
             continue

@@ -294,3 +294,44 @@ def test_module_with_batch_stats_is_a_clear_error_naming_the_split_recipe():
     # Only parameters are differentiated (the BatchNorm'd bias gradient is
     # rounding noise, hence the atol above).
     assert not nnx.to_flat_state(nnx.state(grads, nnx.Not(nnx.Param)))
+
+
+class _Tied(nnx.Module):
+    def __init__(self):
+        self.a = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+        self.b = self.a  # tied: the same variables twice
+
+    def __call__(self, x):
+        return self.b(jnp.tanh(self.a(x)))
+
+
+def test_tied_weights_are_refused_and_the_split_recipe_gives_their_whole_gradient():
+    def loss_fn(model, batch):
+        per_token = jnp.sum((model(batch["x"]) - 1.0) ** 2, axis=-1)
+        return mm.masked_mean(per_token, batch["mask"])
+
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
+        "mask": jnp.asarray(rng.random(8) < 0.7),
+    }
+    model = _Tied()
+    # As a pytree the module lists its shared variables twice: the gradient
+    # came back split between `a` and `b`.
+    with pytest.raises(
+        TypeError,
+        match=r"same NNX variable at params\.a\.bias and "
+        r"at params\.b\.bias \(shared, tied weights\).*nnx\.split",
+    ):
+        mm.microbatched_value_and_grad(loss_fn, 2)(model, batch)
+    graphdef, params = nnx.split(model)
+
+    def merged_loss(params, batch):
+        return loss_fn(nnx.merge(graphdef, params), batch)
+
+    (_, count), grads = mm.microbatched_value_and_grad(merged_loss, 2)(params, batch)
+    (_, want_count), want = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+    assert int(count) == int(want_count)
+    chex.assert_trees_all_close(
+        grads["a"]["kernel"][...], want.a.kernel[...], rtol=1e-5, atol=1e-6
+    )
