@@ -244,6 +244,19 @@ class Deferred(KnownTotals):
                     f"but reduction={self!r} has {self.size}: use the state that "
                     "this wrapper's `init` returned (on this mesh)"
                 )
+        # (On a copy: the renaming sets an NNX variable's metadata in place.)
+        boxed = self._with_device_axis(jax.tree.map(lambda g: g, grads))
+        if jax.tree.structure(boxed) != jax.tree.structure(grads) and (
+            jax.tree.structure(boxed) == jax.tree.structure(acc_grads)
+        ):
+            # Flax boxes: the accumulator's names lead with the device axis.
+            raise ValueError(
+                "The gradients are boxed with the params' sharding names (flax "
+                "nn.Partitioned or NNX metadata), but with "
+                f"reduction={self!r} the accumulator's boxes lead with the device "
+                "axis: train on unboxed params and gradients (nn.unbox), and "
+                "keep the boxes for placement (README, 'Data parallel at scale')"
+            )
         _checks.check_grads_match(grads, acc_grads)
 
     def to_count(

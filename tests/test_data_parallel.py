@@ -658,6 +658,26 @@ def test_nnx_deferred_checkpoint_mid_window_restores_with_a_mesh_template(
     checkpointer.close()
 
 
+def test_deferred_boxed_gradients_are_refused_with_the_unbox_hint(mesh):
+    """Boxes serve placement; per-device gradients boxed with the params' names
+    do not match the accumulator's (device axis in front): named, not a bare
+    tree-structure mismatch."""
+    import flax.linen as nn
+
+    params = {"w": nn.Partitioned(jnp.zeros((4, 3)), names=(None, None))}
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, reduction=mm.deferred(mesh, "data"))
+    state = tx.init(params)
+    grads = {"w": nn.Partitioned(jnp.ones((NDEV, 4, 3)), names=(None, None))}
+    with pytest.raises(
+        ValueError,
+        match=r"boxed with the params' sharding names.*"
+        r"train on unboxed params and gradients \(nn.unbox\)",
+    ):
+        tx.update(grads, state, params, count=jnp.ones(NDEV))
+    # The caller's boxes are left as they were.
+    assert grads["w"].names == (None, None)
+
+
 def test_deferred_accumulator_names_its_device_axis_in_flax_metadata():
     """Params boxed with sharding names (linen's nn.Partitioned, NNX's
     out_sharding): flax places optimizer state by the boxes' names, so the
