@@ -678,7 +678,8 @@ def microbatched_value_and_grad(
         their derivative only inside each microbatch's ``ℓᵢ``, not the
         ``Σ (ℓᵢ − loss) ∇nᵢ / Σ nᵢ`` between microbatches.
       * A microbatch whose count is not positive (``0``, and also negative or
-        non-finite) contributes nothing to the means, even if its mean loss and
+        non-finite), or would take the float32 total past float32's range,
+        contributes nothing to the means, even if its mean loss and
         gradients are NaN (an all-masked microbatch gives ``0/0``). If no
         microbatch has tokens, loss, gradients and ``"mean"`` aux are zeros and
         the count is ``0``. Reverse-mode derivatives through the outputs (a

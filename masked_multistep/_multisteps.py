@@ -317,11 +317,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     Raises:
       TypeError: if ``opt`` is not a gradient transformation, or no window rule
         is given, or ``every_k_schedule`` is neither an integer nor callable, or
-        ``tokens_per_window`` or ``norm_test`` is not a number, callable or
-        policy, or ``reduction`` is neither ``None`` nor ``mm.deferred(...)``,
-        or ``window_stats`` is not a bool, or an ``optax.MultiSteps``-only
-        keyword is passed, or it is built by ``optax.inject_hyperparams``
-        (inject the inner optimizer's hyperparameters instead).
+        ``tokens_per_window`` is not a number, callable or policy, or
+        ``norm_test`` not a number or policy, or ``reduction`` is neither
+        ``None`` nor ``mm.deferred(...)``, or ``window_stats`` is not a bool,
+        or an ``optax.MultiSteps``-only keyword is passed, or it is built by
+        ``optax.inject_hyperparams`` (inject the inner optimizer's
+        hyperparameters instead).
       ValueError: if ``every_k_schedule`` is out of range, or a budget is not
         finite and ``> 0``, or the norm test has no maximum window, or a window
         policy is given to the other keyword (:func:`norm_test` to
@@ -676,7 +677,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
           window that saw tokens, zeros of the same structure and dtype otherwise.
 
         Raises:
-          TypeError: if ``count`` is missing or of the wrong kind.
+          TypeError: if ``count`` is missing or of the wrong kind; if the
+            gradients are not floating point, or complex for real params; if
+            ``value`` is not a number.
           ValueError: if ``count`` is not a scalar, or is concretely negative,
             non-finite or too large; if ``value`` is not a scalar; if the
             gradients do not match the state's tree.

@@ -288,20 +288,27 @@ def _microbatch_cap(
     return every_k(check_microbatches(value, what))
 
 
-def _sanitize_budget(budget: Any, what: str = "`tokens_per_window(...)`") -> jax.Array:
+def _sanitize_budget(
+    budget: Any, what: str = "`tokens_per_window(...)`"
+) -> jax.Array | int | float:
     """A budget schedule's value as a token budget, total under jit.
 
     NaN counts as 0 (the window closes on its first microbatch with tokens, so
     a broken schedule shows at once as an update per microbatch instead of a
     window that never closes), and so does a negative value; ``+inf`` means no
     token limit. The value keeps its precision, so that :func:`_tokens_reached`
-    compares it exactly, as it compares a constant budget: an integer stays an
-    integer (a Python or numpy int beyond int32 becomes a float, by value), a
-    float stays a float of at least float32 precision.
+    compares it exactly, as it compares a constant budget: a Python or numpy
+    number returns as a Python number (compared as a constant is), an array
+    integer stays an integer, an array float a float of at least float32
+    precision.
     """
     if is_host_int(budget) and np.ndim(budget) == 0:
-        value = int(budget)
-        budget = np.int32(max(value, 0)) if value <= _INT32_MAX else float(value)
+        return max(int(budget), 0)
+    if isinstance(budget, (float, np.floating)):
+        # Not through jnp.asarray, which would round it to float32 (2.0000001
+        # to 2.0: a window of 2 tokens, below the budget).
+        value = float(budget)
+        return 0.0 if math.isnan(value) or value < 0 else value
     b = _schedule_value(budget, what)
     if jnp.issubdtype(b.dtype, jnp.integer) and b.dtype != jnp.bool_:
         return jnp.maximum(b, jnp.zeros([], b.dtype))

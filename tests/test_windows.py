@@ -645,6 +645,33 @@ def test_a_returned_budget_is_compared_as_exactly_as_a_constant(tokens_per_windo
     assert bool(state.updated)
 
 
+@pytest.mark.parametrize(
+    "tokens_per_window",
+    [
+        2.0000001,
+        lambda seen: 2.0000001,
+        lambda seen: np.float64(2.0000001),
+        mm.token_budget(lambda step: 2.0000001, by="gradient_step"),
+    ],
+)
+def test_a_returned_float_budget_is_compared_as_exactly_as_a_constant(
+    tokens_per_window,
+):
+    # A returned Python float went through float32 (2.0): a window of 2 tokens,
+    # below the budget, where the constant closes at 3.
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), tokens_per_window=tokens_per_window, count_dtype=jnp.int32
+    )
+    p, g = jnp.zeros(2), jnp.ones(2)
+    update = jax.jit(tx.update)
+    state = tx.init(p)
+    closed = []
+    for _ in range(3):
+        _, state = update(g, state, p, count=jnp.int32(1))
+        closed.append(bool(state.updated))
+    assert closed == [False, False, True]
+
+
 def test_a_float64_budget_keeps_its_precision_under_x64():
     with jax.enable_x64(True):
         for count_dtype in (jnp.int64, jnp.float64):
@@ -669,6 +696,8 @@ def test_returned_budgets_beyond_the_totals_range_close_at_its_largest_value():
     assert not bool(w._tokens_reached(jnp.float32(1e30), jnp.float32(jnp.inf)))
     for bad in (jnp.float32(jnp.nan), jnp.float32(-3.0), jnp.int32(-3)):
         assert float(w._sanitize_budget(bad)) == 0.0
+    for bad in (float("nan"), -3.0, np.float32(-1), -3, np.int64(-2)):
+        assert w._sanitize_budget(bad) == 0
 
 
 @pytest.mark.parametrize("returned", ["a", None])
