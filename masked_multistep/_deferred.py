@@ -244,12 +244,13 @@ class Deferred(KnownTotals):
                     f"but reduction={self!r} has {self.size}: use the state that "
                     "this wrapper's `init` returned (on this mesh)"
                 )
-        # (On a copy: the renaming sets an NNX variable's metadata in place.)
-        boxed = self._with_device_axis(jax.tree.map(lambda g: g, grads))
-        if jax.tree.structure(boxed) != jax.tree.structure(grads) and (
-            jax.tree.structure(boxed) == jax.tree.structure(acc_grads)
+        # Gradients boxed with the params' flax names: the accumulator's lead
+        # with the device axis. Looked into only when the structures differ,
+        # on a copy (the renaming sets an NNX variable's metadata in place).
+        a_def = jax.tree.structure(acc_grads)
+        if jax.tree.structure(grads) != a_def and a_def == jax.tree.structure(
+            self._with_device_axis(jax.tree.map(lambda g: g, grads))
         ):
-            # Flax boxes: the accumulator's names lead with the device axis.
             raise ValueError(
                 "The gradients are boxed with the params' sharding names (flax "
                 "nn.Partitioned or NNX metadata), but with "

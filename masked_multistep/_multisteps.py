@@ -602,13 +602,17 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
     def _init(self, params: optax.Params) -> MaskedMultiStepsState:
         gradient_step = jnp.zeros([], jnp.int32)
-        # The skip function's state starts from gradients shaped as `update`
-        # hands them over (with a deferred reduction, a leading device axis).
-        _, skip_state = self._should_skip_update_fn(
-            self._reduction.init_accumulator(params, jnp.result_type),
-            gradient_step,
-            params,
-        )
+        if self._should_skip_update_fn is _no_skip:
+            # No skip function: no state, and no param-sized zeros to build.
+            skip_state = ()
+        else:
+            # Its state starts from gradients shaped as `update` hands them
+            # over (with a deferred reduction, a leading device axis).
+            _, skip_state = self._should_skip_update_fn(
+                self._reduction.init_accumulator(params, jnp.result_type),
+                gradient_step,
+                params,
+            )
         acc_grads = self._reduction.init_accumulator(
             params,
             lambda p: _accumulator_dtype(jnp.result_type(p), self._accumulator_dtype),
