@@ -131,3 +131,38 @@ def test_equal_counts_match_optax_multisteps_under_scan():
     np.testing.assert_array_equal(upd_ours, upd_theirs)
     np.testing.assert_array_equal(gs_ours, gs_theirs)
     assert int(np.sum(upd_ours)) == steps // k
+
+
+def test_equal_counts_running_mean_is_optax_multisteps_bit_for_bit():
+    # With equal counts the running mean, compiled, is optax.MultiSteps'
+    # `acc + (g - acc) / j` to the bit, inside a window (j = 1 .. 15, most not
+    # powers of two) and in every leaf: what makes a mid-window
+    # `mm.from_optax_multisteps` switch end the window exactly as if
+    # MaskedMultiSteps had run all along. (Both rely on XLA compiling the
+    # division by the broadcast scalar j alike; run op by op, outside `jit`,
+    # optax's division by an integer scalar rounds differently in the last bit.)
+    k = 16
+    params = {
+        "w": jnp.zeros((33, 7)),
+        "b": jnp.zeros((5,)),
+        "s": jnp.zeros(()),
+        "h": jnp.zeros((9,), jnp.bfloat16),
+    }
+    ours = mm.MaskedMultiSteps(optax.sgd(0.1), k)
+    theirs = optax.MultiSteps(optax.sgd(0.1), k)
+    step_ours = jax.jit(lambda g, s: ours.update(g, s, params, count=jnp.int32(3))[1])
+    step_theirs = jax.jit(lambda g, s: theirs.update(g, s, params)[1])
+    s_ours, s_theirs = ours.init(params), theirs.init(params)
+    for i in range(k - 1):
+        keys = jax.random.split(jax.random.key(i), 4)
+        grads = {
+            name: (10.0 * jax.random.normal(key, p.shape)).astype(p.dtype)
+            for key, (name, p) in zip(keys, sorted(params.items()))
+        }
+        s_ours, s_theirs = step_ours(grads, s_ours), step_theirs(grads, s_theirs)
+        for name in params:
+            np.testing.assert_array_equal(
+                np.asarray(s_ours.acc_grads[name], np.float32),
+                np.asarray(s_theirs.acc_grads[name], np.float32),
+                err_msg=f"leaf {name} after microbatch {i + 1}",
+            )
