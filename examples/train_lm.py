@@ -16,8 +16,16 @@ uses the gradient of the whole batch's token-mean loss. What it shows:
 * a warmup-cosine learning rate that advances once per window, read back from
   the optimizer state (``optax.inject_hyperparams``);
 * one log line per window: its token-weighted loss, its tokens, the learning
-  rate its update used; also appended to ``OUT/metrics.jsonl`` (a window
-  without tokens applies no update and logs ``null`` for both);
+  rate its update used, read from the optimizer state (``window_stats=True``
+  and ``mm.window_stats``: no host round trip per microbatch, nothing to
+  checkpoint beside the state); also appended to ``OUT/metrics.jsonl`` with
+  the smoothed gradient noise scale, in tokens (length-sorted microbatches,
+  ``--skew`` above 0, inflate it); a window without tokens applies no update
+  and logs ``null`` for the loss and the rate;
+* ``--devices N``: data parallel over ``N`` devices, each keeping its own
+  running mean of its share of every microbatch, combined once per window
+  (``mm.per_device_value_and_grad`` and ``reduction=mm.deferred(mesh)``): the
+  same windows and losses as on one device, to float32 rounding;
 * orbax checkpoints every ``--checkpoint-every`` windows, and ``--resume``.
   A checkpoint may also fall in the middle of a window (``--stop-after``, the
   way a preemption handler saves): the optimizer state holds the half-accumulated
@@ -28,6 +36,7 @@ Usage (from a checkout, with the ``flax`` extra and ``orbax-checkpoint``)::
     python examples/train_lm.py --windows 200 --out /tmp/lm
     python examples/train_lm.py --windows 200 --out /tmp/lm --stop-after 301
     python examples/train_lm.py --windows 200 --out /tmp/lm --resume
+    JAX_NUM_CPU_DEVICES=4 python examples/train_lm.py --devices 4 --out /tmp/lm4
 
 The data of window ``w`` are drawn from a generator seeded with ``(seed, w)``,
 so the data position is just the number of microbatches done, which the
@@ -49,6 +58,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import masked_multistep as mm
 from masked_multistep.demo.data import (
@@ -123,7 +134,29 @@ def train_step(model, optimizer, inputs, targets, mask):
     grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
     (loss, count), grads = grad_fn(model, inputs, targets, mask)
     optimizer.update(model, grads, count=count, value=loss)
-    return loss, count
+
+
+@functools.cache
+def data_parallel_train_step(mesh: jax.sharding.Mesh):
+    """``train_step`` with the microbatch's rows split over ``mesh``'s devices.
+
+    Every device computes the mean gradient and token count of its own rows;
+    they reach the optimizer stacked along a leading device axis, and no
+    gradient crosses devices until the window closes.
+    """
+
+    @nnx.jit
+    def step(model, optimizer, inputs, targets, mask):
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        def param_loss_fn(params, microbatch):
+            return loss_fn(nnx.merge(graphdef, params), *microbatch)
+
+        grad_fn = mm.per_device_value_and_grad(param_loss_fn, mesh, "data")
+        (loss, count), grads = grad_fn(params, (inputs, targets, mask))
+        optimizer.update(model, grads, count=count, value=loss)
+
+    return step
 
 
 @nnx.jit
@@ -152,6 +185,7 @@ class Config:
     clip_norm: float = 1.0
     skew: float = 1.0
     seed: int = 0
+    devices: int = 1
 
 
 HELP = {
@@ -169,6 +203,8 @@ HELP = {
     "clip_norm": "clip each window's full-batch gradient to this global norm",
     "skew": "length skew between microbatches: 0 = random, 1 = sorted by length",
     "seed": "data and initialisation seed",
+    "devices": "data-parallel devices, each with its own running mean, reduced once "
+    "per window (on CPU, run with JAX_NUM_CPU_DEVICES=N)",
 }
 
 
@@ -211,6 +247,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     positive = ["windows", "microbatches", "batch_size", "seq_len", "d_model"]
     positive += ["num_heads", "num_layers", "checkpoint_every", "eval_sequences"]
+    positive += ["devices"]
     for name in positive:
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
@@ -219,6 +256,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--batch-size ({args.batch_size}) must be divisible by "
             f"--microbatches ({args.microbatches})"
+        )
+    if args.devices > len(jax.devices()):
+        parser.error(
+            f"--devices {args.devices}: only {len(jax.devices())} "
+            f"{jax.default_backend()} device(s) here (on CPU, set "
+            f"JAX_NUM_CPU_DEVICES={args.devices})"
+        )
+    if (args.batch_size // args.microbatches) % args.devices:
+        parser.error(
+            f"a microbatch's {args.batch_size // args.microbatches} sequences "
+            f"(--batch-size / --microbatches) must split evenly over --devices "
+            f"{args.devices}"
         )
     if args.d_model % args.num_heads:
         parser.error(
@@ -249,14 +298,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 @functools.cache
+def make_mesh(devices: int) -> jax.sharding.Mesh | None:
+    """The first ``devices`` devices along one ``"data"`` axis (``None`` for 1)."""
+    if devices == 1:
+        return None
+    return jax.make_mesh(
+        (devices,),
+        ("data",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=jax.devices()[:devices],
+    )
+
+
+@functools.cache
 def make_optimizer(config: Config) -> mm.MaskedMultiSteps:
     """Clip and adamw *inside* the wrapper: both act on the full-batch gradient.
 
     The schedule's step is the inner optimizer's count, which advances once per
     update, so ``--warmup`` and the decay are in windows (a window without
-    tokens applies no update and does not advance it). (Cached: the optimizer
-    is part of the compiled step's static structure, so runs with the same
-    settings in one process share one compilation.)
+    tokens applies no update and does not advance it). The wrapper keeps the
+    window statistics (loss, tokens, noise scale) that the log reads. With
+    ``--devices`` above 1 each device keeps its own running mean (a leading
+    device axis on the accumulator), and the devices combine them, weighted by
+    their tokens, when the window closes. (Cached: the optimizer is part of the
+    compiled step's static structure, so runs with the same settings in one
+    process share one compilation.)
     """
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
@@ -269,7 +335,13 @@ def make_optimizer(config: Config) -> mm.MaskedMultiSteps:
         learning_rate=schedule, weight_decay=config.weight_decay
     )
     inner = optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw)
-    return mm.MaskedMultiSteps(inner, every_k_schedule=config.microbatches)
+    mesh = make_mesh(config.devices)
+    return mm.MaskedMultiSteps(
+        inner,
+        every_k_schedule=config.microbatches,
+        window_stats=True,
+        reduction=None if mesh is None else mm.deferred(mesh, "data"),
+    )
 
 
 def learning_rate_used(optimizer: nnx.Optimizer) -> float:
@@ -291,17 +363,53 @@ def microbatch(batch: Batches, index: int, k: int) -> Batches:
     return Batches(*(x[index * size : (index + 1) * size] for x in batch))
 
 
+def place_on_mesh(mesh: jax.sharding.Mesh, model, optimizer) -> None:
+    """Replicates every array of ``model`` and ``optimizer`` over ``mesh``.
+
+    The accumulator is already there (``tx.init`` lays its device axis over the
+    mesh); the params, adamw's moments and the step counters are replicated,
+    so that checkpoints restore onto the mesh, not onto one device.
+    """
+    replicated = NamedSharding(mesh, P())
+
+    def place(x):
+        on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+        return x if on_mesh else jax.device_put(x, replicated)
+
+    nnx.update(model, jax.tree.map(place, nnx.state(model)))
+    nnx.update(optimizer, jax.tree.map(place, nnx.state(optimizer)))
+
+
+def window_record(window: int, optimizer: nnx.Optimizer) -> dict:
+    """The log of the window that just closed, from the optimizer state.
+
+    ``None`` where undefined: a window without tokens (or with a non-finite
+    gradient) applies no update and has no loss; the smoothed noise scale is
+    undefined until a window resolves the gradient from its noise.
+    """
+    stats = mm.window_stats(optimizer.opt_state)
+    updated = bool(mm.has_updated(optimizer.opt_state))
+    tokens = int(stats.tokens)
+    noise_scale = float(stats.smoothed_noise_scale)
+    return {
+        "window": window,
+        "loss": float(stats.loss) if tokens else None,
+        "tokens": tokens,
+        "learning_rate": learning_rate_used(optimizer) if updated else None,
+        "noise_scale": noise_scale if np.isfinite(noise_scale) else None,
+    }
+
+
 # -------------------------------------------------------------------- checkpoints
 
 # Not part of the run's definition: may change between a run and its resumption.
 RUN_CONTROL = ("out", "checkpoint_every", "resume", "stop_after", "eval_sequences")
 
 
-def save(manager, microbatches_done, model, optimizer, window_meter, config):
-    """Model, optimizer state (pending window included), position and log."""
+def save(manager, microbatches_done, model, optimizer, config):
+    """Model, optimizer state (pending window included) and position."""
     meta = {
         "microbatches_done": microbatches_done,
-        "window_meter": window_meter,
         "config": dataclasses.asdict(config),
     }
     manager.save(
@@ -314,13 +422,13 @@ def save(manager, microbatches_done, model, optimizer, window_meter, config):
     )
 
 
-def restore(manager, model, optimizer, config, print_fn=print) -> tuple[int, dict]:
+def restore(manager, model, optimizer, config, print_fn=print) -> int:
     """Restores the latest readable checkpoint into ``model`` and ``optimizer``.
 
     A checkpoint that cannot be read (cut short by a crash, damaged) is
     reported and the one before it tried; once one is restored, the unreadable
     ones after it are deleted (the run saves those steps again). Returns the
-    number of microbatches done and the pending window's meter.
+    number of microbatches done.
     """
     failures = []
     for step in sorted(manager.all_steps(), reverse=True):
@@ -341,7 +449,7 @@ def restore(manager, model, optimizer, config, print_fn=print) -> tuple[int, dic
     )
 
 
-def _restore_step(manager, step, model, optimizer, config) -> tuple[int, dict]:
+def _restore_step(manager, step, model, optimizer, config) -> int:
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     saved = meta["meta"]["config"]
     changed = [k for k, v in dataclasses.asdict(config).items() if saved[k] != v]
@@ -361,7 +469,7 @@ def _restore_step(manager, step, model, optimizer, config) -> tuple[int, dict]:
     )
     nnx.update(model, restored["model"])
     nnx.update(optimizer, restored["optimizer"])
-    return meta["meta"]["microbatches_done"], meta["meta"]["window_meter"]
+    return meta["meta"]["microbatches_done"]
 
 
 # ------------------------------------------------------------------------- train
@@ -390,21 +498,26 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
 
     model = TransformerLM(config, rngs=nnx.Rngs(config.seed))
     optimizer = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
+    mesh = make_mesh(config.devices)
+    if mesh is None:
+        step_fn = train_step
+    else:
+        place_on_mesh(mesh, model, optimizer)
+        step_fn = data_parallel_train_step(mesh)
+        rows = NamedSharding(mesh, P("data"))
 
     manager = ocp.CheckpointManager(
         out / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=3)
     )
     metrics = out / "metrics.jsonl"
     done = 0
-    # The window's token-weighted loss, accumulated on the host in float64.
-    meter = {"loss_sum": 0.0, "tokens": 0}
     if manager.latest_step() is not None:
         if not args.resume:
             raise SystemExit(
                 f"{out} already holds checkpoints: pass --resume to continue "
                 "that run, or choose another --out"
             )
-        done, meter = restore(manager, model, optimizer, config, print_fn)
+        done = restore(manager, model, optimizer, config, print_fn)
         print_fn(
             f"resumed after {done} microbatches ({done // k} windows + {done % k})"
         )
@@ -430,33 +543,26 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
         window, index = divmod(step, k)
         if batch is None or index == 0:
             batch = window_batch(corpus, config, window)
-        loss, count = train_step(model, optimizer, *microbatch(batch, index, k))
-        meter["loss_sum"] += float(loss) * int(count)
-        meter["tokens"] += int(count)
+        inputs = microbatch(batch, index, k)
+        if mesh is not None:
+            inputs = jax.device_put(inputs, rows)
+        # No host round trip: the loss and count stay in the optimizer state.
+        step_fn(model, optimizer, *inputs)
 
         if index == k - 1:  # the window closes, with its update
-            # None without one: a window without tokens (or with a non-finite
-            # gradient) applies no update, and its loss is undefined.
-            updated = bool(mm.has_updated(optimizer.opt_state))
-            tokens = meter["tokens"]
-            record = {
-                "window": window + 1,
-                "loss": meter["loss_sum"] / tokens if tokens else None,
-                "tokens": tokens,
-                "learning_rate": learning_rate_used(optimizer) if updated else None,
-            }
-            meter = {"loss_sum": 0.0, "tokens": 0}
-            loss_text = f"{record['loss']:.4f}" if tokens else "   n/a"
-            lr_text = f"{record['learning_rate']:.2e}" if updated else "(no update)"
+            record = window_record(window + 1, optimizer)
+            loss, rate = record["loss"], record["learning_rate"]
+            loss_text = "   n/a" if loss is None else f"{loss:.4f}"
+            lr_text = "(no update)" if rate is None else f"{rate:.2e}"
             print_fn(
                 f"window {record['window']:5d}  loss {loss_text}  "
-                f"tokens {tokens:6d}  lr {lr_text}"
+                f"tokens {record['tokens']:6d}  lr {lr_text}"
             )
             with metrics.open("a") as f:
                 f.write(json.dumps(record) + "\n")
         periodic = index == k - 1 and (window + 1) % args.checkpoint_every == 0
         if periodic or step + 1 == stop:
-            save(manager, step + 1, model, optimizer, meter, config)
+            save(manager, step + 1, model, optimizer, config)
     if stop < total:
         print_fn(f"stopped after {stop} microbatches: continue with --resume")
     manager.wait_until_finished()

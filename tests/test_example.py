@@ -6,7 +6,9 @@ the middle of a window (its checkpoint holds a half-accumulated window) and
 resumed with ``--resume``. Every parameter, the whole optimizer state, every
 window's logged loss and the held-out loss must be equal bit for bit: the
 resumed run restores the exact arrays, draws the same data (seeded per window)
-and runs the same compiled step, so nothing is allowed to differ.
+and runs the same compiled step, so nothing is allowed to differ. With
+``--devices 4`` (data parallel, one reduction per window) the run matches the
+one-device run to float32 rounding and resumes on the mesh bit for bit too.
 """
 
 import importlib.util
@@ -51,11 +53,19 @@ def records(out):
     return [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """The short configuration on one device, uninterrupted: result, log, out."""
+    out = tmp_path_factory.mktemp("straight")
+    result, log = run(out)
+    return result, log, out
+
+
 @pytest.mark.slow
-def test_resume_from_a_mid_window_checkpoint_is_bit_identical(tmp_path):
-    straight, log = run(tmp_path / "straight")
+def test_resume_from_a_mid_window_checkpoint_is_bit_identical(tmp_path, straight_run):
+    straight, log, straight_out = straight_run
     assert len([s for s in log if s.startswith("window")]) == WINDOWS
-    history = records(tmp_path / "straight")
+    history = records(straight_out)
     assert [r["window"] for r in history] == list(range(1, WINDOWS + 1))
     assert all(r["tokens"] > 0 for r in history)
     # Warmup from 0 over 2 windows, then cosine decay: the rate each update used.
@@ -64,6 +74,8 @@ def test_resume_from_a_mid_window_checkpoint_is_bit_identical(tmp_path):
     assert rates[2] > rates[3] > rates[4] > 3e-4
     # It learns: the held-out loss ends below the first window's loss.
     assert straight.heldout_loss < history[0]["loss"] - 0.1
+    # The smoothed noise scale, from the window statistics, in tokens.
+    assert all(r["noise_scale"] > 0 for r in history)
 
     out = tmp_path / "resumed"
     first, log = run(out, "--stop-after", str(STOP_AFTER))
@@ -98,6 +110,61 @@ def test_resume_from_a_mid_window_checkpoint_is_bit_identical(tmp_path):
         np.testing.assert_array_equal(have, want)
 
 
+@pytest.mark.slow
+def test_data_parallel_matches_one_device_and_resumes_bit_identically(
+    tmp_path, straight_run
+):
+    # --devices 4: each device accumulates its rows' running mean, and the
+    # devices combine them once per window. The same windows and updates as on
+    # one device, to float32 rounding; a mid-window checkpoint of the
+    # per-device state restores onto the mesh and continues bit for bit.
+    single, _, single_out = straight_run
+    parallel, _ = run(tmp_path / "parallel", "--devices", "4")
+    state = parallel.optimizer.opt_state
+    mesh_devices = set(jax.devices()[:4])
+    for leaf in jax.tree.leaves(state.acc_grads):
+        assert leaf.shape[0] == 4 and leaf.sharding.device_set == mesh_devices
+        assert leaf.addressable_shards[0].data.shape[0] == 1  # one mean per device
+    for leaf in jax.tree.leaves(
+        (nnx.state(parallel.model), nnx.state(parallel.optimizer))
+    ):
+        assert leaf.sharding.device_set == mesh_devices
+    one, four = records(single_out), records(tmp_path / "parallel")
+    assert [r["tokens"] for r in four] == [r["tokens"] for r in one]
+    assert [r["learning_rate"] for r in four] == [r["learning_rate"] for r in one]
+    for a, b in zip(one, four, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    assert parallel.heldout_loss == pytest.approx(single.heldout_loss, rel=1e-5)
+    # Every parameter moved the same way, to float32 rounding, but one: the
+    # attention's key bias, whose gradient is 0 in exact arithmetic (softmax
+    # ignores a constant added to all of a query's scores), so both runs hand
+    # adam rounding noise, which it scales to steps of up to the learning rate.
+    args = train_lm.parse_args(SMALL)
+    config = train_lm.Config(**{k: getattr(args, k) for k in vars(train_lm.Config())})
+    init = train_lm.TransformerLM(config, rngs=nnx.Rngs(config.seed))
+    leaves = (
+        jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
+        for model in (init, single.model, parallel.model)
+    )
+    for (path, start), (_, a), (_, b) in zip(*leaves, strict=True):
+        if "'key']['bias']" in jax.tree_util.keystr(path):
+            continue
+        moved, apart = np.linalg.norm(a - start), np.linalg.norm(b - a)
+        assert apart <= 1e-4 * moved, jax.tree_util.keystr(path)
+
+    out = tmp_path / "resumed"
+    first, _ = run(out, "--devices", "4", "--stop-after", str(STOP_AFTER))
+    assert int(first.optimizer.opt_state.mini_step[...]) == STOP_AFTER % K == 2
+    with pytest.raises(SystemExit, match="--devices 4 \\(now 2\\)"):
+        run(out, "--resume", "--devices", "2")
+    second, log = run(out, "--resume", "--devices", "4")
+    assert log[0] == "resumed after 10 microbatches (2 windows + 2)"
+    assert records(out) == four
+    assert second.heldout_loss == parallel.heldout_loss
+    for want, have in zip(arrays(parallel), arrays(second), strict=True):
+        np.testing.assert_array_equal(have, want)
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -109,6 +176,9 @@ def test_resume_from_a_mid_window_checkpoint_is_bit_identical(tmp_path):
         # A negative rate trained uphill.
         (["--learning-rate", "-1"], "--learning-rate must be > 0, got -1.0"),
         (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+        (["--devices", "0"], "--devices must be >= 1, got 0"),
+        (["--devices", "3"], "sequences (--batch-size / --microbatches) must split"),
+        (["--devices", "9"], "--devices 9: only 8 cpu device(s) here"),
     ],
 )
 def test_bad_flags_exit_with_a_message(flags, message, capsys):
