@@ -33,7 +33,7 @@ uses the gradient of the whole batch's token-mean loss. What it shows:
 
 Usage (from a checkout, with the ``flax`` extra and ``orbax-checkpoint``)::
 
-    python examples/train_lm.py --windows 200 --out /tmp/lm
+    python examples/train_lm.py --windows 200 --out /tmp/lm0
     python examples/train_lm.py --windows 200 --out /tmp/lm --stop-after 301
     python examples/train_lm.py --windows 200 --out /tmp/lm --resume
     JAX_NUM_CPU_DEVICES=4 python examples/train_lm.py --devices 4 --out /tmp/lm4
@@ -281,6 +281,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if not 0.0 <= args.skew <= 1.0:
         parser.error(f"--skew must be between 0 and 1, got {args.skew}")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.vocab_size < 8:
         parser.error(f"--vocab-size must be >= 8, got {args.vocab_size}")
     if args.clip_norm <= 0:
@@ -383,20 +385,28 @@ def place_on_mesh(mesh: jax.sharding.Mesh, model, optimizer) -> None:
 def window_record(window: int, optimizer: nnx.Optimizer) -> dict:
     """The log of the window that just closed, from the optimizer state.
 
-    ``None`` where undefined: a window without tokens (or with a non-finite
-    gradient) applies no update and has no loss; the smoothed noise scale is
-    undefined until a window resolves the gradient from its noise.
+    ``None`` where undefined or not finite (JSON has no NaN): a window
+    without tokens has no loss; a window without tokens or with a non-finite
+    gradient (a diverged run, whose loss is NaN too) applies no update and so
+    used no learning rate; the smoothed noise scale is undefined until a window
+    resolves the gradient from its noise, and again whenever the noise swamps
+    the gradient (the averaged |G|² estimate is not positive: late in training
+    with length-sorted microbatches, for one).
     """
     stats = mm.window_stats(optimizer.opt_state)
     updated = bool(mm.has_updated(optimizer.opt_state))
     tokens = int(stats.tokens)
-    noise_scale = float(stats.smoothed_noise_scale)
+
+    def finite(x) -> float | None:
+        x = float(x)
+        return x if np.isfinite(x) else None
+
     return {
         "window": window,
-        "loss": float(stats.loss) if tokens else None,
+        "loss": finite(stats.loss) if tokens else None,
         "tokens": tokens,
         "learning_rate": learning_rate_used(optimizer) if updated else None,
-        "noise_scale": noise_scale if np.isfinite(noise_scale) else None,
+        "noise_scale": finite(stats.smoothed_noise_scale),
     }
 
 
@@ -522,8 +532,10 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
             f"resumed after {done} microbatches ({done // k} windows + {done % k})"
         )
         # Drop the log lines of windows after the checkpoint: they run again.
+        # (A line cut short by a crash while it was written belongs to a
+        # window after the checkpoint too: the log is written before the save.)
         lines = metrics.read_text().splitlines() if metrics.exists() else []
-        kept = [s for s in lines if json.loads(s)["window"] <= done // k]
+        kept = [s for s in lines if _window_of(s) <= done // k]
         metrics.write_text("".join(s + "\n" for s in kept))
     else:
         if args.resume:
@@ -559,7 +571,7 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
                 f"tokens {record['tokens']:6d}  lr {lr_text}"
             )
             with metrics.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record, allow_nan=False) + "\n")
         periodic = index == k - 1 and (window + 1) % args.checkpoint_every == 0
         if periodic or step + 1 == stop:
             save(manager, step + 1, model, optimizer, config)
@@ -576,6 +588,14 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
         heldout_loss = float(eval_loss(model, *to_batches(tokens)))
         print_fn(f"held-out loss {heldout_loss:.4f} after {config.windows} windows")
     return Result(model, optimizer, stop, heldout_loss)
+
+
+def _window_of(line: str) -> float:
+    """The window a ``metrics.jsonl`` line logs (infinity if it is cut short)."""
+    try:
+        return json.loads(line)["window"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

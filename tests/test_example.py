@@ -176,6 +176,7 @@ def test_data_parallel_matches_one_device_and_resumes_bit_identically(
         # A negative rate trained uphill.
         (["--learning-rate", "-1"], "--learning-rate must be > 0, got -1.0"),
         (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
         (["--devices", "0"], "--devices must be >= 1, got 0"),
         (["--devices", "3"], "sequences (--batch-size / --microbatches) must split"),
         (["--devices", "9"], "--devices 9: only 8 cpu device(s) here"),
@@ -222,14 +223,39 @@ def test_a_window_without_tokens_logs_no_loss_and_no_rate(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_diverged_run_logs_null_not_nan(tmp_path):
+    # A learning rate of 1e20 makes the params non-finite after window 2: the
+    # later windows have tokens but a NaN loss and apply no update. JSON has no
+    # NaN (strict parsers refuse the line): the log says null.
+    flags = [*TINY, "--seq-len", "8", "--windows", "4", "--learning-rate", "1e20"]
+    lines = []
+    train_lm.train(
+        train_lm.parse_args([*flags, "--out", str(tmp_path)]), print_fn=lines.append
+    )
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    text = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    history = [json.loads(s, parse_constant=refuse) for s in text]
+    assert [r["tokens"] > 0 for r in history] == [True] * 4
+    assert [r["loss"] is None for r in history] == [False, False, True, True]
+    assert [r["learning_rate"] is None for r in history] == [False, False, True, True]
+    assert sum("loss    n/a" in s for s in lines) == 2
+
+
+@pytest.mark.slow
 def test_resume_skips_an_unreadable_checkpoint(tmp_path):
     flags = [*TINY, "--windows", "4", "--checkpoint-every", "1", "--out", str(tmp_path)]
     first = train_lm.train(train_lm.parse_args([*flags, "--stop-after", "3"]), print)
     ckpts = tmp_path / "checkpoints"
     assert sorted(int(p.name) for p in ckpts.iterdir()) == [1, 2, 3]
     (ckpts / "3" / "meta" / "metadata").unlink()  # cut short by a crash
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"window": 4, "lo')  # so was the log line being written
     lines = []
     again = train_lm.train(train_lm.parse_args([*flags, "--resume"]), lines.append)
+    assert [r["window"] for r in records(tmp_path)] == [1, 2, 3, 4]
     assert lines[0].startswith("--resume: cannot read checkpoint 3: FileNotFoundError")
     assert lines[1:3] == [
         "--resume: deleted the unreadable checkpoint 3",
