@@ -115,7 +115,7 @@ def test_data_parallel_matches_one_device_and_resumes_bit_identically(
     tmp_path, straight_run
 ):
     # --devices 4: each device accumulates its rows' running mean, and the
-    # devices combine them once per window. The same windows and updates as on
+    # devices combine them once per window. The same windows and losses as on
     # one device, to float32 rounding; a mid-window checkpoint of the
     # per-device state restores onto the mesh and continues bit for bit.
     single, _, single_out = straight_run
