@@ -95,6 +95,10 @@ def test_the_footer_follows_the_run():
         (["--batch-size", "10", "--microbatches", "4"], "must be divisible"),
         (["--steps", "many"], "invalid int value"),
         (["--out", "TMP/file"], "--out must be a directory"),
+        # Said before the training, not when the results are written after it.
+        (["--out", "TMP/file/sub"], "cannot be created: "),
+        (["--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
+        (["--seed", str(2**63)], "--seed must be in [0, 2**63)"),
     ],
 )
 def test_bad_flags_exit_with_a_message(argv, message, capsys, tmp_path):
@@ -107,6 +111,46 @@ def test_bad_flags_exit_with_a_message(argv, message, capsys, tmp_path):
     assert message in err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("python -m masked_multistep.demo: ")
+
+
+def test_an_undefined_noise_scale_is_said_and_written_as_null(tmp_path):
+    # Windows of one microbatch have no noise scale (K < 2): the table says why
+    # instead of "nan tokens", and summary.json holds null (JSON has no NaN).
+    from masked_multistep.demo import report
+
+    run = {
+        "grad_rel_error_mean": 0.0,
+        "grad_rel_error_max": 0.0,
+        "final_train_loss": 1.0,
+        "heldout_loss": 1.0,
+        "train_loss": [1.0],
+        "grad_rel_error": [0.0],
+        "noise_scale": [float("nan")],
+        "final_noise_scale": float("nan"),
+    }
+    summary = {
+        "config": {
+            "steps": 1,
+            "batch_size": 4,
+            "microbatches": 1,
+            "skew": 1.0,
+            "seed": 0,
+        },
+        "tokens_per_microbatch_first_batch": [7],
+        "mean_tokens_per_batch": 7.0,
+        "runs": {name: dict(run) for name in report.RUNS},
+    }
+    text = report.format_table(summary)
+    assert "undefined at the last step: it needs 2 or more microbatches" in text
+    assert "nan" not in text and "Length-sorted" not in text
+    report.write(summary, str(tmp_path))
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    written = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
+    masked = written["runs"]["masked_multisteps"]
+    assert masked["noise_scale"] == [None] and masked["final_noise_scale"] is None
 
 
 def test_skew_controls_length_order():

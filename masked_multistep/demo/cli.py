@@ -67,9 +67,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if not 0.0 <= args.skew <= 1.0:
         parser.error(f"--skew must be between 0 and 1, got {args.skew}")
+    if not 0 <= args.seed < 2**63:
+        parser.error(f"--seed must be in [0, 2**63), got {args.seed}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out must be a directory, got the file {args.out!r}")
+    problem = _unwritable(args.out)
+    if problem:  # said now, not after the training
+        parser.error(f"--out {args.out!r}: {problem}")
     return args
+
+
+def _unwritable(out: str) -> str | None:
+    """Why the directory ``out`` could not be written or created, if it could not.
+
+    Creates nothing: the nearest existing ancestor must be a directory this
+    process may write into.
+    """
+    path = os.path.abspath(out)
+    if os.path.isdir(path):
+        return None if os.access(path, os.W_OK | os.X_OK) else "not writable"
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be created: {parent!r} is a file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created in {parent!r} (not writable)"
+    return None
 
 
 def missing_requirements() -> list[str]:

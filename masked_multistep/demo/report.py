@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -82,15 +83,26 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{r['heldout_loss']:>14.4f}"
         )
     tokens_per_step = summary["mean_tokens_per_batch"]
+    noise_scale = summary["runs"]["masked_multisteps"]["final_noise_scale"]
     lines += [
         "",
         "mm.MaskedMultiSteps window statistics: gradient noise scale B_simple "
         "(smoothed),",
-        f"{summary['runs']['masked_multisteps']['final_noise_scale']:.3g} tokens at "
-        "the last step: an estimate of the critical batch size (this",
-        f"run's batches hold {tokens_per_step:.0f} tokens on average).",
     ]
-    if c["skew"] > 0:
+    if not math.isfinite(noise_scale):
+        reason = (
+            "it needs 2 or more microbatches per window"
+            if c["microbatches"] < 2
+            else "the windows did not resolve the gradient from its noise"
+        )
+        lines.append(f"undefined at the last step: {reason}.")
+    else:
+        lines += [
+            f"{noise_scale:.3g} tokens at "
+            "the last step: an estimate of the critical batch size (this",
+            f"run's batches hold {tokens_per_step:.0f} tokens on average).",
+        ]
+    if c["skew"] > 0 and math.isfinite(noise_scale):
         lines[-1] += " Length-sorted"
         lines += [
             "microbatches (--skew above 0) differ systematically and inflate it;",
@@ -155,13 +167,26 @@ def plot(summary: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def _finite_or_none(tree: Any) -> Any:
+    """``tree`` (dicts, lists, numbers) with every non-finite float as ``None``."""
+    if isinstance(tree, dict):
+        return {k: _finite_or_none(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [_finite_or_none(v) for v in tree]
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return None
+    return tree
+
+
 def write(summary: dict[str, Any], out_dir: str) -> list[str]:
     """Writes ``curves.png`` and ``summary.json`` into ``out_dir``; their paths."""
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, "summary.json")
     png_path = os.path.join(out_dir, "curves.png")
     with open(json_path, "w") as f:
-        json.dump(summary, f, indent=1)
+        # JSON has no NaN: an undefined figure (the noise scale of windows of
+        # one microbatch, say) is null.
+        json.dump(_finite_or_none(summary), f, indent=1, allow_nan=False)
         f.write("\n")
     plot(summary, png_path)
     return [png_path, json_path]
