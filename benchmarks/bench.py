@@ -46,6 +46,7 @@ import masked_multistep as mm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import steps  # noqa: E402
+from bench_cli import output_path, positive_int, positive_ints  # noqa: E402
 
 MiB = 1 << 20
 REFERENCE = "optax.MultiSteps"
@@ -426,10 +427,12 @@ def print_micro_table(rows: list[dict[str, Any]]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, < 1 minute")
-    p.add_argument("--out", type=Path, help="JSON output path")
-    p.add_argument("--widths", type=str, help="comma-separated matrix widths")
-    p.add_argument("--ks", type=str, help="comma-separated window lengths k")
-    p.add_argument("--repeats", type=int, help="timed rounds per configuration")
+    p.add_argument("--out", type=output_path, help="JSON output path")
+    p.add_argument("--widths", type=positive_ints, help="comma-separated matrix widths")
+    p.add_argument("--ks", type=positive_ints, help="comma-separated window lengths k")
+    p.add_argument(
+        "--repeats", type=positive_int, help="timed rounds per configuration"
+    )
     return p.parse_args(argv)
 
 
@@ -441,11 +444,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         widths, ks, repeats = [512, 1024, 2048], [1, 4, 8, 16], 7
         micro = {"width": 512, "rows": 2048, "splits": [1, 4, 16]}
-    if args.widths:
-        widths = [int(w) for w in args.widths.split(",")]
-    if args.ks:
-        ks = [int(k) for k in args.ks.split(",")]
-    if args.repeats:
+    if args.widths is not None:
+        widths = args.widths
+    if args.ks is not None:
+        ks = args.ks
+    if args.repeats is not None:
         repeats = args.repeats
 
     info = machine_info()

@@ -36,10 +36,12 @@ Usage::
     python benchmarks/bench_dp.py           # two sizes, k = 1, 4, 8, 16 (~2 min)
     python benchmarks/bench_dp.py --quick   # smoke test (1-2 min)
     python benchmarks/bench_dp.py --malloc default  # glibc's allocator defaults
+    python benchmarks/bench_dp.py --markdown RESULT.json  # a result's table
 
 The parent process starts the two workers, relays process 0's output and
 writes its JSON result to ``benchmarks/results/`` (or ``--out``). The last line
-reads ``dp: deferred X.XX× per-microbatch reduction (k=8, 4x1024²)``.
+reads ``dp: deferred X.XX× per-microbatch reduction (k=8, 4x1024²)`` when
+width 1024 and k = 8 are among the runs (as by default).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
+from bench_cli import output_path, positive_int, positive_ints, read_result  # noqa: E402
 
 NUM_PROCESSES = 2
 REFERENCE = "per-microbatch reduction"
@@ -87,10 +90,12 @@ KEEP_FREED_MEMORY = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke test, 1-2 min")
-    p.add_argument("--out", type=Path, help="JSON output path")
-    p.add_argument("--widths", type=str, help="comma-separated matrix widths")
-    p.add_argument("--ks", type=str, help="comma-separated window lengths k")
-    p.add_argument("--repeats", type=int, help="timed rounds per configuration")
+    p.add_argument("--out", type=output_path, help="JSON output path")
+    p.add_argument("--widths", type=positive_ints, help="comma-separated matrix widths")
+    p.add_argument("--ks", type=positive_ints, help="comma-separated window lengths k")
+    p.add_argument(
+        "--repeats", type=positive_int, help="timed rounds per configuration"
+    )
     p.add_argument(
         "--malloc",
         choices=("keep", "default"),
@@ -102,7 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.markdown is not None:
+        args.markdown = read_result(p, args.markdown, "bench_dp")
+    return args
 
 
 def config(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,11 +118,11 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         widths, ks, repeats = [256, 1024], [1, 8], 2
     else:
         widths, ks, repeats = [512, 1024], [1, 4, 8, 16], 5
-    if args.widths:
-        widths = [int(w) for w in args.widths.split(",")]
-    if args.ks:
-        ks = [int(k) for k in args.ks.split(",")]
-    if args.repeats:
+    if args.widths is not None:
+        widths = args.widths
+    if args.ks is not None:
+        ks = args.ks
+    if args.repeats is not None:
         repeats = args.repeats
     return {"widths": widths, "ks": ks, "repeats": repeats, "quick": args.quick}
 
@@ -470,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     if args.markdown is not None:
-        markdown(json.loads(args.markdown.read_text()))
+        markdown(args.markdown)
         return 0
     cfg = config(args)
     out = args.out

@@ -8,9 +8,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cli import read_result  # noqa: E402
 
 MiB = 1 << 20
 
@@ -101,8 +104,8 @@ def microbatching(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("result", type=Path)
-    result = json.loads(parser.parse_args().result.read_text())
+    parser.add_argument("result", type=Path, help="a JSON result of bench.py")
+    result = read_result(parser, parser.parse_args().result, "bench")
     print(machine(result))
     print()
     print(times(result))

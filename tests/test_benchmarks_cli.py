@@ -1,0 +1,65 @@
+"""The benchmark scripts refuse bad flags and foreign results when they start.
+
+A malformed ``--widths``, a zero ``--repeats`` or an unwritable ``--out`` used
+to surface as a traceback, or after minutes of benchmarking, or not at all (an
+empty list ran the defaults); ``report.py`` and ``bench_dp.py --markdown``
+failed with a ``KeyError`` on the other script's result.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run(script, *args):
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--widths", "64,"], "argument --widths: not an integer: ''"),
+        (["--widths="], "argument --widths: an empty list"),
+        (["--ks", "1,0"], "argument --ks: must be >= 1, got 0"),
+        (["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+        (["--out", "TMP"], "is a directory: name a file"),
+        (["--out", "TMP/file/r.json"], "/file' is a file"),
+    ],
+)
+@pytest.mark.parametrize("script", ["bench.py", "bench_dp.py"])
+def test_bad_flags_are_usage_errors(script, args, message, tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = run(script, *(a.replace("TMP", str(tmp_path)) for a in args))
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_each_result_is_rendered_by_its_own_script(tmp_path):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"windows": [], "machine": {}, "memory_checks": []}))
+    dp = tmp_path / "dp.json"
+    dp.write_text(json.dumps({"windows": [], "machine": {}, "allreduce": []}))
+    cut = tmp_path / "cut.json"
+    cut.write_text('{"windows": [{"wid')
+    cases = [
+        ("report.py", [dp], "render it with benchmarks/bench_dp.py --markdown"),
+        ("bench_dp.py", ["--markdown", bench], "render it with benchmarks/report.py"),
+        ("report.py", [cut], "not JSON, or cut short"),
+        ("report.py", [tmp_path / "missing.json"], "cannot read it"),
+        ("report.py", [tmp_path], "cannot read it"),
+    ]
+    for script, args, message in cases:
+        proc = run(script, *args)
+        assert proc.returncode == 2, (script, args, proc.stderr)
+        assert message in proc.stderr and "Traceback" not in proc.stderr
