@@ -9,6 +9,8 @@ DEMO_STAMP := $(VENV)/.installed-demo
 DOCS_STAMP := $(VENV)/.installed-docs
 # Worker processes for the test suite (pytest-xdist); CI machines have 2 cores.
 JOBS   ?= 2
+# What `make lint` (and `make test`) check with ruff.
+LINTED := masked_multistep tests benchmarks docs tools examples notebooks/execute.py
 
 .PHONY: help install test lint typecheck demo docs bench bench-quick bench-dp clean
 
@@ -18,30 +20,36 @@ help:
 	@echo "make test         ruff, pyright and the whole test suite (installs the development stack into .venv)"
 	@echo "make install      only the development stack, into .venv"
 	@echo "make lint         ruff check and ruff format --check"
-	@echo "make typecheck    pyright on the package, tests/test_typing.py and the README's examples"
+	@echo "make typecheck    pyright on the package, tools/, tests/test_typing.py and the README's examples"
 	@echo "make docs         the HTML docs (Sphinx) in docs/_build/html"
 	@echo "make bench        benchmarks against optax.MultiSteps (ARGS=--help for options); bench-quick: a short run"
 	@echo "make bench-dp     data parallel across two processes on 127.0.0.1"
-	@echo "make clean        removes .venv and everything built"
+	@echo "make clean        removes .venv and everything built or cached"
 
 install: $(STAMP)
 
+# A .venv left by an interrupted install (no pip) or made by a Python older than
+# 3.11 is made again; a python3 older than 3.11 is refused with a hint.
 $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP): $(VENV)/.installed-%: setup.cfg pyproject.toml constraints.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+		echo "masked_multistep needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1)." \
+		"Run e.g. \`make $(MAKECMDGOALS) PYTHON=python3.11\`."; exit 1; }
+	$(BIN)/python -c 'import pip, sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+		|| $(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$*]"
 	touch $@
 
 test: $(STAMP)
-	$(BIN)/ruff check masked_multistep tests benchmarks docs tools examples
+	$(MAKE) lint
 	$(MAKE) typecheck
 	$(BIN)/python -m pytest -n $(JOBS) --durations=15
 
 lint: $(STAMP)
-	$(BIN)/ruff check masked_multistep tests benchmarks docs tools examples
-	$(BIN)/ruff format --check masked_multistep tests benchmarks docs tools examples
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 
-# pyright on the package, tests/test_typing.py and the README's python blocks.
+# pyright on the package, tools/, tests/test_typing.py and the README's python blocks.
 typecheck: $(STAMP)
 	$(BIN)/python tools/typecheck.py
 
@@ -65,4 +73,5 @@ bench-dp: $(STAMP)
 
 clean:
 	rm -rf $(VENV) demo-output benchmarks/results .pytest_cache .hypothesis \
-		docs/_build docs/notebooks docs/benchmarks dist
+		docs/_build docs/notebooks docs/benchmarks dist build *.egg-info .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

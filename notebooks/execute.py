@@ -8,6 +8,7 @@ display their figures as PNG images themselves.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import copy
 import os
@@ -83,7 +84,15 @@ def store_figure(nb: nbformat.NotebookNode, path: pathlib.Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    paths = [pathlib.Path(p) for p in argv] or NOTEBOOKS
+    parser = argparse.ArgumentParser(
+        prog="notebooks/execute.py",
+        description="Executes the notebooks in place (all by default).",
+    )
+    parser.add_argument("notebooks", nargs="*", type=pathlib.Path, metavar="NOTEBOOK")
+    paths = parser.parse_args(argv).notebooks or NOTEBOOKS
+    for path in paths:
+        if not path.is_file():
+            parser.error(f"no notebook at {str(path)!r}")
     for path in paths:
         print(f"executing {path}", flush=True)
         nb = execute(path)

@@ -1,4 +1,4 @@
-"""Type-checks the package, tests/test_typing.py and the README's examples.
+"""Type-checks the package, tools/, tests/test_typing.py and the README's examples.
 
 Usage: ``.venv/bin/python tools/typecheck.py [--readme FILE] [PATH ...]``
 
