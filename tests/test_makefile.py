@@ -1,0 +1,38 @@
+"""The Makefile's guards: what a fresh clone meets before anything installs."""
+
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make(cwd, *args):
+    return subprocess.run(
+        ["make", *args], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_a_python_older_than_3_11_is_refused_before_the_venv_is_made(tmp_path):
+    for name in ("Makefile", "setup.cfg", "pyproject.toml", "constraints.txt"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    old = tmp_path / "python3"  # answers like Python 3.10
+    old.write_text(
+        '#!/bin/sh\n[ "$1" = "-V" ] && echo "Python 3.10.13" && exit 0\nexit 1\n'
+    )
+    old.chmod(old.stat().st_mode | stat.S_IEXEC)
+    proc = make(tmp_path, "install", f"PYTHON={old}")
+    assert proc.returncode != 0
+    assert "needs Python >= 3.11" in proc.stdout and "Python 3.10.13" in proc.stdout
+    assert "make install PYTHON=python3.11" in proc.stdout
+    assert not (tmp_path / ".venv").exists()
+
+
+def test_make_test_lints_as_make_lint_does():
+    proc = make(ROOT, "-n", "test")
+    assert proc.returncode == 0, proc.stderr
+    lint = make(ROOT, "-n", "lint").stdout
+    for line in ("ruff check", "ruff format --check"):
+        (expected,) = [s for s in lint.splitlines() if line in s]
+        assert expected in proc.stdout
