@@ -102,12 +102,12 @@ def format_table(summary: dict[str, Any]) -> str:
             "the last step: an estimate of the critical batch size (this",
             f"run's batches hold {tokens_per_step:.0f} tokens on average).",
         ]
-    if c["skew"] > 0 and math.isfinite(noise_scale):
-        lines[-1] += " Length-sorted"
-        lines += [
-            "microbatches (--skew above 0) differ systematically and inflate it;",
-            "--skew 0 measures it without that bias.",
-        ]
+        if c["skew"] > 0:
+            lines[-1] += " Length-sorted"
+            lines += [
+                "microbatches (--skew above 0) differ systematically and inflate it;",
+                "--skew 0 measures it without that bias.",
+            ]
     tail = _loss_tail(c["steps"])
     steps = "the last step" if tail == 1 else f"the last {tail} steps"
     lines += [
