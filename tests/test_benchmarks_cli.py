@@ -25,25 +25,30 @@ def run(script, *args):
     )
 
 
+# bench_dp.py parses its flags before importing jax; bench.py (which imports it
+# first, a second per run) shares the same checks: two cases run it too.
 @pytest.mark.parametrize(
-    "args, message",
+    "args, message, scripts",
     [
-        (["--widths", "64,"], "argument --widths: not an integer: ''"),
-        (["--widths="], "argument --widths: an empty list"),
-        (["--ks", "1,0"], "argument --ks: must be >= 1, got 0"),
-        (["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
-        (["--out", "TMP"], "is a directory: name a file"),
-        (["--out", "TMP/file/r.json"], "/file' is a file"),
+        (["--widths", "64,"], "argument --widths: not an integer: ''", ["bench_dp.py"]),
+        (
+            ["--widths="],
+            "argument --widths: an empty list",
+            ["bench_dp.py", "bench.py"],
+        ),
+        (["--ks", "1,0"], "argument --ks: must be >= 1, got 0", ["bench_dp.py"]),
+        (
+            ["--repeats", "0"],
+            "argument --repeats: must be >= 1, got 0",
+            ["bench_dp.py"],
+        ),
+        (["--out", "TMP"], "is a directory: name a file", ["bench_dp.py", "bench.py"]),
+        (["--out", "TMP/file/r.json"], "/file' is a file", ["bench_dp.py"]),
     ],
 )
-def test_bad_flags_are_usage_errors(args, message, tmp_path):
-    # bench_dp.py parses its flags before importing jax; bench.py (which imports
-    # it first, a second per run) shares the same checks: two cases suffice.
+def test_bad_flags_are_usage_errors(args, message, scripts, tmp_path):
     (tmp_path / "file").write_text("")
     args = [a.replace("TMP", str(tmp_path)) for a in args]
-    scripts = ["bench_dp.py"]
-    if args[0] in ("--widths=", "--out") and "file" not in args[-1]:
-        scripts.append("bench.py")
     for script in scripts:
         proc = run(script, *args)
         assert proc.returncode == 2, (script, proc.stderr)
