@@ -444,8 +444,9 @@ def check_microbatches(value: Any, what: str) -> int:
 _OWN_KEYWORDS = ("count", "value")
 
 
-def check_extra_args(extra_args: dict[str, Any]) -> None:
-    """Refuses an extra keyword that looks like a misspelt ``count``/``value``.
+def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
+    """Refuses an extra keyword that looks like a misspelt ``count``/``value``,
+    and a missing ``count`` (naming the keywords that came instead).
 
     Other extra arguments go to the inner optimizer, which (like optax's
     ``chain``) drops what it does not take: a misspelt ``value=`` would vanish
@@ -459,3 +460,12 @@ def check_extra_args(extra_args: dict[str, Any]) -> None:
                 f"{close[0]!r}? (Other keywords go to the inner optimizer; one "
                 f"this close to {close[0]!r} is taken for a misspelling.)"
             )
+    if count is None:
+        others = [k for k in extra_args if k != "value"]
+        got = (
+            f" It got no `count`, and the keyword argument(s) "
+            f"{', '.join(map(repr, others))}."
+            if others
+            else ""
+        )
+        raise TypeError(_MISSING_COUNT + got)

@@ -55,9 +55,15 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
     if len(found) != 1:
         hint = ""
         if found:
+            # A TrainState or an NNX optimizer holds the optax state in its
+            # `opt_state`.
+            where = "state.opt_state" if hasattr(opt_state, "opt_state") else "state"
             hint = (
-                ": pass the part of the state that holds the one you mean "
-                "(e.g. `state.inner_states['name']` of optax.multi_transform)"
+                ": pass the part of the state that holds the one you mean, e.g. "
+                f"`{where}.inner_states['name']` for one branch of "
+                "optax.multi_transform. (Two wrappers in one optax.chain are a "
+                "mistake: the second would average the first's in-window zeros "
+                "as microbatches; chain the transformations inside one wrapper.)"
             )
         elif states_in(opt_state, optax.MultiStepsState):
             hint = (
@@ -87,6 +93,11 @@ def has_updated(opt_state: Any) -> jax.Array:
     ``opt_state`` applied an inner update (ended a window with tokens and a
     finite mean gradient, and, for an inner optimizer that needs ``value=``, a
     finite mean value; a window without them closes without one).
+
+    It describes the wrapper's last call that was kept: a transformation around
+    the wrapper that keeps the old state on a step (``optax.apply_if_finite``
+    withholding a non-finite gradient) leaves it as it was, so there log when
+    ``gradient_step`` changes instead.
 
     Examples:
       >>> import jax.numpy as jnp, optax

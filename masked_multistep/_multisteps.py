@@ -878,7 +878,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         sits inside it. Returns ``(updates, state)``, or with ``apply_params``
         ``(new_params, state)``.
         """
-        _checks.check_extra_args(extra_args)
+        _checks.check_extra_args(extra_args, count)
         self._check_state(state)
         self._reduction.check_grads(grads, state.acc_grads)
         if apply_params:

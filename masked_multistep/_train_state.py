@@ -16,6 +16,7 @@ from typing import Any, cast
 import jax
 import optax
 
+from masked_multistep._inspect import find_state
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 
 try:
@@ -29,12 +30,6 @@ except ImportError as err:
     ) from err
 
 __all__ = ["TrainState"]
-
-
-def _find_multisteps_states(opt_state: Any) -> list[MaskedMultiStepsState]:
-    """The outermost :class:`MaskedMultiStepsState` nodes inside ``opt_state``."""
-    is_mm = lambda x: isinstance(x, MaskedMultiStepsState)
-    return [s for s in jax.tree.leaves(opt_state, is_leaf=is_mm) if is_mm(s)]
 
 
 class TrainState(_flax_train_state.TrainState):
@@ -112,9 +107,18 @@ class TrainState(_flax_train_state.TrainState):
           The new state, with ``step`` incremented by one.
 
         Raises:
-          TypeError: if ``count`` is missing, or a keyword is neither a field nor
-            one of the above (a misspelt field would otherwise vanish).
+          TypeError: if ``count`` is missing, a keyword is neither a field nor
+            one of the above (a misspelt field would otherwise vanish), or is
+            ``step``, ``params`` or ``opt_state``, which this method sets.
         """
+        own = [k for k in ("step", "params", "opt_state") if k in kwargs]
+        if own:
+            raise TypeError(
+                f"{type(self).__name__}.apply_gradients got "
+                f"{', '.join(f'`{k}=`' for k in own)}, set by apply_gradients "
+                "itself: to give a field a value of your own, call "
+                f"`state.replace({own[0]}=...)`."
+            )
         field_names = [f.name for f in dataclasses.fields(self)]
         unknown = [k for k in kwargs if k not in field_names]
         if unknown:
@@ -214,11 +218,10 @@ class TrainState(_flax_train_state.TrainState):
         return self._multisteps_state("mini_step").mini_step
 
     def _multisteps_state(self, attribute: str) -> MaskedMultiStepsState:
-        states = _find_multisteps_states(self.opt_state)
-        if len(states) != 1:
+        try:
+            return find_state(self)
+        except ValueError as err:
             raise ValueError(
                 f"TrainState.{attribute} reads the MaskedMultiSteps state in "
-                "`opt_state`; expected exactly one, found "
-                f"{len(states)} in an opt_state of type {type(self.opt_state).__name__}"
-            )
-        return states[0]
+                f"`opt_state`: {err}"
+            ) from None

@@ -197,6 +197,10 @@ def test_missing_count_says_how_to_pass_it(tx):
     assert "count: the number of real tokens" in (tx.update.__doc__ or "")
     with pytest.raises(TypeError, match=r"count=n.*masked_multistep.TrainState"):
         jax.jit(tx.update)(GRADS, tx.init(PARAMS), PARAMS)
+    # A count under a name too far from `count` to be taken for a misspelling
+    # (`cnt`: NNX's `optimizer.update(model, grads, cnt=n)`) is named.
+    with pytest.raises(TypeError, match=r"count=n.*no `count`, .* 'cnt'\.$"):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS, cnt=3, value=1.0)
 
 
 @pytest.mark.parametrize(

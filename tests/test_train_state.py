@@ -64,6 +64,32 @@ def test_several_unknown_keywords_are_all_named():
         )
 
 
+def test_the_fields_apply_gradients_sets_are_refused_by_name():
+    # flax's replace() said "got multiple values for keyword argument 'step'".
+    with pytest.raises(TypeError, match=r"got `step=`, set by .*replace\(step=...\)"):
+        _state().apply_gradients(grads={"w": jnp.ones(2)}, count=1, step=0)
+
+
+def test_two_wrapped_branches_say_which_part_of_the_state_to_read():
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+    tx = optax.multi_transform(
+        {
+            "x": mm.MaskedMultiSteps(optax.adam(0.1), 2).gradient_transformation(),
+            "y": mm.MaskedMultiSteps(optax.sgd(0.1), 2).gradient_transformation(),
+        },
+        {"a": "x", "b": "y"},
+    )
+    state = mm.TrainState.create(apply_fn=None, params=params, tx=tx)
+    state = state.apply_gradients(grads=jax.tree.map(jnp.ones_like, params), count=1)
+    hint = r"found 2 in a TrainState: .*`state.opt_state.inner_states\['name'\]`"
+    with pytest.raises(ValueError, match=r"TrainState.gradient_step reads .*" + hint):
+        _ = state.gradient_step
+    with pytest.raises(ValueError, match=hint):
+        mm.has_updated(state)
+    # The hint's path works.
+    assert int(mm.find_state(state.opt_state.inner_states["x"]).mini_step) == 1
+
+
 def test_fields_are_replaced_and_extra_args_reach_the_optimizer():
     state = _state(mm.MaskedMultiSteps(_Scaled(), 2))
     for g, n in [(1.0, 3), (5.0, 1)]:
