@@ -10,13 +10,17 @@ state against :func:`state_0_1_target` and convert it with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
+import numpy as np
 
 from masked_multistep import _stats
+from masked_multistep._checks import to_count
 from masked_multistep._multisteps import MaskedMultiStepsState
 
 __all__ = ["STATE_0_1_FIELDS", "from_state_0_1", "state_0_1_target"]
@@ -43,6 +47,64 @@ def _check_template(template: Any) -> None:
         )
 
 
+def _like_template(name: str, got: Any, want: Any) -> Any:
+    """The restored field ``got`` in the dtypes of the template's ``want``.
+
+    As orbax does on restore (``flax.serialization`` keeps the saved dtypes, e.g.
+    a 0.1 bfloat16 accumulator): floating leaves are cast, integer ones only
+    when their values fit; a leaf of another kind is refused.
+    """
+
+    def leaf(g: Any, w: Any) -> Any:
+        # A jax array keeps its placement (orbax restores onto the target's
+        # sharding); anything else goes through numpy, as jnp.asarray would
+        # narrow int64 to int32 before any check.
+        if not isinstance(g, jax.Array):
+            g = np.asarray(g)
+        w_dtype = jnp.result_type(w)
+        if g.dtype != w_dtype:
+            kinds = (jnp.inexact, jnp.integer, jnp.bool_)
+            same_kind = any(
+                jnp.issubdtype(g.dtype, k) and jnp.issubdtype(w_dtype, k) for k in kinds
+            )
+            fits = not jnp.issubdtype(w_dtype, jnp.integer) or (
+                isinstance(g, jax.core.Tracer)
+                or bool((g.astype(w_dtype).astype(g.dtype) == g).all())
+            )
+            if not (same_kind and fits):
+                raise ValueError(
+                    f"`restored[{name!r}]` holds dtype {g.dtype} where the template "
+                    f"has {w_dtype}"
+                    + ("" if not same_kind else ", and values that do not fit it")
+                )
+            g = g.astype(w_dtype)
+        return jnp.asarray(g)
+
+    return jax.tree.map(leaf, got, want)
+
+
+def _acc_count(acc_count: Any, count_dtype: Any) -> jax.Array:
+    """The restored 0.1 token total in ``count_dtype``, by the count contract."""
+    what = "`restored['acc_count']`"
+    if isinstance(acc_count, jax.core.Tracer):
+        return acc_count.astype(count_dtype)
+    value = np.asarray(acc_count).item()
+    if (
+        jnp.issubdtype(count_dtype, jnp.integer)
+        and isinstance(value, float)
+        and math.isfinite(value)
+    ):
+        if not value.is_integer():
+            raise ValueError(
+                f"{what} is fractional ({value}), but the template's count_dtype "
+                f"{count_dtype} counts whole tokens: build the wrapper with a "
+                "floating count_dtype (the default, float32)"
+            )
+        value = int(value)
+    count, _ = to_count(value, count_dtype, what)
+    return count
+
+
 def state_0_1_target(template: MaskedMultiStepsState) -> dict[str, Any]:
     """The tree to restore a version 0.1 wrapper state into.
 
@@ -65,10 +127,12 @@ def from_state_0_1(
 ) -> MaskedMultiStepsState:
     """A version 0.1 wrapper state, restored as a ``dict``, in the current layout.
 
-    The fields 0.1 had keep their restored values (the pending window included);
-    the fields added since take the template's initial values. In 0.1 the
-    window's ``value`` was averaged over every counted token (a microbatch that
-    passed none added a zero), so its weight total ``value_count`` is the
+    The fields 0.1 had keep their restored values (the pending window included),
+    in the template's dtypes (as orbax restores them; ``flax.serialization``
+    keeps the saved ones); the fields added since take the template's initial
+    values. In 0.1 the window's ``value`` mean was weighted by the window's whole
+    token total (a microbatch that passed none left the mean as it was, its
+    tokens counted all the same), so its weight total ``value_count`` is the
     window's token total where the restored ``acc_value`` is not zero, and zero
     (no value passed) where it is. With window statistics, the pending window's
     mean counts as one microbatch of its tokens (0.1 kept no statistics).
@@ -83,9 +147,13 @@ def from_state_0_1(
       A :class:`MaskedMultiStepsState` that continues the 0.1 run.
 
     Raises:
-      TypeError: if ``template`` is not a state, or ``restored`` not a mapping.
+      TypeError: if ``template`` is not a concrete state (``tx.init(params)``,
+        not its abstract form), or ``restored`` not a mapping.
       ValueError: if ``restored`` does not have the 0.1 fields, or their
-        structure or shapes differ from ``template``'s.
+        structure or shapes differ from ``template``'s; if a field holds
+        integers where the template has floats (or the reverse), or integers
+        its dtype cannot hold; if the token total is negative, not finite,
+        beyond the count dtype or fractional for an integer ``count_dtype``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -103,6 +171,11 @@ def from_state_0_1(
       -3.0
     """
     _check_template(template)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(template)):
+        raise TypeError(
+            "`template` must be the concrete state `tx.init(params)`, got one with "
+            "ShapeDtypeStruct leaves (the abstract form is for `state_0_1_target`)"
+        )
     if not isinstance(restored, Mapping):
         raise TypeError(
             "`restored` must be the 0.1 state as a mapping of its fields (restore "
@@ -127,9 +200,14 @@ def from_state_0_1(
                 "`tx.init(params)` of a wrapper like the 0.1 one, on the same "
                 "params (0.1 had no reduction=mm.deferred(...))"
             )
-    state = template._replace(**dict(restored))
-    count_dtype = template.acc_count.dtype
-    acc_count = jnp.asarray(state.acc_count).astype(count_dtype)
+    state = template._replace(
+        **{
+            name: _like_template(name, restored[name], getattr(template, name))
+            for name in STATE_0_1_FIELDS
+            if name != "acc_count"
+        }
+    )
+    acc_count = _acc_count(restored["acc_count"], template.acc_count.dtype)
     value_count = jnp.where(state.acc_value != 0, acc_count, jnp.zeros_like(acc_count))
     stats = state.stats
     if isinstance(stats, _stats.WindowStatsState):

@@ -4,19 +4,36 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from masked_multistep._running_mean import compute_dtype, safe_fraction
 
 __all__ = ["masked_mean"]
 
 
-def _as_array(x: jax.typing.ArrayLike, what: str) -> jax.Array:
+def _as_array(x: jax.typing.ArrayLike, what: str) -> tuple[jax.Array, np.dtype]:
+    """``x`` as a jax array, and the dtype it came in.
+
+    Without x64, ``jnp.asarray`` wraps 64-bit integers to 32 bits: a mask entry
+    of 2**32 would be unset, values above 2**31 negative. Those are converted
+    on the host instead, a mask to booleans (non-zero is set) and values to
+    float32 (the dtype their mean is computed in).
+    """
     try:
-        return jnp.asarray(x)
-    except (TypeError, ValueError) as err:
+        if not isinstance(x, jax.Array):
+            host = np.asarray(x)
+            if host.dtype.kind in "iu" and jax.dtypes.canonicalize_dtype(
+                host.dtype
+            ) != np.dtype(host.dtype):
+                if what == "mask":
+                    return jnp.asarray(host != 0), host.dtype
+                return jnp.asarray(host.astype(np.float32)), host.dtype
+        arr = jnp.asarray(x)
+    except (TypeError, ValueError, OverflowError) as err:
         raise TypeError(
             f"`{what}` must be an array, got {x!r} of type {type(x).__name__}"
         ) from err
+    return arr, arr.dtype
 
 
 def masked_mean(
@@ -35,11 +52,18 @@ def masked_mean(
       values: per-token values (for example per-token losses), any float dtype.
       mask: broadcastable to ``values``. Boolean or integer masks count tokens:
         every non-zero entry is one token (the count is ``int32``); a floating
-        mask holds per-token weights (the count is their float sum).
+        mask holds per-token weights (the count is their float sum). Weights
+        must be non-negative, as token counts are: weights that sum to 0 give
+        the empty microbatch's ``(0, 0)``, and a negative sum is an invalid
+        count for :class:`MaskedMultiSteps` (refused when concrete, counted in
+        ``num_invalid_counts`` and left out under ``jit``).
 
     Returns:
       ``(mean, count)``: ``mean`` in ``values``' dtype promoted to at least
-      float32; ``count`` a scalar, ``int32`` for boolean/integer masks.
+      float32; ``count`` a scalar, ``int32`` for boolean/integer masks, the
+      real float dtype of the mean for floating masks. 64-bit integer inputs
+      from numpy or Python are read by value without x64 (a mask entry of
+      ``2**32`` is one token, not zero).
 
     Raises:
       TypeError: if ``values`` is boolean or integer and ``mask`` floating (the
@@ -57,7 +81,10 @@ def masked_mean(
       >>> print(*mm.masked_mean(jnp.ones(3), jnp.zeros(3, bool)))
       0.0 0
     """
-    values, mask = _as_array(values, "values"), _as_array(mask, "mask")
+    (values, values_dtype), (mask, _) = (
+        _as_array(values, "values"),
+        _as_array(mask, "mask"),
+    )
     try:
         mask = jnp.broadcast_to(mask, values.shape)
     except ValueError as err:
@@ -66,19 +93,20 @@ def masked_mean(
             f"{values.shape}"
         ) from err
     if jnp.issubdtype(mask.dtype, jnp.floating) and not jnp.issubdtype(
-        values.dtype, jnp.inexact
+        values_dtype, jnp.inexact
     ):
         # What `masked_mean(mask, per_token_loss)` looks like: silently a mean
         # of the mask weighted by the losses, and their sum as the count.
         raise TypeError(
-            f"`values` has dtype {values.dtype} and `mask` is floating "
+            f"`values` has dtype {values_dtype} and `mask` is floating "
             f"({mask.dtype}): were they swapped? The call is "
             "masked_mean(per_token_values, mask). For a weighted mean of "
             "booleans or integers (an accuracy), pass values.astype(jnp.float32)"
         )
     dtype = compute_dtype(values.dtype)
     if jnp.issubdtype(mask.dtype, jnp.floating):
-        weights = mask.astype(dtype)
+        # Real weights, and so a real count, for complex values too.
+        weights = mask.astype(jnp.finfo(dtype).dtype)
         count = jnp.sum(weights)
     else:
         weights = (mask != 0).astype(dtype)

@@ -30,6 +30,19 @@ def _concrete_scalar(x: Any, name: str) -> np.ndarray:
     return value
 
 
+def _step_counter(x: Any, name: str) -> int:
+    """A concrete step counter, an integer in [0, 2**31 - 1] (the state's int32)."""
+    value = _concrete_scalar(x, name)
+    if not np.issubdtype(value.dtype, np.integer) or not (
+        0 <= value.item() <= np.iinfo(np.int32).max
+    ):
+        raise ValueError(
+            f"`{name}` must be an integer in [0, 2**31 - 1], got {value.item()!r} "
+            f"of dtype {value.dtype}"
+        )
+    return int(value.item())
+
+
 def _check_acc_count(acc_count: Any, mini_step: int) -> np.ndarray | None:
     """``acc_count`` as a concrete non-negative scalar; checked against mini_step."""
     if acc_count is None:
@@ -48,6 +61,10 @@ def _check_acc_count(acc_count: Any, mini_step: int) -> np.ndarray | None:
             "`acc_count` must be a real number, got "
             f"{acc_count!r} of type {type(acc_count).__name__}"
         )
+    if isinstance(acc_count, numbers.Integral) and not 0 <= int(acc_count) < 2**64:
+        # A Python int numpy holds in no integer dtype (an object array).
+        limit = "finite and >= 0" if int(acc_count) < 0 else "below 2**64"
+        raise ValueError(f"`acc_count` must be {limit}, got {acc_count}")
     value = _concrete_scalar(acc_count, "acc_count")
     if value.dtype == np.bool_ or not (
         np.issubdtype(value.dtype, np.integer)
@@ -183,13 +200,8 @@ def from_optax_multisteps(
         raise TypeError(
             f"`use_grad_mean` must be a bool, got {type(use_grad_mean).__name__}"
         )
-    mini_step = _concrete_scalar(state.mini_step, "state.mini_step")
-    if not np.issubdtype(mini_step.dtype, np.integer) or mini_step < 0:
-        raise ValueError(
-            "`state.mini_step` must be a non-negative integer, got "
-            f"{mini_step} of dtype {mini_step.dtype}"
-        )
-    mini_step = int(mini_step)
+    mini_step = _step_counter(state.mini_step, "state.mini_step")
+    gradient_step = _step_counter(state.gradient_step, "state.gradient_step")
     count = _check_acc_count(acc_count, mini_step)
 
     fresh = tx.init(params)
@@ -237,7 +249,7 @@ def from_optax_multisteps(
         # or rounded to inf, when the count dtype cannot hold it.
         new_count, _ = to_count(count.item(), fresh.acc_count.dtype, "`acc_count`")
 
-    gradient_step = jnp.asarray(state.gradient_step, fresh.gradient_step.dtype)
+    gradient_step = jnp.asarray(gradient_step, fresh.gradient_step.dtype)
     replacements = dict(
         mini_step=jnp.asarray(mini_step, fresh.mini_step.dtype),
         gradient_step=gradient_step,

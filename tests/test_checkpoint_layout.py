@@ -110,3 +110,37 @@ def test_from_state_0_1_refuses_what_is_not_a_0_1_state():
     other = tx.init({"w": jnp.zeros(3)})
     with pytest.raises(ValueError, match=r"`restored\['acc_grads'\]` does not match"):
         mm.from_state_0_1(old, other)
+
+
+def test_0_1_fields_take_the_template_dtypes_and_the_count_contract():
+    # 0.1 could accumulate in bfloat16 and count in float; flax.serialization
+    # restores the saved dtypes (orbax casts to the target's).
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2, count_dtype=jnp.int32)
+    params = {"w": jnp.zeros(2)}
+    template = tx.init(params)
+    old = {
+        **mm.state_0_1_target(template),
+        "mini_step": np.int32(1),
+        "acc_grads": {"w": np.full(2, 2.0, jnp.bfloat16)},
+        "acc_count": np.float32(3.0),
+    }
+    state = mm.from_state_0_1(old, template)
+    assert state.acc_grads["w"].dtype == jnp.float32  # was bfloat16: refused later
+    assert state.acc_count.dtype == jnp.int32 and int(state.acc_count) == 3
+    updates, _ = tx.update({"w": jnp.full(2, 6.0)}, state, params, count=1)
+    np.testing.assert_allclose(updates["w"], -(3 * 2 + 1 * 6) / 4)
+    # A fractional total into integer counts was truncated (0.5 to 0: the
+    # pending gradient dropped); values a dtype cannot hold, another kind.
+    for field, value, match in [
+        ("acc_count", np.float32(0.5), r"`restored\['acc_count'\]` is fractional"),
+        ("acc_count", np.float32(-1.0), r"`restored\['acc_count'\]` must be"),
+        ("mini_step", np.int64(2**40), r"`restored\['mini_step'\]` .* do not fit"),
+        ("acc_grads", {"w": np.ones(2, np.int32)}, r"holds dtype int32 where"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            mm.from_state_0_1({**old, field: value}, template)
+    # The abstract template is for state_0_1_target; filling new fields with
+    # ShapeDtypeStructs failed inside optax at the next update.
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    with pytest.raises(TypeError, match="`template` must be the concrete state"):
+        mm.from_state_0_1(old, abstract)

@@ -39,6 +39,29 @@ def test_float_mask_holds_weights():
     np.testing.assert_allclose(mean, 2.5)
 
 
+def test_complex_values_under_weights_have_a_real_count():
+    # The count was complex64, which MaskedMultiSteps.update refuses.
+    mean, count = mm.masked_mean(jnp.array([1 + 1j, 3 + 0j]), jnp.array([0.25, 0.75]))
+    assert count.dtype == jnp.float32 and float(count) == 1.0
+    np.testing.assert_allclose(mean, 2.5 + 0.25j)
+
+
+def test_64_bit_integers_are_read_by_value_without_x64():
+    # jnp.asarray wraps them to 32 bits: the mask entry 2**32 was unset (mean
+    # 4.0 of 1 token), the values negative (-1.5e8).
+    values = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    mean, count = mm.masked_mean(values, np.array([2**32, 0, 0, 1], np.int64))
+    assert int(count) == 2 and float(mean) == 2.5
+    big = np.array([3_000_000_000, 1_000_000_000], np.uint64)
+    mean, count = mm.masked_mean(big, np.array([True, True]))
+    assert float(mean) == 2e9 and int(count) == 2
+    assert float(mm.masked_mean(3_000_000_000, True)[0]) == 3e9  # OverflowError
+    with pytest.raises(TypeError, match=r"`values` must be an array, got 10+ of"):
+        mm.masked_mean(10**30, True)
+    with pytest.raises(TypeError, match="`values` has dtype int64 .* swapped"):
+        mm.masked_mean(np.arange(2), np.array([0.5, 0.5]))
+
+
 def test_mask_broadcasts_and_low_precision_is_promoted():
     values = jnp.ones((2, 3), jnp.bfloat16)
     mean, count = mm.masked_mean(values, jnp.array([True, False, True]))

@@ -205,6 +205,9 @@ def _mid_window():
         ({"acc_count": 2**31}, ValueError, "at most 2147483647 .* got 2147483648"),
         ({"acc_count": np.int64(2**31)}, ValueError, "at most 2147483647"),
         ({"acc_count": 3, "use_grad_mean": 1}, TypeError, "`use_grad_mean` must be"),
+        # A Python int no numpy dtype holds (was "got dtype object").
+        ({"acc_count": 10**40}, ValueError, "`acc_count` must be below 2\\*\\*64"),
+        ({"acc_count": -(10**40)}, ValueError, "`acc_count` must be finite and >= 0"),
     ],
 )
 def test_bad_acc_count_is_refused(kwargs, error, message):
@@ -212,6 +215,25 @@ def test_bad_acc_count_is_refused(kwargs, error, message):
     tx = mm.MaskedMultiSteps(optax.adam(0.1), 3, count_dtype=jnp.int32)
     with pytest.raises(error, match=message):
         mm.from_optax_multisteps(state, tx, params, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        # Were wrapped to -2**31 + 5, truncated to 7 and kept negative.
+        ("gradient_step", np.int64(2**31 + 5)),
+        ("gradient_step", np.float32(7.5)),
+        ("gradient_step", np.int32(-3)),
+        ("mini_step", np.int64(2**40)),  # was numpy's OverflowError
+    ],
+)
+def test_step_counters_out_of_int32_are_refused_by_name(field, value):
+    _, state, params = _mid_window()
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 3)
+    with pytest.raises(ValueError, match=rf"`state.{field}` must be an integer in"):
+        mm.from_optax_multisteps(
+            state._replace(**{field: value}), tx, params, acc_count=3
+        )
 
 
 def test_mismatches_are_refused():
