@@ -20,7 +20,7 @@ def _as_array(x: jax.typing.ArrayLike, what: str) -> tuple[jax.Array, np.dtype]:
     float32 (the dtype their mean is computed in).
     """
     try:
-        if not isinstance(x, jax.Array):
+        if isinstance(x, (np.ndarray, np.generic, int)):
             host = np.asarray(x)
             if host.dtype.kind in "iu" and jax.dtypes.canonicalize_dtype(
                 host.dtype
@@ -61,8 +61,8 @@ def masked_mean(
     Returns:
       ``(mean, count)``: ``mean`` in ``values``' dtype promoted to at least
       float32; ``count`` a scalar, ``int32`` for boolean/integer masks, the
-      real float dtype of the mean for floating masks. 64-bit integer inputs
-      from numpy or Python are read by value without x64 (a mask entry of
+      real float dtype of the mean for floating masks. 64-bit integer numpy
+      arrays and Python ints are read by value without x64 (a mask entry of
       ``2**32`` is one token, not zero).
 
     Raises:
