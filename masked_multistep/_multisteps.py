@@ -324,7 +324,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ``optax.inject_hyperparams`` (inject the inner optimizer's
         hyperparameters instead).
       ValueError: if ``every_k_schedule`` is out of range, or a budget is not
-        finite and ``> 0``, or the norm test has no maximum window, or a window
+        finite and ``> 0``, or a fixed one beyond the largest window total
+        ``count_dtype`` holds, or the norm test has no maximum window, or a window
         policy is given to the other keyword (:func:`norm_test` to
         ``tokens_per_window``, :func:`token_budget` to ``norm_test``), or a
         dtype cannot serve, or ``stats_decay`` is outside ``[0, 1)`` or given
@@ -463,6 +464,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         policy = _windows.window_policy(every_k_schedule, tokens_per_window, norm_test)
         acc_dtype = _checks.check_accumulator_dtype(accumulator_dtype)
         cnt_dtype = _checks.check_count_dtype(count_dtype)
+        _windows.check_reachable(policy, cnt_dtype)
         if should_skip_update_fn is not None and not callable(should_skip_update_fn):
             raise TypeError(
                 "`should_skip_update_fn` must be None or a function like "

@@ -322,17 +322,20 @@ def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.A
     """``0 < tokens >= budget``, compared exactly in the tokens' own dtype.
 
     An integer total is compared with ``ceil(budget)``, clipped to the total's
-    range (so a window closes at the largest total its dtype holds rather than
-    overflow); a float total with the budget rounded to its dtype (clipped to
-    its largest finite value; ``inf`` is never reached).
+    range (a window closes at the largest total its dtype holds, if its
+    microbatches add up to it exactly: one that would pass it is skipped); a
+    float total with the budget rounded up to its dtype (clipped to its largest
+    finite value; ``inf`` is never reached).
     """
     tokens = jnp.asarray(tokens)
     if isinstance(budget, (int, float)):  # a checked constant
         if jnp.issubdtype(tokens.dtype, jnp.integer):
-            hi = np.iinfo(tokens.dtype).max
-            b = jnp.asarray(min(math.ceil(budget), hi), tokens.dtype)
+            hi = int(np.iinfo(tokens.dtype).max)
+            b = jnp.asarray(
+                hi if math.isinf(budget) else min(math.ceil(budget), hi), tokens.dtype
+            )
         else:
-            b = jnp.asarray(host_int_to_float(budget)).astype(tokens.dtype)
+            b = jnp.asarray(_float_budget(float(budget), tokens.dtype))
         return (tokens > 0) & (tokens >= b)
     budget = jnp.asarray(budget)
     if jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -358,8 +361,33 @@ def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.A
             # A wider budget is clipped to the largest total, not cast to inf
             # (a narrower one, cast to the total's dtype, always fits).
             budget = jnp.minimum(budget, jnp.asarray(top, budget.dtype))
-        b = budget.astype(tokens.dtype)
+            # Rounded up, not to the nearest: a total just below the budget
+            # must not reach it.
+            b = budget.astype(tokens.dtype)
+            below = b.astype(budget.dtype) < budget
+            b = jnp.where(below, jnp.nextafter(b, jnp.asarray(jnp.inf, b.dtype)), b)
+        else:
+            b = budget.astype(tokens.dtype)
     return (tokens > 0) & (tokens >= b)
+
+
+def _float_budget(budget: float, dtype: Any) -> np.ndarray:
+    """The smallest value of the float ``dtype`` at or above ``budget``.
+
+    Rounding to the nearest could land below the budget (2.0000001 on 2.0 in
+    float32, closing a window one microbatch early). Past the dtype's largest
+    finite value: that value (``inf`` stays ``inf``, never reached).
+    """
+    dtype = np.dtype(dtype)
+    top = float(np.finfo(dtype).max)
+    if math.isinf(budget):
+        return np.asarray(budget, dtype)
+    if budget > top:
+        return np.asarray(top, dtype)
+    b = np.asarray(budget, dtype)
+    if float(b) < budget:
+        b = np.nextafter(b, np.asarray(np.inf, dtype))
+    return b
 
 
 def _tokens_seen_init() -> TokenTotal:
@@ -631,6 +659,12 @@ def norm_test(
         needs_stats=True,
         bounded=bounded,
         minimum=(min_microbatches, min_tokens),
+        maximum=(
+            None
+            if max_microbatches is None or callable(max_microbatches)
+            else int(max_microbatches),
+            max_tokens,
+        ),
         name=_call(
             "mm.norm_test",
             theta,
@@ -729,6 +763,27 @@ def _check_consulted(test: WindowPolicy, every_k_schedule: Any, budget: Any) -> 
             f"`tokens_per_window` ({budget}) is below the norm test's "
             f"`min_tokens` ({min_tokens}): every window would close before "
             "the test is consulted"
+        )
+
+
+def check_reachable(policy: WindowPolicy, count_dtype: Any) -> None:
+    """Refuses a fixed token budget beyond the largest window total that
+    ``count_dtype`` holds: the window could never reach it (a microbatch that
+    would take the total past that is skipped), so it would never close by it.
+    """
+    budget = policy.maximum[1]
+    if budget is None:
+        return
+    dtype = np.dtype(count_dtype)
+    integer = jnp.issubdtype(dtype, jnp.integer)
+    # Compared as Python numbers: numpy would cast 1e39 to float32's inf first.
+    top = int(np.iinfo(dtype).max) if integer else float(np.finfo(dtype).max)
+    if budget > top:
+        raise ValueError(
+            f"The token budget {budget} (`tokens_per_window`, or the norm test's "
+            f"`max_tokens`) is beyond the largest window total count_dtype "
+            f"{dtype} holds ({top}): no window could reach it. Use a smaller "
+            "budget" + (" or the default count_dtype (float32)" if integer else "")
         )
 
 

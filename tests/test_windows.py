@@ -654,20 +654,22 @@ def test_a_returned_budget_is_compared_as_exactly_as_a_constant(tokens_per_windo
         mm.token_budget(lambda step: 2.0000001, by="gradient_step"),
     ],
 )
+@pytest.mark.parametrize("count_dtype", [jnp.int32, jnp.float32])
 def test_a_returned_float_budget_is_compared_as_exactly_as_a_constant(
-    tokens_per_window,
+    tokens_per_window, count_dtype
 ):
     # A returned Python float went through float32 (2.0): a window of 2 tokens,
-    # below the budget, where the constant closes at 3.
+    # below the budget, where the constant closes at 3. With float32 totals
+    # the budget is rounded up to them (to the nearest, it was 2.0 as well).
     tx = mm.MaskedMultiSteps(
-        optax.sgd(1.0), tokens_per_window=tokens_per_window, count_dtype=jnp.int32
+        optax.sgd(1.0), tokens_per_window=tokens_per_window, count_dtype=count_dtype
     )
     p, g = jnp.zeros(2), jnp.ones(2)
     update = jax.jit(tx.update)
     state = tx.init(p)
     closed = []
     for _ in range(3):
-        _, state = update(g, state, p, count=jnp.int32(1))
+        _, state = update(g, state, p, count=jnp.asarray(1, count_dtype))
         closed.append(bool(state.updated))
     assert closed == [False, False, True]
 
@@ -682,6 +684,10 @@ def test_a_float64_budget_keeps_its_precision_under_x64():
                 for b in (budget, np.float64(budget), jnp.float64(budget))
             ]
             assert [bool(c) for c in closes] == [False] * 3 + [True] * 3
+        # A float64 array budget against float32 totals: rounded up too.
+        budget = jnp.float64(2.0000001)
+        assert not bool(w._tokens_reached(jnp.float32(2.0), budget))
+        assert bool(w._tokens_reached(jnp.nextafter(jnp.float32(2), 3), budget))
 
 
 def test_returned_budgets_beyond_the_totals_range_close_at_its_largest_value():
@@ -698,6 +704,34 @@ def test_returned_budgets_beyond_the_totals_range_close_at_its_largest_value():
         assert float(w._sanitize_budget(bad)) == 0.0
     for bad in (float("nan"), -3.0, np.float32(-1), -3, np.int64(-2)):
         assert w._sanitize_budget(bad) == 0
+    # A returned Python or numpy inf, against an int32 total: no token limit
+    # (was an OverflowError from ceil(inf) while tracing).
+    for budget in (float("inf"), np.float64(np.inf), np.float32(np.inf)):
+        assert bool(w._tokens_reached(top, w._sanitize_budget(budget)))
+        assert not bool(w._tokens_reached(top - 1, w._sanitize_budget(budget)))
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), 3, tokens_per_window=lambda seen: np.inf, count_dtype=jnp.int32
+    )
+    p, state = jnp.zeros(2), tx.init(jnp.zeros(2))
+    for _ in range(3):
+        _, state = jax.jit(tx.update)(jnp.ones(2), state, p, count=jnp.int32(5))
+    assert int(state.gradient_step) == 1  # the cap closed it
+
+
+@pytest.mark.parametrize(
+    "kwargs, count_dtype",
+    [
+        ({"tokens_per_window": 3_000_000_000}, jnp.int32),
+        ({"tokens_per_window": 1e39}, jnp.float32),
+        ({"norm_test": mm.norm_test(0.5, max_tokens=2**31)}, jnp.int32),
+    ],
+)
+def test_a_fixed_budget_the_total_cannot_reach_is_refused(kwargs, count_dtype):
+    # The window's total stops below it (a microbatch that would pass the
+    # largest total is skipped), so the window never closed and every later
+    # microbatch was dropped as an invalid count.
+    with pytest.raises(ValueError, match=r"token budget .* beyond the largest window"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 4, count_dtype=count_dtype, **kwargs)
 
 
 @pytest.mark.parametrize("returned", ["a", None])
