@@ -20,7 +20,6 @@ import numpy as np
 from masked_multistep._checks import (
     check_microbatches,
     check_real,
-    host_int_to_float,
     is_host_int,
     python_scalar,
 )
@@ -335,7 +334,7 @@ def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.A
                 hi if math.isinf(budget) else min(math.ceil(budget), hi), tokens.dtype
             )
         else:
-            b = jnp.asarray(_float_budget(float(budget), tokens.dtype))
+            b = jnp.asarray(_float_budget(budget, tokens.dtype))
         return (tokens > 0) & (tokens >= b)
     budget = jnp.asarray(budget)
     if jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -371,7 +370,7 @@ def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.A
     return (tokens > 0) & (tokens >= b)
 
 
-def _float_budget(budget: float, dtype: Any) -> np.ndarray:
+def _float_budget(budget: float | int, dtype: Any) -> np.ndarray:
     """The smallest value of the float ``dtype`` at or above ``budget``.
 
     Rounding to the nearest could land below the budget (2.0000001 on 2.0 in
@@ -380,11 +379,10 @@ def _float_budget(budget: float, dtype: Any) -> np.ndarray:
     """
     dtype = np.dtype(dtype)
     top = float(np.finfo(dtype).max)
-    if math.isinf(budget):
-        return np.asarray(budget, dtype)
-    if budget > top:
-        return np.asarray(top, dtype)
-    b = np.asarray(budget, dtype)
+    if budget > top:  # Python numbers: exact for an int of any size
+        infinite = isinstance(budget, float) and math.isinf(budget)
+        return np.asarray(np.inf if infinite else top, dtype)
+    b = np.asarray(float(budget), dtype)
     if float(b) < budget:
         b = np.nextafter(b, np.asarray(np.inf, dtype))
     return b
