@@ -56,8 +56,8 @@ def weighted_mean_across(
     Counts are weights in float32: ``count`` may be any integer (8-64 bit,
     signed or unsigned, numpy or jax) or floating scalar, and is converted by
     value, never through int32. ``total`` is float32: exact for integer totals
-    up to 2**24 (16,777,216 tokens), rounded to float32 precision (relative
-    6e-8) beyond, never wrapped.
+    up to 2**24 (16,777,216 tokens), never wrapped; beyond, each of the psum's
+    additions rounds it by at most 2**-24 of it (6e-8 relative).
 
     Args:
       tree: pytree of floating (or complex) arrays, this shard's means.

@@ -667,9 +667,11 @@ def microbatched_value_and_grad(
       * Counts are weights in float32, and the returned total ``count`` is a
         float32 scalar: ``loss_fn`` may return any integer (8-64 bit, signed or
         unsigned) or floating count, converted by value (never through int32),
-        so the total is exact for integer counts up to 2**24 (16,777,216
-        tokens) and rounded to float32 precision (relative 6e-8) beyond, never
-        wrapped. ``int(count)`` gives the token total.
+        so the total is exact for integer totals up to 2**24 (16,777,216
+        tokens), never wrapped. Beyond, it is a float32 running sum: each of
+        the ``k`` additions rounds it by at most 2**-24 of it (6e-8), so it is
+        within ``k·6e-8`` relative of the token total (as the weights are), and
+        ``int(count)`` is the token total exactly only up to 2**24.
       * Counts are constants to differentiation (data, like a mask): ``grads``
         is ``Σ nᵢ ∇ℓᵢ / Σ nᵢ``, and derivatives of the returned ``loss`` and
         ``count`` treat the ``nᵢ`` alike. That is the full batch's gradient

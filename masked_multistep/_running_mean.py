@@ -119,13 +119,33 @@ def all_finite(tree: Any, reduced: Any = ()) -> jax.Array:
     return jax.lax.cond(quick, lambda _: jnp.ones([], jnp.bool_), elementwise, leaves)
 
 
+def _real_scalar(x: Any, name: str) -> jax.Array:
+    """``x`` as a real (integer or floating) scalar array, or a clear error."""
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a real scalar, got a bool ({x})")
+    try:
+        arr = jnp.asarray(x)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise TypeError(
+            f"`{name}` must be a real scalar, got {x!r} of type {type(x).__name__}"
+        ) from err
+    if arr.dtype == jnp.bool_ or not (
+        jnp.issubdtype(arr.dtype, jnp.integer)
+        or jnp.issubdtype(arr.dtype, jnp.floating)
+    ):
+        raise TypeError(f"`{name}` must be a real scalar, got dtype {arr.dtype}")
+    if arr.shape != ():
+        raise ValueError(f"`{name}` must be a scalar, got shape {arr.shape}")
+    return arr
+
+
 def _host_count(count: Any, total_dtype: Any) -> jax.Array:
     """``count`` as an array; a Python or numpy integer by value, never wrapped
     (``jnp.asarray`` wraps a numpy int64 into int32 without x64): into an
     integer ``total``'s dtype if it fits, else a ``ValueError``; as a float
     otherwise."""
     if not is_host_int(count):
-        return jnp.asarray(count)
+        return _real_scalar(count, "count")
     if not jnp.issubdtype(total_dtype, jnp.integer):
         return jnp.asarray(host_int_to_float(count))
     info = jnp.iinfo(total_dtype)
@@ -214,8 +234,13 @@ def running_mean_update(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
-    total = jnp.asarray(total)
-    count = _host_count(count, total.dtype)
+    total = _real_scalar(total, "total")
+    count = _real_scalar(_host_count(count, total.dtype), "count")
+    if jax.tree.structure(mean) != jax.tree.structure(value):
+        raise ValueError(
+            "`value` must have the tree structure of `mean`, got "
+            f"{jax.tree.structure(value)} and {jax.tree.structure(mean)}"
+        )
     if jnp.issubdtype(total.dtype, jnp.integer) and not jnp.issubdtype(
         count.dtype, jnp.integer
     ):
@@ -246,11 +271,19 @@ def running_mean_update(
     first = total == 0
     # West's weight of δ below uses the window's ratio N / n (each leaf's update
     # forms its own in the leaf's precision).
-    ratio = jnp.where(take, safe_fraction(new_total, count), 1)
+    # Where the weight is not taken, 1 / 1 instead of N / n: an infinite count
+    # would make inf / inf, whose NaN reaches the count's cotangent.
+    count_or_1 = jnp.where(take, count, jnp.ones_like(count))
+    total_or_1 = jnp.where(take, new_total, jnp.ones_like(new_total))
     sq_devs = []
 
     def leaf(path, m, g):
         m, g = jnp.asarray(m), jnp.asarray(g)
+        if not jnp.issubdtype(m.dtype, jnp.inexact):
+            raise TypeError(
+                f"`mean` at {jax.tree_util.keystr(path) or '<root>'} must be "
+                f"floating (or complex), got dtype {m.dtype}"
+            )
         if m.shape != g.shape:
             raise ValueError(
                 f"`value` at {jax.tree_util.keystr(path) or '<root>'} has shape "
@@ -266,18 +299,19 @@ def running_mean_update(
         # precision: a float32 ratio would cap a float64 accumulator (under x64)
         # at float32 accuracy.
         real = jnp.finfo(dtype).dtype
-        n, total_n = jnp.asarray(count, real), jnp.asarray(new_total, real)
+        n, total_n = jnp.asarray(count_or_1, real), jnp.asarray(total_or_1, real)
         ratio = jnp.where(take, safe_fraction(total_n, n), 1)
         m_c = m.astype(dtype)
         # A zero weight must not leak its (possibly NaN) value into the cotangent
         # of `g` either: zero it before any arithmetic.
         g_c = jnp.where(take, g.astype(dtype), jnp.zeros_like(m_c))
-        delta = g_c - m_c
+        # For the first value δ is 0, not measured from the stale mean (NaN
+        # after a non-finite window), whose NaN would reach the cotangent of
+        # the ratio, and so of a float count, through `δ / ratio`.
+        delta = g_c - jnp.where(first, g_c, m_c)
         new = jnp.where(first, g_c, m_c + delta / ratio.astype(dtype))
         if with_sq_deviation:
-            # For the first value δ is measured from a stale mean; zero it so
-            # that no stale NaN reaches the cotangent of `g` through the square.
-            sq_devs.append(sq_norm(jnp.where(first, jnp.zeros_like(delta), delta)))
+            sq_devs.append(sq_norm(delta))
         return jnp.where(take, new, m_c).astype(m.dtype)
 
     with jax.named_scope("masked_multistep/running_mean"):
@@ -289,7 +323,10 @@ def running_mean_update(
         # for the first value (N_old = 0), where δ is measured from a stale mean
         # that may hold anything, so that case is selected away, not multiplied.
         sq_dtype = jnp.result_type(jnp.float32, *(d.dtype for d in sq_devs))
-        weight = safe_fraction(total, ratio).astype(sq_dtype)
+        # N_old·n/N in the spread's precision (float64 leaves under x64 with an
+        # integer total would otherwise get a float32 weight).
+        ratio = safe_fraction(total_or_1.astype(sq_dtype), count_or_1.astype(sq_dtype))
+        weight = safe_fraction(total.astype(sq_dtype), ratio)
         spread = sum(sq_devs, jnp.zeros([], sq_dtype))
         keep = take & ~first
         sq_dev = jnp.where(keep, weight * jnp.where(keep, spread, 0), 0)

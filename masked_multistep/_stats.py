@@ -436,6 +436,22 @@ def accumulate_window_stats_per_device(
         )
 
 
+def _real(x: Any, name: str) -> jax.Array:
+    """``x`` as a real (integer or floating) array, or an error naming it."""
+    try:
+        arr = jnp.asarray(x)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise TypeError(
+            f"`{name}` must be a real number, got {x!r} of type {type(x).__name__}"
+        ) from err
+    if arr.dtype == jnp.bool_ or not (
+        jnp.issubdtype(arr.dtype, jnp.integer)
+        or jnp.issubdtype(arr.dtype, jnp.floating)
+    ):
+        raise TypeError(f"`{name}` must be a real number, got dtype {arr.dtype}")
+    return arr
+
+
 def noise_scale_estimates(
     sq_deviation: jax.typing.ArrayLike,
     microbatches: jax.typing.ArrayLike,
@@ -446,8 +462,9 @@ def noise_scale_estimates(
 
     ``tr Σ̂ = S / (K − 1)``, ``|G|²̂ = ‖ḡ‖² − tr Σ̂ / N``,
     ``B_simple = tr Σ̂ / |G|²̂``, in float32 (or wider). Each is NaN where
-    undefined: ``K < 2`` or not an integer, ``N <= 0`` or ``S < 0`` (or NaN)
-    for all three, and ``|G|²̂ <= 0`` for ``B_simple``.
+    undefined: ``K < 2`` or not an integer, ``N <= 0`` or ``S < 0``, or ``N``
+    or ``S`` not finite, for all three, and ``|G|²̂ <= 0`` for ``B_simple``.
+    The arguments are real numbers (or arrays of them, one entry per window).
 
     Args:
       sq_deviation: ``S = Σ nᵢ ‖gᵢ − ḡ‖²``.
@@ -471,15 +488,23 @@ def noise_scale_estimates(
       S. McCandlish et al., "An Empirical Model of Large-Batch Training",
       arXiv:1812.06162, 2018, Appendix A.1.
     """
-    dtype = jnp.result_type(_F32, jnp.asarray(sq_deviation).dtype)
-    s = jnp.asarray(sq_deviation, dtype)
     # Host integers by value: jnp.asarray would wrap a numpy int64 into int32.
-    k = jnp.asarray(host_int_to_float(microbatches)).astype(dtype)
-    n = jnp.asarray(host_int_to_float(tokens)).astype(dtype)
-    g2 = jnp.asarray(grad_sq_norm).astype(dtype)
+    s, k, n, g2 = (
+        _real(host_int_to_float(x), name)
+        for x, name in [
+            (sq_deviation, "sq_deviation"),
+            (microbatches, "microbatches"),
+            (tokens, "tokens"),
+            (grad_sq_norm, "grad_sq_norm"),
+        ]
+    )
+    dtype = jnp.result_type(_F32, s.dtype)
+    s, k, n, g2 = (x.astype(dtype) for x in (s, k, n, g2))
     nan = jnp.asarray(jnp.nan, dtype)
-    # S is a sum of squares and K a count: other values define nothing.
+    # S is a finite sum of squares, K a count and N a finite total: other
+    # values define nothing.
     ok = (k >= 2) & jnp.isfinite(k) & (k == jnp.round(k)) & (n > 0) & (s >= 0)
+    ok = ok & jnp.isfinite(n) & jnp.isfinite(s)
     var = jnp.where(ok, s / jnp.where(ok, k - 1, 1), nan)
     true_sq = jnp.where(ok, g2 - var / jnp.where(ok, n, 1), nan)
     resolved = ok & (true_sq > 0)

@@ -200,6 +200,64 @@ def test_running_mean_ignores_weights_that_would_corrupt_it(jit):
     assert int(new_total) == 4 and float(new_mean) == 2.5
 
 
+def test_running_mean_refuses_what_is_outside_its_contract():
+    # Each was taken: a vector count or total changed the mean's shape, an
+    # integer mean truncated ([1 2] for [1.5 2.5]), complex and bool counts
+    # weighed as numbers; a mismatched tree failed inside jax's tree_map.
+    update = mm.running_mean_update
+    for args, error, match in [
+        ((0.0, 0.0, 1.0, jnp.array([1.0, 3.0])), ValueError, "`count` must be a sc"),
+        ((0.0, jnp.zeros(3), 1.0, 2.0), ValueError, "`total` must be a scalar"),
+        ((jnp.zeros(2, jnp.int32), 0.0, jnp.ones(2), 1.0), TypeError, "`mean` at"),
+        ((jnp.zeros(2), 0.0, jnp.ones(2), 1 + 0j), TypeError, "got dtype complex"),
+        ((jnp.zeros(2), 0.0, jnp.ones(2), jnp.array(True)), TypeError, "dtype bool"),
+        ((jnp.zeros(2), jnp.int32(0), jnp.ones(2), True), TypeError, "got a bool"),
+        ((jnp.zeros(2), 0.0, jnp.ones(2), None), TypeError, "`count` must be a real"),
+        (({"a": 0.0}, 0.0, {"b": 1.0}, 1.0), ValueError, "`value` must have the tree"),
+    ]:
+        with pytest.raises(error, match=match):
+            update(*args)
+
+
+def test_running_mean_derivatives_are_finite_after_a_stale_nan_or_an_inf_count():
+    # The first value overwrites the mean whatever it held; its derivative with
+    # respect to the count was NaN when that was NaN or inf (after a
+    # non-finite window), and so was an ignored infinite count's.
+    def first(count, stale):
+        mean, _ = mm.running_mean_update(stale, jnp.float32(0), jnp.ones(2), count)
+        return mean.sum()
+
+    for stale in (jnp.zeros(2), jnp.array([jnp.nan, 0.0]), jnp.array([jnp.inf, 0])):
+        assert float(jax.grad(first)(jnp.float32(3.0), stale)) == 0.0
+
+    def later(count):
+        mean, _ = mm.running_mean_update(
+            jnp.ones(2), jnp.float32(2), jnp.full(2, 5.0), count
+        )
+        return mean.sum()
+
+    assert float(later(jnp.float32(jnp.inf))) == 2.0
+    assert float(jax.grad(later)(jnp.float32(jnp.inf))) == 0.0
+    assert float(jax.grad(later)(jnp.float32(2.0))) == 2 * (5 - 1) * 2 / 4**2
+
+
+def test_running_mean_spread_keeps_float64_with_an_integer_total():
+    # With an int64 total the spread's weight N_old·n/N was float32 (5.8e-8
+    # relative error in S); the mean already kept float64.
+    with jax.enable_x64(True):
+        gs, ns = [0.1, 0.7, -0.3], [3, 2**33 + 1, 7]
+        for total in (jnp.int64(0), jnp.float64(0)):
+            m, n, spread = jnp.float64(0), total, 0.0
+            for g, c in zip(gs, ns):
+                m, n, ds = mm.running_mean_update(
+                    m, n, jnp.float64(g), c, with_sq_deviation=True
+                )
+                spread += float(ds)
+            mean = np.dot(ns, gs) / sum(ns)
+            want = sum(c * (g - mean) ** 2 for g, c in zip(gs, ns))
+            np.testing.assert_allclose(spread, want, rtol=1e-12)
+
+
 def test_running_mean_refuses_a_value_of_another_shape():
     # It broadcast: a scalar mean became a vector.
     with pytest.raises(ValueError, match=r"`value` at <root> has shape \(3,\), "):

@@ -864,9 +864,23 @@ def test_noise_scale_estimates_are_nan_outside_their_domain():
         (4.0, 1),
         (4.0, 0),
         (4.0, jnp.inf),
+        (jnp.inf, 2),  # were inf and -inf
     ]:
         estimates = mm.noise_scale_estimates(s, k, 4, 4.0)
         assert all(np.isnan(float(x)) for x in estimates), (s, k)
+    # N = inf gave finite estimates (4, 4, 1).
+    assert np.isnan(mm.noise_scale_estimates(4.0, 2, np.inf, 4.0)).all()
+    # Complex arguments gave complex "estimates" (or lost their imaginary part);
+    # other non-numbers failed in jax without naming the argument.
+    for args, name in [
+        ((4.0 + 1j, 2, 4, 4.0), "sq_deviation"),
+        ((4.0, 2, 4, 4.0 + 1j), "grad_sq_norm"),
+        ((4.0, None, 4, 4.0), "microbatches"),
+        ((4.0, 2, "4", 4.0), "tokens"),
+        ((4.0, 2, True, 4.0), "tokens"),
+    ]:
+        with pytest.raises(TypeError, match=f"`{name}` must be a real number"):
+            mm.noise_scale_estimates(*args)
     var, true_sq, b = mm.noise_scale_estimates(0.0, 2, 4, 4.0)  # agreeing microbatches
     assert (float(var), float(true_sq), float(b)) == (0.0, 4.0, 0.0)
     # Host integers by value: numpy int64 sums (mask.sum()) are not wrapped.
