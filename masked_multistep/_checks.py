@@ -49,6 +49,7 @@ __all__ = [
     "check_microbatches",
     "check_real",
     "check_value",
+    "INT32_MAX",
     "count_weight",
     "host_int_to_float",
     "is_host_int",
@@ -421,7 +422,8 @@ def check_real(value: Any, what: str, *, positive: bool = True) -> float | int:
     return value
 
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
+#: The largest count of microbatches (the state counts them in int32).
+INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def check_microbatches(value: Any, what: str) -> int:
@@ -434,7 +436,7 @@ def check_microbatches(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{what} must be an integer, got {value!r}")
     k = int(value)
-    if not 1 <= k <= _INT32_MAX:
+    if not 1 <= k <= INT32_MAX:
         raise ValueError(f"{what} must be in [1, 2**31 - 1], got {k}")
     return k
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_multistep._checks import (
+    INT32_MAX,
     check_microbatches,
     check_real,
     is_host_int,
@@ -36,8 +37,6 @@ __all__ = [
     "token_budget",
     "window_policy",
 ]
-
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _schedule_value(x: Any, what: str) -> jax.Array:
@@ -67,7 +66,7 @@ def _sanitize_k(k: Any, what: str = "`every_k_schedule(step)`") -> jax.Array:
     if is_host_int(k) and np.ndim(k) == 0:
         # Clipped on the host, exactly: jnp.asarray would refuse a Python int
         # of 2³¹ or more and wrap a numpy int64 into int32.
-        k = np.asarray(np.clip(np.asarray(k, object), 1, _INT32_MAX)).astype(np.int32)
+        k = np.asarray(np.clip(np.asarray(k, object), 1, INT32_MAX)).astype(np.int32)
     k = _schedule_value(k, what)
     if jnp.issubdtype(k.dtype, jnp.floating):
         k = k.astype(jnp.promote_types(k.dtype, jnp.float32))  # holds 2³¹
@@ -75,11 +74,11 @@ def _sanitize_k(k: Any, what: str = "`every_k_schedule(step)`") -> jax.Array:
         # Below 2³¹ the conversion is exact; at or above it, 2³¹ − 1.
         fits = k < 2.0**31
         small = jnp.clip(jnp.where(fits, k, 1), 1, None).astype(jnp.int32)
-        return jnp.where(fits, small, _INT32_MAX)
+        return jnp.where(fits, small, INT32_MAX)
     if jnp.issubdtype(k.dtype, jnp.integer) and not jnp.issubdtype(k.dtype, jnp.bool_):
         info = np.iinfo(k.dtype)
         lo = jnp.asarray(1, k.dtype)
-        hi = jnp.asarray(min(info.max, _INT32_MAX), k.dtype)
+        hi = jnp.asarray(min(info.max, INT32_MAX), k.dtype)
         return jnp.clip(k, lo, hi).astype(jnp.int32)
     raise TypeError(f"{what} must return an integer or float, got dtype {k.dtype}")
 
@@ -128,7 +127,7 @@ def every_k(
     k = int(k)
     if k < 1:
         raise ValueError(f"`every_k_schedule` must be >= 1, got {k}")
-    if k > _INT32_MAX:
+    if k > INT32_MAX:
         raise ValueError(
             f"`every_k_schedule` must be at most 2**31 - 1 (the state counts "
             f"microbatches in int32), got {k}"
