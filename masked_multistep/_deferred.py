@@ -105,7 +105,8 @@ class Deferred(KnownTotals):
     Build it with :func:`deferred`. The devices agree on every microbatch's
     global token count as it arrives (one scalar all-reduce per microbatch),
     which token budgets and skip functions need;
-    :meth:`per_window` is the variant that agrees only at the window's end.
+    :meth:`_per_window` is the variant that agrees only at the window's end,
+    which :class:`MaskedMultiSteps` picks itself where its rules allow.
     """
 
     # The accumulator's leading axis: one running mean per device.
@@ -123,7 +124,7 @@ class Deferred(KnownTotals):
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (type(self), (self.mesh, self._spec_axes))
 
-    def per_window(self, stats: bool = False) -> DeferredPerWindow:
+    def _per_window(self, stats: bool = False) -> DeferredPerWindow:
         """The same reduction, with the devices agreeing only at a window's end
         (``stats``: it also keeps the window statistics' per-device shares)."""
         return DeferredPerWindow(self.mesh, self._spec_axes, stats=stats)

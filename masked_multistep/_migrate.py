@@ -263,4 +263,6 @@ def from_optax_multisteps(
     if "updated" in fresh._fields:
         # What optax.MultiSteps.has_updated would say of `state`.
         replacements["updated"] = jnp.asarray((mini_step == 0) & (gradient_step > 0))
-    return fresh._replace(**replacements)
+    # Placed as `tx.init`'s state is (new scalars on the params' mesh), so that
+    # the first jitted step sees the shardings of every later one.
+    return tx._reduction.place(fresh._replace(**replacements), params)

@@ -518,13 +518,17 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         self._should_skip_update_fn = should_skip_update_fn or _no_skip
         self._accumulator_dtype = acc_dtype
         self._count_dtype = cnt_dtype
-        if reduction is not None and _counts_needed_only_at_close(
-            every_k_schedule, tokens_per_window, norm_test, should_skip_update_fn
-        ):
-            # Nothing needs a microbatch's global count before its window
-            # closes: the devices need not agree on it sooner (the statistics'
-            # per-device shares wait for the window's end too).
-            reduction = reduction.per_window(stats=recorder.enabled)
+        if reduction is not None:
+            # The variant is this wrapper's choice, from its rules: a variant
+            # built elsewhere (its state kept for other rules) starts over.
+            reduction = Deferred(reduction.mesh, reduction._spec_axes)
+            if _counts_needed_only_at_close(
+                every_k_schedule, tokens_per_window, norm_test, should_skip_update_fn
+            ):
+                # Nothing needs a microbatch's global count before its window
+                # closes: the devices need not agree on it sooner (the
+                # statistics' per-device shares wait for the window's end too).
+                reduction = reduction._per_window(stats=recorder.enabled)
         self._reduction = Local() if reduction is None else reduction
         self._recorder = recorder
         self._config = (

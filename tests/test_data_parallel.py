@@ -1131,6 +1131,51 @@ def test_deferred_per_window_empty_window_applies_nothing(mesh):
     assert all(np.isfinite(u).all() and u.any() for u in jax.tree.leaves(updates))
 
 
+def test_the_wrapper_picks_the_deferred_variant_from_its_rules(mesh):
+    """A per-window variant built by hand (it keeps no global counts between
+    window ends) is rebuilt for rules that need them: a token budget never
+    closed a window with it, and a skip function's verdicts were ignored."""
+    given = mm.deferred(mesh, "data")._per_window()
+    params = {"w": jnp.zeros(2)}
+    ones = {"w": jnp.ones((NDEV, 2))}
+    counts = jnp.ones(NDEV)
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=16, reduction=given)
+    state = tx.init(params)
+    for _ in range(4):
+        params, state = tx.apply_gradients(ones, state, params, count=counts)
+    assert int(state.gradient_step) == 2
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), 2, reduction=given, should_skip_update_fn=optax.skip_not_finite
+    )
+    nan_on_one = {"w": jnp.ones((NDEV, 2)).at[3].set(jnp.nan)}
+    state = tx.init(params)
+    for g in (ones, nan_on_one, ones):
+        params, state = tx.apply_gradients(g, state, params, count=counts)
+    assert (int(state.gradient_step), int(state.num_nonfinite_windows)) == (1, 0)
+
+
+def test_a_state_converted_from_optax_multisteps_compiles_once(mesh):
+    """Its new scalars sat on one device, not on the mesh as `tx.init`'s: the
+    first jitted step was traced again for the second."""
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put({"w": jnp.zeros(3)}, replicated)
+    old = optax.MultiSteps(optax.adam(0.1), 2)
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=mm.deferred(mesh, "data"))
+    state = mm.from_optax_multisteps(old.init(params), tx, params)
+    traces = []
+
+    def step(params, state, grads, counts):
+        traces.append(1)
+        return tx.apply_gradients(grads, state, params, count=counts)
+
+    step = jax.jit(step)
+    grads = {"w": jax.device_put(jnp.ones((NDEV, 3)), NamedSharding(mesh, P("data")))}
+    counts = jax.device_put(jnp.ones(NDEV), NamedSharding(mesh, P("data")))
+    for _ in range(3):
+        params, state = step(params, state, grads, counts)
+    assert len(traces) == 1
+
+
 def test_complex_params_combine_across_devices(mesh):
     # As microbatched_value_and_grad accepts complex params, so does the
     # combination over devices (weighted_mean_across takes complex leaves).
