@@ -34,11 +34,15 @@ a float64 two-pass sum (8 microbatches, 1e5 parameters, float32 state, worst of
 7e-4 at ``10⁵·B_simple``: from about ``10³·B_simple`` on, at most about
 ``1.5e-8 · N / B_simple`` (below it, float32's floor of a few 1e-7 dominates;
 one seed each with ``K`` = 8 and 256 microbatches: 0.10 and 0.13 at
-``10⁸·B_simple``).
+``10⁸·B_simple``). Those figures are for large trees, whose rounding errors
+partly cancel; with few parameters and few microbatches the error reaches about
+``2.5e-7 · N / (B_simple · (K − 1))`` (200 windows of ``K`` = 2 with 8
+parameters: 31% at ``2·10⁶·B_simple``).
 That is below the statistical noise of an estimate from ``K`` microbatches
 (relative standard deviation about ``√(2 / (K − 1))``) while
-``N / B_simple ≲ 10⁸ / √K``: for a window of up to 10⁸ tokens, unless
-``B_simple`` is a few tens of tokens or less. (A two-pass sum in float32, which
+``N / B_simple ≲ 10⁸ / √K`` (for small trees, ``≲ 5·10⁶ · √(K − 1)``): for a
+window of up to 10⁶ tokens always, of up to 10⁸ unless ``B_simple`` is a few
+tens of tokens or less. (A two-pass sum in float32, which
 needs the window's microbatches twice, stays near 1e-7 throughout.)
 Rounding can make ``S`` slightly negative when the microbatches agree; it is
 clamped at 0.
@@ -164,7 +168,12 @@ def _add_exact_piece(total: TokenTotal, x: jax.Array) -> TokenTotal:
     s, e = _two_sum(total.hi, x)
     e = e + total.lo
     hi = s + e
-    return TokenTotal(hi, e - (hi - s))
+    lo = e - (hi - s)
+    # Past float32's range the total is inf, not NaN (inf - inf in the
+    # remainder): a budget callable of the tokens seen gets inf, not a NaN
+    # (which it would have to handle; NaN budgets count as 0).
+    finite = jnp.isfinite(s)
+    return TokenTotal(jnp.where(finite, hi, s), jnp.where(finite, lo, 0))
 
 
 def _float32_pieces(x: jax.Array) -> list[jax.Array]:

@@ -228,6 +228,24 @@ def test_tokens_seen_is_exact_far_beyond_int32(dtype, count, steps):
     assert total.value() == count * steps
 
 
+def test_tokens_seen_past_float32s_range_is_inf_not_nan():
+    # inf - inf in the compensated sum's remainder made it NaN, which a budget
+    # callable of the tokens seen would get.
+    seen = []
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        1,
+        window_stats=True,
+        tokens_per_window=lambda t: (seen.append(t), 1e38)[1],
+    )
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    for _ in range(3):
+        _, state = tx.update({"w": jnp.ones(2)}, state, params, count=3e38)
+    assert float(mm.window_stats(state).tokens_seen) == np.inf
+    assert float(seen[-1]) == np.inf
+
+
 def test_reverse_mode_derivatives_are_finite_through_empty_microbatches():
     def spread(g):
         m, total, s = jnp.zeros(2), jnp.float32(0), jnp.float32(0)
