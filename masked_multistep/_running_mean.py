@@ -211,6 +211,14 @@ def running_mean_update(
       ``(new_mean, new_total)`` with the dtypes of ``(mean, total)``; with
       ``with_sq_deviation``, ``(new_mean, new_total, sq_deviation_increment)``.
 
+    Raises:
+      TypeError: if ``total`` or ``count`` is not a real number (a bool,
+        complex or non-numeric one), a float ``count`` meets an integer
+        ``total``, or a leaf of ``mean`` is not floating (or complex).
+      ValueError: if ``total`` or ``count`` is not a scalar, ``value`` does not
+        have ``mean``'s tree structure and shapes, or a host integer ``count``
+        does not fit an integer ``total``'s dtype.
+
     Examples:
       >>> import jax.numpy as jnp
       >>> m, n = jnp.zeros(()), jnp.array(0)
@@ -319,12 +327,11 @@ def running_mean_update(
         new_total_out = jnp.where(take, new_total, total).astype(total.dtype)
         if not with_sq_deviation:
             return new_mean, new_total_out
-        # n·N_old/N = N_old / (N/n): the weight of δ in West's update. It is 0
-        # for the first value (N_old = 0), where δ is measured from a stale mean
-        # that may hold anything, so that case is selected away, not multiplied.
+        # n·N_old/N = N_old / (N/n): the weight of δ in West's update, formed
+        # in the spread's precision (float64 leaves under x64 with an integer
+        # total would otherwise get a float32 weight). It is 0 for the first
+        # value (N_old = 0, δ = 0), and that case is selected away anyway.
         sq_dtype = jnp.result_type(jnp.float32, *(d.dtype for d in sq_devs))
-        # N_old·n/N in the spread's precision (float64 leaves under x64 with an
-        # integer total would otherwise get a float32 weight).
         ratio = safe_fraction(total_or_1.astype(sq_dtype), count_or_1.astype(sq_dtype))
         weight = safe_fraction(total.astype(sq_dtype), ratio)
         spread = sum(sq_devs, jnp.zeros([], sq_dtype))
