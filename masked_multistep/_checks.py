@@ -54,6 +54,7 @@ __all__ = [
     "host_int_to_float",
     "is_host_int",
     "python_scalar",
+    "real_array",
     "to_count",
 ]
 
@@ -262,6 +263,25 @@ def count_weight(count: Any, what: str) -> jax.Array:
         raise TypeError(f"{what} must be a number of tokens, got None")
     weight, _ = to_count(count, _WEIGHT_DTYPE, what)
     return weight
+
+
+def real_array(x: Any, what: str, *, scalar: bool = False) -> jax.Array:
+    """``x`` as an integer or floating array (a scalar with ``scalar``), or an
+    error naming ``what``: bool, complex and non-numeric values are refused."""
+    noun = "scalar" if scalar else "number"
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{what} must be a real {noun}, got a bool ({x})")
+    try:
+        arr = jnp.asarray(x)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise TypeError(
+            f"{what} must be a real {noun}, got {x!r} of type {type(x).__name__}"
+        ) from err
+    if _kind(arr.dtype) not in ("int", "float"):
+        raise TypeError(f"{what} must be a real {noun}, got dtype {arr.dtype}")
+    if scalar and arr.shape != ():
+        raise ValueError(f"{what} must be a scalar, got shape {arr.shape}")
+    return arr
 
 
 def check_value(value: Any) -> jax.Array | None:

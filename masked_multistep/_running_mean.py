@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_multistep._checks import host_int_to_float, is_host_int
+from masked_multistep._checks import host_int_to_float, is_host_int, real_array
 
 __all__ = [
     "all_finite",
@@ -119,33 +119,13 @@ def all_finite(tree: Any, reduced: Any = ()) -> jax.Array:
     return jax.lax.cond(quick, lambda _: jnp.ones([], jnp.bool_), elementwise, leaves)
 
 
-def _real_scalar(x: Any, name: str) -> jax.Array:
-    """``x`` as a real (integer or floating) scalar array, or a clear error."""
-    if isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"`{name}` must be a real scalar, got a bool ({x})")
-    try:
-        arr = jnp.asarray(x)
-    except (TypeError, ValueError, OverflowError) as err:
-        raise TypeError(
-            f"`{name}` must be a real scalar, got {x!r} of type {type(x).__name__}"
-        ) from err
-    if arr.dtype == jnp.bool_ or not (
-        jnp.issubdtype(arr.dtype, jnp.integer)
-        or jnp.issubdtype(arr.dtype, jnp.floating)
-    ):
-        raise TypeError(f"`{name}` must be a real scalar, got dtype {arr.dtype}")
-    if arr.shape != ():
-        raise ValueError(f"`{name}` must be a scalar, got shape {arr.shape}")
-    return arr
-
-
 def _host_count(count: Any, total_dtype: Any) -> jax.Array:
     """``count`` as an array; a Python or numpy integer by value, never wrapped
     (``jnp.asarray`` wraps a numpy int64 into int32 without x64): into an
     integer ``total``'s dtype if it fits, else a ``ValueError``; as a float
     otherwise."""
     if not is_host_int(count):
-        return _real_scalar(count, "count")
+        return real_array(count, "`count`", scalar=True)
     if not jnp.issubdtype(total_dtype, jnp.integer):
         return jnp.asarray(host_int_to_float(count))
     info = jnp.iinfo(total_dtype)
@@ -242,8 +222,8 @@ def running_mean_update(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
-    total = _real_scalar(total, "total")
-    count = _real_scalar(_host_count(count, total.dtype), "count")
+    total = real_array(total, "`total`", scalar=True)
+    count = real_array(_host_count(count, total.dtype), "`count`", scalar=True)
     if jax.tree.structure(mean) != jax.tree.structure(value):
         raise ValueError(
             "`value` must have the tree structure of `mean`, got "

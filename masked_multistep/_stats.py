@@ -88,7 +88,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_multistep._checks import check_real, host_int_to_float
+from masked_multistep._checks import check_real, host_int_to_float, real_array
 from masked_multistep._running_mean import sq_norm
 
 __all__ = [
@@ -445,22 +445,6 @@ def accumulate_window_stats_per_device(
         )
 
 
-def _real(x: Any, name: str) -> jax.Array:
-    """``x`` as a real (integer or floating) array, or an error naming it."""
-    try:
-        arr = jnp.asarray(x)
-    except (TypeError, ValueError, OverflowError) as err:
-        raise TypeError(
-            f"`{name}` must be a real number, got {x!r} of type {type(x).__name__}"
-        ) from err
-    if arr.dtype == jnp.bool_ or not (
-        jnp.issubdtype(arr.dtype, jnp.integer)
-        or jnp.issubdtype(arr.dtype, jnp.floating)
-    ):
-        raise TypeError(f"`{name}` must be a real number, got dtype {arr.dtype}")
-    return arr
-
-
 def noise_scale_estimates(
     sq_deviation: jax.typing.ArrayLike,
     microbatches: jax.typing.ArrayLike,
@@ -499,7 +483,7 @@ def noise_scale_estimates(
     """
     # Host integers by value: jnp.asarray would wrap a numpy int64 into int32.
     s, k, n, g2 = (
-        _real(host_int_to_float(x), name)
+        real_array(host_int_to_float(x), f"`{name}`")
         for x, name in [
             (sq_deviation, "sq_deviation"),
             (microbatches, "microbatches"),
