@@ -49,6 +49,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -285,12 +286,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.vocab_size < 8:
         parser.error(f"--vocab-size must be >= 8, got {args.vocab_size}")
-    if args.clip_norm <= 0:
+    # Written so that NaN fails too (every comparison with it is false).
+    if not args.clip_norm > 0:
         parser.error(f"--clip-norm must be > 0, got {args.clip_norm}")
-    if args.learning_rate <= 0:
-        parser.error(f"--learning-rate must be > 0, got {args.learning_rate}")
-    if args.weight_decay < 0:
-        parser.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if not 0 < args.learning_rate < math.inf:
+        parser.error(
+            f"--learning-rate must be > 0 and finite, got {args.learning_rate}"
+        )
+    if not 0 <= args.weight_decay < math.inf:
+        parser.error(f"--weight-decay must be >= 0 and finite, got {args.weight_decay}")
     if args.stop_after is not None and args.stop_after < 1:
         parser.error(f"--stop-after must be >= 1, got {args.stop_after}")
     return args
@@ -405,7 +409,7 @@ def window_record(window: int, optimizer: nnx.Optimizer) -> dict:
         "window": window,
         "loss": finite(stats.loss) if tokens else None,
         "tokens": tokens,
-        "learning_rate": learning_rate_used(optimizer) if updated else None,
+        "learning_rate": finite(learning_rate_used(optimizer)) if updated else None,
         "noise_scale": finite(stats.smoothed_noise_scale),
     }
 

@@ -53,8 +53,10 @@ __all__ = [
     "count_weight",
     "host_int_to_float",
     "is_host_int",
+    "LOSS_KEYWORDS",
     "python_scalar",
     "real_array",
+    "refuse_count_as_value",
     "to_count",
 ]
 
@@ -302,7 +304,21 @@ def check_value(value: Any) -> jax.Array | None:
         )
     if _kind(arr.dtype) not in ("int", "float"):
         raise TypeError(f"`value` must be a real number, got dtype {arr.dtype}")
+    refuse_count_as_value(value)
     return arr
+
+
+def refuse_count_as_value(value: Any) -> None:
+    """An integer array as ``value=`` is most likely the token count, the two
+    swapped (``count=loss, value=n``, which weighs microbatches by their loss).
+    Python integers stay allowed."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and _kind(dtype) == "int":
+        raise TypeError(
+            f"`value` has the integer dtype {dtype}: it looks like the token "
+            "count. Pass `count=n, value=mean_loss` (the loss as a float; "
+            "`value.astype(jnp.float32)` if an integer is meant)."
+        )
 
 
 def _paired_with_state(
@@ -464,6 +480,9 @@ def check_microbatches(value: Any, what: str) -> int:
 # The wrapper's own keywords; an extra argument this close to one is taken for
 # a misspelling rather than forwarded (and dropped) to the inner optimizer.
 _OWN_KEYWORDS = ("count", "value")
+# Names of the microbatch's loss, which goes in `value=`: forwarded, the inner
+# optimizer would drop it, or get the closing microbatch's alone.
+LOSS_KEYWORDS = ("loss", "losses", "mean_loss", "loss_value")
 
 
 def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
@@ -475,6 +494,13 @@ def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
     and the inner optimizer get the window's NaN loss.
     """
     for key in extra_args:
+        if key in LOSS_KEYWORDS:
+            raise TypeError(
+                f"MaskedMultiSteps got the keyword argument {key!r}: the "
+                "microbatch's mean loss goes in `value=`, which the wrapper "
+                "averages over the window's tokens and hands to the inner "
+                "optimizer (and to the window statistics' loss)."
+            )
         close = difflib.get_close_matches(key, _OWN_KEYWORDS, n=1, cutoff=0.8)
         if close and close[0] != key:
             raise TypeError(

@@ -295,6 +295,7 @@ class Deferred(KnownTotals):
                 f"With reduction={self!r}, `value` is a scalar or one value per "
                 f"device, shape ({self.size},), got shape {jnp.shape(value)}"
             )
+        _checks.refuse_count_as_value(value)
         value = jnp.asarray(value)
         if value.dtype == jnp.bool_ or not (
             jnp.issubdtype(value.dtype, jnp.integer)

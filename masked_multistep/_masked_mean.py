@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -53,10 +54,11 @@ def masked_mean(
       mask: broadcastable to ``values``. Boolean or integer masks count tokens:
         every non-zero entry is one token (the count is ``int32``); a floating
         mask holds per-token weights (the count is their float sum). Weights
-        must be non-negative, as token counts are: weights that sum to 0 give
-        the empty microbatch's ``(0, 0)``, and a negative sum is an invalid
-        count for :class:`MaskedMultiSteps` (refused when concrete, counted in
-        ``num_invalid_counts`` and left out under ``jit``).
+        must be non-negative, as token counts are: a concrete mask with a
+        negative weight is a ``ValueError``; under ``jit`` weights that sum to
+        0 give the empty microbatch's ``(0, 0)``, and a negative sum is an
+        invalid count for :class:`MaskedMultiSteps` (counted in
+        ``num_invalid_counts`` and left out).
 
     Returns:
       ``(mean, count)``: ``mean`` in ``values``' dtype promoted to at least
@@ -69,7 +71,8 @@ def masked_mean(
       TypeError: if ``values`` is boolean or integer and ``mask`` floating (the
         two swapped, most likely; cast ``values`` to float for a weighted mean
         of booleans).
-      ValueError: if ``mask`` does not broadcast to ``values``' shape.
+      ValueError: if ``mask`` does not broadcast to ``values``' shape, or is
+        a concrete floating mask with a negative weight.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -104,6 +107,17 @@ def masked_mean(
             "booleans or integers (an accuracy), pass values.astype(jnp.float32)"
         )
     dtype = compute_dtype(values.dtype)
+    if (
+        jnp.issubdtype(mask.dtype, jnp.floating)
+        and not isinstance(mask, jax.core.Tracer)
+        and bool(jnp.any(mask < 0))
+    ):
+        # Weights are token counts: [-1, 1] would sum to an empty microbatch.
+        raise ValueError(
+            "`mask` holds negative weights (its smallest is "
+            f"{float(jnp.min(mask))}): a floating mask holds per-token weights, "
+            "which count tokens and must be non-negative"
+        )
     if jnp.issubdtype(mask.dtype, jnp.floating):
         # Real weights, and so a real count, for complex values too.
         weights = mask.astype(jnp.finfo(dtype).dtype)

@@ -16,8 +16,13 @@ from typing import Any, cast
 import jax
 import optax
 
+from masked_multistep._checks import LOSS_KEYWORDS
 from masked_multistep._inspect import find_state
-from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
+from masked_multistep._multisteps import (
+    MaskedMultiSteps,
+    MaskedMultiStepsState,
+    states_in,
+)
 
 try:
     from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
@@ -122,8 +127,12 @@ class TrainState(_flax_train_state.TrainState):
         field_names = [f.name for f in dataclasses.fields(self)]
         unknown = [k for k in kwargs if k not in field_names]
         if unknown:
-            close = difflib.get_close_matches(
-                unknown[0], ["count", "value", "extra_args"], n=1, cutoff=0.8
+            close = (
+                ["value"]
+                if unknown[0] in LOSS_KEYWORDS
+                else difflib.get_close_matches(
+                    unknown[0], ["count", "value", "extra_args"], n=1, cutoff=0.8
+                )
             )
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise TypeError(
@@ -171,6 +180,14 @@ class TrainState(_flax_train_state.TrainState):
                 grads_with_opt, opt_state, params_with_opt, **extra_args
             )
         else:
+            if states_in(self.opt_state, optax.MultiStepsState):
+                # with_extra_args_support would drop the count silently.
+                raise TypeError(
+                    "`tx` accumulates with optax.MultiSteps, which ignores "
+                    "`count` (it averages the microbatches' mean gradients "
+                    "with equal weights): use mm.MaskedMultiSteps(inner, k) "
+                    "(a running state converts with mm.from_optax_multisteps)."
+                )
             tx = optax.with_extra_args_support(self.tx)
             updates, new_opt_state = tx.update(
                 grads_with_opt, self.opt_state, params_with_opt, **extra_args

@@ -173,6 +173,33 @@ def test_a_misspelt_count_or_value_is_named_not_forwarded():
         train_state.apply_gradients(grads=GRADS, cout=3)
 
 
+def test_the_loss_under_its_own_name_is_sent_to_value():
+    # `loss=` went to the inner optimizer, which dropped it: the window's loss
+    # was NaN, and reduce_on_plateau inside never applied a window.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    state = tx.init(PARAMS)
+    for name in ("loss", "mean_loss"):
+        with pytest.raises(TypeError, match=rf"{name!r}: .* goes in `value=`"):
+            tx.update(GRADS, state, PARAMS, count=3, **{name: jnp.float32(0.7)})
+    train_state = mm.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+    with pytest.raises(TypeError, match=r"'loss'.*Did you mean 'value'"):
+        train_state.apply_gradients(grads=GRADS, count=3, loss=0.7)
+    with pytest.raises(TypeError, match=r"'loss': .* goes in `value=`"):
+        train_state.apply_gradients(grads=GRADS, count=3, extra_args={"loss": 0.7})
+
+
+def test_an_integer_array_value_is_taken_for_a_swapped_count():
+    # `(count, loss), g = ...` unpacked the wrong way round: microbatches were
+    # weighed by their loss, silently.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    state = tx.init(PARAMS)
+    with pytest.raises(
+        TypeError, match=r"`value` has the integer dtype int32: .*count"
+    ):
+        tx.update(GRADS, state, PARAMS, count=jnp.float32(0.7), value=jnp.int32(8))
+    _, state = tx.update(GRADS, state, PARAMS, count=3, value=2)  # a Python int
+
+
 def test_should_skip_update_fn_must_be_callable():
     with pytest.raises(TypeError, match="`should_skip_update_fn` must be None or a"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=3)

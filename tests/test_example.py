@@ -174,8 +174,16 @@ def test_data_parallel_matches_one_device_and_resumes_bit_identically(
         (["--skew", "1.5"], "--skew must be between 0 and 1"),
         (["--clip-norm", "0"], "--clip-norm must be > 0"),
         # A negative rate trained uphill.
-        (["--learning-rate", "-1"], "--learning-rate must be > 0, got -1.0"),
-        (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+        (["--learning-rate", "-1"], "--learning-rate must be > 0 and finite, got -1.0"),
+        (
+            ["--weight-decay", "-0.1"],
+            "--weight-decay must be >= 0 and finite, got -0.1",
+        ),
+        # NaN passed every `<` check: a traceback after training, or a silent
+        # run of NaN updates.
+        (["--learning-rate", "nan"], "--learning-rate must be > 0 and finite, got nan"),
+        (["--weight-decay", "nan"], "--weight-decay must be >= 0 and finite, got nan"),
+        (["--clip-norm", "nan"], "--clip-norm must be > 0, got nan"),
         (["--seed", "-1"], "--seed must be >= 0, got -1"),
         (["--devices", "0"], "--devices must be >= 1, got 0"),
         (["--devices", "3"], "sequences (--batch-size / --microbatches) must split"),

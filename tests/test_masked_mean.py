@@ -39,6 +39,14 @@ def test_float_mask_holds_weights():
     np.testing.assert_allclose(mean, 2.5)
 
 
+def test_a_concrete_negative_weight_is_refused():
+    # [-1, 1] summed to an empty microbatch: (0, 0), its tokens dropped.
+    with pytest.raises(ValueError, match=r"`mask` holds negative weights .* -1.0"):
+        mm.masked_mean(jnp.array([1.0, 2.0]), jnp.array([-1.0, 1.0]))
+    with pytest.raises(ValueError, match="negative weights"):
+        mm.masked_mean(np.ones(2), np.array([0.5, -0.5]))
+
+
 def test_complex_values_under_weights_have_a_real_count():
     # The count was complex64, which MaskedMultiSteps.update refuses.
     mean, count = mm.masked_mean(jnp.array([1 + 1j, 3 + 0j]), jnp.array([0.25, 0.75]))

@@ -70,6 +70,20 @@ def test_the_fields_apply_gradients_sets_are_refused_by_name():
         _state().apply_gradients(grads={"w": jnp.ones(2)}, count=1, step=0)
 
 
+def test_optax_multisteps_as_tx_is_refused_as_it_ignores_the_count():
+    # with_extra_args_support dropped `count`: the mean of means, silently
+    # (-37 here, where the token-weighted window gives -76.9).
+    state = mm.TrainState.create(
+        apply_fn=None, params=jnp.zeros(1), tx=optax.MultiSteps(optax.sgd(-1.0), 3)
+    )
+    with pytest.raises(TypeError, match=r"optax.MultiSteps, which ignores `count`"):
+        state.apply_gradients(grads=jnp.ones(1), count=2)
+    chained = optax.chain(optax.MultiSteps(optax.sgd(-1.0), 3))
+    state = mm.TrainState.create(apply_fn=None, params=jnp.zeros(1), tx=chained)
+    with pytest.raises(TypeError, match=r"mm.MaskedMultiSteps\(inner, k\)"):
+        state.apply_gradients(grads=jnp.ones(1), count=2)
+
+
 def test_two_wrapped_branches_say_which_part_of_the_state_to_read():
     params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
     tx = optax.multi_transform(
