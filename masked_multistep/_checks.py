@@ -408,10 +408,15 @@ def host_int_to_float(x: Any) -> Any:
 
     Without x64, ``jnp.asarray`` makes a Python int of 2³¹ or more an
     ``OverflowError`` and wraps a numpy int64 into int32 (2⁴⁰ becomes 0); a
-    float holds it (rounded beyond 2⁵³), and the callers clip or compare by
-    value.
+    float holds it (rounded beyond 2⁵³; ±inf beyond float64's range), and the
+    callers clip or compare by value.
     """
-    return np.asarray(x, np.float64) if is_host_int(x) else x
+    if not is_host_int(x):
+        return x
+    try:
+        return np.asarray(x, np.float64)
+    except OverflowError:  # a Python int beyond 1.8e308
+        return np.asarray(math.inf if int(x) > 0 else -math.inf)
 
 
 def python_scalar(value: Any, what: str, kinds: tuple, noun: str) -> Any:

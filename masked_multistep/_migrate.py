@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_multistep._checks import to_count
+from masked_multistep._checks import host_int_to_float, to_count
 from masked_multistep._deferred import Deferred
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 
@@ -62,9 +62,12 @@ def _check_acc_count(acc_count: Any, mini_step: int) -> np.ndarray | None:
             f"{acc_count!r} of type {type(acc_count).__name__}"
         )
     if isinstance(acc_count, numbers.Integral) and not 0 <= int(acc_count) < 2**64:
-        # A Python int numpy holds in no integer dtype (an object array).
-        limit = "finite and >= 0" if int(acc_count) < 0 else "below 2**64"
-        raise ValueError(f"`acc_count` must be {limit}, got {acc_count}")
+        # A Python int numpy holds in no integer dtype (an object array): by
+        # value, as a float, as `tx.update(count=...)` reads it (the count
+        # dtype's range is checked below).
+        if int(acc_count) < 0:
+            raise ValueError(f"`acc_count` must be finite and >= 0, got {acc_count}")
+        acc_count = float(host_int_to_float(int(acc_count)))
     value = _concrete_scalar(acc_count, "acc_count")
     if value.dtype == np.bool_ or not (
         np.issubdtype(value.dtype, np.integer)
@@ -159,10 +162,13 @@ def from_optax_multisteps(
 
     Raises:
       TypeError: if ``state`` is not an ``optax.MultiStepsState``, ``tx`` not a
-        :class:`MaskedMultiSteps`, ``acc_count`` not a real scalar, or the call
-        is traced by ``jit``.
+        :class:`MaskedMultiSteps`, ``acc_count`` not a real scalar,
+        ``use_grad_mean`` not a bool, or the call is traced by ``jit``.
       ValueError: if ``acc_count`` is missing mid-window, nonzero at a window
-        boundary, zero mid-window, negative or not finite; if the state's
+        boundary, zero mid-window, negative, not finite, beyond the count
+        dtype or fractional for an integer ``count_dtype``; if
+        ``state.mini_step`` or ``state.gradient_step`` is not an integer in
+        ``[0, 2**31 - 1]``; if the state's
         gradients, inner state or skip state do not match ``tx.init(params)``;
         or mid-window into a ``tx`` with ``reduction=mm.deferred(...)`` (its
         per-device accumulators start at a window's start).

@@ -328,8 +328,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ``count_dtype`` holds, or the norm test has no maximum window, or a window
         policy is given to the other keyword (:func:`norm_test` to
         ``tokens_per_window``, :func:`token_budget` to ``norm_test``), or a
-        dtype cannot serve, or ``stats_decay`` is outside ``[0, 1)`` or given
-        with the statistics off.
+        dtype cannot serve, or ``stats_decay`` is outside ``[0, 1)`` or, other
+        than the default, given with the statistics off. ``init`` raises
+        ``TypeError`` if ``opt`` holds an accumulator of its own (another
+        ``MaskedMultiSteps`` or an ``optax.MultiSteps``).
 
     Examples:
       Three microbatches with 1, 1 and 2 tokens; the window's update is the
@@ -689,7 +691,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         Raises:
           TypeError: if ``count`` is missing or of the wrong kind; if the
             gradients are not floating point, or complex for real params; if
-            ``value`` is not a number.
+            ``value`` is not a number, or is an integer array (most likely the
+            token count, swapped with the loss; a Python int is taken); if a
+            keyword names the loss (``loss=``: it goes in ``value=``).
           ValueError: if ``count`` is not a scalar, or is concretely negative,
             non-finite or too large; if ``value`` is not a scalar; if the
             gradients do not match the state's tree.

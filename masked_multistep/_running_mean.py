@@ -119,6 +119,24 @@ def all_finite(tree: Any, reduced: Any = ()) -> jax.Array:
     return jax.lax.cond(quick, lambda _: jnp.ones([], jnp.bool_), elementwise, leaves)
 
 
+def _host_total(total: Any) -> Any:
+    """A Python or numpy integer ``total`` by value, in jax's integer dtype
+    (int32 without x64), or a ``ValueError``: ``jnp.asarray`` would wrap a
+    numpy int64 (2**40 to 0, the mean then overwritten) or refuse a large
+    Python int as not a number."""
+    if not is_host_int(total):
+        return total
+    dtype = jax.dtypes.canonicalize_dtype(np.int64)
+    info = np.iinfo(dtype)
+    value = np.asarray(total, object)
+    if not np.all((info.min <= value) & (value <= info.max)):
+        raise ValueError(
+            f"`total` ({value}) does not fit {dtype.name}, jax's integer dtype "
+            "here: pass it as a float (e.g. jnp.float32(total))"
+        )
+    return np.asarray(value, dtype)
+
+
 def _host_count(count: Any, total_dtype: Any) -> jax.Array:
     """``count`` as an array; a Python or numpy integer by value, never wrapped
     (``jnp.asarray`` wraps a numpy int64 into int32 without x64): into an
@@ -222,7 +240,7 @@ def running_mean_update(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
-    total = real_array(total, "`total`", scalar=True)
+    total = real_array(_host_total(total), "`total`", scalar=True)
     count = real_array(_host_count(count, total.dtype), "`count`", scalar=True)
     if jax.tree.structure(mean) != jax.tree.structure(value):
         raise ValueError(

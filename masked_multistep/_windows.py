@@ -426,9 +426,11 @@ def token_budget(
       when ``budget`` is a callable of them, ``()`` otherwise.
 
     Raises:
-      TypeError: if ``budget`` is neither a real number nor callable.
-      ValueError: if a constant ``budget`` is not finite and ``> 0``, or ``by``
-        is not one of the two inputs.
+      TypeError: if ``budget`` is neither a real number nor callable, or
+        ``max_microbatches`` neither an integer nor callable.
+      ValueError: if a constant ``budget`` is not finite and ``> 0``, ``by``
+        is not one of the two inputs, or a constant ``max_microbatches`` is
+        outside ``[1, 2**31 - 1]``.
 
     Examples:
       A window of 100 tokens; microbatches of 40, 0 and 70 tokens:
@@ -571,8 +573,9 @@ def norm_test(
     Raises:
       TypeError: if an argument is not a real number (an integer for the
         microbatch counts).
-      ValueError: if ``theta`` is not finite and ``> 0``, or a budget is
-        negative, or a minimum exceeds its maximum.
+      ValueError: if ``theta`` is not finite and ``> 0``, ``min_tokens`` is
+        negative, ``max_tokens`` not finite and ``> 0``, a microbatch count
+        outside ``[1, 2**31 - 1]``, or a minimum exceeds its maximum.
 
     Examples:
       Four microbatches with tokens; ``tr Σ̂ = 2.0``, ``N = 64``, ``‖ḡ‖² = 0.1``:

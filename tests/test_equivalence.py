@@ -214,9 +214,23 @@ def test_running_mean_refuses_what_is_outside_its_contract():
         ((jnp.zeros(2), jnp.int32(0), jnp.ones(2), True), TypeError, "got a bool"),
         ((jnp.zeros(2), 0.0, jnp.ones(2), None), TypeError, "`count` must be a real"),
         (({"a": 0.0}, 0.0, {"b": 1.0}, 1.0), ValueError, "`value` must have the tree"),
+        # A numpy int64 total was wrapped to int32 (2**40 to 0: the mean then
+        # overwritten by the value), a Python int past int32 called no number.
+        ((0.0, np.int64(2**40), 1.0, 1), ValueError, r"`total` \(1099511627776\)"),
+        ((0.0, 2**31, 1.0, 1), ValueError, "`total` .* does not fit int32"),
     ]:
         with pytest.raises(error, match=match):
             update(*args)
+
+
+def test_running_mean_ignores_a_python_count_beyond_float64():
+    # It was an OverflowError, where a weight past the total's range is
+    # documented to leave the mean and total as they were.
+    mean, total = mm.running_mean_update(
+        jnp.ones(2), jnp.float32(1), jnp.full(2, 5.0), 10**400
+    )
+    assert float(total) == 1.0 and float(mean[0]) == 1.0
+    assert np.isnan(mm.noise_scale_estimates(4.0, 2, 10**400, 4.0)).all()
 
 
 def test_running_mean_derivatives_are_finite_after_a_stale_nan_or_an_inf_count():
