@@ -419,8 +419,9 @@ class DeferredPerWindow(Deferred):
     microbatch; it is added to ``num_invalid_counts`` when the window closes.
     The microbatch still counts toward the window's ``k`` (``mini_step``
     advances) even when every device's count is invalid.
-    A window whose global token total overflows an integer ``count_dtype``
-    applies no update and counts as one invalid count. With window statistics
+    A window whose global token total does not fit ``count_dtype`` (past an
+    integer's maximum, or a float's largest finite value) applies no update and
+    counts as one invalid count. With window statistics
     the state's ``stats.weighted_sq_norms`` and ``stats.microbatches`` stay 0
     likewise until the window closes.
     """
@@ -592,7 +593,9 @@ def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:
     that device's share of the microbatch and is added to ``num_invalid_counts``
     when the window closes, and the microbatch counts toward ``k`` even when
     every device's count is invalid (with window statistics, ``state.stats``' running
-    sums stay 0 likewise). Token budgets and skip functions need every
+    sums stay 0 likewise); a window whose combined token total does not fit
+    ``count_dtype`` is known only when it closes, and is dropped whole (no
+    update, one invalid count). Token budgets and skip functions need every
     microbatch's global count: with them the devices agree on it on every
     microbatch (a scalar all-reduce; a second one for ``value=``), ``acc_count``
     is the window's global total as it grows, and an invalid count on any device

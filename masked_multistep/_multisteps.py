@@ -59,7 +59,8 @@ class MaskedMultiStepsState(NamedTuple):
         negative or non-finite under ``jit`` (concrete ones raise), or would
         overflow the window's total (eagerly too) (with a deferred reduction
         agreeing only at the window's end, devices' shares, added when the
-        window closes).
+        window closes, and 1 for a window dropped whole because its combined
+        total does not fit ``count_dtype``).
       value_count: the token total behind ``acc_value``.
       num_nonfinite_windows: windows whose mean gradient was not finite (or,
         for an inner optimizer that needs ``value=``, whose mean value was
