@@ -42,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "INT32_MAX",
+    "LOSS_KEYWORDS",
     "check_accumulator_dtype",
     "check_count_dtype",
     "check_extra_args",
@@ -49,11 +51,9 @@ __all__ = [
     "check_microbatches",
     "check_real",
     "check_value",
-    "INT32_MAX",
     "count_weight",
     "host_int_to_float",
     "is_host_int",
-    "LOSS_KEYWORDS",
     "python_scalar",
     "real_array",
     "refuse_count_as_value",

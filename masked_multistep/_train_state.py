@@ -114,7 +114,9 @@ class TrainState(_flax_train_state.TrainState):
         Raises:
           TypeError: if ``count`` is missing, a keyword is neither a field nor
             one of the above (a misspelt field would otherwise vanish), or is
-            ``step``, ``params`` or ``opt_state``, which this method sets.
+            ``step``, ``params`` or ``opt_state``, which this method sets; if
+            ``tx`` accumulates with ``optax.MultiSteps``, which would ignore
+            ``count``.
         """
         own = [k for k in ("step", "params", "opt_state") if k in kwargs]
         if own:
