@@ -535,9 +535,12 @@ class DeferredPerWindow(Deferred):
         sums, fits = _exact_sums(
             jnp.stack([state.counts, state.invalid.astype(dtype), state.value_counts])
         )
-        total = jnp.where(fits[0], sums[0], jnp.zeros_like(sums[0]))
-        num_invalid = sums[1].astype(jnp.int32) + (~fits[0]).astype(jnp.int32)
-        value_total = sums[2]
+        # A window whose total does not fit is dropped whole: no tokens, no
+        # loss, no microbatches in its statistics; one invalid count.
+        kept = fits[0]
+        total = jnp.where(kept, sums[0], jnp.zeros_like(sums[0]))
+        num_invalid = sums[1].astype(jnp.int32) + (~kept).astype(jnp.int32)
+        value_total = jnp.where(kept, sums[2], jnp.zeros_like(sums[2]))
         value, _ = mean_over_devices(state.value, state.value_counts, value_total)
         stats_sums = so_far.stats_sums
         if self.keeps_stats:
@@ -546,7 +549,10 @@ class DeferredPerWindow(Deferred):
                 jnp.stack([state.sq_norms, state.microbatches.astype(jnp.float32)]),
                 axis=1,
             )
-            stats_sums = (sq_norms, k.astype(jnp.int32))
+            stats_sums = (
+                jnp.where(kept, sq_norms, 0),
+                jnp.where(kept, k, 0).astype(jnp.int32),
+            )
         return WindowTotals(
             tokens=total.astype(so_far.tokens.dtype),
             value=value.astype(jnp.float32),

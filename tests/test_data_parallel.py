@@ -1154,6 +1154,33 @@ def test_the_wrapper_picks_the_deferred_variant_from_its_rules(mesh):
     assert (int(state.gradient_step), int(state.num_nonfinite_windows)) == (1, 0)
 
 
+def test_a_window_whose_combined_total_overflows_is_dropped_whole(mesh):
+    """Every device's int32 total fits, their sum does not: known only when the
+    window closes (no device sees the others' counts sooner), so the window is
+    dropped whole, its statistics included (they kept its microbatches and loss
+    beside 0 tokens)."""
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        3,
+        count_dtype=jnp.int32,
+        reduction=mm.deferred(mesh, "data"),
+        window_stats=True,
+    )
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    grads = {"w": jnp.ones((NDEV, 2))}
+    for n in (2**27, 2**27, 2):
+        count = jnp.full(NDEV, n, jnp.int32)
+        params, state = tx.apply_gradients(
+            grads, state, params, count=count, value=jnp.ones(NDEV)
+        )
+    stats = mm.window_stats(state)
+    assert int(state.gradient_step) == 0 and int(state.num_invalid_counts) == 1
+    assert int(stats.windows) == 1 and int(stats.tokens) == 0
+    assert int(stats.microbatches) == 0 and np.isnan(float(stats.loss))
+    assert not np.asarray(params["w"]).any()
+
+
 def test_a_state_converted_from_optax_multisteps_compiles_once(mesh):
     """Its new scalars sat on one device, not on the mesh as `tx.init`'s: the
     first jitted step was traced again for the second."""
