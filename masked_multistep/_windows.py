@@ -364,6 +364,15 @@ def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.A
             b = budget.astype(tokens.dtype)
             below = b.astype(budget.dtype) < budget
             b = jnp.where(below, jnp.nextafter(b, jnp.asarray(jnp.inf, b.dtype)), b)
+        elif jnp.issubdtype(budget.dtype, jnp.integer):
+            # Rounded up too: 2**24 + 1 is 2**24 in float32 to the nearest. A
+            # float at or past the integer's range is above any budget, and
+            # converting it back would overflow.
+            b = budget.astype(tokens.dtype)
+            inside = b < float(np.iinfo(budget.dtype).max) + 1
+            back = jnp.where(inside, b, 0).astype(budget.dtype)
+            below = inside & (back < budget)
+            b = jnp.where(below, jnp.nextafter(b, jnp.asarray(jnp.inf, b.dtype)), b)
         else:
             b = budget.astype(tokens.dtype)
     return (tokens > 0) & (tokens >= b)

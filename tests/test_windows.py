@@ -684,6 +684,11 @@ def test_a_float64_budget_keeps_its_precision_under_x64():
                 for b in (budget, np.float64(budget), jnp.float64(budget))
             ]
             assert [bool(c) for c in closes] == [False] * 3 + [True] * 3
+        # An integer array budget against float totals: rounded up too (it was
+        # rounded to the nearest, 2**53 + 1 to 2**53: a window closed early).
+        budget = jnp.int64(2**53 + 1)
+        assert not bool(w._tokens_reached(jnp.float64(2**53), budget))
+        assert bool(w._tokens_reached(jnp.float64(2**53 + 2), budget))
         # A float64 array budget against float32 totals: rounded up too.
         budget = jnp.float64(2.0000001)
         assert not bool(w._tokens_reached(jnp.float32(2.0), budget))
@@ -700,6 +705,12 @@ def test_returned_budgets_beyond_the_totals_range_close_at_its_largest_value():
     assert not bool(w._tokens_reached(jnp.int32(5), jnp.float32(5.5)))
     assert bool(w._tokens_reached(jnp.int32(6), jnp.float32(5.5)))
     assert not bool(w._tokens_reached(jnp.float32(1e30), jnp.float32(jnp.inf)))
+    # An int32 budget against float32 totals rounds up (2**24 + 1 to 2**24 + 2),
+    # and one that rounds past int32's range is reached there, not wrapped.
+    assert not bool(w._tokens_reached(jnp.float32(2**24), jnp.int32(2**24 + 1)))
+    assert bool(w._tokens_reached(jnp.float32(2**24 + 2), jnp.int32(2**24 + 1)))
+    assert bool(w._tokens_reached(jnp.float32(2**31), top))
+    assert not bool(w._tokens_reached(jnp.float32(2**31 - 128), top))
     for bad in (jnp.float32(jnp.nan), jnp.float32(-3.0), jnp.int32(-3)):
         assert float(w._sanitize_budget(bad)) == 0.0
     for bad in (float("nan"), -3.0, np.float32(-1), -3, np.int64(-2)):
