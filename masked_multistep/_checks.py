@@ -49,6 +49,7 @@ __all__ = [
     "check_extra_args",
     "check_grads_match",
     "check_microbatches",
+    "check_param_leaves",
     "check_real",
     "check_value",
     "count_weight",
@@ -286,6 +287,19 @@ def real_array(x: Any, what: str, *, scalar: bool = False) -> jax.Array:
     return arr
 
 
+def check_param_leaves(params: Any) -> None:
+    """Refuses a params leaf that is not an array or a Python number: the
+    accumulator's dtype comes from ``jnp.result_type``, which reads a string
+    leaf as a dtype name ("int8") or fails without saying where ("relu")."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float)):
+            raise TypeError(
+                "`params` must hold arrays (or Python numbers), got "
+                f"{type(leaf).__name__} {leaf!r} at "
+                f"params{jax.tree_util.keystr(path)}"
+            )
+
+
 def check_value(value: Any) -> jax.Array | None:
     """``value=`` (a microbatch's mean loss) as a real scalar array."""
     if value is None:
@@ -358,6 +372,13 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
                 f"expects {jnp.shape(a)}{hint}"
             )
         g_dtype, a_dtype = jnp.result_type(g), jnp.result_type(a)
+        if g_dtype == jax.dtypes.float0:
+            raise TypeError(
+                f"The gradient at {where} is float0 (jax.grad's gradient for an "
+                "integer parameter, with allow_int=True): pass float zeros for it "
+                "(jnp.zeros(shape, jnp.float32)), or keep integer state out of "
+                "the params"
+            )
         if not jnp.issubdtype(g_dtype, jnp.inexact):
             # The window's mean goes to the inner optimizer in the gradients'
             # dtype: an integer one would truncate it (2.5 -> 2), silently.

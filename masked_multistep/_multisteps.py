@@ -610,6 +610,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         return optax.GradientTransformationExtraArgs(self.init, self.update)
 
     def _init(self, params: optax.Params) -> MaskedMultiStepsState:
+        _checks.check_param_leaves(params)
         gradient_step = jnp.zeros([], jnp.int32)
         if self._should_skip_update_fn is _no_skip:
             # No skip function: no state, and no param-sized zeros to build.

@@ -200,6 +200,20 @@ def test_an_integer_array_value_is_taken_for_a_swapped_count():
     _, state = tx.update(GRADS, state, PARAMS, count=3, value=2)  # a Python int
 
 
+def test_float0_gradients_and_non_array_params_are_named():
+    # float0 (jax.grad of an integer param, allow_int=True) was explained as an
+    # integer gradient; a string params leaf was read as a dtype name ("int8":
+    # a float32 accumulator) or failed without its path ("relu").
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    params = {"w": jnp.zeros(2), "step": jnp.int32(0)}
+    grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2), allow_int=True)(params)
+    with pytest.raises(TypeError, match=r"\['step'\] is float0 .* float zeros"):
+        tx.update(grads, tx.init(params), params, count=3)
+    for leaf in ("relu", "int8"):
+        with pytest.raises(TypeError, match=rf"got str '{leaf}' at params\['act'\]"):
+            tx.init({"w": jnp.zeros(2), "act": leaf})
+
+
 def test_should_skip_update_fn_must_be_callable():
     with pytest.raises(TypeError, match="`should_skip_update_fn` must be None or a"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=3)
