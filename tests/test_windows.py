@@ -723,9 +723,9 @@ def test_returned_budgets_beyond_the_totals_range_close_at_its_largest_value():
     tx = mm.MaskedMultiSteps(
         optax.sgd(1.0), 3, tokens_per_window=lambda seen: np.inf, count_dtype=jnp.int32
     )
-    p, state = jnp.zeros(2), tx.init(jnp.zeros(2))
+    p, state, step = jnp.zeros(2), tx.init(jnp.zeros(2)), jax.jit(tx.update)
     for _ in range(3):
-        _, state = jax.jit(tx.update)(jnp.ones(2), state, p, count=jnp.int32(5))
+        _, state = step(jnp.ones(2), state, p, count=jnp.int32(5))
     assert int(state.gradient_step) == 1  # the cap closed it
 
 
