@@ -119,40 +119,45 @@ def all_finite(tree: Any, reduced: Any = ()) -> jax.Array:
     return jax.lax.cond(quick, lambda _: jnp.ones([], jnp.bool_), elementwise, leaves)
 
 
-def _host_total(total: Any) -> Any:
-    """A Python or numpy integer ``total`` by value, in jax's integer dtype
-    (int32 without x64), or a ``ValueError``: ``jnp.asarray`` would wrap a
-    numpy int64 (2**40 to 0, the mean then overwritten) or refuse a large
-    Python int as not a number."""
-    if not is_host_int(total):
-        return total
-    dtype = jax.dtypes.canonicalize_dtype(np.int64)
+def _host_int(x: Any, dtype: Any, name: str, dtype_text: str) -> Any:
+    """A Python or numpy integer ``x`` by value in the integer ``dtype``, or a
+    ``ValueError`` naming ``name`` where it does not fit (``jnp.asarray`` would
+    wrap a numpy int64 into int32 without x64, or refuse a large Python int);
+    anything else as it is."""
+    if not is_host_int(x):
+        return x
     info = np.iinfo(dtype)
-    value = np.asarray(total, object)
+    value = np.asarray(x, object)
     if not np.all((info.min <= value) & (value <= info.max)):
-        raise ValueError(
-            f"`total` ({value}) does not fit {dtype.name}, jax's integer dtype "
-            "here: pass it as a float (e.g. jnp.float32(total))"
-        )
+        raise ValueError(f"`{name}` ({value}) does not fit {dtype_text}")
     return np.asarray(value, dtype)
 
 
-def _host_count(count: Any, total_dtype: Any) -> jax.Array:
-    """``count`` as an array; a Python or numpy integer by value, never wrapped
-    (``jnp.asarray`` wraps a numpy int64 into int32 without x64): into an
-    integer ``total``'s dtype if it fits, else a ``ValueError``; as a float
-    otherwise."""
-    if not is_host_int(count):
-        return real_array(count, "`count`", scalar=True)
+def _host_total(total: Any) -> Any:
+    """A host integer ``total`` in jax's integer dtype (int32 without x64): a
+    numpy int64 of 2**40 would wrap to 0, and the mean be overwritten."""
+    dtype = jax.dtypes.canonicalize_dtype(np.int64)
+    return _host_int(
+        total,
+        dtype,
+        "total",
+        f"{dtype.name}, jax's integer dtype here: pass it as a float "
+        "(e.g. jnp.float32(total))",
+    )
+
+
+def _host_count(count: Any, total_dtype: Any) -> Any:
+    """A host integer ``count`` by value: into an integer ``total``'s dtype if
+    it fits, else a ``ValueError``; as a float otherwise."""
     if not jnp.issubdtype(total_dtype, jnp.integer):
-        return jnp.asarray(host_int_to_float(count))
-    info = jnp.iinfo(total_dtype)
-    if not np.all((info.min <= np.asarray(count)) & (np.asarray(count) <= info.max)):
-        raise ValueError(
-            f"`count` ({np.asarray(count)}) does not fit `total`'s dtype {total_dtype} "
-            f"([{info.min}, {info.max}])"
-        )
-    return jnp.asarray(np.asarray(count, total_dtype))
+        return host_int_to_float(count)
+    info = np.iinfo(total_dtype)
+    return _host_int(
+        count,
+        total_dtype,
+        "count",
+        f"`total`'s dtype {total_dtype} ([{info.min}, {info.max}])",
+    )
 
 
 @overload
