@@ -359,23 +359,25 @@ def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.A
             # A wider budget is clipped to the largest total, not cast to inf
             # (a narrower one, cast to the total's dtype, always fits).
             budget = jnp.minimum(budget, jnp.asarray(top, budget.dtype))
-            # Rounded up, not to the nearest: a total just below the budget
-            # must not reach it.
-            b = budget.astype(tokens.dtype)
-            below = b.astype(budget.dtype) < budget
-            b = jnp.where(below, jnp.nextafter(b, jnp.asarray(jnp.inf, b.dtype)), b)
-        elif jnp.issubdtype(budget.dtype, jnp.integer):
-            # Rounded up too: 2**24 + 1 is 2**24 in float32 to the nearest. A
-            # float at or past the integer's range is above any budget, and
-            # converting it back would overflow.
-            b = budget.astype(tokens.dtype)
-            inside = b < float(np.iinfo(budget.dtype).max) + 1
-            back = jnp.where(inside, b, 0).astype(budget.dtype)
-            below = inside & (back < budget)
-            b = jnp.where(below, jnp.nextafter(b, jnp.asarray(jnp.inf, b.dtype)), b)
-        else:
-            b = budget.astype(tokens.dtype)
+        b = _rounded_up(budget, tokens.dtype)
     return (tokens > 0) & (tokens >= b)
+
+
+def _rounded_up(budget: jax.Array, dtype: Any) -> jax.Array:
+    """``budget`` (integer, or float within ``dtype``'s range) in the float
+    ``dtype``, rounded up, not to the nearest: a total just below the budget
+    must not reach it (2**24 + 1 is 2**24 in float32 to the nearest).
+
+    The conversion back, to tell whether it rounded down, is exact; a float at
+    or past an integer budget's range is above any such budget (and would
+    overflow converting back)."""
+    b = budget.astype(dtype)
+    if jnp.issubdtype(budget.dtype, jnp.integer):
+        inside = b < float(np.iinfo(budget.dtype).max) + 1
+        below = inside & (jnp.where(inside, b, 0).astype(budget.dtype) < budget)
+    else:
+        below = b.astype(budget.dtype) < budget
+    return jnp.where(below, jnp.nextafter(b, jnp.asarray(jnp.inf, b.dtype)), b)
 
 
 def _float_budget(budget: float | int, dtype: Any) -> np.ndarray:
