@@ -10,7 +10,6 @@ state against :func:`state_0_1_target` and convert it with
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -84,24 +83,15 @@ def _like_template(name: str, got: Any, want: Any) -> Any:
 
 
 def _acc_count(acc_count: Any, count_dtype: Any) -> jax.Array:
-    """The restored 0.1 token total in ``count_dtype``, by the count contract."""
-    what = "`restored['acc_count']`"
+    """The restored 0.1 token total in ``count_dtype``, by the count contract.
+
+    As a Python number: a whole float total (0.1 could count in float) then
+    converts into integer counts, a fractional one is refused."""
     if isinstance(acc_count, jax.core.Tracer):
         return acc_count.astype(count_dtype)
-    value = np.asarray(acc_count).item()
-    if (
-        jnp.issubdtype(count_dtype, jnp.integer)
-        and isinstance(value, float)
-        and math.isfinite(value)
-    ):
-        if not value.is_integer():
-            raise ValueError(
-                f"{what} is fractional ({value}), but the template's count_dtype "
-                f"{count_dtype} counts whole tokens: build the wrapper with a "
-                "floating count_dtype (the default, float32)"
-            )
-        value = int(value)
-    count, _ = to_count(value, count_dtype, what)
+    count, _ = to_count(
+        np.asarray(acc_count).item(), count_dtype, "`restored['acc_count']`"
+    )
     return count
 
 
