@@ -44,6 +44,7 @@ import numpy as np
 __all__ = [
     "INT32_MAX",
     "LOSS_KEYWORDS",
+    "PARAM_LEAF_TYPES",
     "check_accumulator_dtype",
     "check_count_dtype",
     "check_extra_args",
@@ -287,12 +288,16 @@ def real_array(x: Any, what: str, *, scalar: bool = False) -> jax.Array:
     return arr
 
 
+# What a params leaf may be: an array, or a Python number.
+PARAM_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex)
+
+
 def check_param_leaves(params: Any) -> None:
     """Refuses a params leaf that is not an array or a Python number: the
     accumulator's dtype comes from ``jnp.result_type``, which reads a string
     leaf as a dtype name ("int8") or fails without saying where ("relu")."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float)):
+        if not isinstance(leaf, PARAM_LEAF_TYPES):
             raise TypeError(
                 "`params` must hold arrays (or Python numbers), got "
                 f"{type(leaf).__name__} {leaf!r} at "

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from masked_multistep import _stats
-from masked_multistep._checks import count_weight
+from masked_multistep._checks import PARAM_LEAF_TYPES, count_weight
 from masked_multistep._running_mean import compute_dtype, running_mean_update
 
 __all__ = ["microbatched_value_and_grad"]
@@ -456,9 +456,7 @@ def _check_params(params: Any) -> None:
     """
     _check_nnx_modules(params)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not isinstance(
-            leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)
-        ):
+        if not isinstance(leaf, PARAM_LEAF_TYPES):
             raise TypeError(
                 "`params` must hold only floating (or complex) arrays, the "
                 f"variables to differentiate, got {type(leaf).__name__} "

@@ -212,6 +212,9 @@ def test_float0_gradients_and_non_array_params_are_named():
     for leaf in ("relu", "int8"):
         with pytest.raises(TypeError, match=rf"got str '{leaf}' at params\['act'\]"):
             tx.init({"w": jnp.zeros(2), "act": leaf})
+    # Python numbers are params like arrays, complex ones too.
+    state = tx.init({"c": 1 + 2j, "f": 1.0})
+    assert state.acc_grads["c"].dtype == jnp.complex64
 
 
 def test_should_skip_update_fn_must_be_callable():
