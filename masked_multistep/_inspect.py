@@ -51,13 +51,16 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
       >>> int(mm.find_state(state).mini_step)
       0
     """
+    holder = opt_state
+    if hasattr(opt_state, "opt_state"):
+        # A TrainState or an NNX optimizer: the optax state is its `opt_state`
+        # (its params need not be searched).
+        opt_state = opt_state.opt_state
     found = states_in(opt_state, MaskedMultiStepsState)
     if len(found) != 1:
         hint = ""
         if found:
-            # A TrainState or an NNX optimizer holds the optax state in its
-            # `opt_state`.
-            where = "state.opt_state" if hasattr(opt_state, "opt_state") else "state"
+            where = "state" if holder is opt_state else "state.opt_state"
             hint = (
                 ": pass the part of the state that holds the one you mean, e.g. "
                 f"`{where}.inner_states['name']` for one branch of "
@@ -79,7 +82,7 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
             )
         raise ValueError(
             "`opt_state` must hold exactly one MaskedMultiStepsState, found "
-            f"{len(found)} in a {type(opt_state).__name__}{hint}"
+            f"{len(found)} in a {type(holder).__name__}{hint}"
         )
     return jax.tree.map(
         lambda x: x.get_value() if _is_variable(x) else x,
