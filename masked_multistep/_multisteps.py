@@ -237,8 +237,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         receives the window's mean also when the closing microbatch passes none;
         a window in which no microbatch passed one (a forgotten ``value=``), or
         whose mean is not finite, is held for such an optimizer like a
-        non-finite mean (counted in ``state.num_nonfinite_windows``). Other
-        extra arguments go to the inner optimizer unchanged.
+        non-finite mean (counted in ``state.num_nonfinite_windows``).
+        ``grad=`` (a line search's gradient at the params), if passed, is
+        replaced by the window's mean gradient, what the inner optimizer gets
+        as its updates. Other extra arguments go to the inner optimizer as the
+        window's closing call passes them (a line search's ``value_fn`` must
+        give the window's loss).
       * With ``window_stats=True`` each completed window's statistics (tokens,
         microbatches, loss, ‖ḡ‖², the gradient noise scale; see
         :class:`WindowStats`) are kept in ``state.stats`` until the next window
@@ -683,8 +687,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
           count: the number of real tokens behind ``updates`` (or any non-negative
             weight), a real scalar. Required.
           **extra_args: ``value=`` (the microbatch's mean loss) is token-averaged
-            over the window; everything else goes to the inner optimizer at the end
-            of the window.
+            over the window; ``grad=`` (a line search's) is replaced by the
+            window's mean gradient; everything else goes to the inner optimizer
+            at the end of the window.
 
         Returns:
           ``(updates, new_state)``: the inner optimizer's updates at the end of a
@@ -867,13 +872,19 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
         return closes, policy_state
 
-    def _inner_update(self, grads, static_args, with_value: bool):
-        """The inner optimizer on the window's mean, its state cast back."""
+    def _inner_update(self, grads, static_args, with_value: bool, with_grad: bool):
+        """The inner optimizer on the window's mean, its state cast back.
+
+        With ``with_grad``, the mean is also its ``grad=`` (a line search's
+        gradient at the params: the window's, not the closing microbatch's).
+        """
 
         def inner_update(mean, inner_state, params, dynamic_args):
             mean_grads = otu.cast_like(mean, grads)
             if not with_value:
                 dynamic_args = {k: v for k, v in dynamic_args.items() if k != "value"}
+            if with_grad:
+                dynamic_args = {**dynamic_args, "grad": mean_grads}
             updates, new_inner = self._opt.update(
                 mean_grads, inner_state, params, **static_args, **dynamic_args
             )
@@ -898,6 +909,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 params, state.acc_grads, self._reduction.device_axes
             )
         extra_args = dict(extra_args)
+        # A line search's `grad=` is the gradient at the params: at the
+        # window's end, the window's mean (as `value=` is the window's loss).
+        with_grad = extra_args.pop("grad", None) is not None
 
         with jax.named_scope("masked_multistep/accumulate"):
             gate = self._gate(grads, state, params, count)
@@ -969,8 +983,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             self._reduction.mean, acc_grads, acc_count, reduction_state
         )
         inner_operands = (mean_avals, state.inner_opt_state, params, dynamic_args)
-        run_with_value = self._inner_update(grads, static_args, with_value=True)
-        run_without_value = self._inner_update(grads, static_args, with_value=False)
+        run_with_value = self._inner_update(
+            grads, static_args, with_value=True, with_grad=with_grad
+        )
+        run_without_value = self._inner_update(
+            grads, static_args, with_value=False, with_grad=with_grad
+        )
         # Statically: an inner optimizer that runs without `value=` gets none
         # unless this call passes one (a choice between the two at run time
         # would compile the inner update twice and triple the step's scratch

@@ -374,6 +374,43 @@ def test_reduce_on_plateau_sees_full_batch_loss():
     np.testing.assert_allclose(plateau_state.best_value, 2.5)
 
 
+def test_line_search_gets_the_window_gradient_as_grad():
+    # A line search takes the loss (`value=`), its gradient at the params
+    # (`grad=`) and the loss function (`value_fn=`). Through the wrapper each
+    # microbatch passes its own `grad=`; the window's is the mean. Here the
+    # closing microbatch's gradient points the other way: a line search fed
+    # it accepts steps the window's gradient refuses (params off by up to 13).
+    centres = jnp.asarray([[1.0, 2.0, 3.0], [-1e5, -1e5, -1e5]])
+    counts = jnp.asarray([1_000_000, 1], jnp.int32)
+
+    def micro_loss(p, i):
+        return 0.5 * jnp.sum((p - centres[i]) ** 2)
+
+    def full_loss(p):
+        losses = jnp.stack([micro_loss(p, 0), micro_loss(p, 1)])
+        return jnp.sum(counts * losses) / jnp.sum(counts)
+
+    inner = optax.chain(
+        optax.sgd(5.0),
+        optax.scale_by_backtracking_linesearch(max_backtracking_steps=30),
+    )
+    p_ref = p = jnp.zeros(3)
+    s_ref = inner.init(p_ref)
+    inner_update = jax.jit(functools.partial(inner.update, value_fn=full_loss))
+    tx = mm.MaskedMultiSteps(inner, 2)
+    state = tx.init(p)
+    update = jax.jit(functools.partial(tx.update, value_fn=full_loss))
+    for _ in range(2):
+        v, g = jax.value_and_grad(full_loss)(p_ref)
+        u, s_ref = inner_update(g, s_ref, p_ref, value=v, grad=g)
+        p_ref = optax.apply_updates(p_ref, u)
+        for i in range(2):
+            v, g = jax.value_and_grad(micro_loss)(p, i)
+            u, state = update(g, state, p, count=counts[i], value=v, grad=g)
+            p = optax.apply_updates(p, u)
+    np.testing.assert_allclose(p, p_ref, rtol=1e-5)
+
+
 def test_inside_optax_chain_with_count_as_extra_arg():
     base = mm.MaskedMultiSteps(optax.adam(0.1), 2)
     chained = optax.chain(base.gradient_transformation(), optax.scale(2.0))
