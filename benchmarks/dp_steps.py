@@ -231,9 +231,17 @@ def reductions(compiled_text: str, k: int) -> dict[str, int]:
     """Cross-device reductions and bytes per window of ``k`` calls of a step.
 
     Collectives at the step's top level run on every call; those inside a
-    conditional's branch run once per window (the window-closing branch).
+    conditional's branch run once per window (the window-closing branch). One
+    inside a loop runs a number of times the text does not say: refused rather
+    than counted as none.
     """
     found = [c for c in collectives(compiled_text) if c.kind != "all-gather"]
+    in_loops = [c for c in found if c.where == "loop"]
+    if in_loops:
+        raise ValueError(
+            f"cannot count reductions per window: {len(in_loops)} collective(s) "
+            f"inside a loop ({', '.join(c.kind for c in in_loops)})"
+        )
     per_call = [c for c in found if c.where == "step"]
     per_window = [c for c in found if c.where == "branch"]
     big = lambda cs: sum(c.bytes >= MIN_REDUCTION_BYTES for c in cs)  # noqa: E731

@@ -1219,3 +1219,44 @@ def test_complex_params_combine_across_devices(mesh):
     assert grads.dtype == jnp.complex64
     np.testing.assert_allclose(value, want, **TOL)
     np.testing.assert_allclose(grads, want_grads, **TOL)
+
+
+def test_bench_dp_counts_a_branch_once_per_window_and_refuses_a_loop(mesh):
+    # bench_dp.py reads reductions per window from the compiled HLO: a
+    # collective at the step's top level runs k times, one in the window's
+    # closing branch once; one in a loop an unknown number of times, which it
+    # once counted as none.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import dp_steps
+    finally:
+        sys.path.pop(0)
+    x = jax.device_put(jnp.ones((NDEV, 512)), NamedSharding(mesh, P("data")))
+
+    def spmd(body):
+        return jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=P("data"),
+                out_specs=P("data"),
+                check_vma=False,
+            )
+        )
+
+    def in_branch(x):
+        return jax.lax.cond(
+            x[0, 0] > 0, lambda x: jax.lax.psum(x, "data"), lambda x: x, x
+        )
+
+    def in_loop(x):
+        return jax.lax.fori_loop(0, 3, lambda _, x: jax.lax.psum(x, "data"), x)
+
+    found = dp_steps.reductions(spmd(in_branch).lower(x).compile().as_text(), k=8)
+    assert found["reductions_per_window"] == 1
+    assert found["bytes_per_window"] == 512 * 4
+    with pytest.raises(ValueError, match="inside a loop"):
+        dp_steps.reductions(spmd(in_loop).lower(x).compile().as_text(), k=8)
