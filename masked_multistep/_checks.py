@@ -370,7 +370,9 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
                 hint = (
                     ": one per device? mm.per_device_value_and_grad's gradients "
                     "go to a MaskedMultiSteps built with "
-                    "reduction=mm.deferred(mesh, axis_name)"
+                    "reduction=mm.deferred(mesh, axis_name). (Per-example "
+                    "gradients are not taken: pass the microbatch's mean "
+                    "gradient and its token count.)"
                 )
             raise ValueError(
                 f"The gradient at {where} has shape {jnp.shape(g)}, but the state "

@@ -850,7 +850,7 @@ def test_deferred_bad_input(mesh):
     with pytest.raises(
         ValueError,
         match=r"\(8, 16, 3\).*expects \(16, 3\): one per device\?.*"
-        r"reduction=mm.deferred",
+        r"reduction=mm.deferred.*Per-example gradients are not taken",
     ):
         plain.update(per_device, plain.init(params), params, count=jnp.int32(3))
     # per_device_value_and_grad's float32 counts with an int32 count_dtype.
