@@ -107,6 +107,17 @@ class _Gate(NamedTuple):
     skip_state: Any
 
 
+class _Window(NamedTuple):
+    """The window with this microbatch folded in, before it may close."""
+
+    acc_grads: Any
+    acc_count: jax.Array
+    acc_value: jax.Array
+    value_count: jax.Array
+    reduction_state: Any
+    stats: Any
+
+
 def _no_skip(updates, gradient_step, params):
     del updates, gradient_step, params
     return jnp.zeros([], jnp.bool_), ()
@@ -835,6 +846,32 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         n = jnp.where(counted, n, jnp.zeros_like(n))
         return _Gate(n, local_counts, counted, valid_count, skip_state)
 
+    def _accumulate(self, state, grads, gate: _Gate, value) -> _Window:
+        """Folds the microbatch (``gate.n`` tokens) into the window's running
+        means of the gradients and of ``value``, and into its statistics."""
+        acc_value, value_count, reduction_state = self._reduction.accumulate_value(
+            state.acc_value,
+            state.value_count,
+            state.reduction_state,
+            value,
+            gate.n,
+            gate.local_counts,
+        )
+        acc_grads, acc_count, reduction_state = self._reduction.accumulate(
+            state.acc_grads,
+            state.acc_count,
+            reduction_state,
+            grads,
+            gate.n,
+            gate.local_counts,
+        )
+        stats = state.stats
+        if not self._reduction.keeps_stats:
+            stats = self._recorder.accumulate(stats, grads, gate.n, gate.local_counts)
+        return _Window(
+            acc_grads, acc_count, acc_value, value_count, reduction_state, stats
+        )
+
     def _close_now(
         self, state, gate, acc_grads, acc_count, stats
     ) -> tuple[jax.Array, Any]:
@@ -893,6 +930,36 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
         return inner_update
 
+    def _choose_inner_update(
+        self, grads, static_args, inner_operands, has_value: bool, with_grad: bool
+    ):
+        """The inner update to run at the window's end, and whether the inner
+        optimizer needs ``value=``.
+
+        Statically: an inner optimizer that runs without ``value=`` gets none
+        unless this call passes one (a choice between the two at run time would
+        compile the inner update twice and triple the step's scratch memory);
+        one that needs it (reduce_on_plateau, polyak_sgd) gets the window's
+        mean, and a window without one (no microbatch passed a value, or its
+        mean is not finite) is held like a non-finite mean: a NaN loss would
+        make polyak_sgd's step NaN and every window a plateau.
+        """
+        run_with_value = self._inner_update(
+            grads, static_args, with_value=True, with_grad=with_grad
+        )
+        run_without_value = self._inner_update(
+            grads, static_args, with_value=False, with_grad=with_grad
+        )
+        try:
+            jax.eval_shape(run_without_value, *inner_operands)
+        except TypeError:
+            needs_value = True
+        else:
+            needs_value = False
+        if has_value or needs_value:
+            return run_with_value, needs_value
+        return run_without_value, needs_value
+
     def _step(self, grads, state, params, count, extra_args, *, apply_params):
         """Shared body of :meth:`update` and :meth:`apply_gradients`.
 
@@ -918,27 +985,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             value = self._reduction.value(
                 extra_args.pop("value", None), gate.local_counts, gate.n
             )
-            acc_value, value_count, reduction_state = self._reduction.accumulate_value(
-                state.acc_value,
-                state.value_count,
-                state.reduction_state,
-                value,
-                gate.n,
-                gate.local_counts,
+            window = self._accumulate(state, grads, gate, value)
+            acc_grads, acc_count, acc_value, value_count, reduction_state, stats = (
+                window
             )
-            acc_grads, acc_count, reduction_state = self._reduction.accumulate(
-                state.acc_grads,
-                state.acc_count,
-                reduction_state,
-                grads,
-                gate.n,
-                gate.local_counts,
-            )
-            stats = state.stats
-            if not self._reduction.keeps_stats:
-                stats = self._recorder.accumulate(
-                    stats, grads, gate.n, gate.local_counts
-                )
             window_done, policy_state = self._close_now(
                 state, gate, acc_grads, acc_count, stats
             )
@@ -983,30 +1033,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             self._reduction.mean, acc_grads, acc_count, reduction_state
         )
         inner_operands = (mean_avals, state.inner_opt_state, params, dynamic_args)
-        run_with_value = self._inner_update(
-            grads, static_args, with_value=True, with_grad=with_grad
+        inner_update, needs_value = self._choose_inner_update(
+            grads, static_args, inner_operands, value is not None, with_grad
         )
-        run_without_value = self._inner_update(
-            grads, static_args, with_value=False, with_grad=with_grad
-        )
-        # Statically: an inner optimizer that runs without `value=` gets none
-        # unless this call passes one (a choice between the two at run time
-        # would compile the inner update twice and triple the step's scratch
-        # memory); one that needs it (reduce_on_plateau, polyak_sgd) gets the
-        # window's mean, and a window without one (no microbatch passed a
-        # value, or its mean is not finite) is held like a non-finite mean: a
-        # NaN loss would make polyak_sgd's step NaN and every window a plateau.
-        try:
-            jax.eval_shape(run_without_value, *inner_operands)
-        except TypeError:
-            needs_value = True
-        else:
-            needs_value = False
-        if value is not None or needs_value:
-            inner_update = run_with_value
-        else:
-            inner_update = run_without_value
-
         updates_avals, _ = jax.eval_shape(inner_update, *inner_operands)
         # Once the inner optimizer has read the window's mean, the mean is dead
         # (`acc_count` resets; the next counted microbatch overwrites it). So in
@@ -1092,17 +1121,53 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                     lambda u: jnp.where(updated, u, jnp.zeros_like(u)), acc_grads
                 )
 
+        new_state = self._next_state(
+            state,
+            gate,
+            window,
+            window_done,
+            policy_state,
+            acc_grads=acc_grads,
+            inner_opt_state=inner_opt_state,
+            updated=updated,
+            has_tokens=has_tokens,
+            finite=finite,
+            totals=totals,
+            mean_sq_norm=mean_sq_norm,
+            loss=window_value(totals),
+        )
+        return out, new_state
+
+    def _next_state(
+        self,
+        state,
+        gate: _Gate,
+        window: _Window,
+        window_done,
+        policy_state,
+        *,
+        acc_grads,
+        inner_opt_state,
+        updated,
+        has_tokens,
+        finite,
+        totals: WindowTotals,
+        mean_sq_norm,
+        loss,
+    ) -> MaskedMultiStepsState:
+        """The state after this microbatch: counters advanced, the window's
+        running means reset where it closed, its statistics recorded."""
         stats = self._recorder.close(
-            stats,
+            window.stats,
             window_done,
             tokens=totals.tokens,
             mean_sq_norm=mean_sq_norm,
-            loss=window_value(totals),
+            loss=loss,
             sums=totals.stats_sums,
         )
 
         zero = jnp.zeros([], jnp.int32)
-        new_state = state._replace(
+        return state._replace(
             mini_step=jnp.where(
                 window_done,
                 zero,
@@ -1115,10 +1180,14 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             ),
             inner_opt_state=inner_opt_state,
             acc_grads=acc_grads,
-            acc_count=jnp.where(window_done, jnp.zeros_like(acc_count), acc_count),
-            acc_value=jnp.where(window_done, jnp.zeros_like(acc_value), acc_value),
+            acc_count=jnp.where(
+                window_done, jnp.zeros_like(window.acc_count), window.acc_count
+            ),
+            acc_value=jnp.where(
+                window_done, jnp.zeros_like(window.acc_value), window.acc_value
+            ),
             value_count=jnp.where(
-                window_done, jnp.zeros_like(value_count), value_count
+                window_done, jnp.zeros_like(window.value_count), window.value_count
             ),
             updated=updated,
             num_invalid_counts=_add_counts(
@@ -1133,9 +1202,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             skip_state=gate.skip_state,
             stats=stats,
             policy_state=policy_state,
-            reduction_state=self._reduction.reset(reduction_state, window_done),
+            reduction_state=self._reduction.reset(window.reduction_state, window_done),
         )
-        return out, new_state
 
 
 # A NamedTuple is a pytree that jax rebuilds as ``type(tx)(init, update)``,
