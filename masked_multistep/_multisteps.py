@@ -250,8 +250,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         whose mean is not finite, is held for such an optimizer like a
         non-finite mean (counted in ``state.num_nonfinite_windows``).
         ``grad=`` (a line search's gradient at the params), if passed, is
-        replaced by the window's mean gradient, what the inner optimizer gets
-        as its updates. Other extra arguments go to the inner optimizer as the
+        replaced by the window's mean of the gradients this wrapper receives,
+        what the inner optimizer gets as its updates (the window's gradient
+        when nothing transforms it before the wrapper: put clipping and the
+        like inside it). Other extra arguments go to the inner optimizer as the
         window's closing call passes them (a line search's ``value_fn`` must
         give the window's loss).
       * With ``window_stats=True`` each completed window's statistics (tokens,
@@ -978,7 +980,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         extra_args = dict(extra_args)
         # A line search's `grad=` is the gradient at the params: at the
         # window's end, the window's mean (as `value=` is the window's loss).
-        with_grad = extra_args.pop("grad", None) is not None
+        with_grad = "grad" in extra_args
+        extra_args.pop("grad", None)
 
         with jax.named_scope("masked_multistep/accumulate"):
             gate = self._gate(grads, state, params, count)

@@ -3,8 +3,9 @@
 ``collectives(compiled_text)`` lists every all-reduce, reduce-scatter and
 all-gather of a compiled module (``jax.jit(f).lower(...).compile().as_text()``)
 with the bytes it produces and where it runs: at the top level of the step
-(``"step"``: every call), inside a loop body (``"loop"``: every iteration) or
-inside a branch of a conditional (``"branch"``: only when that branch is taken,
+(``"step"``: every call), inside a loop body (``"loop"``: every iteration, a
+conditional within it included) or inside a branch of a conditional outside any
+loop (``"branch"``: only when that branch is taken,
 e.g. the window-closing branch of ``MaskedMultiSteps``). Deterministic for a given
 jax/XLA version, so tests may assert on it.
 
@@ -56,7 +57,7 @@ class Collective:
 
     kind: str  # "all-reduce", "reduce-scatter" or "all-gather"
     bytes: int  # bytes of its result (all operands of a combined op)
-    where: str  # "step", "loop" or "branch" (innermost enclosing construct)
+    where: str  # "step", "loop" (inside any loop) or "branch" (in a conditional)
     computation: str
 
 
@@ -90,8 +91,8 @@ def collectives(hlo_text: str) -> list[Collective]:
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
 
-    # The innermost loop/branch context of every computation reachable from
-    # the entry ("step" when none).
+    # The loop/branch context of every computation reachable from the entry
+    # ("step" when none; "loop" when inside any loop, a branch within it too).
     context: dict[str, str] = {}
 
     def visit(name: str, where: str) -> None:
@@ -105,9 +106,11 @@ def collectives(hlo_text: str) -> list[Collective]:
                 key = m["key"]
                 if key in ("body", "condition"):
                     inner = "loop"
-                elif key in ("true_computation", "false_computation") or (
-                    key == "branch_computations"
+                elif where != "loop" and (
+                    key
+                    in ("true_computation", "false_computation", "branch_computations")
                 ):
+                    # (A branch inside a loop runs per iteration: still "loop".)
                     inner = "branch"
                 else:
                     inner = where

@@ -1255,8 +1255,12 @@ def test_bench_dp_counts_a_branch_once_per_window_and_refuses_a_loop(mesh):
     def in_loop(x):
         return jax.lax.fori_loop(0, 3, lambda _, x: jax.lax.psum(x, "data"), x)
 
+    def in_branch_in_loop(x):
+        return jax.lax.fori_loop(0, 3, lambda _, x: in_branch(x), x)
+
     found = dp_steps.reductions(spmd(in_branch).lower(x).compile().as_text(), k=8)
     assert found["reductions_per_window"] == 1
     assert found["bytes_per_window"] == 512 * 4
-    with pytest.raises(ValueError, match="inside a loop"):
-        dp_steps.reductions(spmd(in_loop).lower(x).compile().as_text(), k=8)
+    for body in (in_loop, in_branch_in_loop):
+        with pytest.raises(ValueError, match="inside a loop"):
+            dp_steps.reductions(spmd(body).lower(x).compile().as_text(), k=8)

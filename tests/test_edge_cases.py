@@ -374,7 +374,8 @@ def test_reduce_on_plateau_sees_full_batch_loss():
     np.testing.assert_allclose(plateau_state.best_value, 2.5)
 
 
-def test_line_search_gets_the_window_gradient_as_grad():
+@pytest.mark.parametrize("clip", [False, True], ids=["", "clip inside"])
+def test_line_search_gets_the_window_gradient_as_grad(clip):
     # A line search takes the loss (`value=`), its gradient at the params
     # (`grad=`) and the loss function (`value_fn=`). Through the wrapper each
     # microbatch passes its own `grad=`; the window's is the mean. Here the
@@ -390,7 +391,10 @@ def test_line_search_gets_the_window_gradient_as_grad():
         losses = jnp.stack([micro_loss(p, 0), micro_loss(p, 1)])
         return jnp.sum(counts * losses) / jnp.sum(counts)
 
+    # With clipping inside the wrapper the line search's `grad=` stays the
+    # unclipped mean, as in the plain chain.
     inner = optax.chain(
+        *([optax.clip_by_global_norm(1.0)] if clip else []),
         optax.sgd(5.0),
         optax.scale_by_backtracking_linesearch(max_backtracking_steps=30),
     )
