@@ -206,6 +206,17 @@ def to_count(
             f"{what} must be an integer or floating "
             f"{'scalar' if shape == () else 'array'}, got dtype {count.dtype}"
         )
+    if kind == "float" and jnp.finfo(count.dtype).bits < 32:
+        # Summed in it, a mask's token count is already rounded when it arrives
+        # (3001 ones sum to 3008 in bfloat16): the weights would be off silently.
+        exact = 2 ** (jnp.finfo(count.dtype).nmant + 1)
+        raise TypeError(
+            f"{what} has dtype {count.dtype}, which holds whole numbers exactly "
+            f"only up to {exact}: a token count summed in it is rounded (in "
+            "bfloat16, 3001 tokens sum to 3008). Sum the mask in float32 or an "
+            "integer dtype (`mask.sum(dtype=jnp.float32)`, or the count "
+            "mm.masked_mean returns)"
+        )
     if kind == "float" and jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(
             f"{what} has dtype {count.dtype}, but this MaskedMultiSteps sums counts "

@@ -72,7 +72,7 @@ def weighted_mean_across(
 
     Raises:
       TypeError: if a leaf of ``tree`` is not floating or complex, or ``count`` is
-        boolean, complex or not numeric.
+        boolean, complex, not numeric, or in a float narrower than float32.
       ValueError: if ``count`` is not a scalar, or is concrete (not traced) and
         negative, non-finite or beyond float32's range; or if, inside
         ``shard_map``, a leaf of ``tree`` is invariant over ``axis_name`` while

@@ -664,8 +664,9 @@ def microbatched_value_and_grad(
         reproduce a microbatch on the host, take ``batch[j::k]``.
       * Counts are weights in float32, and the returned total ``count`` is a
         float32 scalar: ``loss_fn`` may return any integer (8-64 bit, signed or
-        unsigned) or floating count, converted by value (never through int32),
-        so the total is exact for integer totals up to 2**24 (16,777,216
+        unsigned), float32 or float64 count (not bfloat16 or float16, whose
+        sums of a mask are already rounded), converted by value (never through
+        int32), so the total is exact for integer totals up to 2**24 (16,777,216
         tokens), never wrapped. Beyond, it is a float32 running sum: each of
         the ``k`` additions rounds it by at most 2**-24 of it (6e-8), so it is
         within ``k·6e-8`` relative of the token total (as the weights are), and
@@ -760,7 +761,8 @@ def microbatched_value_and_grad(
         with state other than ``nnx.Param`` (the error names its variables),
         ``rng`` is not a PRNG key or ``loss_fn`` cannot take it, or ``loss_fn``
         returns something other than the documented structure, a non-scalar or
-        non-floating loss, a boolean or complex count, an ``aux`` leaf that is
+        non-floating loss, a boolean or complex count or one in a float
+        narrower than float32, an ``aux`` leaf that is
         neither float nor integer, a floating ``aux`` leaf without
         ``aux_reduction``, or an integer one marked ``"mean"``. Errors about
         what ``loss_fn`` returned describe it by structure, dtype and shape

@@ -709,7 +709,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
           window that saw tokens, zeros of the same structure and dtype otherwise.
 
         Raises:
-          TypeError: if ``count`` is missing or of the wrong kind; if the
+          TypeError: if ``count`` is missing or of the wrong kind (bool,
+            complex, bfloat16 or float16: see the count contract); if the
             gradients are not floating point, or complex for real params; if
             ``value`` is not a number, or is an integer array (most likely the
             token count, swapped with the loss; a Python int is taken); if a

@@ -78,7 +78,6 @@ def test_host_int64_count_keeps_its_value():
         (jnp.uint8, 60),
         (jnp.int16, 3),
         (jnp.float64, 2.5),
-        (jnp.bfloat16, 3.0),
     ],
 )
 def test_every_count_dtype_is_converted_by_value(dtype, value):

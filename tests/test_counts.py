@@ -159,8 +159,8 @@ def test_int32_count_dtype_honours_exactly_or_refuses(count, fits, jit):
         jnp.float32(-0.5),
         jnp.float32(jnp.nan),
         jnp.float32(-jnp.inf),
-        jnp.float16(jnp.inf),
-        jnp.array(jnp.nan, jnp.bfloat16),
+        np.float64(np.inf),
+        np.float64(np.nan),
     ],
     ids=repr,
 )
@@ -183,6 +183,37 @@ def test_invalid_counts_raise_eagerly_and_are_counted_skips_under_jit(count):
     updates, after = jax.jit(tx.update)(_grads(4.0), after, PARAMS, count=jnp.int8(2))
     for u in jax.tree.leaves(updates):
         np.testing.assert_allclose(u, -2.5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_counts_in_floats_narrower_than_float32_are_refused(dtype):
+    # A mask summed in bfloat16 is already rounded when it arrives (3001 tokens
+    # sum to 3008), so its microbatch would be weighed wrong without a sign.
+    mask = jnp.ones(3001, dtype)
+    assert float(mask.sum()) != 3001
+    exact = {jnp.bfloat16: 256, jnp.float16: 2048}[dtype]
+    message = (
+        rf"has dtype {jnp.dtype(dtype)}, which holds whole numbers exactly "
+        rf"only up to {exact}"
+    )
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    state = tx.init(PARAMS)
+    for update in (tx.update, jax.jit(tx.update)):
+        with pytest.raises(TypeError, match="`count` " + message):
+            update(_grads(1.0), state, PARAMS, count=mask.sum())
+    grad_fn = mm.microbatched_value_and_grad(
+        lambda w, mb: (w * jnp.mean(mb), jnp.asarray(mb.size, dtype)), 2
+    )
+    with pytest.raises(TypeError, match=message):
+        grad_fn(jnp.array(1.0), jnp.arange(4.0))
+    with pytest.raises(TypeError, match=message):
+        jax.vmap(lambda g, n: mm.weighted_mean_across(g, n, "s"), axis_name="s")(
+            jnp.ones(2), jnp.ones(2, dtype)
+        )
+    # What to pass instead: the mask summed in float32, or masked_mean's count.
+    _, state = tx.update(_grads(1.0), state, PARAMS, count=mask.sum(dtype=jnp.float32))
+    assert float(state.acc_count) == 3001
+    assert float(mm.masked_mean(jnp.ones(3001, dtype), mask)[1]) == 3001
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
