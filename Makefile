@@ -12,7 +12,7 @@ JOBS   ?= 2
 # What `make lint` (and `make test`) check with ruff.
 LINTED := masked_multistep tests benchmarks docs tools examples notebooks/execute.py
 
-.PHONY: help install test lint typecheck demo docs bench bench-quick bench-dp clean
+.PHONY: help install test lint typecheck demo docs bench bench-quick bench-dp bench-compile clean
 
 # The first target, what a bare `make` runs: the list below.
 help:
@@ -24,6 +24,7 @@ help:
 	@echo "make docs         the HTML docs (Sphinx) in docs/_build/html"
 	@echo "make bench        benchmarks against optax.MultiSteps (ARGS=--help for options); bench-quick: a short run"
 	@echo "make bench-dp     data parallel across two processes on 127.0.0.1"
+	@echo "make bench-compile  start-up cost: trace and compile times against optax.MultiSteps"
 	@echo "make clean        removes .venv and everything built or cached"
 
 install: $(STAMP)
@@ -70,6 +71,9 @@ bench-quick: $(STAMP)
 # Two processes on 127.0.0.1 (gloo): one gradient reduction per window or per microbatch.
 bench-dp: $(STAMP)
 	$(BIN)/python benchmarks/bench_dp.py $(ARGS)
+
+bench-compile: $(STAMP)
+	$(BIN)/python benchmarks/bench_compile.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) demo-output benchmarks/results .pytest_cache .hypothesis \

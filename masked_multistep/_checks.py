@@ -59,6 +59,7 @@ __all__ = [
     "python_scalar",
     "real_array",
     "refuse_count_as_value",
+    "refuse_narrow_float",
     "to_count",
 ]
 
@@ -160,6 +161,24 @@ def _check_concrete(value: int | float, dtype: jnp.dtype, what: str) -> None:
         raise ValueError(f"{what} is too large for count_dtype {dtype}, got {value}")
 
 
+def refuse_narrow_float(dtype: Any, what: str) -> None:
+    """A token count (or total) in a float narrower than float32 is refused.
+
+    Summed in it, a mask's token count is already rounded when it arrives
+    (3001 ones sum to 3008 in bfloat16), and a total stops growing: the
+    weights would be off silently.
+    """
+    if _kind(dtype) == "float" and jnp.finfo(dtype).bits < 32:
+        exact = 2 ** (jnp.finfo(dtype).nmant + 1)
+        raise TypeError(
+            f"{what} has dtype {jnp.dtype(dtype)}, which holds whole numbers "
+            f"exactly only up to {exact}: a token count summed in it is rounded "
+            "(in bfloat16, 3001 tokens sum to 3008). Use float32 or an integer "
+            "dtype (for a mask's count, `mask.sum(dtype=jnp.float32)`, or the "
+            "count mm.masked_mean returns)"
+        )
+
+
 def to_count(
     count: Any, dtype: jnp.dtype, what: str = "`count`", shape: tuple = ()
 ) -> tuple[jax.Array, jax.Array]:
@@ -206,17 +225,7 @@ def to_count(
             f"{what} must be an integer or floating "
             f"{'scalar' if shape == () else 'array'}, got dtype {count.dtype}"
         )
-    if kind == "float" and jnp.finfo(count.dtype).bits < 32:
-        # Summed in it, a mask's token count is already rounded when it arrives
-        # (3001 ones sum to 3008 in bfloat16): the weights would be off silently.
-        exact = 2 ** (jnp.finfo(count.dtype).nmant + 1)
-        raise TypeError(
-            f"{what} has dtype {count.dtype}, which holds whole numbers exactly "
-            f"only up to {exact}: a token count summed in it is rounded (in "
-            "bfloat16, 3001 tokens sum to 3008). Sum the mask in float32 or an "
-            "integer dtype (`mask.sum(dtype=jnp.float32)`, or the count "
-            "mm.masked_mean returns)"
-        )
+    refuse_narrow_float(count.dtype, what)
     if kind == "float" and jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(
             f"{what} has dtype {count.dtype}, but this MaskedMultiSteps sums counts "

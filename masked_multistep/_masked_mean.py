@@ -51,8 +51,13 @@ def masked_mean(
 
     Args:
       values: per-token values (for example per-token losses), any float dtype.
-      mask: broadcastable to ``values``. Boolean or integer masks count tokens:
-        every non-zero entry is one token (the count is ``int32``); a floating
+      mask: ``values``' shape, or broadcastable to it with the same number of
+        dimensions (or a scalar); a mask of lower rank is refused, since
+        numpy's broadcasting would align it with ``values``' last axes. Every
+        entry of the broadcast mask counts: a ``(B, T, 1)`` mask on
+        ``(B, T, V)`` values counts ``V`` per position (pass per-token values
+        of shape ``(B, T)`` to count tokens). Boolean or integer masks count
+        tokens: every non-zero entry is one token (the count is ``int32``); a floating
         mask holds per-token weights (the count is their float sum). Weights
         must be non-negative, as token counts are: a concrete mask with a
         negative weight is a ``ValueError``; under ``jit`` weights that sum to
@@ -71,8 +76,9 @@ def masked_mean(
       TypeError: if ``values`` is boolean or integer and ``mask`` floating (the
         two swapped, most likely; cast ``values`` to float for a weighted mean
         of booleans).
-      ValueError: if ``mask`` does not broadcast to ``values``' shape, or is
-        a concrete floating mask with a negative weight.
+      ValueError: if ``mask`` does not broadcast to ``values``' shape, has
+        fewer dimensions than ``values`` (and is not a scalar), or is a
+        concrete floating mask with a negative weight.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -88,6 +94,17 @@ def masked_mean(
         _as_array(values, "values"),
         _as_array(mask, "mask"),
     )
+    if mask.ndim not in (0, values.ndim):
+        # numpy's broadcasting aligns the trailing axes: a per-sequence mask of
+        # shape (B,) on values (B, T) would mask positions when B == T.
+        raise ValueError(
+            f"`mask` of shape {mask.shape} has {mask.ndim} dimension(s) and "
+            f"`values` of shape {values.shape} {values.ndim}: a mask of lower "
+            "rank would broadcast along `values`' last axes (numpy's rule), so "
+            "give it `values`' rank: for (sequences, positions) values, "
+            "mask[:, None] for one entry per sequence, mask[None] for one per "
+            "position"
+        )
     try:
         mask = jnp.broadcast_to(mask, values.shape)
     except ValueError as err:

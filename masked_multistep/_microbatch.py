@@ -532,8 +532,13 @@ def _split(value: Any, reductions: tuple[str, ...]) -> tuple[Any, list, Any]:
 
 
 def _sum_dtype(dtype: Any) -> Any:
-    """Integer sums stay in their dtype; float sums run in at least float32."""
-    return compute_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else dtype
+    """Float sums run in at least float32; integer sums in the dtype ``jnp.sum``
+    gives (int8 and int16 in int32, uint8 and uint16 in uint32), in which they
+    are also returned: a total over the microbatches must not wrap where each
+    microbatch's fits (8 × 100 tokens in int8 would come back as 32)."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return compute_dtype(dtype)
+    return jax.eval_shape(jnp.sum, jax.ShapeDtypeStruct((1,), dtype)).dtype
 
 
 def _token_weighted_accumulator(
@@ -581,7 +586,11 @@ def _token_weighted_accumulator(
         loss_s, _, aux_s, grads_s = value_shapes
         mean_it, sum_it = iter(mean_aux), iter(sum_aux)
         aux_leaves = [
-            next(mean_it if r == "mean" else sum_it).astype(s.dtype)
+            next(mean_it if r == "mean" else sum_it).astype(
+                _sum_dtype(s.dtype)
+                if r == "sum" and not jnp.issubdtype(s.dtype, jnp.floating)
+                else s.dtype
+            )
             for s, r in zip(jax.tree.leaves(aux_s), reductions, strict=True)
         ]
         return (
@@ -698,8 +707,12 @@ def microbatched_value_and_grad(
         Without it, integer leaves are summed and a floating leaf raises a
         ``TypeError`` naming it: the library cannot tell a sum from a mean.
         ``"mean"`` needs a floating leaf. Python floats in ``aux`` are float32,
-        Python ints int32. Sums of floats run in at least float32; every leaf
-        comes back in its own dtype. Per-example outputs with a batch axis are
+        Python ints int32. Sums of floats run in at least float32 and come
+        back in the leaf's dtype; integer sums come back in the dtype
+        ``jnp.sum`` gives (int8 and int16 as int32, uint8 and uint16 as
+        uint32), so that a total over the microbatches does not wrap where
+        each microbatch's fits; every other leaf comes back in its own dtype.
+        Per-example outputs with a batch axis are
         not gathered: compute those in a separate forward pass.
       * Randomness: ``grad_fn(params, batch, rng=key)`` calls
         ``loss_fn(params, microbatch_j, rng=jax.random.fold_in(key, j))``, so

@@ -37,7 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_multistep._checks import host_int_to_float, is_host_int, real_array
+from masked_multistep._checks import (
+    host_int_to_float,
+    is_host_int,
+    real_array,
+    refuse_narrow_float,
+)
 
 __all__ = [
     "all_finite",
@@ -216,8 +221,10 @@ def running_mean_update(
 
     Raises:
       TypeError: if ``total`` or ``count`` is not a real number (a bool,
-        complex or non-numeric one), a float ``count`` meets an integer
-        ``total``, or a leaf of ``mean`` is not floating (or complex).
+        complex or non-numeric one) or is in a float narrower than float32
+        (bfloat16 rounds 3001 to 3008), a float ``count`` meets an integer
+        ``total``, a leaf of ``mean`` is not floating (or complex), or a leaf
+        of ``value`` is complex where ``mean``'s is real.
       ValueError: if ``total`` or ``count`` is not a scalar, ``value`` does not
         have ``mean``'s tree structure and shapes, or a host integer ``count``
         does not fit an integer ``total``'s dtype.
@@ -247,6 +254,8 @@ def running_mean_update(
     """
     total = real_array(_host_total(total), "`total`", scalar=True)
     count = real_array(_host_count(count, total.dtype), "`count`", scalar=True)
+    refuse_narrow_float(total.dtype, "`total`")
+    refuse_narrow_float(count.dtype, "`count`")
     if jax.tree.structure(mean) != jax.tree.structure(value):
         raise ValueError(
             "`value` must have the tree structure of `mean`, got "
@@ -299,6 +308,12 @@ def running_mean_update(
             raise ValueError(
                 f"`value` at {jax.tree_util.keystr(path) or '<root>'} has shape "
                 f"{g.shape}, but `mean` has {m.shape}"
+            )
+        if jnp.iscomplexobj(g) and not jnp.iscomplexobj(m):
+            raise TypeError(
+                f"`value` at {jax.tree_util.keystr(path) or '<root>'} is complex "
+                f"({g.dtype}) but `mean` is real ({m.dtype}): its imaginary part "
+                "would be dropped"
             )
         dtype = compute_dtype(m.dtype)
         # N / n rather than n / N: with equal weights N / n is the exact integer

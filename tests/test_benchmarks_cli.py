@@ -74,3 +74,26 @@ def test_each_result_is_rendered_by_its_own_script(tmp_path):
         proc = run(script, *args)
         assert proc.returncode == 2, (script, args, proc.stderr)
         assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_compile_times_every_competitor_and_counts_its_kernels(capsys):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_compile
+    finally:
+        sys.path.pop(0)
+    rows = bench_compile.main(["--leaves", "4", "--repeats", "1"])
+    by_name = {row["competitor"]: row for row in rows}
+    assert set(by_name) == set(bench_compile.competitors())
+    assert by_name[bench_compile.REFERENCE]["compile_ratio"] == 1.0
+    for row in rows:
+        assert row["trace_s"] > 0 and row["compile_s"] > 0 and row["fusions"] > 0
+    # The wrapper's per-leaf work is more kernels than optax.MultiSteps' (its
+    # running mean and finiteness test), and the statistics add more.
+    fusions = {name: row["fusions"] for name, row in by_name.items()}
+    assert fusions["MaskedMultiSteps update"] > fusions[bench_compile.REFERENCE]
+    assert (
+        fusions["MaskedMultiSteps apply_gradients+stats"]
+        > fusions["MaskedMultiSteps apply_gradients"]
+    )
+    assert "4 leaves" in capsys.readouterr().out

@@ -75,13 +75,30 @@ def test_64_bit_integers_are_read_by_value_without_x64():
 
 def test_mask_broadcasts_and_low_precision_is_promoted():
     values = jnp.ones((2, 3), jnp.bfloat16)
-    mean, count = mm.masked_mean(values, jnp.array([True, False, True]))
+    mean, count = mm.masked_mean(values, jnp.array([[True, False, True]]))
     assert mean.dtype == jnp.float32 and int(count) == 4
 
 
 def test_mask_that_does_not_broadcast_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"`mask` of shape \(4,\) does not broadcast"):
-        mm.masked_mean(jnp.ones((2, 3)), jnp.ones(4, bool))
+    with pytest.raises(
+        ValueError, match=r"`mask` of shape \(2, 4\) does not broadcast"
+    ):
+        mm.masked_mean(jnp.ones((2, 3)), jnp.ones((2, 4), bool))
+
+
+def test_a_mask_of_lower_rank_is_refused_not_aligned_with_the_last_axes():
+    # One entry per sequence on (sequences, positions) values: numpy's rule
+    # would apply it along positions, silently when the two sizes are equal.
+    values = jnp.arange(16.0).reshape(4, 4)
+    per_sequence = jnp.array([True, True, False, False])
+    with pytest.raises(ValueError, match=r"mask\[:, None\].*mask\[None\]"):
+        mm.masked_mean(values, per_sequence)
+    mean, count = mm.masked_mean(values, per_sequence[:, None])
+    assert float(mean) == 3.5 and int(count) == 8
+    # A scalar mask, and size-1 axes of the same rank, still broadcast; every
+    # broadcast entry counts.
+    assert int(mm.masked_mean(values, True)[1]) == 16
+    assert int(mm.masked_mean(jnp.ones((2, 5, 7)), jnp.ones((2, 5, 1), bool))[1]) == 70
 
 
 def test_works_under_jit():

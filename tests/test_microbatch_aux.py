@@ -121,6 +121,29 @@ def test_low_precision_sums_accumulate_in_float32():
     assert float(count) == k
 
 
+def test_narrow_integer_sums_do_not_wrap():
+    """Each microbatch's int8 count fits; the total of 8 × 100 does not: it is
+    summed and returned in the dtype jnp.sum gives (it came back as 32)."""
+
+    def loss_fn(w, mb):
+        aux = {
+            "int8": jnp.sum(mb, dtype=jnp.int8),
+            "uint8": jnp.sum(mb).astype(jnp.uint8),
+            "int16": jnp.sum(mb * 50, dtype=jnp.int16),
+            "int32": jnp.sum(mb, dtype=jnp.int32),
+        }
+        return w * jnp.mean(mb), (jnp.sum(mb, dtype=jnp.float32), aux)
+
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 8, has_aux=True)
+    (_, (_, sums)), _ = jax.jit(grad_fn)(jnp.array(1.0), jnp.ones(800, jnp.int8))
+    assert {k: (int(v), v.dtype) for k, v in sums.items()} == {
+        "int8": (800, jnp.int32),
+        "uint8": (800, jnp.uint32),
+        "int16": (40_000, jnp.int32),
+        "int32": (800, jnp.int32),
+    }
+
+
 def test_python_scalars_in_aux():
     """A Python float is a float32 leaf, a Python int an int32 leaf."""
 
