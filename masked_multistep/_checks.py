@@ -7,8 +7,9 @@ wrapper is built, shapes and dtypes at trace time, concrete values eagerly.
 The count contract (what :class:`MaskedMultiSteps` accepts as ``count=``):
 
 * any real scalar: a Python ``int`` or ``float``, a numpy or jax scalar of any
-  integer dtype (8 to 64 bits, signed or unsigned) or floating dtype. Booleans,
-  complex numbers and arrays of other shapes are refused.
+  integer dtype (8 to 64 bits, signed or unsigned), float32 or float64.
+  Booleans, complex numbers, floats narrower than float32 (bfloat16 rounds a
+  mask's count of 3001 to 3008) and arrays of other shapes are refused.
 * It is converted *by value* to the state's count dtype (never through a
   narrower integer type, so nothing is wrapped or clipped). With the default
   ``float32``, integer token totals are exact up to 2²⁴ (16,777,216) per

@@ -94,16 +94,17 @@ def masked_mean(
         _as_array(values, "values"),
         _as_array(mask, "mask"),
     )
-    if mask.ndim not in (0, values.ndim):
+    if 0 < mask.ndim < values.ndim:
         # numpy's broadcasting aligns the trailing axes: a per-sequence mask of
         # shape (B,) on values (B, T) would mask positions when B == T.
         raise ValueError(
-            f"`mask` of shape {mask.shape} has {mask.ndim} dimension(s) and "
-            f"`values` of shape {values.shape} {values.ndim}: a mask of lower "
-            "rank would broadcast along `values`' last axes (numpy's rule), so "
-            "give it `values`' rank: for (sequences, positions) values, "
+            f"`mask` of shape {mask.shape} has fewer dimensions than `values` "
+            f"of shape {values.shape}: it would broadcast along `values`' last "
+            "axes (numpy's rule), so give it `values`' rank, adding the missing "
+            "axes where they belong: for (sequences, positions) values, "
             "mask[:, None] for one entry per sequence, mask[None] for one per "
-            "position"
+            "position; mask[..., None] for a (sequences, positions) mask on "
+            "(sequences, positions, classes) values"
         )
     try:
         mask = jnp.broadcast_to(mask, values.shape)

@@ -532,13 +532,15 @@ def _split(value: Any, reductions: tuple[str, ...]) -> tuple[Any, list, Any]:
 
 
 def _sum_dtype(dtype: Any) -> Any:
-    """Float sums run in at least float32; integer sums in the dtype ``jnp.sum``
-    gives (int8 and int16 in int32, uint8 and uint16 in uint32), in which they
-    are also returned: a total over the microbatches must not wrap where each
+    """Float sums run in at least float32; integer sums in at least 32 bits
+    (int8 and int16 in int32, uint8 and uint16 in uint32), in which they are
+    also returned: a total over the microbatches must not wrap where each
     microbatch's fits (8 × 100 tokens in int8 would come back as 32)."""
     if jnp.issubdtype(dtype, jnp.floating):
         return compute_dtype(dtype)
-    return jax.eval_shape(jnp.sum, jax.ShapeDtypeStruct((1,), dtype)).dtype
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return jnp.promote_types(dtype, jnp.uint32)
+    return jnp.promote_types(dtype, jnp.int32)
 
 
 def _token_weighted_accumulator(
@@ -708,10 +710,10 @@ def microbatched_value_and_grad(
         ``TypeError`` naming it: the library cannot tell a sum from a mean.
         ``"mean"`` needs a floating leaf. Python floats in ``aux`` are float32,
         Python ints int32. Sums of floats run in at least float32 and come
-        back in the leaf's dtype; integer sums come back in the dtype
-        ``jnp.sum`` gives (int8 and int16 as int32, uint8 and uint16 as
-        uint32), so that a total over the microbatches does not wrap where
-        each microbatch's fits; every other leaf comes back in its own dtype.
+        back in the leaf's dtype; integer sums come back in at least 32 bits
+        (int8 and int16 as int32, uint8 and uint16 as uint32), so that a total
+        over the microbatches does not wrap where each microbatch's fits;
+        every other leaf comes back in its own dtype.
         Per-example outputs with a batch axis are
         not gathered: compute those in a separate forward pass.
       * Randomness: ``grad_fn(params, batch, rng=key)`` calls

@@ -203,8 +203,9 @@ def running_mean_update(
       value: pytree with the structure of ``mean``, the new microbatch's mean.
       count: scalar, non-negative weight of ``value`` (any integer dtype with
         an integer ``total``, compared by value with the room left in it; any
-        real dtype with a float ``total``; a float ``count`` with an integer
-        ``total`` is a ``TypeError``).
+        integer dtype, float32 or float64 with a float ``total``; a float
+        ``count`` with an integer ``total``, and a bfloat16 or float16 one,
+        are a ``TypeError``).
         Zero leaves ``mean`` and ``total`` bit-identical, whatever ``value`` holds;
         so does a weight that is negative, NaN or infinite, or that would take
         ``total`` past its dtype's range (an integer's maximum, a float's

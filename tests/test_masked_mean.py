@@ -84,6 +84,10 @@ def test_mask_that_does_not_broadcast_is_a_clear_error():
         ValueError, match=r"`mask` of shape \(2, 4\) does not broadcast"
     ):
         mm.masked_mean(jnp.ones((2, 3)), jnp.ones((2, 4), bool))
+    with pytest.raises(
+        ValueError, match=r"`mask` of shape \(2, 3, 1\) does not broadcast"
+    ):
+        mm.masked_mean(jnp.ones((2, 3)), jnp.ones((2, 3, 1), bool))
 
 
 def test_a_mask_of_lower_rank_is_refused_not_aligned_with_the_last_axes():
