@@ -43,9 +43,9 @@ from masked_multistep._microbatch import (
     _check_args,
     _check_rng,
     _grad_fn,
+    _sum_dtype,
 )
 from masked_multistep._reduction import check_mesh_axes, mean_over_devices
-from masked_multistep._running_mean import compute_dtype
 
 __all__ = ["per_device_value_and_grad", "data_parallel_value_and_grad"]
 
@@ -233,11 +233,6 @@ def _combine(out: Any, has_aux: bool, aux_reduction: Any) -> tuple[Any, optax.Up
         ],
     )
     return (loss, (total, aux)), grads
-
-
-def _sum_dtype(dtype: Any) -> Any:
-    """Integer sums stay in their dtype; float sums run in at least float32."""
-    return compute_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
 @overload
