@@ -8,6 +8,8 @@ fused ``apply_gradients``, eagerly or under ``jit``. After every step the
 library's state and output are compared with a plain-Python float64 model of
 the documented semantics (``MaskedMultiSteps`` and ``masked_multistep._checks``):
 
+* a count in bfloat16 or float16 is a ``TypeError`` (by dtype, also under
+  ``jit``), the state untouched;
 * a count is valid when finite and non-negative; a concrete invalid count raises
   ``ValueError``, a traced one is skipped and counted in ``num_invalid_counts``,
   as is one that would overflow the window's float32 token total;
@@ -70,7 +72,7 @@ ODD_DTYPES = [
     ("uint16", 65535),
     ("uint32", 3),
     ("uint32", 2**32 - 1),
-    ("bfloat16", 257),  # 256 in bfloat16: the model weighs with what was passed
+    ("bfloat16", 257),  # 256 in bfloat16: refused (a TypeError), like all below
     ("bfloat16", 0.5),
     ("float16", 0),
     ("float16", 65504),
@@ -297,6 +299,12 @@ class MaskedMultiStepsMachine(RuleBasedStateMachine):
         count = _make_count(*count)
         kwargs = {} if value is None else {"value": jnp.float32(value)}
         jgrads = jax.tree.map(jnp.asarray, grads)
+        if getattr(count, "dtype", None) in (jnp.bfloat16, jnp.float16):
+            # Refused by dtype (already rounded past 256 or 2048), also traced.
+            with pytest.raises(TypeError, match="holds whole numbers exactly"):
+                self.step_fn(jgrads, self.state, self.params, count=count, **kwargs)
+            self._check_state()
+            return
         try:
             expected = self.model.step(grads, count, value, eager=not self.JIT)
         except ValueError:
