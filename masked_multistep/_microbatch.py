@@ -532,10 +532,11 @@ def _split(value: Any, reductions: tuple[str, ...]) -> tuple[Any, list, Any]:
 
 
 def _sum_dtype(dtype: Any) -> Any:
-    """Float sums run in at least float32; integer sums in at least 32 bits
-    (int8 and int16 in int32, uint8 and uint16 in uint32), in which they are
-    also returned: a total over the microbatches must not wrap where each
-    microbatch's fits (8 × 100 tokens in int8 would come back as 32)."""
+    """Sums run, and are returned, in at least 32 bits: float32 for bfloat16
+    and float16, int32 for int8 and int16, uint32 for uint8 and uint16. A total
+    over the microbatches must not overflow where each microbatch's value fits
+    (8 × 100 tokens in int8 would come back as 32, 8 × 10000 in float16 as
+    inf)."""
     if jnp.issubdtype(dtype, jnp.floating):
         return compute_dtype(dtype)
     if jnp.issubdtype(dtype, jnp.unsignedinteger):
@@ -589,9 +590,7 @@ def _token_weighted_accumulator(
         mean_it, sum_it = iter(mean_aux), iter(sum_aux)
         aux_leaves = [
             next(mean_it if r == "mean" else sum_it).astype(
-                _sum_dtype(s.dtype)
-                if r == "sum" and not jnp.issubdtype(s.dtype, jnp.floating)
-                else s.dtype
+                _sum_dtype(s.dtype) if r == "sum" else s.dtype
             )
             for s, r in zip(jax.tree.leaves(aux_s), reductions, strict=True)
         ]
@@ -709,11 +708,12 @@ def microbatched_value_and_grad(
         Without it, integer leaves are summed and a floating leaf raises a
         ``TypeError`` naming it: the library cannot tell a sum from a mean.
         ``"mean"`` needs a floating leaf. Python floats in ``aux`` are float32,
-        Python ints int32. Sums of floats run in at least float32 and come
-        back in the leaf's dtype; integer sums come back in at least 32 bits
-        (int8 and int16 as int32, uint8 and uint16 as uint32), so that a total
-        over the microbatches does not wrap where each microbatch's fits;
-        every other leaf comes back in its own dtype.
+        Python ints int32. Sums run and come back in at least 32 bits
+        (bfloat16 and float16 as float32, int8 and int16 as int32, uint8 and
+        uint16 as uint32), so that a total over the microbatches does not
+        overflow where each microbatch's value fits; 32- and 64-bit integer
+        totals keep their dtype and wrap past its range, as ``jnp.sum``'s do.
+        Every other leaf comes back in its own dtype.
         Per-example outputs with a batch axis are
         not gathered: compute those in a separate forward pass.
       * Randomness: ``grad_fn(params, batch, rng=key)`` calls

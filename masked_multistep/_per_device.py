@@ -226,9 +226,7 @@ def _combine(out: Any, has_aux: bool, aux_reduction: Any) -> tuple[Any, optax.Up
     aux = jax.tree.unflatten(
         aux_def,
         [
-            next(means)
-            if r == "mean"
-            else x.sum(0, dtype=_sum_dtype(x.dtype)).astype(x.dtype)
+            next(means) if r == "mean" else x.sum(0, dtype=_sum_dtype(x.dtype))
             for x, r in zip(aux_leaves, reductions, strict=True)
         ],
     )

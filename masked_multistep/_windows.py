@@ -23,6 +23,7 @@ from masked_multistep._checks import (
     check_real,
     is_host_int,
     python_scalar,
+    refuse_narrow_float,
 )
 from masked_multistep._stats import TokenTotal, add_tokens
 
@@ -302,6 +303,8 @@ def _sanitize_budget(
     """
     if is_host_int(budget) and np.ndim(budget) == 0:
         return max(int(budget), 0)
+    if isinstance(budget, np.floating):
+        refuse_narrow_float(budget.dtype, what)
     if isinstance(budget, (float, np.floating)):
         # Not through jnp.asarray, which would round it to float32 (2.0000001
         # to 2.0: a window of 2 tokens, below the budget).
@@ -312,8 +315,17 @@ def _sanitize_budget(
         return jnp.maximum(b, jnp.zeros([], b.dtype))
     if not jnp.issubdtype(b.dtype, jnp.floating):
         raise TypeError(f"{what} must return an integer or float, got dtype {b.dtype}")
+    refuse_narrow_float(b.dtype, what)
     b = b.astype(jnp.promote_types(b.dtype, jnp.float32))
     return jnp.where(jnp.isnan(b) | (b < 0), jnp.zeros([], b.dtype), b)
+
+
+def _token_number(value: Any, what: str, *, positive: bool = True) -> float | int:
+    """A concrete number of tokens: :func:`check_real`, and not in a float
+    narrower than float32 (``jnp.bfloat16(3001)`` is already 3008)."""
+    if hasattr(value, "dtype"):
+        refuse_narrow_float(value.dtype, what)
+    return check_real(value, what, positive=positive)
 
 
 def _tokens_reached(tokens: jax.Array, budget: float | int | jax.Array) -> jax.Array:
@@ -500,7 +512,7 @@ def _token_budget(
                 )
             )
     else:
-        fixed_budget = constant = check_real(budget, what)
+        fixed_budget = constant = _token_number(budget, what)
         budget_of = lambda _, s: constant  # noqa: E731
 
     cap = None
@@ -619,10 +631,10 @@ def norm_test(
       training", 2018.
     """
     theta = float(check_real(theta, "`norm_test` (theta)"))
-    min_tokens = check_real(min_tokens, "`min_tokens`", positive=False)
+    min_tokens = _token_number(min_tokens, "`min_tokens`", positive=False)
     min_microbatches = check_microbatches(min_microbatches, "`min_microbatches`")
     if max_tokens is not None:
-        max_tokens = check_real(max_tokens, "`max_tokens`")
+        max_tokens = _token_number(max_tokens, "`max_tokens`")
         if max_tokens < min_tokens:
             raise ValueError(
                 f"`max_tokens` ({max_tokens}) is below `min_tokens` ({min_tokens})"

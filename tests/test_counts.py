@@ -210,6 +210,15 @@ def test_counts_in_floats_narrower_than_float32_are_refused(dtype):
         jax.vmap(lambda g, n: mm.weighted_mean_across(g, n, "s"), axis_name="s")(
             jnp.ones(2), jnp.ones(2, dtype)
         )
+    # Token budgets too (3001 is 3000 in float16, 3008 in bfloat16).
+    budget = jnp.asarray(3001, dtype)
+    with pytest.raises(TypeError, match="`tokens_per_window` " + message):
+        mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=budget)
+    with pytest.raises(TypeError, match="`max_tokens` " + message):
+        mm.norm_test(0.5, max_tokens=budget)
+    by_seen = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=lambda _: budget)
+    with pytest.raises(TypeError, match=r"`tokens_per_window\(tokens_seen\)` "):
+        by_seen.update(_grads(1.0), by_seen.init(PARAMS), PARAMS, count=1)
     # What to pass instead: the mask summed in float32, or masked_mean's count.
     _, state = tx.update(_grads(1.0), state, PARAMS, count=mask.sum(dtype=jnp.float32))
     assert float(state.acc_count) == 3001

@@ -117,7 +117,7 @@ def test_low_precision_sums_accumulate_in_float32():
         loss_fn, k, has_aux=True, aux_reduction="sum"
     )
     (_, (count, total)), _ = jax.jit(grad_fn)(jnp.array(1.0), jnp.ones(k))
-    assert total.dtype == jnp.bfloat16 and float(total) == 2048.0
+    assert total.dtype == jnp.float32 and float(total) == 2048.0
     assert float(count) == k
 
 
@@ -142,6 +142,19 @@ def test_narrow_integer_sums_do_not_wrap():
         "int16": (40_000, jnp.int32),
         "int32": (800, jnp.int32),
     }
+
+
+def test_low_precision_float_sums_come_back_in_float32():
+    """8 × 10000 overflows float16 (65504): the sum comes back as float32."""
+
+    def loss_fn(w, mb):
+        return w * jnp.mean(mb), (jnp.float32(mb.size), jnp.float16(10_000))
+
+    grad_fn = mm.microbatched_value_and_grad(
+        loss_fn, 8, has_aux=True, aux_reduction="sum"
+    )
+    (_, (_, total)), _ = jax.jit(grad_fn)(jnp.array(1.0), jnp.ones(8))
+    assert total.dtype == jnp.float32 and float(total) == 80_000.0
 
 
 def test_python_scalars_in_aux():
