@@ -313,16 +313,16 @@ def real_array(x: Any, what: str, *, scalar: bool = False) -> jax.Array:
 PARAM_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex)
 
 
-def check_param_leaves(params: Any) -> None:
-    """Refuses a params leaf that is not an array or a Python number: the
-    accumulator's dtype comes from ``jnp.result_type``, which reads a string
-    leaf as a dtype name ("int8") or fails without saying where ("relu")."""
+def check_param_leaves(params: Any, wanted: str = "arrays (or Python numbers)") -> None:
+    """Refuses a params leaf that is not an array or a Python number (the
+    error says the params must hold ``wanted``): the accumulator's dtype comes
+    from ``jnp.result_type``, which reads a string leaf as a dtype name
+    ("int8") or fails without saying where ("relu")."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if not isinstance(leaf, PARAM_LEAF_TYPES):
             raise TypeError(
-                "`params` must hold arrays (or Python numbers), got "
-                f"{type(leaf).__name__} {leaf!r} at "
-                f"params{jax.tree_util.keystr(path)}"
+                f"`params` must hold {wanted}, got {type(leaf).__name__} "
+                f"{leaf!r:.60} at params{jax.tree_util.keystr(path)}"
             )
 
 

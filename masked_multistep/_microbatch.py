@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from masked_multistep import _stats
-from masked_multistep._checks import PARAM_LEAF_TYPES, count_weight
+from masked_multistep._checks import check_param_leaves, count_weight
 from masked_multistep._running_mean import compute_dtype, running_mean_update
 
 __all__ = ["microbatched_value_and_grad"]
@@ -455,13 +455,10 @@ def _check_params(params: Any) -> None:
     An NNX module in ``params`` may hold only ``nnx.Param`` variables.
     """
     _check_nnx_modules(params)
+    check_param_leaves(
+        params, "only floating (or complex) arrays, the variables to differentiate"
+    )
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not isinstance(leaf, PARAM_LEAF_TYPES):
-            raise TypeError(
-                "`params` must hold only floating (or complex) arrays, the "
-                f"variables to differentiate, got {type(leaf).__name__} "
-                f"{leaf!r:.60} at params{jax.tree_util.keystr(path)}"
-            )
         if explicit := [a for a in jax.typeof(leaf).sharding.spec if a is not None]:
             # The loop's running means would need the leaf's explicit
             # sharding; jax refuses to mix it with their replicated zeros.
