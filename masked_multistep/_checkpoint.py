@@ -21,6 +21,7 @@ import numpy as np
 from masked_multistep import _stats
 from masked_multistep._checks import to_count
 from masked_multistep._multisteps import MaskedMultiStepsState
+from masked_multistep._reduction import place_uncommitted
 
 __all__ = ["STATE_0_1_FIELDS", "from_state_0_1", "state_0_1_target"]
 
@@ -80,6 +81,19 @@ def _like_template(name: str, got: Any, want: Any) -> Any:
         return jnp.asarray(g)
 
     return jax.tree.map(leaf, got, want)
+
+
+def _placed_like(x: Any, like: Any) -> Any:
+    """``x`` on ``like``'s devices if ``x`` is uncommitted and ``like`` is not."""
+    if (
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and not getattr(x, "_committed", True)
+        and isinstance(like, jax.Array)
+        and getattr(like, "_committed", False)
+    ):
+        return place_uncommitted(x, like.sharding)
+    return x
 
 
 def _acc_count(acc_count: Any, count_dtype: Any) -> jax.Array:
@@ -142,7 +156,9 @@ def from_state_0_1(
       ValueError: if ``restored`` does not have the 0.1 fields, or their
         structure or shapes differ from ``template``'s; if a field holds
         integers where the template has floats (or the reverse), or integers
-        its dtype cannot hold; if the token total is negative, not finite,
+        its dtype cannot hold; if a step counter (``mini_step``,
+        ``gradient_step``, ``num_invalid_counts``) is negative; if the token
+        total is negative, not finite,
         beyond the count dtype or fractional for an integer ``count_dtype``.
 
     Examples:
@@ -197,6 +213,15 @@ def from_state_0_1(
             if name != "acc_count"
         }
     )
+    for name in ("mini_step", "gradient_step", "num_invalid_counts"):
+        counter = getattr(state, name)
+        if not isinstance(counter, jax.core.Tracer) and int(counter) < 0:
+            # A negative step counter would stretch the next window (mini_step
+            # -2 with k = 3 closes it after 5 microbatches).
+            raise ValueError(
+                f"`restored[{name!r}]` must be an integer in [0, 2**31 - 1], got "
+                f"{int(counter)}"
+            )
     acc_count = _acc_count(restored["acc_count"], template.acc_count.dtype)
     value_count = jnp.where(state.acc_value != 0, acc_count, jnp.zeros_like(acc_count))
     stats = state.stats
@@ -204,4 +229,8 @@ def from_state_0_1(
         # 0.1 kept no statistics: the pending window's mean counts as one
         # microbatch of its tokens.
         stats = _stats.accumulate_window_stats(stats, state.acc_grads, acc_count)
-    return state._replace(acc_count=acc_count, value_count=value_count, stats=stats)
+    state = state._replace(acc_count=acc_count, value_count=value_count, stats=stats)
+    # Where the template's leaves are (`init` places its scalars as a step
+    # returns them): the counts built here would otherwise sit uncommitted on
+    # one device, and the first step compile twice.
+    return jax.tree.map(_placed_like, state, template)

@@ -1,8 +1,10 @@
 """Argument checks and the count contract, in one place.
 
-One rule for the exception class: ``TypeError`` for the wrong kind or dtype,
-``ValueError`` for a wrong value or shape. Configuration is checked when the
-wrapper is built, shapes and dtypes at trace time, concrete values eagerly.
+One rule for the exception class: ``TypeError`` for an argument of the wrong
+kind or dtype, ``ValueError`` for a wrong value or shape (a dtype *setting*
+that cannot serve, such as ``count_dtype=jnp.float16``, is a wrong value).
+Configuration is checked when the wrapper is built, shapes and dtypes at trace
+time, concrete values eagerly.
 
 The count contract (what :class:`MaskedMultiSteps` accepts as ``count=``):
 
@@ -49,6 +51,7 @@ __all__ = [
     "check_accumulator_dtype",
     "check_count_dtype",
     "check_extra_args",
+    "check_flag",
     "check_grads_match",
     "check_microbatches",
     "check_param_leaves",
@@ -171,10 +174,15 @@ def refuse_narrow_float(dtype: Any, what: str) -> None:
     """
     if _kind(dtype) == "float" and jnp.finfo(dtype).bits < 32:
         exact = 2 ** (jnp.finfo(dtype).nmant + 1)
+        example = (
+            "in float16, 2049 tokens sum to 2048"
+            if jnp.dtype(dtype) == jnp.float16
+            else "in bfloat16, 3001 tokens sum to 3008"
+        )
         raise TypeError(
             f"{what} has dtype {jnp.dtype(dtype)}, which holds whole numbers "
             f"exactly only up to {exact}: a token count summed in it is rounded "
-            "(in bfloat16, 3001 tokens sum to 3008). Use float32 or an integer "
+            f"({example}). Use float32 or an integer "
             "dtype (for a mask's count, `mask.sum(dtype=jnp.float32)`, or the "
             "count mm.masked_mean returns)"
         )
@@ -331,11 +339,13 @@ def check_value(value: Any) -> jax.Array | None:
     if value is None:
         return None
     try:
-        arr = jnp.asarray(value)
-    except (TypeError, ValueError) as err:
+        # A Python int as the float it stands for (2**31 would not fit int32).
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        arr = jnp.asarray(float(value) if is_int else value)
+    except (TypeError, ValueError, OverflowError) as err:
         raise TypeError(
             "`value` must be a real scalar (the microbatch's mean loss), got "
-            f"{value!r} of type {type(value).__name__}"
+            f"{value!r:.60} of type {type(value).__name__}"
         ) from err
     if arr.shape != ():
         raise ValueError(
@@ -486,6 +496,31 @@ def python_scalar(value: Any, what: str, kinds: tuple, noun: str) -> Any:
     return value
 
 
+def check_flag(value: Any, what: str) -> bool:
+    """A concrete boolean: Python's, numpy's ``np.bool_``, or a 0-d bool array.
+
+    Raises:
+      TypeError: for anything else (``1``, ``"yes"``, ``None``, a traced bool),
+        naming ``what`` and showing the value and its type.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if (
+        isinstance(value, (jax.Array, np.ndarray))
+        and np.ndim(value) == 0
+        and value.dtype == np.bool_
+    ):
+        try:
+            return bool(value)
+        except jax.errors.ConcretizationTypeError:
+            raise TypeError(
+                f"{what} must be a concrete bool, not a traced value"
+            ) from None
+    raise TypeError(
+        f"{what} must be a bool, got {value!r} of type {type(value).__name__}"
+    )
+
+
 def check_real(value: Any, what: str, *, positive: bool = True) -> float | int:
     """A concrete real number, finite and > 0 (or >= 0); ints stay ints."""
     value = python_scalar(value, what, (jnp.integer, jnp.floating), "number")
@@ -524,7 +559,9 @@ def check_microbatches(value: Any, what: str) -> int:
     """
     value = python_scalar(value, what, (jnp.integer,), "integer")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{what} must be an integer, got {value!r}")
+        raise TypeError(
+            f"{what} must be an integer, got {value!r} of type {type(value).__name__}"
+        )
     k = int(value)
     if not 1 <= k <= INT32_MAX:
         raise ValueError(f"{what} must be in [1, 2**31 - 1], got {k}")

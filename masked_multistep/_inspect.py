@@ -143,7 +143,8 @@ def window_stats(opt_state: Any) -> WindowStats:
       >>> print(int(stats.tokens), stats.loss, stats.grad_sq_norm)
       4 1.0 8.0
 
-      ``S = 2·‖1 − 2‖² + 2·‖3 − 2‖² = 8`` over ``K = 2`` microbatches:
+      ``S = 2·‖(1, 1) − (2, 2)‖² + 2·‖(3, 3) − (2, 2)‖² = 2·2 + 2·2 = 8`` over
+      ``K = 2`` microbatches:
       ``tr Σ̂ = 8``, ``|G|²̂ = 8 − 8 / 4 = 6``, ``B_simple = 8 / 6`` tokens.
 
       >>> print(stats.grad_var_trace, stats.true_grad_sq_norm, stats.noise_scale)

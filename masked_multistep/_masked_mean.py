@@ -59,11 +59,12 @@ def masked_mean(
         of shape ``(B, T)`` to count tokens). Boolean or integer masks count
         tokens: every non-zero entry is one token (the count is ``int32``); a floating
         mask holds per-token weights (the count is their float sum). Weights
-        must be non-negative, as token counts are: a concrete mask with a
-        negative weight is a ``ValueError``; under ``jit`` weights that sum to
-        0 give the empty microbatch's ``(0, 0)``, and a negative sum is an
-        invalid count for :class:`MaskedMultiSteps` (counted in
-        ``num_invalid_counts`` and left out).
+        must be finite and non-negative, as token counts are: a concrete mask
+        with a negative, NaN or infinite weight is a ``ValueError``; under
+        ``jit`` weights that sum to 0 give the empty microbatch's ``(0, 0)``,
+        and a negative or non-finite sum is an invalid count for
+        :class:`MaskedMultiSteps` (counted in ``num_invalid_counts`` and left
+        out).
 
     Returns:
       ``(mean, count)``: ``mean`` in ``values``' dtype promoted to at least
@@ -78,7 +79,7 @@ def masked_mean(
         of booleans).
       ValueError: if ``mask`` does not broadcast to ``values``' shape, has
         fewer dimensions than ``values`` (and is not a scalar), or is a
-        concrete floating mask with a negative weight.
+        concrete floating mask with a negative, NaN or infinite weight.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -125,17 +126,23 @@ def masked_mean(
             "booleans or integers (an accuracy), pass values.astype(jnp.float32)"
         )
     dtype = compute_dtype(values.dtype)
-    if (
-        jnp.issubdtype(mask.dtype, jnp.floating)
-        and not isinstance(mask, jax.core.Tracer)
-        and bool(jnp.any(mask < 0))
+    if jnp.issubdtype(mask.dtype, jnp.floating) and not isinstance(
+        mask, jax.core.Tracer
     ):
-        # Weights are token counts: [-1, 1] would sum to an empty microbatch.
-        raise ValueError(
-            "`mask` holds negative weights (its smallest is "
-            f"{float(jnp.min(mask))}): a floating mask holds per-token weights, "
-            "which count tokens and must be non-negative"
-        )
+        # Weights are token counts: [-1, 1] would sum to an empty microbatch,
+        # and a NaN or infinite weight make the mean and the count NaN.
+        if not bool(jnp.all(jnp.isfinite(mask))):
+            raise ValueError(
+                f"`mask` holds {int(jnp.sum(~jnp.isfinite(mask)))} non-finite "
+                "weight(s) (NaN or infinite): a floating mask holds per-token "
+                "weights, which count tokens and must be finite"
+            )
+        if bool(jnp.any(mask < 0)):
+            raise ValueError(
+                "`mask` holds negative weights (its smallest is "
+                f"{float(jnp.min(mask))}): a floating mask holds per-token "
+                "weights, which count tokens and must be non-negative"
+            )
     if jnp.issubdtype(mask.dtype, jnp.floating):
         # Real weights, and so a real count, for complex values too.
         weights = mask.astype(jnp.finfo(dtype).dtype)

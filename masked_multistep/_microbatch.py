@@ -23,7 +23,12 @@ import numpy as np
 import optax
 
 from masked_multistep import _stats
-from masked_multistep._checks import check_param_leaves, count_weight
+from masked_multistep._checks import (
+    check_flag,
+    check_param_leaves,
+    count_weight,
+    python_scalar,
+)
 from masked_multistep._running_mean import compute_dtype, running_mean_update
 
 __all__ = ["microbatched_value_and_grad"]
@@ -61,16 +66,15 @@ class GradFnWithStats(Protocol[ParamsT, BatchT_contra]):
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:
-    if isinstance(num_microbatches, (np.ndarray, np.generic)) and (
-        np.ndim(num_microbatches) == 0
-        and np.issubdtype(np.asarray(num_microbatches).dtype, np.integer)
-    ):
-        num_microbatches = int(num_microbatches)
+    # Python, numpy and concrete 0-d jax integers (the batch is split in Python).
+    num_microbatches = python_scalar(
+        num_microbatches, "`num_microbatches`", (jnp.integer,), "integer"
+    )
     if isinstance(num_microbatches, bool) or not isinstance(
         num_microbatches, numbers.Integral
     ):
         raise TypeError(
-            "`num_microbatches` must be a Python integer, got "
+            "`num_microbatches` must be an integer, got "
             f"{num_microbatches!r} of type {type(num_microbatches).__name__}"
         )
     if num_microbatches < 1:
@@ -858,7 +862,9 @@ def microbatched_value_and_grad(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
-    k = _check_args(loss_fn, num_microbatches, has_aux, aux_reduction, with_stats)
+    k, has_aux, with_stats = _check_args(
+        loss_fn, num_microbatches, has_aux, aux_reduction, with_stats
+    )
     return _grad_fn(
         loss_fn, k, has_aux, aux_reduction, "window" if with_stats else None
     )
@@ -870,20 +876,19 @@ def _check_args(
     has_aux: Any,
     aux_reduction: Any,
     with_stats: Any = False,
-) -> int:
-    """The checks of :func:`microbatched_value_and_grad`'s arguments; ``k``."""
+) -> tuple[int, bool, bool]:
+    """The checks of :func:`microbatched_value_and_grad`'s arguments: ``k``,
+    ``has_aux`` and ``with_stats`` as Python values."""
     if not callable(loss_fn):
         raise TypeError(
             f"`loss_fn` must be callable, got {loss_fn!r} of type "
             f"{type(loss_fn).__name__}"
         )
     k = _check_num_microbatches(num_microbatches)
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}")
-    if not isinstance(with_stats, bool):
-        raise TypeError(f"`with_stats` must be a bool, got {with_stats!r}")
+    has_aux = check_flag(has_aux, "`has_aux`")
+    with_stats = check_flag(with_stats, "`with_stats`")
     _check_aux_reduction(aux_reduction, has_aux)
-    return k
+    return k, has_aux, with_stats
 
 
 def _grad_fn(

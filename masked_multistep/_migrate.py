@@ -10,7 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_multistep._checks import host_int_to_float, to_count
+from masked_multistep._checks import (
+    check_flag,
+    host_int_to_float,
+    refuse_narrow_float,
+    to_count,
+)
 from masked_multistep._deferred import Deferred
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 
@@ -69,6 +74,7 @@ def _check_acc_count(acc_count: Any, mini_step: int) -> np.ndarray | None:
             raise ValueError(f"`acc_count` must be finite and >= 0, got {acc_count}")
         acc_count = float(host_int_to_float(int(acc_count)))
     value = _concrete_scalar(acc_count, "acc_count")
+    refuse_narrow_float(value.dtype, "`acc_count`")
     if value.dtype == np.bool_ or not (
         np.issubdtype(value.dtype, np.integer)
         or np.issubdtype(value.dtype, np.floating)
@@ -202,10 +208,7 @@ def from_optax_multisteps(
         raise TypeError(
             f"`tx` must be a masked_multistep.MaskedMultiSteps, got {type(tx).__name__}"
         )
-    if not isinstance(use_grad_mean, bool):
-        raise TypeError(
-            f"`use_grad_mean` must be a bool, got {type(use_grad_mean).__name__}"
-        )
+    use_grad_mean = check_flag(use_grad_mean, "`use_grad_mean`")
     mini_step = _step_counter(state.mini_step, "state.mini_step")
     gradient_step = _step_counter(state.gradient_step, "state.gradient_step")
     count = _check_acc_count(acc_count, mini_step)

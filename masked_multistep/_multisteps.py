@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax import tree as otu
 
@@ -507,7 +508,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 )
             # The norm test decides on the window statistics' running figures.
             recorder = recorder._replace(enabled=True)
-        if not recorder.enabled and recorder.decay != _DEFAULT_STATS_DECAY:
+        # Compared in float32, the moving averages' precision:
+        # np.float32(0.9) is the default too.
+        if not recorder.enabled and np.float32(recorder.decay) != np.float32(
+            _DEFAULT_STATS_DECAY
+        ):
             raise ValueError(
                 f"`stats_decay` ({stats_decay!r}) smooths the window statistics, "
                 "which are off: pass window_stats=True as well (or drop "
@@ -635,7 +640,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         else:
             # Its state starts from gradients shaped as `update` hands them
             # over (with a deferred reduction, a leading device axis).
-            _, skip_state = self._should_skip_update_fn(
+            _, skip_state = self._skip_verdict(
                 self._reduction.init_accumulator(params, jnp.result_type),
                 gradient_step,
                 params,
@@ -713,7 +718,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             complex, bfloat16 or float16: see the count contract); if the
             gradients are not floating point, or complex for real params; if
             ``value`` is not a number, or is an integer array (most likely the
-            token count, swapped with the loss; a Python int is taken); if a
+            token count, swapped with the loss; a Python int is taken as a
+            float, but an int passed through ``jax.jit`` arrives as an int32
+            array and is refused: pass losses as floats); if a
             keyword names the loss (``loss=``: it goes in ``value=``).
           ValueError: if ``count`` is not a scalar, or is concretely negative,
             non-finite or too large; if ``value`` is not a scalar; if the
@@ -812,20 +819,31 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
     # The state machine: gate, accumulate, decide, emit.
 
-    def _gate(self, grads, state, params, count) -> _Gate:
-        """Whether this microbatch counts, and with how many tokens."""
-        n, count_ok, local_counts = self._reduction.to_count(count, self._count_dtype)
-        should_skip, skip_state = self._should_skip_update_fn(
-            self._reduction.skip_view(grads, local_counts, n),
-            state.gradient_step,
-            params,
-        )
-        should_skip = jnp.asarray(should_skip)
+    def _skip_verdict(self, grads, gradient_step, params) -> tuple[jax.Array, Any]:
+        """``should_skip_update_fn``'s ``(should_skip, state)``, checked."""
+        out = self._should_skip_update_fn(grads, gradient_step, params)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError(
+                "`should_skip_update_fn` must return a pair `(should_skip, "
+                "state)`, as optax's ShouldSkipUpdateFunction does (e.g. "
+                f"optax.skip_not_finite), got {out!r:.60}"
+            )
+        should_skip = jnp.asarray(out[0])
         if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
             raise ValueError(
                 "`should_skip_update_fn` must return a boolean scalar, got dtype "
                 f"{should_skip.dtype} and shape {should_skip.shape}"
             )
+        return should_skip, out[1]
+
+    def _gate(self, grads, state, params, count) -> _Gate:
+        """Whether this microbatch counts, and with how many tokens."""
+        n, count_ok, local_counts = self._reduction.to_count(count, self._count_dtype)
+        should_skip, skip_state = self._skip_verdict(
+            self._reduction.skip_view(grads, local_counts, n),
+            state.gradient_step,
+            params,
+        )
         if jnp.issubdtype(self._count_dtype, jnp.integer):
             fits = n <= jnp.iinfo(self._count_dtype).max - state.acc_count
         else:

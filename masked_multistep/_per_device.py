@@ -33,6 +33,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from masked_multistep import _stats
+from masked_multistep._checks import check_flag
 from masked_multistep._microbatch import (
     BatchT,
     GradFn,
@@ -166,7 +167,9 @@ def _per_device(
     """:func:`per_device_value_and_grad`; with ``stats_sums`` each device also
     returns its microbatches' ``(Σ nᵢ‖gᵢ‖², K)`` (shape ``(D,)`` each)."""
     axes, num_devices = check_mesh_axes(mesh, axis_name)
-    k = _check_args(loss_fn, num_microbatches, has_aux, aux_reduction, stats_sums)
+    k, has_aux, stats_sums = _check_args(
+        loss_fn, num_microbatches, has_aux, aux_reduction, stats_sums
+    )
     grad_fn = _grad_fn(
         loss_fn, k, has_aux, aux_reduction, "sums" if stats_sums else None
     )
@@ -347,6 +350,8 @@ def data_parallel_value_and_grad(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
+    has_aux = check_flag(has_aux, "`has_aux`")
+    with_stats = check_flag(with_stats, "`with_stats`")
     per_device = _per_device(
         loss_fn, mesh, axis_name, num_microbatches, has_aux, aux_reduction, with_stats
     )

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_multistep._checks import (
+    check_flag,
     host_int_to_float,
     is_host_int,
     real_array,
@@ -210,7 +211,8 @@ def running_mean_update(
         so does a weight that is negative, NaN or infinite, or that would take
         ``total`` past its dtype's range (an integer's maximum, a float's
         largest finite value; a Python or numpy integer that does not fit an
-        integer ``total``'s dtype is a ``ValueError``).
+        integer ``total``'s dtype is a ``ValueError``), and so does any weight
+        when ``total`` is negative, NaN or infinite (no sum of weights is).
       with_sq_deviation: also return ``n·(N_old/N)·Σ_leaves ‖value − mean‖²``,
         the increment of West's weighted sum of squared deviations, reduced in
         the same pass over the leaves (at least float32; exactly 0 when
@@ -225,7 +227,8 @@ def running_mean_update(
         complex or non-numeric one) or is in a float narrower than float32
         (bfloat16 rounds 3001 to 3008), a float ``count`` meets an integer
         ``total``, a leaf of ``mean`` is not floating (or complex), or a leaf
-        of ``value`` is complex where ``mean``'s is real.
+        of ``value`` is complex where ``mean``'s is real, or
+        ``with_sq_deviation`` is not a bool.
       ValueError: if ``total`` or ``count`` is not a scalar, ``value`` does not
         have ``mean``'s tree structure and shapes, or a host integer ``count``
         does not fit an integer ``total``'s dtype.
@@ -253,6 +256,7 @@ def running_mean_update(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
+    with_sq_deviation = check_flag(with_sq_deviation, "`with_sq_deviation`")
     total = real_array(_host_total(total), "`total`", scalar=True)
     count = real_array(_host_count(count, total.dtype), "`count`", scalar=True)
     refuse_narrow_float(total.dtype, "`total`")
@@ -288,7 +292,9 @@ def running_mean_update(
     else:
         new_total = (total + count).astype(total.dtype)
         fits = jnp.isfinite(new_total)
-    take = (count > 0) & fits
+    # A negative total is no sum of weights (a NaN or infinite one fails `fits`):
+    # nothing is folded into a mean it could only corrupt.
+    take = (count > 0) & fits & (total >= 0)
     first = total == 0
     # West's weight of δ below uses the window's ratio N / n (each leaf's update
     # forms its own in the leaf's precision).

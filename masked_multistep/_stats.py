@@ -88,7 +88,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_multistep._checks import check_real, host_int_to_float, real_array
+from masked_multistep._checks import (
+    check_flag,
+    check_real,
+    host_int_to_float,
+    real_array,
+)
 from masked_multistep._running_mean import sq_norm
 
 __all__ = [
@@ -749,11 +754,7 @@ def recorder(window_stats: Any, stats_decay: Any) -> Recorder:
       ValueError: if ``stats_decay`` is not a scalar in ``[0, 1)`` that stays
         below 1 in float32.
     """
-    if not isinstance(window_stats, bool):
-        raise TypeError(
-            f"`window_stats` must be a bool, got {type(window_stats).__name__} "
-            f"{window_stats!r}"
-        )
+    window_stats = check_flag(window_stats, "`window_stats`")
     # A real number: Python's, or a concrete 0-d numpy or jax array.
     if getattr(stats_decay, "dtype", None) is not None and np.ndim(stats_decay) != 0:
         raise ValueError(

@@ -104,7 +104,9 @@ class TrainState(_flax_train_state.TrainState):
           extra_args: further keyword arguments for the optimizer's update
             (e.g. ``{"scale": s}`` for an inner optimizer that takes
             ``scale=``); a :class:`MaskedMultiSteps` hands them to its inner
-            optimizer at the end of the window.
+            optimizer at the end of the window, as the closing call passes
+            them, except a line search's ``grad=``, which becomes the window's
+            mean gradient (and ``value=`` the window's loss).
           **kwargs: fields of this dataclass, ``replace``-d as in flax (e.g.
             ``batch_stats=`` on a subclass).
 

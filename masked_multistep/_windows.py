@@ -111,7 +111,8 @@ def every_k(
     if isinstance(k, (jax.Array, np.ndarray, np.generic)) and np.ndim(k) == 0:
         if not jnp.issubdtype(k.dtype, jnp.integer) or k.dtype == np.bool_:
             raise TypeError(
-                f"`every_k_schedule` must be an integer or a callable, got {k!r}"
+                "`every_k_schedule` must be an integer or a callable of the "
+                f"gradient step, got {k!r} of dtype {k.dtype}"
             )
         k = python_scalar(
             k,

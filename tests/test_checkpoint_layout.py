@@ -144,3 +144,34 @@ def test_0_1_fields_take_the_template_dtypes_and_the_count_contract():
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
     with pytest.raises(TypeError, match="`template` must be the concrete state"):
         mm.from_state_0_1(old, abstract)
+
+
+@pytest.mark.parametrize("window_stats", [False, True])
+def test_a_converted_0_1_state_sits_where_init_puts_it(window_stats):
+    # Params on a mesh: init replicates its scalars there. A converted state
+    # whose counts sat uncommitted on one device made the step compile twice.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    params = {
+        "w": jax.device_put(
+            jnp.ones((8, 2)),
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+        )
+    }
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 3, window_stats=window_stats)
+    step = jax.jit(lambda p, s, n: tx.apply_gradients(p, s, p, count=n))
+    template = tx.init(params)
+    step(params, template, jnp.float32(1))
+    old = {
+        **mm.state_0_1_target(template),
+        "mini_step": jax.device_put(jnp.int32(1), replicated),
+        "acc_count": jax.device_put(jnp.int32(3), replicated),
+    }
+    state = mm.from_state_0_1(old, template)
+    for got, want in zip(
+        jax.tree.leaves(state), jax.tree.leaves(template), strict=True
+    ):
+        assert got.sharding == want.sharding
+    compiled = step._cache_size()
+    step(params, state, jnp.float32(1))
+    assert step._cache_size() == compiled

@@ -270,8 +270,8 @@ def test_temp_memory_scales_with_the_microbatch():
     [
         (0, ValueError, r"`num_microbatches` must be >= 1, got 0"),
         (-2, ValueError, r"`num_microbatches` must be >= 1, got -2"),
-        (2.0, TypeError, r"`num_microbatches` must be a Python integer, got 2.0"),
-        (True, TypeError, r"`num_microbatches` must be a Python integer, got True"),
+        (2.0, TypeError, r"`num_microbatches` must be an integer, got 2.0"),
+        (True, TypeError, r"`num_microbatches` must be an integer, got True"),
     ],
 )
 def test_bad_num_microbatches(k, error, match):

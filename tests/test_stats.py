@@ -515,7 +515,9 @@ def test_checkpoint_mid_window_restores_the_statistics(tmp_path):
 
 
 def test_constructor_checks_the_statistics_arguments():
-    with pytest.raises(TypeError, match="`window_stats` must be a bool, got int"):
+    with pytest.raises(
+        TypeError, match="`window_stats` must be a bool, got 1 of type int"
+    ):
         mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=1)
     with pytest.raises(ValueError, match=r"`stats_decay` must be in \[0, 1\), got 1"):
         mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=1)
