@@ -339,10 +339,11 @@ def check_value(value: Any) -> jax.Array | None:
     if value is None:
         return None
     try:
-        # A Python int as the float it stands for (2**31 would not fit int32).
+        # A Python int as the float it stands for (2**31 would not fit int32;
+        # one beyond float64's range is infinite, as such a float would be).
         is_int = isinstance(value, int) and not isinstance(value, bool)
-        arr = jnp.asarray(float(value) if is_int else value)
-    except (TypeError, ValueError, OverflowError) as err:
+        arr = jnp.asarray(host_int_to_float(value) if is_int else value)
+    except (TypeError, ValueError) as err:
         raise TypeError(
             "`value` must be a real scalar (the microbatch's mean loss), got "
             f"{value!r:.60} of type {type(value).__name__}"

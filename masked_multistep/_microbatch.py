@@ -753,7 +753,8 @@ def microbatched_value_and_grad(
         floating scalar; ``count`` an integer or floating scalar. When the
         returned function is called with ``rng``, ``loss_fn`` also takes the
         keyword argument ``rng`` (a PRNG key).
-      num_microbatches: ``k``, a Python int >= 1 that divides the batch size.
+      num_microbatches: ``k``, an integer >= 1 (Python's, numpy's or a
+        concrete 0-d jax array) that divides the batch size.
       has_aux: whether ``loss_fn`` returns ``aux`` beside the count.
       aux_reduction: how ``aux`` leaves combine: ``"sum"``, ``"mean"``, or a
         pytree prefix of ``aux`` with those leaves. Required when ``aux`` has a

@@ -200,7 +200,7 @@ def _per_device(
     def per_device(
         params: optax.Params, batch: Any, *, rng: jax.typing.ArrayLike | None = None
     ) -> tuple[Any, optax.Updates]:
-        _check_batch(batch, num_devices, num_microbatches)
+        _check_batch(batch, num_devices, k)
         key = None if rng is None else _check_rng(rng)
         with jax.named_scope("masked_multistep/per_device"):
             return mapped(params, batch, key)

@@ -63,7 +63,9 @@ def place_uncommitted(state: Any, sharding: jax.sharding.Sharding) -> Any:
             # state): jax.device_put would compare them across processes, and
             # the statistics' NaN placeholders never compare equal.
             host = np.asarray(x)
-            return jax.make_array_from_callback(x.shape, sharding, lambda _: host)
+            return jax.make_array_from_callback(
+                x.shape, sharding, lambda index: host[index]
+            )
         return x
 
     return jax.tree.map(leaf, state)

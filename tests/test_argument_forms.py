@@ -163,7 +163,25 @@ def test_a_python_int_value_is_taken_by_value():
         {"w": jnp.ones(3)}, tx.init(PARAMS), PARAMS, count=1, value=2**31
     )
     assert float(mm.window_stats(state).loss) == 2.0**31
-    with pytest.raises(
-        TypeError, match=r"`value` must be a real scalar .* of type int"
-    ):
-        tx.update({"w": jnp.ones(3)}, tx.init(PARAMS), PARAMS, count=1, value=10**400)
+    # One beyond float64's range is infinite, as such a float is.
+    _, state = tx.update(
+        {"w": jnp.ones(3)}, tx.init(PARAMS), PARAMS, count=1, value=10**400
+    )
+    assert float(mm.window_stats(state).loss) == float("inf")
+
+
+@pytest.mark.parametrize("k", [jnp.array(2), np.uint8(40)], ids=repr)
+def test_per_device_functions_check_the_batch_against_k_as_an_integer(k):
+    # A 0-d jax k reached the batch check under jit as a tracer; 8 devices
+    # times np.uint8(40) wrapped to 64 and passed a 64-row batch.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    batch = {"x": jnp.ones((64, 3)), "mask": jnp.ones((64, 3), bool)}
+    fn = mm.data_parallel_value_and_grad(_loss_fn, mesh, num_microbatches=k)
+    if int(k) == 2:
+        (_, count), _ = jax.jit(fn)(PARAMS, batch)
+        assert int(count) == 192
+    else:
+        with pytest.raises(
+            ValueError, match=r"devices \(8\) times `num_microbatches` \(40\)"
+        ):
+            fn(PARAMS, batch)

@@ -175,3 +175,30 @@ def test_a_converted_0_1_state_sits_where_init_puts_it(window_stats):
     compiled = step._cache_size()
     step(params, state, jnp.float32(1))
     assert step._cache_size() == compiled
+
+
+def test_a_0_1_state_of_sharded_params_read_with_flax_serialization():
+    # flax.serialization gives numpy leaves; those of parameter size are put
+    # shard by shard where the template's are (FSDP-style params).
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    params = {"w": jax.device_put(jnp.arange(16.0).reshape(8, 2), sharded)}
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 3)
+    template = tx.init(params)
+    old = {
+        **mm.state_0_1_target(template),
+        "mini_step": jnp.int32(1),
+        "acc_count": jnp.int32(3),
+        "acc_grads": {"w": jnp.arange(16.0).reshape(8, 2) / 10},
+    }
+    restored = serialization.from_bytes(
+        mm.state_0_1_target(template), serialization.to_bytes(old)
+    )
+    state = mm.from_state_0_1(restored, template)
+    assert state.acc_grads["w"].sharding == sharded
+    np.testing.assert_array_equal(state.acc_grads["w"], old["acc_grads"]["w"])
+    for got, want in zip(
+        jax.tree.leaves(state), jax.tree.leaves(template), strict=True
+    ):
+        assert got.sharding == want.sharding
+    jax.jit(lambda s: tx.apply_gradients(params, s, params, count=1))(state)
