@@ -118,8 +118,8 @@ def every_k(
             k,
             "`every_k_schedule`",
             (jnp.integer,),
-            "integer, or a callable of the gradient step (with "
-            "optax.inject_hyperparams: listed in static_args)",
+            "integer, or a callable of the gradient step (build the wrapper "
+            "outside jit; a k that changes during training is a callable)",
         )
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
         raise TypeError(
@@ -435,7 +435,9 @@ def token_budget(
         float32 scalar) or of the gradient step (``by="gradient_step"``). A
         callable's value is made total under ``jit``: NaN and negative values
         count as 0 (every microbatch with tokens closes its window), ``inf``
-        means no token limit, a non-scalar raises ``ValueError`` at trace
+        means no token limit (an int32 window total that reaches 2³¹ − 1,
+        which can take no more, still closes), a non-scalar raises
+        ``ValueError`` at trace
         time. It is compared with the window's tokens as exactly as a
         constant budget (an integer as it is, a float at its own precision),
         so a budget closes the same windows whether it is returned or given.

@@ -185,3 +185,15 @@ def test_per_device_functions_check_the_batch_against_k_as_an_integer(k):
             ValueError, match=r"devices \(8\) times `num_microbatches` \(40\)"
         ):
             fn(PARAMS, batch)
+
+
+def test_a_traced_k_points_to_what_works():
+    # It used to recommend optax.inject_hyperparams around the wrapper, which
+    # the wrapper refuses.
+    @jax.jit
+    def build(k):
+        mm.MaskedMultiSteps(optax.sgd(1.0), k)
+
+    with pytest.raises(TypeError, match="build the wrapper outside jit") as err:
+        build(jnp.int32(2))
+    assert "inject_hyperparams" not in str(err.value)
