@@ -338,6 +338,12 @@ def check_value(value: Any) -> jax.Array | None:
     """``value=`` (a microbatch's mean loss) as a real scalar array."""
     if value is None:
         return None
+    if isinstance(value, tuple):
+        raise TypeError(
+            f"`value` must be a real scalar (the microbatch's mean loss), got a "
+            f"tuple of {len(value)}: mm.masked_mean returns the pair (mean, "
+            "count); pass `value=mean, count=count`"
+        )
     try:
         # A Python int as the float it stands for (2**31 would not fit int32;
         # one beyond float64's range is infinite, as such a float would be).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, Self, cast
 
 import jax
 import optax
@@ -79,6 +79,19 @@ class TrainState(_flax_train_state.TrainState):
       >>> print(state.params["w"], state.step, state.gradient_step)
       -2.0 2 1
     """
+
+    @classmethod
+    def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> Self:
+        """flax's ``TrainState.create``; a class given as ``tx`` is a
+        ``TypeError`` that says to build the optimizer (its ``init`` would fail
+        with an error of Python's own)."""
+        if isinstance(tx, type):
+            raise TypeError(
+                f"`tx` must be an optimizer, got the class {tx.__name__}: build "
+                "one, e.g. mm.MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
+            )
+        state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        return cast(Self, state)
 
     def apply_gradients(
         self,

@@ -197,3 +197,21 @@ def test_a_traced_k_points_to_what_works():
     with pytest.raises(TypeError, match="build the wrapper outside jit") as err:
         build(jnp.int32(2))
     assert "inject_hyperparams" not in str(err.value)
+
+
+def test_the_masked_mean_pair_as_value_is_named():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    loss_and_count = mm.masked_mean(jnp.ones(3), jnp.ones(3, bool))
+    with pytest.raises(TypeError, match=r"got a tuple of 2: mm.masked_mean returns"):
+        tx.update(
+            {"w": jnp.ones(3)},
+            tx.init(PARAMS),
+            PARAMS,
+            count=loss_and_count[1],
+            value=loss_and_count,
+        )
+
+
+def test_a_class_as_train_state_tx_says_to_build_one():
+    with pytest.raises(TypeError, match="got the class MaskedMultiSteps: build one"):
+        mm.TrainState.create(apply_fn=None, params=PARAMS, tx=mm.MaskedMultiSteps)
