@@ -16,7 +16,7 @@ LINTED := masked_multistep tests benchmarks docs tools examples notebooks/execut
 
 # The first target, what a bare `make` runs: the list below.
 help:
-	@echo "make demo         the bug and the fix: trains a tiny LM three ways (installs the demo's extra into .venv)"
+	@echo "make demo         the bug and the fix: trains a tiny LM three ways (ARGS=--help for options; installs the demo's extra into .venv)"
 	@echo "make test         ruff, pyright and the whole test suite (installs the development stack into .venv)"
 	@echo "make install      only the development stack, into .venv"
 	@echo "make lint         ruff check and ruff format --check"

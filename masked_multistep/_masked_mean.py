@@ -104,8 +104,10 @@ def masked_mean(
             "axes (numpy's rule), so give it `values`' rank, adding the missing "
             "axes where they belong: for (sequences, positions) values, "
             "mask[:, None] for one entry per sequence, mask[None] for one per "
-            "position; mask[..., None] for a (sequences, positions) mask on "
-            "(sequences, positions, classes) values"
+            "position. For (sequences, positions, classes) values, reduce over "
+            "the classes first (a per-token loss of shape (sequences, "
+            "positions) counts tokens); mask[..., None] would count every "
+            "class as a token"
         )
     try:
         mask = jnp.broadcast_to(mask, values.shape)

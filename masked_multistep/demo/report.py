@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,8 @@ LABELS = {
     "optax_multisteps": "optax.MultiSteps",
     "masked_multisteps": "mm.MaskedMultiSteps",
 }
+# The table's width: its legend and notes wrap to it.
+_WIDTH = 84
 
 
 def summarize(
@@ -60,10 +63,11 @@ def _loss_tail(steps: int) -> int:
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    """A plain-text table of the per-run numbers."""
+    """A plain-text table of the per-run numbers, its legend, and the masked
+    run's window statistics."""
     c = summary["config"]
     header = (
-        f"{'run':<24} {'grad rel. error':>16} {'(max)':>9} "
+        f"{'run':<24} {'grad rel. error (mean)':>22} {'(max)':>9} "
         f"{'train loss':>11} {'held-out loss':>14}"
     )
     lines = [
@@ -78,44 +82,46 @@ def format_table(summary: dict[str, Any]) -> str:
     for name in RUNS:
         r = summary["runs"][name]
         lines.append(
-            f"{LABELS[name]:<24} {r['grad_rel_error_mean']:>16.2e} "
+            f"{LABELS[name]:<24} {r['grad_rel_error_mean']:>22.2e} "
             f"{r['grad_rel_error_max']:>9.2e} {r['final_train_loss']:>11.4f} "
             f"{r['heldout_loss']:>14.4f}"
         )
-    tokens_per_step = summary["mean_tokens_per_batch"]
-    noise_scale = summary["runs"]["masked_multisteps"]["final_noise_scale"]
+    tail = _loss_tail(c["steps"])
+    steps = "the last step" if tail == 1 else f"the last {tail} steps"
     lines += [
         "",
-        "mm.MaskedMultiSteps window statistics: gradient noise scale B_simple "
-        "(smoothed),",
+        *textwrap.wrap(
+            "grad rel. error: ‖g − g_full‖ / ‖g_full‖, mean and max over steps; g "
+            "is the gradient the accumulator handed to adam, g_full the full-batch "
+            "gradient at the same params. train loss: mean full-batch loss over "
+            f"{steps}.",
+            width=_WIDTH,
+        ),
     ]
+    tokens_per_step = summary["mean_tokens_per_batch"]
+    noise_scale = summary["runs"]["masked_multisteps"]["final_noise_scale"]
+    stats = "mm.MaskedMultiSteps window statistics: gradient noise scale B_simple "
     if not math.isfinite(noise_scale):
         reason = (
             "it needs 2 or more microbatches per window"
             if c["microbatches"] < 2
             else "the windows did not resolve the gradient from its noise"
         )
-        lines.append(f"undefined at the last step: {reason}.")
+        stats += f"(smoothed) undefined at the last step: {reason}."
     else:
-        lines += [
-            f"{noise_scale:.3g} tokens at "
-            "the last step: an estimate of the critical batch size (this",
-            f"run's batches hold {tokens_per_step:.0f} tokens on average).",
-        ]
+        stats += (
+            f"(smoothed), {noise_scale:.3g} tokens at the last step: an estimate "
+            "of the critical batch size (this run's batches hold "
+            f"{tokens_per_step:.0f} tokens on average)."
+        )
         if c["skew"] > 0:
-            lines[-1] += " Length-sorted"
-            lines += [
-                "microbatches (--skew above 0) differ systematically and inflate it;",
-                "--skew 0 measures it without that bias.",
-            ]
-    tail = _loss_tail(c["steps"])
-    steps = "the last step" if tail == 1 else f"the last {tail} steps"
-    lines += [
-        "",
-        "grad rel. error: ‖g − g_full‖ / ‖g_full‖, mean and max over steps; g is the",
-        "gradient the accumulator handed to adam, g_full the full-batch gradient at",
-        f"the same params. train loss: mean full-batch loss over {steps}.",
-    ]
+            stats += (
+                " Length-sorted microbatches (--skew above 0) differ "
+                "systematically and inflate it; --skew 0 measures it without "
+                "that bias."
+            )
+    stats += " See the README's section on window statistics."
+    lines += ["", *textwrap.wrap(stats, width=_WIDTH)]
     return "\n".join(lines)
 
 
