@@ -119,7 +119,9 @@ def every_k(
             "`every_k_schedule`",
             (jnp.integer,),
             "integer, or a callable of the gradient step (build the wrapper "
-            "outside jit; a k that changes during training is a callable)",
+            "outside jit; with optax.inject_hyperparams around a function that "
+            "builds it, list that argument in static_args; a k that changes "
+            "during training is a callable)",
         )
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
         raise TypeError(
