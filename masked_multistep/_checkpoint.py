@@ -84,7 +84,7 @@ def _like_template(name: str, got: Any, want: Any) -> Any:
 
 
 def _placed_like(x: Any, like: Any) -> Any:
-    """``x`` on ``like``'s devices if ``x`` is uncommitted and ``like`` is not."""
+    """``x`` placed as ``like`` is, if ``x`` is uncommitted and ``like`` committed."""
     if (
         isinstance(x, jax.Array)
         and not isinstance(x, jax.core.Tracer)
