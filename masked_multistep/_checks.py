@@ -17,7 +17,8 @@ The count contract (what :class:`MaskedMultiSteps` accepts as ``count=``):
   ``float32``, integer token totals are exact up to 2²⁴ (16,777,216) per
   window; beyond that they are rounded to float32's 24-bit precision (each
   addition by at most 6e-8 of the total, far below the gradient's own
-  rounding; a count below half the total's last bit is lost).
+  rounding; a count of at most half the total's last bit may be lost:
+  2²⁴ + 1 rounds to 2²⁴).
   ``count_dtype=jnp.int32`` is exact up to 2³¹ − 1 per window and refuses
   fractional counts; ``float64``/``int64`` need ``jax_enable_x64``.
 * A concrete negative, NaN, infinite or too large count raises ``ValueError``.

@@ -8,8 +8,10 @@ real tokens). The weighted mean ``Σ nᵢ gᵢ / Σ nᵢ`` is kept as a running 
     m ← m + (g − m) / (N / n)
 
 which never forms the sum ``Σ nᵢ gᵢ`` (so it cannot overflow fp16/bf16), needs no
-total known in advance, and, with equal weights, is bit-identical to the
-unweighted running mean ``m + (g − m) / j`` used by ``optax.MultiSteps``.
+total known in advance, and, with equal weights, is bit-identical under ``jit``
+to the unweighted running mean ``m + (g − m) / j`` used by ``optax.MultiSteps``
+(while the total stays below 2²⁴, where the float32 ratio ``N / n`` is the
+exact integer ``j``).
 
 The same pass can carry the spread of the values (West 1979's weighted variance
 update): with ``δ = g − m`` taken before the update,

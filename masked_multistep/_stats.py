@@ -30,17 +30,20 @@ gradient and the mean. The price is cancellation:
 the relative rounding error of ``S`` grows with ``N / B_simple``. Measured against
 a float64 two-pass sum (8 microbatches, 1e5 parameters, float32 state, worst of
 12 seeds): 3e-7 at ``N = 10·B_simple``, 2.5e-6 at ``100·B_simple``, 1.3e-5 at
-``1000·B_simple`` (tested: one seed each, ≤ 1e-5), 1.4e-4 at ``10⁴·B_simple``,
-7e-4 at ``10⁵·B_simple``: from about ``10³·B_simple`` on, at most about
-``1.5e-8 · N / B_simple`` (below it, float32's floor of a few 1e-7 dominates;
+``1000·B_simple`` (tested: one seed each, ≤ 1e-5), 1.4-1.8e-4 at
+``10⁴·B_simple`` (two generators of test data), 7e-4 at ``10⁵·B_simple``: from
+about ``10³·B_simple`` on, at most about ``2e-8 · N / B_simple`` (below it,
+float32's floor of a few 1e-7 dominates;
 one seed each with ``K`` = 8 and 256 microbatches: 0.10 and 0.13 at
 ``10⁸·B_simple``). Those figures are for large trees, whose rounding errors
 partly cancel; with few parameters and few microbatches the error reaches about
-``2.5e-7 · N / (B_simple · (K − 1))`` (200 windows of ``K`` = 2 with 8
-parameters: 31% at ``2·10⁶·B_simple``).
+``2.5e-7 · N / (B̂ · (K − 1))``, ``B̂ = N ‖ḡ‖² / S`` the window's own estimate,
+which scatters around the true ``B_simple`` (200 windows of ``K`` = 2 with 8
+parameters at a true ``N / B_simple`` of ``2·10⁶``, two generators of test
+data: median 8-10%, 95th percentile 47-56%, worst 102-111%).
 That is below the statistical noise of an estimate from ``K`` microbatches
 (relative standard deviation about ``√(2 / (K − 1))``) while
-``N / B_simple ≲ 10⁸ / √K`` (for small trees, ``≲ 5·10⁶ · √(K − 1)``): for a
+``N / B_simple ≲ 10⁸ / √K`` (for small trees, ``N / B̂ ≲ 5·10⁶ · √(K − 1)``): for a
 window of up to 10⁶ tokens always, of up to 10⁸ unless ``B_simple`` is a few
 tens of tokens or less. (A two-pass sum in float32, which
 needs the window's microbatches twice, stays near 1e-7 throughout.)
@@ -51,11 +54,18 @@ The figures hold for a float32 mean, which the default accumulator is (at
 least float32, also for bfloat16 gradients). ``‖ḡ‖²`` is read from the
 accumulator, so with an explicit ``accumulator_dtype`` of bfloat16 or float16
 ``ḡ`` carries its rounding and the error of ``S`` grows about 2¹⁶ times faster
-with ``N / B_simple``: measured (8 microbatches, 1e4 parameters, bfloat16) 2%
-at ``1000·B_simple``, and ``S`` clamped to 0 (``B_simple`` reported as 0) at
-``10⁵·B_simple``. The same holds for :func:`data_parallel_value_and_grad`'s
+with ``N / B_simple``: measured (8 microbatches, 1e4 parameters, bfloat16) 2-3%
+at ``1000·B_simple``, and errors of order 100% at ``10⁵·B_simple`` (``S``
+clamped to 0, ``B_simple`` reported as 0, in one measurement; 2.6 times too
+large in another). The same holds for :func:`data_parallel_value_and_grad`'s
 statistics with bfloat16 params (each device's mean is cast to the params'
 dtype before the devices are combined).
+
+The squared norms are float32 (float64 for float64 leaves): a gradient whose
+squared norm exceeds float32's range (elements beyond about 1e19), or
+``nᵢ ‖gᵢ‖²`` beyond it (1e30 tokens of a gradient of norm 1e5), makes the
+window's ``grad_sq_norm`` infinite and its estimates NaN; its update is
+unaffected.
 
 ``B_simple`` from one window is very noisy; McCandlish et al. smooth the
 numerator and the denominator separately with exponential moving averages. The
