@@ -25,7 +25,9 @@ uses the gradient of the whole batch's token-mean loss. What it shows:
 * ``--devices N``: data parallel over ``N`` devices, each keeping its own
   running mean of its share of every microbatch, combined once per window
   (``mm.per_device_value_and_grad`` and ``reduction=mm.deferred(mesh)``): the
-  same windows and losses as on one device, to float32 rounding;
+  same windows and losses as on one device, to float32 rounding (the logged
+  noise scale then counts every device's share of a microbatch as a
+  microbatch, ``K = N·k``: not comparable with a one-device run's);
 * orbax checkpoints every ``--checkpoint-every`` windows, and ``--resume``.
   A checkpoint may also fall in the middle of a window (``--stop-after``, the
   way a preemption handler saves): the optimizer state holds the half-accumulated
@@ -202,10 +204,12 @@ HELP = {
     "warmup": "windows of linear warmup (then cosine decay to 10%% of the peak)",
     "weight_decay": "adamw weight decay",
     "clip_norm": "clip each window's full-batch gradient to this global norm",
-    "skew": "length skew between microbatches: 0 = random, 1 = sorted by length",
+    "skew": "length skew between microbatches: 0 = random, 1 = sorted by length "
+    "(the logged noise scale is meaningful at 0 only)",
     "seed": "data and initialisation seed",
     "devices": "data-parallel devices, each with its own running mean, reduced once "
-    "per window (on CPU, run with JAX_NUM_CPU_DEVICES=N)",
+    "per window (on CPU, run with JAX_NUM_CPU_DEVICES=N; the logged noise scale "
+    "then counts each device's share as a microbatch)",
 }
 
 
@@ -295,6 +299,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if not 0 <= args.weight_decay < math.inf:
         parser.error(f"--weight-decay must be >= 0 and finite, got {args.weight_decay}")
+    out = pathlib.Path(args.out)
+    if not args.out or (out.exists() and not out.is_dir()):
+        parser.error(f"--out must name a directory, got {args.out!r}")
     if args.stop_after is not None and args.stop_after < 1:
         parser.error(f"--stop-after must be >= 1, got {args.stop_after}")
     return args
@@ -415,9 +422,6 @@ def window_record(window: int, optimizer: nnx.Optimizer) -> dict:
 
 
 # -------------------------------------------------------------------- checkpoints
-
-# Not part of the run's definition: may change between a run and its resumption.
-RUN_CONTROL = ("out", "checkpoint_every", "resume", "stop_after", "eval_sequences")
 
 
 def save(manager, microbatches_done, model, optimizer, config):

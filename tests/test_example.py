@@ -188,6 +188,9 @@ def test_data_parallel_matches_one_device_and_resumes_bit_identically(
         (["--devices", "0"], "--devices must be >= 1, got 0"),
         (["--devices", "3"], "sequences (--batch-size / --microbatches) must split"),
         (["--devices", "9"], "--devices 9: only 8 cpu device(s) here"),
+        # A file as --out failed in orbax after the model was built.
+        (["--out", __file__], "--out must name a directory"),
+        (["--out", ""], "--out must name a directory, got ''"),
     ],
 )
 def test_bad_flags_exit_with_a_message(flags, message, capsys):
