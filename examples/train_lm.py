@@ -27,7 +27,8 @@ uses the gradient of the whole batch's token-mean loss. What it shows:
   (``mm.per_device_value_and_grad`` and ``reduction=mm.deferred(mesh)``): the
   same windows and losses as on one device, to float32 rounding (the logged
   noise scale then counts every device's share of a microbatch as a
-  microbatch, ``K = N·k``: not comparable with a one-device run's);
+  microbatch, ``K = N·k``: an estimate of the same figure from more, smaller
+  microbatches, with its own noise, and with ``--skew`` above 0 its own bias);
 * orbax checkpoints every ``--checkpoint-every`` windows, and ``--resume``.
   A checkpoint may also fall in the middle of a window (``--stop-after``, the
   way a preemption handler saves): the optimizer state holds the half-accumulated

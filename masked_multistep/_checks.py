@@ -222,8 +222,8 @@ def to_count(
         return jnp.asarray(np.asarray(value).astype(dtype)), jnp.ones([], jnp.bool_)
     if not hasattr(count, "dtype") or not hasattr(count, "shape"):
         raise TypeError(
-            f"{what} must be a real scalar, got {count!r} of type "
-            f"{type(count).__name__}"
+            f"{what} must be a real scalar, got {count!r:.120} of type "
+            f"{type(count).__name__}" + _pair_hint(count, "count=count")
         )
     if tuple(count.shape) != shape:
         raise ValueError(
@@ -335,15 +335,21 @@ def check_param_leaves(params: Any, wanted: str = "arrays (or Python numbers)") 
             )
 
 
+def _pair_hint(x: Any, fix: str) -> str:
+    """For a 2-tuple where a scalar belongs: most likely mm.masked_mean's pair."""
+    if isinstance(x, tuple) and len(x) == 2:
+        return f": mm.masked_mean returns the pair (mean, count); pass `{fix}`"
+    return ""
+
+
 def check_value(value: Any) -> jax.Array | None:
     """``value=`` (a microbatch's mean loss) as a real scalar array."""
     if value is None:
         return None
     if isinstance(value, tuple):
         raise TypeError(
-            f"`value` must be a real scalar (the microbatch's mean loss), got a "
-            f"tuple of {len(value)}: mm.masked_mean returns the pair (mean, "
-            "count); pass `value=mean, count=count`"
+            "`value` must be a real scalar (the microbatch's mean loss), got a "
+            f"tuple of {len(value)}" + _pair_hint(value, "value=mean, count=count")
         )
     try:
         # A Python int as the float it stands for (2**31 would not fit int32;

@@ -109,6 +109,7 @@ def masked_mean(
             "positions) counts tokens); mask[..., None] would count every "
             "class as a token"
         )
+    given = mask
     try:
         mask = jnp.broadcast_to(mask, values.shape)
     except ValueError as err:
@@ -135,7 +136,7 @@ def masked_mean(
         # and a NaN or infinite weight make the mean and the count NaN.
         if not bool(jnp.all(jnp.isfinite(mask))):
             raise ValueError(
-                f"`mask` holds {int(jnp.sum(~jnp.isfinite(mask)))} non-finite "
+                f"`mask` holds {int(jnp.sum(~jnp.isfinite(given)))} non-finite "
                 "weight(s) (NaN or infinite): a floating mask holds per-token "
                 "weights, which count tokens and must be finite"
             )

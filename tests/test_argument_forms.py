@@ -223,3 +223,20 @@ def test_the_masked_mean_pair_as_value_is_named():
 def test_a_class_as_train_state_tx_says_to_build_one():
     with pytest.raises(TypeError, match="got the class MaskedMultiSteps: build one"):
         mm.TrainState.create(apply_fn=None, params=PARAMS, tx=mm.MaskedMultiSteps)
+
+
+def test_the_masked_mean_pair_as_count_is_named_and_other_tuples_are_not():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    pair = mm.masked_mean(jnp.ones(3), jnp.ones(3, bool))
+    state = tx.init(PARAMS)
+    with pytest.raises(
+        TypeError, match=r"returns the pair \(mean, count\); pass `count"
+    ):
+        tx.update({"w": jnp.ones(3)}, state, PARAMS, count=pair)
+    with pytest.raises(TypeError, match=r"got a tuple of 1$"):
+        tx.update({"w": jnp.ones(3)}, state, PARAMS, count=1, value=(1.0,))
+
+
+def test_a_broadcast_mask_counts_the_non_finite_weights_it_was_given():
+    with pytest.raises(ValueError, match=r"`mask` holds 1 non-finite weight"):
+        mm.masked_mean(jnp.ones(4), jnp.float32(jnp.nan))
