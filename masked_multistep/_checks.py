@@ -352,10 +352,10 @@ def check_value(value: Any) -> jax.Array | None:
             f"tuple of {len(value)}" + _pair_hint(value, "value=mean, count=count")
         )
     try:
-        # A Python int as the float it stands for (2**31 would not fit int32;
-        # one beyond float64's range is infinite, as such a float would be).
-        is_int = isinstance(value, int) and not isinstance(value, bool)
-        arr = jnp.asarray(host_int_to_float(value) if is_int else value)
+        # A host int as the float it stands for (2**31 would not fit int32; one
+        # beyond float64's range is infinite, as such a float would be); a numpy
+        # int is still refused below, by its dtype, as the likely token count.
+        arr = jnp.asarray(host_int_to_float(value))
     except (TypeError, ValueError) as err:
         raise TypeError(
             "`value` must be a real scalar (the microbatch's mean loss), got "
@@ -568,7 +568,7 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 def check_microbatches(value: Any, what: str) -> int:
     """A concrete number of microbatches: an integer in ``[1, 2³¹ − 1]``.
 
-    Python, numpy and jax integer scalars are accepted (the state counts
+    Python, numpy and concrete 0-d jax integers are accepted (the state counts
     microbatches in int32).
     """
     value = python_scalar(value, what, (jnp.integer,), "integer")
@@ -577,7 +577,9 @@ def check_microbatches(value: Any, what: str) -> int:
             f"{what} must be an integer, got {value!r} of type {type(value).__name__}"
         )
     k = int(value)
-    if not 1 <= k <= INT32_MAX:
+    if k < 1:
+        raise ValueError(f"{what} must be >= 1, got {k}")
+    if k > INT32_MAX:
         raise ValueError(f"{what} must be in [1, 2**31 - 1], got {k}")
     return k
 

@@ -133,17 +133,19 @@ def masked_mean(
         mask, jax.core.Tracer
     ):
         # Weights are token counts: [-1, 1] would sum to an empty microbatch,
-        # and a NaN or infinite weight make the mean and the count NaN.
-        if not bool(jnp.all(jnp.isfinite(mask))):
+        # and a NaN or infinite weight make the mean and the count NaN. Checked
+        # on the mask as given, not on its broadcast copy.
+        non_finite = int(jnp.sum(~jnp.isfinite(given)))
+        if non_finite:
             raise ValueError(
-                f"`mask` holds {int(jnp.sum(~jnp.isfinite(given)))} non-finite "
-                "weight(s) (NaN or infinite): a floating mask holds per-token "
-                "weights, which count tokens and must be finite"
+                f"`mask` holds {non_finite} non-finite weight(s) (NaN or "
+                "infinite): a floating mask holds per-token weights, which count "
+                "tokens and must be finite"
             )
-        if bool(jnp.any(mask < 0)):
+        if bool(jnp.any(given < 0)):
             raise ValueError(
                 "`mask` holds negative weights (its smallest is "
-                f"{float(jnp.min(mask))}): a floating mask holds per-token "
+                f"{float(jnp.min(given))}): a floating mask holds per-token "
                 "weights, which count tokens and must be non-negative"
             )
     if jnp.issubdtype(mask.dtype, jnp.floating):

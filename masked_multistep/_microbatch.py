@@ -25,9 +25,9 @@ import optax
 from masked_multistep import _stats
 from masked_multistep._checks import (
     check_flag,
+    check_microbatches,
     check_param_leaves,
     count_weight,
-    python_scalar,
 )
 from masked_multistep._running_mean import compute_dtype, running_mean_update
 
@@ -63,23 +63,6 @@ class GradFnWithStats(Protocol[ParamsT, BatchT_contra]):
         *,
         rng: jax.typing.ArrayLike | None = None,
     ) -> tuple[Any, ParamsT, _stats.WindowStats]: ...
-
-
-def _check_num_microbatches(num_microbatches: Any) -> int:
-    # Python, numpy and concrete 0-d jax integers (the batch is split in Python).
-    num_microbatches = python_scalar(
-        num_microbatches, "`num_microbatches`", (jnp.integer,), "integer"
-    )
-    if isinstance(num_microbatches, bool) or not isinstance(
-        num_microbatches, numbers.Integral
-    ):
-        raise TypeError(
-            "`num_microbatches` must be an integer, got "
-            f"{num_microbatches!r} of type {type(num_microbatches).__name__}"
-        )
-    if num_microbatches < 1:
-        raise ValueError(f"`num_microbatches` must be >= 1, got {num_microbatches}")
-    return int(num_microbatches)
 
 
 def _batch_size(batch: Any, num_microbatches: int) -> int:
@@ -885,7 +868,7 @@ def _check_args(
             f"`loss_fn` must be callable, got {loss_fn!r} of type "
             f"{type(loss_fn).__name__}"
         )
-    k = _check_num_microbatches(num_microbatches)
+    k = check_microbatches(num_microbatches, "`num_microbatches`")
     has_aux = check_flag(has_aux, "`has_aux`")
     with_stats = check_flag(with_stats, "`with_stats`")
     _check_aux_reduction(aux_reduction, has_aux)
