@@ -436,6 +436,18 @@ def _check_nnx_modules(params: Any) -> None:
         )
 
 
+def _holds_nnx(params: Any) -> bool:
+    """Whether ``params`` is or holds an NNX module, variable or state."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return False
+    kinds = (nnx.Module, nnx.Variable, nnx.State)
+    return any(
+        isinstance(x, kinds)
+        for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, kinds))
+    )
+
+
 def _check_params(params: Any) -> None:
     """``params`` holds only floating (or complex) leaves, as ``jax.grad`` needs.
 
@@ -458,12 +470,16 @@ def _check_params(params: Any) -> None:
             )
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.inexact):
+            hint = (
+                ". An NNX module that holds RNG streams, batch statistics or "
+                f"other non-parameter state: {_SPLIT_RECIPE}"
+                if _holds_nnx(params)
+                else ""
+            )
             raise TypeError(
                 "`params` must hold only floating (or complex) arrays, the "
                 f"variables to differentiate, got dtype {dtype} at "
-                f"params{jax.tree_util.keystr(path)}. An NNX module that holds "
-                "RNG streams, batch statistics or other non-parameter state: "
-                f"{_SPLIT_RECIPE}"
+                f"params{jax.tree_util.keystr(path)}{hint}"
             )
 
 
@@ -681,6 +697,11 @@ def microbatched_value_and_grad(
         gradient-norm penalty, say) are finite and equal those of leaving the
         empty microbatches out, provided ``loss_fn``'s own derivatives are
         (compute its mean with :func:`masked_mean`, not ``sum / count``).
+      * A microbatch with tokens whose loss or gradient is not finite makes
+        the result non-finite, but not always the same non-finite value as
+        the full batch's: an infinite mean comes back NaN once a later
+        microbatch is folded in (the running mean subtracts it), so test
+        results with ``isfinite``, not ``isinf``.
       * ``aux`` (with ``has_aux=True``): each leaf is either summed over the
         microbatches (``"sum"``: counts of correct tokens, the metric sums
         Flax's examples return; every microbatch is added, whatever its count,
@@ -771,9 +792,12 @@ def microbatched_value_and_grad(
         neither ``"sum"`` nor ``"mean"``, or ``aux_reduction`` is given without
         ``has_aux``; when called, if ``batch`` has no leaves, a scalar leaf,
         leaves of different batch sizes, a batch size not divisible by
-        ``num_microbatches``, ``aux_reduction`` is not a prefix of ``aux``, or
-        ``loss_fn``'s count is not a scalar (or is a constant that is negative,
-        non-finite or beyond float32's range).
+        ``num_microbatches``, a batch leaf sharded over an
+        ``AxisType.Explicit`` mesh axis whose devices do not divide each
+        microbatch's rows, a ``params`` leaf sharded over an
+        ``AxisType.Explicit`` axis, ``aux_reduction`` is not a prefix of
+        ``aux``, or ``loss_fn``'s count is not a scalar (or is a constant that
+        is negative, non-finite or beyond float32's range).
 
     Examples:
       Four rows with 1, 0, 2 and 1 real tokens, two microbatches (rows 0, 2 and

@@ -470,8 +470,10 @@ def noise_scale_estimates(
 
     ``tr Σ̂ = S / (K − 1)``, ``|G|²̂ = ‖ḡ‖² − tr Σ̂ / N``,
     ``B_simple = tr Σ̂ / |G|²̂``, in float32 (or wider). Each is NaN where
-    undefined: ``K < 2`` or not an integer, ``N <= 0`` or ``S < 0``, or ``N``
-    or ``S`` not finite, for all three, and ``|G|²̂ <= 0`` for ``B_simple``.
+    undefined: ``K < 2`` or not an integer, ``N <= 0``, ``S < 0`` or
+    ``‖ḡ‖² < 0``, or ``N``, ``S`` or ``‖ḡ‖²`` not finite (as the wrapper's
+    own estimates are after an overflow), for all three, and ``|G|²̂ <= 0``
+    for ``B_simple``.
     The arguments are real numbers (or arrays of them, one entry per window).
 
     Args:
@@ -509,10 +511,10 @@ def noise_scale_estimates(
     dtype = jnp.result_type(_F32, s.dtype)
     s, k, n, g2 = (x.astype(dtype) for x in (s, k, n, g2))
     nan = jnp.asarray(jnp.nan, dtype)
-    # S is a finite sum of squares, K a count and N a finite total: other
-    # values define nothing.
+    # S and ‖ḡ‖² are finite sums of squares, K a count and N a finite total:
+    # other values define nothing (an infinite ‖ḡ‖² would make B_simple 0).
     ok = (k >= 2) & jnp.isfinite(k) & (k == jnp.round(k)) & (n > 0) & (s >= 0)
-    ok = ok & jnp.isfinite(n) & jnp.isfinite(s)
+    ok = ok & jnp.isfinite(n) & jnp.isfinite(s) & jnp.isfinite(g2) & (g2 >= 0)
     var = jnp.where(ok, s / jnp.where(ok, k - 1, 1), nan)
     true_sq = jnp.where(ok, g2 - var / jnp.where(ok, n, 1), nan)
     resolved = ok & (true_sq > 0)

@@ -155,7 +155,8 @@ class WindowScalars(NamedTuple):
 
     Attributes:
       microbatches: int32, the window's microbatches so far, this one included
-        (a count-0 microbatch counts, a skipped one does not).
+        (a count-0 microbatch counts, a skipped one does not). Not
+        ``WindowStats.microbatches``, which is ``K``: that is ``counted``.
       tokens: the window's token total so far, ``Σ nᵢ`` (the state's count dtype).
       gradient_step: int32, the inner updates applied before this window.
       counted: int32, the window's microbatches with ``nᵢ > 0`` (``K``), or
@@ -581,15 +582,18 @@ def norm_test(
     minimum, or late in training) and stays short while it is large. Deciding
     on the same figures that the decision stops on favours windows that happen
     to look precise (a sequential test's optional-stopping bias); a minimum
-    budget of a few microbatches keeps the variance estimate from deciding on
-    one or two degrees of freedom.
+    of a few microbatches with tokens (``min_microbatches``) keeps the variance
+    estimate from deciding on one or two degrees of freedom.
 
     Args:
       theta: the tolerance θ, a finite number ``> 0``.
       min_tokens: the test is not consulted before the window has this many
         tokens.
-      min_microbatches: nor before it has this many microbatches (a count-0
-        microbatch counts, as it does toward ``every_k_schedule``).
+      min_microbatches: nor before it has this many microbatches with tokens
+        (``K``, the variance estimate's ``K − 1`` degrees of freedom plus one;
+        a count-0 microbatch adds nothing to the estimate, so it does not
+        count here, while it does toward ``every_k_schedule`` and
+        ``max_microbatches``).
       max_tokens: optional token budget at which the window closes whatever
         the test says (as :func:`token_budget`).
       max_microbatches: optional cap on the microbatches per window, an
@@ -669,7 +673,8 @@ def norm_test(
         var = jnp.asarray(scalars.grad_var_trace).astype(jnp.float32)
         sq = jnp.asarray(scalars.grad_sq_norm).astype(jnp.float32)
         passes = (scalars.counted >= 2) & (n > 0) & (var <= theta_sq * n * sq)
-        started = scalars.microbatches >= min_microbatches
+        # K, not all microbatches: a count-0 one adds no degree of freedom.
+        started = scalars.counted >= min_microbatches
         if min_tokens > 0:
             started = started & _tokens_reached(scalars.tokens, min_tokens)
         done = passes & started

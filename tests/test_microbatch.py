@@ -525,3 +525,27 @@ def test_a_params_leaf_that_is_not_an_array_is_named(leaf):
     )
     with pytest.raises(TypeError, match=r"got (str|object) .* at params\['act'\]"):
         grad_fn({"w": jnp.float32(1.0), "act": leaf}, jnp.ones(4))
+
+
+def test_an_integer_params_leaf_is_named_with_the_nnx_recipe_only_for_nnx():
+    grad_fn = mm.microbatched_value_and_grad(
+        lambda p, mb: mm.masked_mean(p["w"] * mb, jnp.ones_like(mb, bool)), 2
+    )
+    # A plain dict: the dtype and path, and no NNX recipe that does not apply.
+    with pytest.raises(TypeError, match=r"got dtype int32 at params\['n'\]$"):
+        grad_fn({"w": jnp.float32(1.0), "n": jnp.int32(1)}, jnp.ones(4))
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Counter(nnx.Variable):
+        pass
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.float32(1.0))
+            self.n = Counter(jnp.int32(1))
+
+    _, state = nnx.split(Model())
+    with pytest.raises(
+        TypeError, match=r"params\['n'\]\S*\. An NNX module .*nnx\.split"
+    ):
+        grad_fn(state, jnp.ones(4))

@@ -890,6 +890,10 @@ def test_noise_scale_estimates_are_nan_outside_their_domain():
         assert all(np.isnan(float(x)) for x in estimates), (s, k)
     # N = inf gave finite estimates (4, 4, 1).
     assert np.isnan(mm.noise_scale_estimates(4.0, 2, np.inf, 4.0)).all()
+    # An infinite ‖ḡ‖² (an overflow) gave B_simple = 0, a negative one a
+    # negative |G|²; the wrapper's own estimates are NaN there.
+    for g2 in (np.inf, -1.0, np.nan):
+        assert np.isnan(mm.noise_scale_estimates(4.0, 2, 4, g2)).all(), g2
     # Complex arguments gave complex "estimates" (or lost their imaginary part);
     # other non-numbers failed in jax without naming the argument.
     for args, name in [

@@ -382,7 +382,7 @@ def test_norm_test_matches_model(
         assume(not (k >= 2 and abs(lhs - rhs) <= 1e-4 * max(abs(lhs), abs(rhs))))
         passes = k >= 2 and tokens > 0 and lhs <= rhs
         expected = (
-            passes and mb >= min_mb and (min_tokens == 0 or reached(tokens, min_tokens))
+            passes and k >= min_mb and (min_tokens == 0 or reached(tokens, min_tokens))
         ) or (
             (max_tokens is not None and reached(tokens, max_tokens))
             or (max_mb is not None and mb >= max_mb)
@@ -398,6 +398,26 @@ def test_norm_test_matches_model(
         assert bool(closes_fn((), s)) == expected, (i, tokens, k, sq, var)
         if expected:
             start = i + 1
+
+
+def test_norm_test_min_microbatches_counts_microbatches_with_tokens():
+    # Four microbatches, two of them empty: K = 2, one degree of freedom, so a
+    # minimum of 4 keeps the test from deciding; with K = 4 it decides.
+    policy = w.norm_test(1.0, min_microbatches=4)
+
+    def s(mb, k):
+        return w.WindowScalars(
+            jnp.int32(mb),
+            jnp.float32(10.0),
+            jnp.int32(0),
+            counted=jnp.int32(k),
+            grad_sq_norm=jnp.float32(1.0),
+            grad_var_trace=jnp.float32(0.0),
+        )
+
+    assert not bool(policy.closes((), s(4, 2)))
+    assert not bool(policy.closes((), s(6, 3)))
+    assert bool(policy.closes((), s(4, 4)))
 
 
 def test_norm_test_needs_two_counted_microbatches_and_never_passes_on_nan():
