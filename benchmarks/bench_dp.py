@@ -14,6 +14,9 @@ model size and window length ``k``:
 * **deferred**: ``mm.per_device_value_and_grad`` (each device's own gradient)
   and ``MaskedMultiSteps(adam, k, reduction=mm.deferred(mesh, "data"))``'s
   ``apply_gradients``: one token-weighted all-reduce per window;
+* **deferred + statistics**: the same with ``window_stats=True`` (each
+  device's microbatch a small batch of the noise scale; the statistics' sums
+  join the window's one all-reduce);
 * **one reduction, by hand**: the deferred step written out without the
   wrapper (per-device running means, one token-weighted all-reduce and an adam
   update at the window's end; no checks): what the reduction alone costs;
@@ -73,7 +76,7 @@ WORKER_TIMEOUT_S = 900
 # One compute thread per process: each process stands for a one-core host, and
 # the two do not oversubscribe the machine's cores (with XLA's default thread
 # pools, 2 processes x 2 threads share 2 cores and timings scatter far more).
-WORKER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+WORKER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 # glibc hands every large temporary (a step's gradient-sized scratch buffers,
 # the all-reduce's operands and result) back to the OS when it is freed and
 # maps it afresh on the next step, so every step page-faults it in again; on a
@@ -413,9 +416,11 @@ def markdown(result: dict[str, Any]) -> None:
     )
     print("| reductions / MiB per window, deferred | " + " | ".join(red[1::2]) + " |")
     for a in result["allreduce"]:
+        # Results written before the all-reduce was timed per k have no "k".
+        at_k = f", k={a['k']}" if "k" in a else ""
         print(
             f"\none all-reduce of {a['param_bytes'] / 2**20:.0f} MiB "
-            f"(width {a['width']}, k={a['k']}): {a['ms']:.1f} ms"
+            f"(width {a['width']}{at_k}): {a['ms']:.1f} ms"
         )
 
 
