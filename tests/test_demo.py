@@ -3,6 +3,7 @@
 import json
 import os
 
+import numpy as np
 import pytest
 
 from masked_multistep.demo import main
@@ -60,6 +61,9 @@ def test_demo_outputs_show_masked_equals_full_batch(tmp_path, capsys):
     assert f"hold {mean:.0f} tokens on average" in printed
     # The footer names what it averaged: 3 steps, not "the last 10".
     assert "mean full-batch loss over the last 3 steps." in printed
+    assert summary["final_train_loss_steps"] == 3
+    for run in runs.values():
+        assert run["final_train_loss"] == pytest.approx(np.mean(run["train_loss"]))
     assert "Length-sorted" in printed  # the default skew sorts by length
 
 

@@ -31,8 +31,9 @@ def summarize(
 ) -> dict[str, Any]:
     """The numbers the demo reports, as plain JSON-able Python values.
 
-    ``final_train_loss`` averages the last 10 steps' full-batch training losses
-    (each measured at the run's params before that step's update).
+    ``final_train_loss`` averages the last ``final_train_loss_steps`` (10, or
+    all if fewer) steps' full-batch training losses (each measured at the run's
+    params before that step's update).
     """
     tail = _loss_tail(config.steps)
     runs = {}
@@ -53,6 +54,7 @@ def summarize(
         "config": config._asdict(),
         "tokens_per_microbatch_first_batch": [int(n) for n in token_counts],
         "mean_tokens_per_batch": float(mean_batch_tokens),
+        "final_train_loss_steps": tail,
         "runs": runs,
     }
 
