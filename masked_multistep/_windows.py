@@ -590,10 +590,10 @@ def norm_test(
       min_tokens: the test is not consulted before the window has this many
         tokens.
       min_microbatches: nor before it has this many microbatches with tokens
-        (``K``, the variance estimate's ``K − 1`` degrees of freedom plus one;
-        a count-0 microbatch adds nothing to the estimate, so it does not
-        count here, while it does toward ``every_k_schedule`` and
-        ``max_microbatches``).
+        (``K``; the variance estimate has ``K − 1`` degrees of freedom). A
+        count-0 microbatch adds nothing to the estimate, so it does not count
+        here, while it does toward ``every_k_schedule`` and
+        ``max_microbatches``.
       max_tokens: optional token budget at which the window closes whatever
         the test says (as :func:`token_budget`).
       max_microbatches: optional cap on the microbatches per window, an
