@@ -419,6 +419,13 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
                     "gradients are not taken: pass the microbatch's mean "
                     "gradient and its token count.)"
                 )
+            elif jnp.shape(a)[1:] == jnp.shape(g):
+                hint = (
+                    ": the state keeps one running mean per device "
+                    "(reduction=mm.deferred), so it takes every device's own "
+                    "gradient, stacked, as mm.per_device_value_and_grad returns "
+                    "them, not one gradient for all"
+                )
             raise ValueError(
                 f"The gradient at {where} has shape {jnp.shape(g)}, but the state "
                 f"expects {jnp.shape(a)}{hint}"

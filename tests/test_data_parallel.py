@@ -845,6 +845,15 @@ def test_deferred_bad_input(mesh):
         tx.update(per_device, state, params, count=counts, value=jnp.ones(3))
     with pytest.raises(TypeError, match=r"`reduction` must be None or mm.deferred"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, reduction="deferred")
+    # One gradient for all devices, where a parameter's leading size is the
+    # device count (so it passes for a device axis): the shape check says why.
+    square = {"w": jnp.ones((NDEV, 3))}
+    with pytest.raises(
+        ValueError,
+        match=r"\(8, 3\), but the state expects \(8, 8, 3\): the state keeps one "
+        r"running mean per device.*mm.per_device_value_and_grad",
+    ):
+        tx.update(square, tx.init(square), square, count=counts)
     # Per-device gradients into a wrapper without the deferred reduction.
     plain = _tx(None)
     with pytest.raises(
