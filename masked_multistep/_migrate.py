@@ -115,7 +115,7 @@ def _same_tree(name: str, got: Any, expected: Any, hint: str) -> None:
 
 
 def from_optax_multisteps(
-    state: optax.MultiStepsState,
+    state: optax.MultiStepsState | optax.OptState,
     tx: MaskedMultiSteps,
     params: optax.Params,
     *,

@@ -13,7 +13,7 @@ import difflib
 import functools
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Never, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -453,7 +453,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         reduction: Deferred | None = None,
         window_stats: bool = False,
         stats_decay: float = _DEFAULT_STATS_DECAY,
-        **unknown: Any,
+        # Typed Never so that a type checker flags a misspelt keyword; at run
+        # time it gets the error below, with a suggestion.
+        **unknown: Never,
     ) -> MaskedMultiSteps:
         for key in unknown:
             why = _KEYWORD_HINTS.get(key)
@@ -728,7 +730,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         """
         return self._step(updates, state, params, count, extra_args, apply_params=False)
 
-    def apply_gradients(
+    def apply_gradients(  # pyright: ignore[reportRedeclaration]
         self,
         grads: optax.Updates,
         state: MaskedMultiStepsState,
@@ -757,6 +759,20 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
           -2.0
         """
         return self._step(grads, state, params, count, extra_args, apply_params=True)
+
+    if TYPE_CHECKING:
+        # What a type checker sees: `count` is required. At run time it
+        # defaults to None, so that a missing or misspelt one gets the
+        # wrapper's own error, which names the keywords it got instead.
+        def apply_gradients(
+            self,
+            grads: optax.Updates,
+            state: MaskedMultiStepsState,
+            params: _ParamsT,
+            *,
+            count: jax.typing.ArrayLike,
+            **extra_args: Any,
+        ) -> tuple[_ParamsT, MaskedMultiStepsState]: ...
 
     @functools.cached_property
     def _settings_layout(self) -> Any:

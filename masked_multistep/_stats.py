@@ -156,9 +156,11 @@ class TokenTotal(NamedTuple):
     hi: jax.Array
     lo: jax.Array
 
-    def value(self) -> np.ndarray:
-        """The total as a float64 NumPy value (elementwise, if batched)."""
-        return np.asarray(self.hi, np.float64) + np.asarray(self.lo, np.float64)
+    def value(self) -> np.float64 | np.ndarray:
+        """The total as a float64 NumPy value: a ``np.float64`` scalar, or an
+        array of them if batched."""
+        total = np.asarray(self.hi, np.float64) + np.asarray(self.lo, np.float64)
+        return cast("np.float64 | np.ndarray", total)
 
     def __float__(self) -> float:
         return float(self.value())

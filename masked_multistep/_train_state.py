@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Mapping
-from typing import Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import jax
 import optax
@@ -81,7 +81,14 @@ class TrainState(_flax_train_state.TrainState):
     """
 
     @classmethod
-    def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> Self:
+    def create(
+        cls,
+        *,
+        apply_fn: Any,
+        params: Any,
+        tx: optax.GradientTransformation,
+        **kwargs: Any,
+    ) -> Self:
         """flax's ``TrainState.create``; a class given as ``tx`` is a
         ``TypeError`` that says to build the optimizer (its ``init`` would fail
         with an error of Python's own)."""
@@ -93,7 +100,7 @@ class TrainState(_flax_train_state.TrainState):
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         return cast(Self, state)
 
-    def apply_gradients(
+    def apply_gradients(  # pyright: ignore[reportRedeclaration]
         self,
         *,
         grads: optax.Updates,
@@ -101,7 +108,7 @@ class TrainState(_flax_train_state.TrainState):
         value: jax.typing.ArrayLike | None = None,
         extra_args: Mapping[str, Any] | None = None,
         **kwargs: Any,
-    ) -> TrainState:
+    ) -> Self:
         """Folds in one microbatch's gradients; updates the params at a window's end.
 
         Args:
@@ -226,6 +233,20 @@ class TrainState(_flax_train_state.TrainState):
             opt_state=new_opt_state,
             **replace,
         )
+
+    if TYPE_CHECKING:
+        # What a type checker sees: `count` is required. At run time it
+        # defaults to None, so that a missing or misspelt one gets this
+        # class's own error, which says what to pass.
+        def apply_gradients(
+            self,
+            *,
+            grads: optax.Updates,
+            count: jax.typing.ArrayLike,
+            value: jax.typing.ArrayLike | None = None,
+            extra_args: Mapping[str, Any] | None = None,
+            **kwargs: Any,
+        ) -> Self: ...
 
     @property
     def gradient_step(self) -> jax.Array:

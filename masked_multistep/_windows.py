@@ -11,7 +11,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -421,7 +421,7 @@ def _tokens_seen_init() -> TokenTotal:
 def token_budget(
     budget: float | Callable[[jax.Array], jax.typing.ArrayLike],
     *,
-    by: str = "tokens_seen",
+    by: Literal["tokens_seen", "gradient_step"] = "tokens_seen",
     max_microbatches: int | Callable[[jax.Array], jax.typing.ArrayLike] | None = None,
 ) -> WindowPolicy:
     """Closes the window on the microbatch that brings its tokens to ``budget``.

@@ -21,6 +21,7 @@ from typing import assert_type
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -242,6 +243,49 @@ def test_wrong_usage_is_reported_by_the_checker_and_fails_at_run_time():
     batch = {"x": jnp.arange(4.0), "mask": jnp.ones(4, bool)}
     with pytest.raises(TypeError, match="string indexing"):
         grad_fn(jnp.ones(()), batch)  # pyright: ignore[reportArgumentType]
+    # A misspelt keyword, and no token count.
+    with pytest.raises(TypeError, match="'window_stat': did you mean 'window_stats'"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, window_stat=True)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="count"):
+        tx.apply_gradients(params, state, params)  # pyright: ignore[reportCallIssue]
+    train_state = mm.TrainState.create(apply_fn=None, params=params, tx=tx)
+    with pytest.raises(TypeError, match="count"):
+        train_state.apply_gradients(grads=params)  # pyright: ignore[reportCallIssue]
+    with pytest.raises(ValueError, match="`by` must be one of"):
+        mm.token_budget(lambda seen: 10.0, by="tokens")  # pyright: ignore[reportArgumentType]
+
+
+def test_train_state_subclasses_keep_their_type():
+    class WithStep(mm.TrainState):
+        microbatches: int = 0
+
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    state = WithStep.create(apply_fn=None, params={"w": jnp.zeros(())}, tx=tx)
+    state = assert_type(
+        state.apply_gradients(grads={"w": jnp.ones(())}, count=1), WithStep
+    )
+    assert isinstance(state, WithStep) and state.microbatches == 0
+
+
+def test_migration_takes_an_optax_state_as_optax_types_it():
+    params = {"w": jnp.zeros(())}
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2)
+
+    # flax's TrainState.opt_state is an optax.OptState, not a MultiStepsState.
+    def convert(opt_state: optax.OptState) -> mm.MaskedMultiStepsState:
+        return mm.from_optax_multisteps(opt_state, tx, params)
+
+    old = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    assert int(convert(old.init(params)).mini_step) == 0
+
+
+def test_token_total_value_is_a_float64_scalar_or_array():
+    seen = mm.window_stats(
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, window_stats=True).init(jnp.zeros(2))
+    ).tokens_seen
+    value = seen.value()
+    assert_type(value, "np.float64 | np.ndarray")
+    assert isinstance(value, np.float64)
 
 
 @pytest.mark.slow
