@@ -121,6 +121,14 @@ def state_0_1_target(template: MaskedMultiStepsState) -> dict[str, Any]:
       it (through ``ocp.utils.to_shape_dtype_struct`` for orbax) where the state
       sits in the restore target. Orbax converts the 0.1 integer token total to
       the current count dtype by value.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import masked_multistep as mm
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+      >>> target = mm.state_0_1_target(tx.init(jnp.zeros(3)))
+      >>> tuple(target) == mm.STATE_0_1_FIELDS
+      True
     """
     _check_template(template)
     return {name: getattr(template, name) for name in STATE_0_1_FIELDS}

@@ -676,6 +676,18 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
         ``state`` is this wrapper's own state; :func:`masked_multistep.has_updated`
         finds it inside a chain's state, a ``TrainState`` or an NNX optimizer.
+
+        Examples:
+          >>> import jax.numpy as jnp, optax
+          >>> import masked_multistep as mm
+          >>> tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+          >>> params = jnp.zeros(())
+          >>> state = tx.init(params)
+          >>> for n in (3, 1):
+          ...     _, state = tx.update(jnp.array(1.0), state, params, count=n)
+          ...     print(bool(tx.has_updated(state)))
+          False
+          True
         """
         if not hasattr(state, "updated"):
             raise TypeError(

@@ -158,7 +158,14 @@ class TokenTotal(NamedTuple):
 
     def value(self) -> np.float64 | np.ndarray:
         """The total as a float64 NumPy value: a ``np.float64`` scalar, or an
-        array of them if batched."""
+        array of them if batched.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> import masked_multistep as mm
+          >>> print(mm.TokenTotal(jnp.float32(2.0**30), jnp.float32(3.0)).value())
+          1073741827.0
+        """
         total = np.asarray(self.hi, np.float64) + np.asarray(self.lo, np.float64)
         return cast("np.float64 | np.ndarray", total)
 

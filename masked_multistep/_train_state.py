@@ -139,6 +139,20 @@ class TrainState(_flax_train_state.TrainState):
             ``step``, ``params`` or ``opt_state``, which this method sets; if
             ``tx`` accumulates with ``optax.MultiSteps``, which would ignore
             ``count``.
+
+        Examples:
+          Two microbatches of 3 and 1 tokens, mean gradients 1 and 5: the window's
+          update is sgd's on their token mean, ``(3·1 + 1·5) / 4 = 2``:
+
+          >>> import jax.numpy as jnp, optax
+          >>> import masked_multistep as mm
+          >>> state = mm.TrainState.create(
+          ...     apply_fn=None, params=jnp.zeros(()),
+          ...     tx=mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2))
+          >>> for g, n in [(1.0, 3), (5.0, 1)]:
+          ...     state = state.apply_gradients(grads=jnp.array(g), count=jnp.array(n))
+          >>> print(state.params, int(state.step), int(state.gradient_step))
+          -2.0 2 1
         """
         own = [k for k in ("step", "params", "opt_state") if k in kwargs]
         if own:
