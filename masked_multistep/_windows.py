@@ -11,7 +11,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -143,7 +143,10 @@ def every_k(
 # Window policies: when does the window close?
 # ---------------------------------------------------------------------------
 
-_BUDGET_INPUTS = ("tokens_seen", "gradient_step")
+# What a callable token budget is a function of: the annotation of `by=` and the
+# run-time check read this one list.
+_BudgetInput = Literal["tokens_seen", "gradient_step"]
+_BUDGET_INPUTS = get_args(_BudgetInput)
 
 
 class WindowScalars(NamedTuple):
@@ -421,7 +424,7 @@ def _tokens_seen_init() -> TokenTotal:
 def token_budget(
     budget: float | Callable[[jax.Array], jax.typing.ArrayLike],
     *,
-    by: Literal["tokens_seen", "gradient_step"] = "tokens_seen",
+    by: _BudgetInput = "tokens_seen",
     max_microbatches: int | Callable[[jax.Array], jax.typing.ArrayLike] | None = None,
 ) -> WindowPolicy:
     """Closes the window on the microbatch that brings its tokens to ``budget``.
@@ -491,7 +494,7 @@ def token_budget(
 
 def _token_budget(
     budget: float | Callable[[jax.Array], jax.typing.ArrayLike],
-    by: str = "tokens_seen",
+    by: _BudgetInput = "tokens_seen",
     max_microbatches: int | Callable[[jax.Array], jax.typing.ArrayLike] | None = None,
     what: str = "`tokens_per_window`",
 ) -> WindowPolicy:
