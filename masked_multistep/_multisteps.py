@@ -22,6 +22,7 @@ import optax
 from optax import tree as otu
 
 from masked_multistep import _checks, _stats, _windows
+from masked_multistep._branch import in_place_cond
 from masked_multistep._deferred import Deferred
 from masked_multistep._reduction import Local, WindowTotals
 from masked_multistep._running_mean import all_finite
@@ -122,6 +123,12 @@ class _Window(NamedTuple):
 def _no_skip(updates, gradient_step, params):
     del updates, gradient_step, params
     return jnp.zeros([], jnp.bool_), ()
+
+
+def _same_buffers(a: Any, b: Any) -> bool:
+    """Whether two trees hold the very same arrays (traced values), leaf by leaf."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
 
 
 def _same_avals(a: Any, b: Any) -> bool:
@@ -1069,14 +1076,14 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             else (),
         )
         dynamic_args["value"] = window_value(so_far).astype(value_dtype)
-        operands = (
+        # What the taken branch updates in place, and the other passes through:
+        # the accumulator, the inner state and, with `apply_params`, the params.
+        in_place = (
             acc_grads,
-            so_far,
-            reduction_state,
             state.inner_opt_state,
-            params,
-            dynamic_args,
+            params if apply_params else (),
         )
+        read_only_params = () if apply_params else params
         # What the inner optimizer sees: the window's mean (with a deferred
         # reduction, the devices' running means combined).
         mean_avals = jax.eval_shape(
@@ -1099,27 +1106,33 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # and between windows the params pass through untouched.
         reuse_acc = not apply_params and _same_avals(updates_avals, acc_grads)
 
-        def hold(mean, acc_grads, inner_state, params, dynamic_args):
-            del mean, dynamic_args
-            if reuse_acc:
-                return (), acc_grads, inner_state
-            out = params if apply_params else otu.zeros_like(updates_avals)
-            return out, acc_grads, inner_state
+        def hold(in_place, mean, read_only_params, dynamic_args):
+            # The output besides the state passed through: `update`'s zeros.
+            del in_place, mean, read_only_params, dynamic_args
+            if reuse_acc or apply_params:
+                return ()
+            return otu.zeros_like(updates_avals)
 
-        def run(mean, acc_grads, inner_state, params, dynamic_args):
+        def run(in_place, mean, read_only_params, dynamic_args):
+            acc_grads, inner_state, own_params = in_place
+            params = own_params if apply_params else read_only_params
+            if mean is None:  # the accumulator is the mean
+                mean = acc_grads
             updates, new_inner = inner_update(mean, inner_state, params, dynamic_args)
             if reuse_acc:
-                return (), updates, new_inner
-            out = optax.apply_updates(params, updates) if apply_params else updates
-            return out, acc_grads, new_inner
+                return (updates, new_inner, ()), ()
+            if apply_params:
+                return (acc_grads, new_inner, optax.apply_updates(params, updates)), ()
+            return (acc_grads, new_inner, ()), updates
 
         def close_window(
-            acc_grads, so_far, reduction_state, inner_state, params, dynamic_args
+            in_place, so_far, reduction_state, read_only_params, dynamic_args
         ):
             # The window's global figures (with a deferred reduction that agrees
             # only at the window's end, a scalar all-reduce) and its mean,
             # formed only when a window closes: with a deferred reduction, the
             # one gradient-sized cross-device reduction of the window.
+            acc_grads = in_place[0]
             totals = self._reduction.close_totals(so_far, reduction_state)
             has_tokens = totals.tokens > 0
             window_loss = window_value(totals).astype(value_dtype)
@@ -1133,22 +1146,26 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             finite = all_finite(mean, mean_sq_norm)
             if needs_value:
                 finite = finite & jnp.isfinite(window_loss)
-            out = jax.lax.cond(
+            # Where the mean is the accumulator itself, `run` reads it from the
+            # state it updates (one buffer, not two names for it).
+            same = _same_buffers(mean, acc_grads)
+            in_place, out = in_place_cond(
                 has_tokens & finite,
                 run,
                 hold,
-                mean,
-                acc_grads,
-                inner_state,
-                params,
+                in_place,
+                None if same else mean,
+                read_only_params,
                 dynamic_args,
             )
-            return (*out, has_tokens, finite, mean_sq_norm, totals)
+            return in_place, (out, has_tokens, finite, mean_sq_norm, totals)
 
-        def keep_window(acc_grads, so_far, reduction_state, *rest):
+        def keep_window(
+            in_place, so_far, reduction_state, read_only_params, dynamic_args
+        ):
             del reduction_state
             return (
-                *hold(None, acc_grads, *rest),
+                hold(in_place, None, read_only_params, dynamic_args),
                 jnp.zeros([], jnp.bool_),
                 jnp.ones([], jnp.bool_),
                 self._recorder.no_mean_sq_norm(),
@@ -1156,15 +1173,18 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             )
 
         with jax.named_scope("masked_multistep/inner_update"):
-            (
-                out,
-                acc_grads,
-                inner_opt_state,
-                has_tokens,
-                finite,
-                mean_sq_norm,
-                totals,
-            ) = jax.lax.cond(may_have_tokens, close_window, keep_window, *operands)
+            in_place, (out, has_tokens, finite, mean_sq_norm, totals) = in_place_cond(
+                may_have_tokens,
+                close_window,
+                keep_window,
+                in_place,
+                so_far,
+                reduction_state,
+                read_only_params,
+                dynamic_args,
+            )
+            acc_grads, inner_opt_state, new_params = in_place
+            out: Any = new_params if apply_params else out
             updated = has_tokens & finite
             if reuse_acc:
                 out = jax.tree.map(
