@@ -93,15 +93,23 @@ def _as_loop(true_c, false_c, n_true, pred, consts, args):
     return state, extra
 
 
+# The form each platform's program gets: the plain conditional where it keeps
+# pass-through buffers in place (CPU), the loop everywhere else.
+_FORMS = {"cpu": _as_cond, "default": _as_loop}
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def _cond(true_c, false_c, n_true, pred, consts, args):
-    branches = functools.partial(_as_cond, true_c, false_c, n_true)
-    loop = functools.partial(_as_loop, true_c, false_c, n_true)
-    return jax.lax.platform_dependent(pred, consts, args, cpu=branches, default=loop)
+    forms = {
+        platform: functools.partial(form, true_c, false_c, n_true)
+        for platform, form in _FORMS.items()
+    }
+    return jax.lax.platform_dependent(pred, consts, args, **forms)
 
 
 @_cond.defjvp
 def _cond_jvp(true_c, false_c, n_true, primals, tangents):
-    return jax.jvp(
-        functools.partial(_as_cond, true_c, false_c, n_true), primals, tangents
-    )
+    # Derivatives of the conditional itself (a while loop has none in reverse
+    # mode); the values are the same in both forms.
+    form = functools.partial(_as_cond, true_c, false_c, n_true)
+    return jax.jvp(form, primals, tangents)

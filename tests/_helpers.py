@@ -1,4 +1,4 @@
-"""Helpers shared by tests and benchmarks: cross-device collectives in compiled HLO.
+"""Helpers shared by tests and benchmarks: collectives and traffic in compiled HLO.
 
 ``collectives(compiled_text)`` lists every all-reduce, reduce-scatter and
 all-gather of a compiled module (``jax.jit(f).lower(...).compile().as_text()``)
@@ -8,6 +8,10 @@ conditional within it included) or inside a branch of a conditional outside any
 loop (``"branch"``: only when that branch is taken,
 e.g. the window-closing branch of ``MaskedMultiSteps``). Deterministic for a given
 jax/XLA version, so tests may assert on it.
+
+``traffic(compiled_text, taken)`` counts the kernels one call runs, on the path
+that closes a window or on the one between window ends, and the bytes they
+read and write (``benchmarks/bench_gpu_program.py``).
 
 ``backend_compiles()`` records the backend compilations that run inside its block.
 """
@@ -72,8 +76,8 @@ def _shape_bytes(shape: str) -> int:
     return total
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective of a compiled HLO module, with its bytes and context."""
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """Each computation's instruction lines by name, and the entry's name."""
     bodies: dict[str, list[str]] = {}
     entry = None
     current = None
@@ -90,6 +94,12 @@ def collectives(hlo_text: str) -> list[Collective]:
             bodies[current].append(line)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
+    return bodies, entry
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled HLO module, with its bytes and context."""
+    bodies, entry = _computations(hlo_text)
 
     # The loop/branch context of every computation reachable from the entry
     # ("step" when none; "loop" when inside any loop, a branch within it too).
@@ -138,6 +148,100 @@ def large(found: Iterable[Collective], min_bytes: int) -> list[Collective]:
 
 def bytes_where(found: Iterable[Collective], where: str) -> int:
     return sum(c.bytes for c in found if c.where == where)
+
+
+# Instructions that launch no kernel (views, tuples, control flow itself).
+_NO_KERNEL = {
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "conditional",
+    "while",
+    "call",
+    "after-all",
+    "opt-barrier",
+    "partition-id",
+    "replica-id",
+}
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
+    r"(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)(?P<rest>.*)$"
+)
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """The kernels one path through a compiled step runs, and what they move."""
+
+    kernels: int = 0
+    bytes: int = 0  # operands read plus results written, kernel by kernel
+    copies: list[int] = dataclasses.field(default_factory=list)  # bytes of each
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(
+            self.kernels + other.kernels,
+            self.bytes + other.bytes,
+            self.copies + other.copies,
+        )
+
+    def __mul__(self, n: int) -> Traffic:
+        return Traffic(self.kernels * n, self.bytes * n, self.copies * n)
+
+
+def traffic(hlo_text: str, taken: bool) -> Traffic:
+    """The kernels of one call of a compiled step and the bytes they move.
+
+    Every conditional takes its true branch (``taken``) or its false one, and a
+    loop of unknown trip count (``MaskedMultiSteps``' window loop on non-CPU
+    backends, which runs at most once) runs once or not at all: with ``taken``
+    the path of a call that closes a window, without it that of a call between
+    window ends. A loop of known trip count (a ``scan``) runs that many times.
+    A kernel's bytes are its operands' and its result's (a model of the
+    traffic of a memory-bound step, not a measurement).
+    """
+    bodies, entry = _computations(hlo_text)
+
+    def walk(name: str) -> Traffic:
+        shapes: dict[str, str] = {}
+        total = Traffic()
+        for line in bodies.get(name, []):
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            shapes[m["name"]] = m["shape"]
+            op, rest = m["op"], m["rest"]
+            if op == "conditional":
+                branch = "true_computation" if taken else "false_computation"
+                called = re.search(branch + r"=%?([\w.\-]+)", rest)
+                if called is not None:
+                    total += walk(called.group(1))
+                    continue
+                # An indexed one (`lax.cond` lowers to index 0 false, 1 true).
+                listed = re.search(r"branch_computations=\{([^}]*)\}", rest)
+                assert listed is not None, line
+                branches = [b.strip().lstrip("%") for b in listed.group(1).split(",")]
+                total += walk(branches[min(int(taken), len(branches) - 1)])
+            elif op == "while":
+                body = re.search(r"body=%?([\w.\-]+)", rest)
+                condition = re.search(r"condition=%?([\w.\-]+)", rest)
+                assert body is not None and condition is not None, line
+                trips = _TRIP_COUNT.search(rest)
+                n = int(trips.group(1)) if trips else int(taken)
+                total += (walk(body.group(1)) + walk(condition.group(1))) * n
+                total += walk(condition.group(1))
+            elif op not in _NO_KERNEL:
+                args = [a.strip().lstrip("%") for a in m["args"].split(",")]
+                moved = _shape_bytes(m["shape"]) + sum(
+                    _shape_bytes(shapes.get(a, "")) for a in args
+                )
+                copies = [_shape_bytes(m["shape"])] if op == "copy" else []
+                total += Traffic(1, moved, copies)
+        return total
+
+    return walk(entry)
 
 
 @contextlib.contextmanager

@@ -212,3 +212,42 @@ def test_window_rules_need_no_extra_scratch_memory(loop):
     norm = temp(norm_test=mm.norm_test(0.5, min_microbatches=2))
     assert budget <= fixed + STATS_SCALAR_SLACK, (budget, fixed)
     assert norm <= fixed + STATS_SCALAR_SLACK, (norm, fixed)
+
+
+def _floor_loop():
+    """The gradient and a bare running mean: what any accumulation must do."""
+
+    def step(carry, batch):
+        params, acc, total = carry
+        grads, count = _grads(params, batch)
+        acc, total = mm.running_mean_update(acc, total, grads, count)
+        return params, acc, total
+
+    return step, (PARAMS, PARAMS, jax.ShapeDtypeStruct((), jnp.int32))
+
+
+@pytest.mark.parametrize("form", ["cond", "loop"])
+def test_between_window_ends_apply_gradients_moves_what_the_floor_moves(
+    form, monkeypatch
+):
+    # Kernel by kernel, the bytes a compiled step reads and writes on a
+    # microbatch that does not close its window (tests/_helpers.traffic): the
+    # fused step adds scalars to the floor's traffic, no pass over the
+    # parameters or the optimizer state, and no parameter-sized copy, in both
+    # forms of the window's conditional (the loop is what GPUs get).
+    from _helpers import traffic
+
+    from masked_multistep import _branch
+
+    if form == "loop":
+        monkeypatch.setitem(_branch._FORMS, "cpu", _branch._as_loop)
+
+    def between(step_and_carry):
+        step, carry = step_and_carry
+        text = jax.jit(step, donate_argnums=0).lower(carry, BATCH).compile().as_text()
+        return traffic(text, taken=False)
+
+    floor = between(_floor_loop())
+    moved = between(_apply_gradients_loop(mm.MaskedMultiSteps(_adam(), K)))
+    assert floor.bytes <= moved.bytes <= floor.bytes + 1024, (moved, floor)
+    assert not [b for b in moved.copies if b >= PARAM_BYTES // LAYERS], moved

@@ -1,0 +1,218 @@
+"""The window's conditional in both of its forms (``masked_multistep._branch``).
+
+Non-CPU backends run the window's conditional as a ``while_loop`` that runs at
+most once (XLA:GPU copies the buffers a ``lax.cond`` branch passes through);
+CPU keeps ``lax.cond``. These tests give the CPU the loop form too
+(``_FORMS["cpu"]``) and check that it computes the same bits as the
+conditional through whole training runs (statistics, skips, empty and NaN
+microbatches, token budgets, the deferred reduction on 8 devices), that
+derivatives and ``vmap`` work through it, and that its compiled program updates
+the state in place (no parameter-sized copies).
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import masked_multistep as mm
+from masked_multistep import _branch
+
+W = 64  # parameters per leaf: 64 x 64 float32, 16 KiB
+
+
+@pytest.fixture(params=["cond", "loop"])
+def form(request, monkeypatch):
+    """Runs the test with the CPU program in the given form."""
+    if request.param == "loop":
+        monkeypatch.setitem(_branch._FORMS, "cpu", _branch._as_loop)
+    return request.param
+
+
+def _loop_on_cpu(monkeypatch):
+    monkeypatch.setitem(_branch._FORMS, "cpu", _branch._as_loop)
+
+
+def test_both_forms_compute_the_taken_branch(form):
+    def step(state, g, scale):
+        return (state[0] - scale * g, state[1] + 1), jnp.float32(1)
+
+    def hold(state, g, scale):
+        return jnp.float32(0)
+
+    state = (jnp.ones(3), jnp.int32(5))
+
+    @jax.jit
+    def f(pred):
+        return _branch.in_place_cond(pred, step, hold, state, jnp.ones(3), 2.0)
+
+    (x, n), extra = f(jnp.bool_(True))
+    np.testing.assert_array_equal(x, -np.ones(3))
+    assert int(n) == 6 and float(extra) == 1.0
+    (x, n), extra = f(jnp.bool_(False))
+    np.testing.assert_array_equal(x, np.ones(3))
+    assert int(n) == 5 and float(extra) == 0.0
+    # A batched predicate: each example its own branch.
+    (x, n), extra = jax.vmap(f)(jnp.array([True, False]))
+    np.testing.assert_array_equal(x, [[-1.0] * 3, [1.0] * 3])
+    np.testing.assert_array_equal(n, [6, 5])
+    np.testing.assert_array_equal(extra, [1.0, 0.0])
+
+
+def test_derivatives_go_through_in_both_forms_also_for_closed_over_values(form):
+    # Reverse mode (a while loop has none of its own) and forward mode, with
+    # respect to an operand and to a value the branch closes over.
+    def f(x, lr, pred):
+        def step(state, g):
+            return lr * state * g, jnp.sum(state)
+
+        def hold(state, g):
+            return jnp.zeros([])
+
+        y, extra = _branch.in_place_cond(pred, step, hold, x, x)
+        return jnp.sum(y) + extra
+
+    x = jnp.array([1.0, 2.0])
+    for pred, dx, dlr in ((True, 2 * 3.0 * x + 1, 5.0), (False, np.ones(2), 0.0)):
+        g = jax.jit(jax.grad(f, argnums=(0, 1)))(x, 3.0, jnp.bool_(pred))
+        np.testing.assert_allclose(g[0], dx)
+        np.testing.assert_allclose(g[1], dlr)
+        _, t = jax.jvp(functools.partial(f, x, pred=jnp.bool_(pred)), (3.0,), (1.0,))
+        np.testing.assert_allclose(t, dlr)
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {
+        "a": jnp.asarray(rng.normal(size=(W, W)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(W, W)), jnp.float32) / 4,
+    }
+
+
+def _loss(params, mb):
+    h = jnp.tanh(mb["x"] @ params["a"]) @ params["b"]
+    return mm.masked_mean((h - mb["y"]) ** 2, mb["mask"])
+
+
+def _microbatches(rows=4, n=10, seed=1):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        mb = {
+            "x": rng.normal(size=(rows, W)).astype(np.float32),
+            "y": rng.normal(size=(rows, W)).astype(np.float32),
+            "mask": rng.random((rows, W)) < 0.7,
+        }
+        if i == 2:
+            mb["mask"][:] = False  # an empty microbatch
+        if i == 6:
+            mb["x"][0, 0] = np.nan  # a NaN gradient
+        out.append(mb)
+    return out
+
+
+def _tx(**kwargs):
+    return mm.MaskedMultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), **kwargs
+    )
+
+
+CONFIGS = {
+    "update": dict(every_k_schedule=3),
+    "update, skip, stats": dict(
+        every_k_schedule=3,
+        should_skip_update_fn=optax.skip_not_finite,
+        window_stats=True,
+    ),
+    "token budget": dict(tokens_per_window=300),
+}
+
+
+def _run(tx, apply_params):
+    @jax.jit
+    def step(params, state, mb):
+        (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
+        if apply_params:
+            return tx.apply_gradients(grads, state, params, count=count, value=loss)
+        updates, state = tx.update(grads, state, params, count=count, value=loss)
+        return optax.apply_updates(params, updates), state
+
+    params = _params()
+    state = tx.init(params)
+    for mb in _microbatches():
+        params, state = step(params, state, mb)
+    return params, state
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("apply_params", [False, True], ids=["update", "apply"])
+def test_the_loop_form_trains_bit_for_bit_like_the_conditional(
+    config, apply_params, monkeypatch
+):
+    want = _run(_tx(**CONFIGS[config]), apply_params)
+    _loop_on_cpu(monkeypatch)
+    got = _run(_tx(**CONFIGS[config]), apply_params)
+    assert int(got[1].gradient_step) >= 2
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_the_loop_form_with_the_deferred_reduction_on_8_devices(monkeypatch):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    grad_fn = mm.per_device_value_and_grad(_loss, mesh, "data")
+
+    def run():
+        tx = _tx(every_k_schedule=3, reduction=mm.deferred(mesh, "data"))
+        params = jax.device_put(_params(), NamedSharding(mesh, P()))
+        state = tx.init(params)
+
+        @jax.jit
+        def step(params, state, mb):
+            (loss, count), grads = grad_fn(params, mb)
+            return tx.apply_gradients(grads, state, params, count=count, value=loss)
+
+        for mb in _microbatches(rows=16):
+            mb = jax.device_put(mb, NamedSharding(mesh, P("data")))
+            params, state = step(params, state, mb)
+        return params, state
+
+    want = run()
+    _loop_on_cpu(monkeypatch)
+    got = run()
+    assert int(got[1].gradient_step) == 2  # of 3 windows, one NaN
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+_COPY = re.compile(r"=\s*f32\[(\d+),(\d+)\]\S*\s+copy\(")
+
+
+@pytest.mark.parametrize("apply_params", [False, True], ids=["update", "apply"])
+def test_the_loop_form_updates_the_state_in_place(apply_params, monkeypatch):
+    # The loop's state is the accumulator, the inner state and the params: no
+    # parameter-sized copy anywhere in the step (the window's mean is read from
+    # the state, not passed in beside it as a second name for one buffer), and
+    # no temporary as large as a parameter leaf beyond what the gradient needs.
+    _loop_on_cpu(monkeypatch)
+    tx = _tx(every_k_schedule=3, window_stats=True)
+
+    def step(params, state, mb):
+        (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
+        if apply_params:
+            return tx.apply_gradients(grads, state, params, count=count, value=loss)
+        updates, state = tx.update(grads, state, params, count=count, value=loss)
+        return optax.apply_updates(params, updates), state
+
+    params = _params()
+    compiled = (
+        jax.jit(step, donate_argnums=(0, 1))
+        .lower(params, tx.init(params), _microbatches()[0])
+        .compile()
+    )
+    text = compiled.as_text()
+    assert " while(" in text and " conditional(" not in text.split("ENTRY")[1]
+    assert not [m for m in _COPY.finditer(text) if m.groups() == (str(W), str(W))]
