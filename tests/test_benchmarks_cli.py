@@ -97,3 +97,14 @@ def test_bench_compile_times_every_competitor_and_counts_its_kernels(capsys):
         > fusions["MaskedMultiSteps apply_gradients"]
     )
     assert "4 leaves" in capsys.readouterr().out
+
+
+def test_bench_gpu_program_without_the_cuda_plugin_says_what_to_install():
+    # CI has no CUDA plugin: the script stops with a hint, not a traceback.
+    proc = run("bench_gpu_program.py", "--width", "64")
+    if proc.returncode == 0:  # a machine with jax's CUDA plugin installed
+        assert "x floor" in proc.stdout
+        return
+    assert proc.returncode == 1, proc.stderr
+    assert "install jax's CUDA plugin" in proc.stderr
+    assert "Traceback" not in proc.stderr
