@@ -11,7 +11,7 @@ optimizer-bound workload a step is memory-bound, so the bytes model its time;
 they are figures of the program, not a timing.
 
 ``MaskedMultiSteps`` runs each window's conditional as a ``while_loop`` that
-runs at most once on non-CPU backends (``masked_multistep/_branch.py``);
+runs at most once on GPUs (``masked_multistep/_branch.py``);
 ``--form cond`` compiles it as ``lax.cond`` instead, to show what XLA:GPU's
 copy insertion does with that.
 
@@ -147,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.form == "cond":
-        _branch._FORMS["default"] = _branch._as_cond
+        _branch._FORMS["cuda"] = _branch._as_cond
     sharding = gpu_sharding()
     workload = steps.Workload(args.width)
     rows = [program(make, workload, args.k, sharding) for make in COMPETITORS]

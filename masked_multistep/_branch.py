@@ -9,9 +9,10 @@ pass-through buffer in that branch and copies the conditional's outputs again
 into the step's donated outputs: for adam, 20 parameter-sized copies on every
 microbatch, more memory traffic than the gradient itself on an optimizer-bound
 step, and three parameter-sized temporaries. A ``while_loop`` that runs its
-body at most once has no such copies on any backend (a loop's state is updated
-in place), so that is what non-CPU backends get; on CPU the plain
-``lax.cond`` stays. Both compute the same values.
+body at most once has no such copies (a loop's state is updated in place), so
+that is what GPUs (CUDA, ROCm) get; CPUs and TPUs, whose conditionals keep
+their buffers in place (read from compiled programs, a TPU v5e's too), keep the
+plain ``lax.cond``. Both forms compute the same values.
 
 The choice is made when the program is lowered for its platform
 (``lax.platform_dependent``), so a program compiled ahead of time for a GPU gets
@@ -93,9 +94,9 @@ def _as_loop(true_c, false_c, n_true, pred, consts, args):
     return state, extra
 
 
-# The form each platform's program gets: the plain conditional where it keeps
-# pass-through buffers in place (CPU), the loop everywhere else.
-_FORMS = {"cpu": _as_cond, "default": _as_loop}
+# The form each platform's program gets: the loop where a conditional copies
+# the buffers it passes through (XLA:GPU), the conditional everywhere else.
+_FORMS = {"cuda": _as_loop, "rocm": _as_loop, "default": _as_cond}
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))

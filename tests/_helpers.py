@@ -195,8 +195,8 @@ def traffic(hlo_text: str, taken: bool) -> Traffic:
     """The kernels of one call of a compiled step and the bytes they move.
 
     Every conditional takes its true branch (``taken``) or its false one, and a
-    loop of unknown trip count (``MaskedMultiSteps``' window loop on non-CPU
-    backends, which runs at most once) runs once or not at all: with ``taken``
+    loop of unknown trip count (``MaskedMultiSteps``' window loop on GPUs,
+    which runs at most once) runs once or not at all: with ``taken``
     the path of a call that closes a window, without it that of a call between
     window ends. A loop of known trip count (a ``scan``) runs that many times.
     A kernel's bytes are its operands' and its result's (a model of the

@@ -1,8 +1,8 @@
 """The window's conditional in both of its forms (``masked_multistep._branch``).
 
-Non-CPU backends run the window's conditional as a ``while_loop`` that runs at
-most once (XLA:GPU copies the buffers a ``lax.cond`` branch passes through);
-CPU keeps ``lax.cond``. These tests give the CPU the loop form too
+GPUs run the window's conditional as a ``while_loop`` that runs at most once
+(XLA:GPU copies the buffers a ``lax.cond`` branch passes through); CPUs and
+TPUs keep ``lax.cond``. These tests give the CPU the loop form too
 (``_FORMS["cpu"]``) and check that it computes the same bits as the
 conditional through whole training runs (statistics, skips, empty and NaN
 microbatches, token budgets, the deferred reduction on 8 devices), that
