@@ -84,6 +84,7 @@ COMPETITORS = (
     steps.optax_multisteps,
     steps.masked_multisteps,
     steps.masked_multisteps_stats,
+    steps.masked_multisteps_norm_test,
     steps.train_state,
     steps.train_state_stats,
 )

@@ -913,6 +913,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             gate.n,
             gate.local_counts,
         )
+        if self._recorder.enabled:
+            grads = _stats.materialized_on_gpu(grads)
         acc_grads, acc_count, reduction_state = self._reduction.accumulate(
             state.acc_grads,
             state.acc_count,

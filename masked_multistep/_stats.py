@@ -112,6 +112,7 @@ __all__ = [
     "WindowStatsState",
     "add_tokens",
     "init_window_stats",
+    "materialized_on_gpu",
     "accumulate_window_stats",
     "accumulate_window_stats_per_device",
     "device_shares",
@@ -821,6 +822,27 @@ def one_window_stats(
     return state.last
 
 
+def materialized_on_gpu(tree: Any) -> Any:
+    """``tree``, each leaf materialized on GPUs: for gradients that the
+    accumulation and the statistics' squared norm both read.
+
+    XLA:GPU fuses a reduction into a sibling elementwise pass over the same
+    input (one pass over memory) when that input is a buffer, not when it is a
+    matrix product's output, as a gradient usually is: the squared norm would
+    read the gradient a second time. Behind an ``optimization_barrier`` (per
+    leaf, so that no leaf's buffer lives longer than it must) each gradient is
+    a buffer, read once by both. Other platforms get ``tree`` as it is.
+    """
+
+    def leaf(x: Any) -> Any:
+        barrier = jax.lax.optimization_barrier
+        return jax.lax.platform_dependent(
+            x, cuda=barrier, rocm=barrier, default=lambda x: x
+        )
+
+    return jax.tree.map(leaf, tree)
+
+
 def with_window_stats(
     accumulator: optax.microbatching.Accumulator,
     grads_and_weight: Callable[[Any], tuple[Any, jax.Array]],
@@ -852,6 +874,7 @@ def with_window_stats(
 
     def update(carry, value, index):
         inner, stats = carry
+        value = materialized_on_gpu(value)
         grads, weight = grads_and_weight(value)
         stats = accumulate_window_stats(stats, grads, weight)
         return accumulator.update(inner, value, index), stats

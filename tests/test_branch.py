@@ -216,3 +216,34 @@ def test_the_loop_form_updates_the_state_in_place(apply_params, monkeypatch):
     text = compiled.as_text()
     assert " while(" in text and " conditional(" not in text.split("ENTRY")[1]
     assert not [m for m in _COPY.finditer(text) if m.groups() == (str(W), str(W))]
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu", "cuda", "rocm"])
+def test_each_platform_gets_its_form(platform):
+    # Lowered (not compiled) for each platform: GPUs get the loop and their
+    # gradients materialized for the statistics (an optimization barrier);
+    # CPUs and TPUs the conditional and the gradients as they are.
+    gpu = platform in ("cuda", "rocm")
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    params = _params()
+
+    def step(params, state, mb):
+        (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
+        return tx.apply_gradients(grads, state, params, count=count, value=loss)
+
+    lowered = (
+        jax.jit(step)
+        .trace(params, tx.init(params), _microbatches()[0])
+        .lower(lowering_platforms=(platform,))
+        .as_text()
+    )
+    assert ("stablehlo.while" in lowered) == gpu
+    assert ("optimization_barrier" in lowered) == gpu
+    grad_fn = mm.microbatched_value_and_grad(_loss, 2, with_stats=True)
+    lowered = (
+        jax.jit(grad_fn)
+        .trace(params, _microbatches(rows=4, n=1)[0])
+        .lower(lowering_platforms=(platform,))
+        .as_text()
+    )
+    assert ("optimization_barrier" in lowered) == gpu
