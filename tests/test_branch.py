@@ -134,8 +134,9 @@ CONFIGS = {
 }
 
 
-def _run(tx, apply_params):
-    @jax.jit
+def _step(tx, apply_params):
+    """One microbatch: `tx.apply_gradients`, or `tx.update` and `apply_updates`."""
+
     def step(params, state, mb):
         (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
         if apply_params:
@@ -143,6 +144,11 @@ def _run(tx, apply_params):
         updates, state = tx.update(grads, state, params, count=count, value=loss)
         return optax.apply_updates(params, updates), state
 
+    return step
+
+
+def _run(tx, apply_params):
+    step = jax.jit(_step(tx, apply_params))
     params = _params()
     state = tx.init(params)
     for mb in _microbatches():
@@ -195,21 +201,12 @@ _COPY = re.compile(r"=\s*f32\[(\d+),(\d+)\]\S*\s+copy\(")
 def test_the_loop_form_updates_the_state_in_place(apply_params, monkeypatch):
     # The loop's state is the accumulator, the inner state and the params: no
     # parameter-sized copy anywhere in the step (the window's mean is read from
-    # the state, not passed in beside it as a second name for one buffer), and
-    # no temporary as large as a parameter leaf beyond what the gradient needs.
+    # the state, not passed in beside it as a second name for one buffer).
     _loop_on_cpu(monkeypatch)
     tx = _tx(every_k_schedule=3, window_stats=True)
-
-    def step(params, state, mb):
-        (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
-        if apply_params:
-            return tx.apply_gradients(grads, state, params, count=count, value=loss)
-        updates, state = tx.update(grads, state, params, count=count, value=loss)
-        return optax.apply_updates(params, updates), state
-
     params = _params()
     compiled = (
-        jax.jit(step, donate_argnums=(0, 1))
+        jax.jit(_step(tx, apply_params), donate_argnums=(0, 1))
         .lower(params, tx.init(params), _microbatches()[0])
         .compile()
     )
@@ -226,13 +223,8 @@ def test_each_platform_gets_its_form(platform):
     gpu = platform in ("cuda", "rocm")
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
     params = _params()
-
-    def step(params, state, mb):
-        (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
-        return tx.apply_gradients(grads, state, params, count=count, value=loss)
-
     lowered = (
-        jax.jit(step)
+        jax.jit(_step(tx, apply_params=True))
         .trace(params, tx.init(params), _microbatches()[0])
         .lower(lowering_platforms=(platform,))
         .as_text()
