@@ -1,38 +1,51 @@
-"""A conditional that updates its state in place on every backend.
+"""The window's conditional, in the form that keeps its state in place.
 
 ``MaskedMultiSteps`` runs the inner optimizer only when a window closes: a
 conditional whose other branch passes the optimizer state, the accumulator and
-the parameters through untouched. XLA:CPU keeps those buffers in place (the
-pass-through branch moves no bytes), but XLA:GPU's default copy insertion (its
+the parameters through untouched. XLA:CPU and the TPU compiler keep those
+buffers in place (the pass-through branch runs no kernel; read from compiled
+programs, a TPU v5e's too), but XLA:GPU's default copy insertion (its
 ``xla_gpu_copy_insertion_use_region_analysis`` is off) copies every
 pass-through buffer in that branch and copies the conditional's outputs again
 into the step's donated outputs: for adam, 20 parameter-sized copies on every
 microbatch, more memory traffic than the gradient itself on an optimizer-bound
 step, and three parameter-sized temporaries. A ``while_loop`` that runs its
 body at most once has no such copies (a loop's state is updated in place), so
-that is what GPUs (CUDA, ROCm) get; CPUs and TPUs, whose conditionals keep
-their buffers in place (read from compiled programs, a TPU v5e's too), keep the
-plain ``lax.cond``. Both forms compute the same values.
+that is what a GPU gets: a program traced while the default backend is a GPU
+(``jax.default_backend()``; a program lowered for a GPU from a host whose
+default is the CPU gets the conditional). Elsewhere it is the plain
+``lax.cond``.
 
-The choice is made when the program is lowered for its platform
-(``lax.platform_dependent``), so a program compiled ahead of time for a GPU gets
-the loop too. A ``while_loop`` cannot be differentiated in reverse mode, so
-derivatives go through the ``lax.cond`` form (a ``custom_jvp`` whose rule is the
-conditional's own).
+The loop cannot be differentiated in reverse mode, so it is a ``custom_jvp``
+whose rule is the conditional's: derivatives (and the values computed beside
+them) go through ``lax.cond``. One case still fails on a GPU: reverse-mode
+derivatives of a ``vmap`` whose examples take different branches (the rule's
+batched conditional has no transpose).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 __all__ = ["in_place_cond"]
 
 S = TypeVar("S")
+
+# "loop" or "cond" to choose the form whatever the backend (tests, and
+# benchmarks that compile for a GPU without one); None: by the default backend.
+FORM: Literal["loop", "cond"] | None = None
+
+
+def _loop_form() -> bool:
+    if FORM is not None:
+        return FORM == "loop"
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 def in_place_cond(
@@ -61,56 +74,57 @@ def in_place_cond(
     """
     pred = jnp.asarray(pred, jnp.bool_)
     args = (state, *operands)
-    # Closures (an inner optimizer built around traced values) become explicit
-    # arguments, so that the custom rule differentiates with respect to them.
-    true_c, true_consts = jax.closure_convert(true_fn, *args)
-    false_c, false_consts = jax.closure_convert(false_fn, *args)
-    return _cond(
-        true_c, false_c, len(true_consts), pred, true_consts + false_consts, args
-    )
+    if not _loop_form():
+        return jax.lax.cond(
+            pred, lambda a: true_fn(*a), lambda a: (a[0], false_fn(*a)), args
+        )
+    # Every value the branches close over (tracers of enclosing transformations
+    # included, integer ones too) becomes an argument of the custom_jvp, so that
+    # its rule differentiates with respect to them and no trace leaks into it.
+    true_c, true_consts = _closure_converted(true_fn, args)
+    false_c, false_consts = _closure_converted(false_fn, args)
+    return _loop(true_c, false_c, pred, (true_consts, false_consts), args)
 
 
-def _as_cond(true_c, false_c, n_true, pred, consts, args):
-    t, f = consts[:n_true], consts[n_true:]
+def _closure_converted(fn: Callable[..., Any], args: tuple) -> tuple[Callable, list]:
+    """``fn`` as a function of ``(consts, *args)``, and its closed-over consts."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out_tree = jax.tree.structure(out_shape)
+
+    def converted(consts: list, *args: Any) -> Any:
+        with_consts = ClosedJaxpr(closed.jaxpr, consts)
+        flat = jaxpr_as_fun(with_consts)(*jax.tree.leaves(args))
+        return jax.tree.unflatten(out_tree, flat)
+
+    return converted, list(closed.consts)
+
+
+def _as_cond(true_c, false_c, pred, consts, args):
+    t, f = consts
     return jax.lax.cond(
         pred,
-        lambda a: true_c(*a, *t),
-        lambda a: (a[0], false_c(*a, *f)),
+        lambda a: true_c(t, *a),
+        lambda a: (a[0], false_c(f, *a)),
         args,
     )
 
 
-def _as_loop(true_c, false_c, n_true, pred, consts, args):
-    t, f = consts[:n_true], consts[n_true:]
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _loop(true_c, false_c, pred, consts, args):
+    t, f = consts
     state, *operands = args
 
     def body(carry):
         _, state, _ = carry
-        new_state, extra = true_c(state, *operands, *t)
+        new_state, extra = true_c(t, state, *operands)
         return jnp.zeros([], jnp.bool_), new_state, extra
 
-    init = (pred, state, false_c(*args, *f))
+    init = (pred, state, false_c(f, *args))
     _, state, extra = jax.lax.while_loop(lambda c: c[0], body, init)
     return state, extra
 
 
-# The form each platform's program gets: the loop where a conditional copies
-# the buffers it passes through (XLA:GPU), the conditional everywhere else.
-_FORMS = {"cuda": _as_loop, "rocm": _as_loop, "default": _as_cond}
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _cond(true_c, false_c, n_true, pred, consts, args):
-    forms = {
-        platform: functools.partial(form, true_c, false_c, n_true)
-        for platform, form in _FORMS.items()
-    }
-    return jax.lax.platform_dependent(pred, consts, args, **forms)
-
-
-@_cond.defjvp
-def _cond_jvp(true_c, false_c, n_true, primals, tangents):
-    # Derivatives of the conditional itself (a while loop has none in reverse
-    # mode); the values are the same in both forms.
-    form = functools.partial(_as_cond, true_c, false_c, n_true)
-    return jax.jvp(form, primals, tangents)
+@_loop.defjvp
+def _loop_jvp(true_c, false_c, primals, tangents):
+    # The conditional's derivatives (a while loop has none in reverse mode).
+    return jax.jvp(functools.partial(_as_cond, true_c, false_c), primals, tangents)

@@ -233,7 +233,9 @@ def traffic(hlo_text: str, taken: bool) -> Traffic:
                 total += (walk(body.group(1)) + walk(condition.group(1))) * n
                 total += walk(condition.group(1))
             elif op not in _NO_KERNEL:
-                args = [a.strip().lstrip("%") for a in m["args"].split(",")]
+                # (Every fifth operand is printed after an /*index=N*/ comment.)
+                listed = re.sub(r"/\*.*?\*/", "", m["args"])
+                args = [a.strip().lstrip("%") for a in listed.split(",")]
                 moved = _shape_bytes(m["shape"]) + sum(
                     _shape_bytes(shapes.get(a, "")) for a in args
                 )

@@ -3,7 +3,7 @@
 GPUs run the window's conditional as a ``while_loop`` that runs at most once
 (XLA:GPU copies the buffers a ``lax.cond`` branch passes through); CPUs and
 TPUs keep ``lax.cond``. These tests give the CPU the loop form too
-(``_FORMS["cpu"]``) and check that it computes the same bits as the
+(``_branch.FORM``) and check that it computes the same bits as the
 conditional through whole training runs (statistics, skips, empty and NaN
 microbatches, token budgets, the deferred reduction on 8 devices), that
 derivatives and ``vmap`` work through it, and that its compiled program updates
@@ -11,6 +11,7 @@ the state in place (no parameter-sized copies).
 """
 
 import functools
+import gc
 import re
 
 import jax
@@ -31,12 +32,12 @@ W = 64  # parameters per leaf: 64 x 64 float32, 16 KiB
 def form(request, monkeypatch):
     """Runs the test with the CPU program in the given form."""
     if request.param == "loop":
-        monkeypatch.setitem(_branch._FORMS, "cpu", _branch._as_loop)
+        monkeypatch.setattr(_branch, "FORM", "loop")
     return request.param
 
 
 def _loop_on_cpu(monkeypatch):
-    monkeypatch.setitem(_branch._FORMS, "cpu", _branch._as_loop)
+    monkeypatch.setattr(_branch, "FORM", "loop")
 
 
 def test_both_forms_compute_the_taken_branch(form):
@@ -216,26 +217,82 @@ def test_the_loop_form_updates_the_state_in_place(apply_params, monkeypatch):
 
 
 @pytest.mark.parametrize("platform", ["cpu", "tpu", "cuda", "rocm"])
-def test_each_platform_gets_its_form(platform):
-    # Lowered (not compiled) for each platform: GPUs get the loop and their
-    # gradients materialized for the statistics (an optimization barrier);
-    # CPUs and TPUs the conditional and the gradients as they are.
+def test_gpus_get_their_gradients_materialized_for_the_statistics(platform):
+    # Lowered (not compiled) for each platform: on GPUs each gradient leaf goes
+    # through an optimization barrier before the accumulation and the
+    # statistics read it; elsewhere the gradients are read as they are.
     gpu = platform in ("cuda", "rocm")
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
     params = _params()
-    lowered = (
-        jax.jit(_step(tx, apply_params=True))
-        .trace(params, tx.init(params), _microbatches()[0])
-        .lower(lowering_platforms=(platform,))
-        .as_text()
-    )
-    assert ("stablehlo.while" in lowered) == gpu
-    assert ("optimization_barrier" in lowered) == gpu
+
+    def lowered(fn, *args):
+        trace = jax.jit(fn).trace(*args)
+        return trace.lower(lowering_platforms=(platform,)).as_text()
+
+    text = lowered(_step(tx, True), params, tx.init(params), _microbatches()[0])
+    assert ("optimization_barrier" in text) == gpu
     grad_fn = mm.microbatched_value_and_grad(_loss, 2, with_stats=True)
-    lowered = (
-        jax.jit(grad_fn)
-        .trace(params, _microbatches(rows=4, n=1)[0])
-        .lower(lowering_platforms=(platform,))
+    text = lowered(grad_fn, params, _microbatches(rows=4, n=1)[0])
+    assert ("optimization_barrier" in text) == gpu
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
+def test_the_form_follows_the_default_backend(backend, monkeypatch):
+    # The loop where the default backend is a GPU, the conditional elsewhere.
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2)
+    params = _params()
+    text = (
+        jax.jit(_step(tx, True))
+        .trace(params, tx.init(params), _microbatches()[0])
+        .lower()
         .as_text()
     )
-    assert ("optimization_barrier" in lowered) == gpu
+    assert ("stablehlo.while" in text) == (backend == "gpu")
+
+
+def test_closed_over_integer_tracers_under_jit_and_grad(form):
+    # An inner optimizer whose schedule closes over an integer tracer (its
+    # warmup) and a learning rate being differentiated, built inside the
+    # differentiated function, in a scan over microbatches.
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(6, 3)), jnp.float32)
+
+    def train(lr, warmup):
+        sched = lambda c: jnp.where(c < warmup, lr / 2, lr)  # noqa: E731
+        tx = mm.MaskedMultiSteps(optax.sgd(sched), 2)
+        w = jnp.ones(3)
+
+        def body(carry, xi):
+            w, state = carry
+            g = jax.grad(lambda w: jnp.sum((xi @ w) ** 2))(w)
+            return tx.apply_gradients(g, state, w, count=1), None
+
+        (w, _), _ = jax.lax.scan(body, (w, tx.init(w)), x)
+        return jnp.sum(w**2)
+
+    got = jax.jit(jax.grad(train))(0.1, jnp.int32(2))
+    assert got == jax.grad(jax.jit(train))(0.1, jnp.int32(2))
+    eps = 1e-3
+    fd = (train(0.1 + eps, jnp.int32(2)) - train(0.1 - eps, jnp.int32(2))) / (2 * eps)
+    np.testing.assert_allclose(got, fd, rtol=1e-2)
+
+
+def test_eager_steps_keep_no_gradients_alive(form):
+    # The branches' closures hold this call's gradients; nothing may keep them
+    # (or their trace) once the call returns.
+    tx = mm.MaskedMultiSteps(optax.adam(1e-3), 4)
+    params = {"w": jnp.zeros(1 << 18)}  # 1 MiB
+    state = tx.init(params)
+
+    def live():
+        gc.collect()
+        return sum(a.nbytes for a in jax.live_arrays())
+
+    for i in range(6):
+        grads = {"w": jnp.full(1 << 18, float(i))}
+        updates, state = tx.update(grads, state, params, count=jnp.int32(10))
+        params = optax.apply_updates(params, updates)
+        del grads, updates
+        if i == 1:
+            before = live()
+    assert live() <= before
