@@ -212,26 +212,23 @@ def traffic(hlo_text: str, taken: bool) -> Traffic:
             if not m:
                 continue
             shapes[m["name"]] = m["shape"]
-            op, rest = m["op"], m["rest"]
+            op = m["op"]
+            called = {c["key"]: c["value"] for c in _CALLS.finditer(m["rest"])}
             if op == "conditional":
-                branch = "true_computation" if taken else "false_computation"
-                called = re.search(branch + r"=%?([\w.\-]+)", rest)
-                if called is not None:
-                    total += walk(called.group(1))
+                if "true_computation" in called:
+                    branch = "true_computation" if taken else "false_computation"
+                    total += walk(called[branch].lstrip("%"))
                     continue
                 # An indexed one (`lax.cond` lowers to index 0 false, 1 true).
-                listed = re.search(r"branch_computations=\{([^}]*)\}", rest)
-                assert listed is not None, line
-                branches = [b.strip().lstrip("%") for b in listed.group(1).split(",")]
+                listed = called["branch_computations"].strip("{}").split(",")
+                branches = [b.strip().lstrip("%") for b in listed]
                 total += walk(branches[min(int(taken), len(branches) - 1)])
             elif op == "while":
-                body = re.search(r"body=%?([\w.\-]+)", rest)
-                condition = re.search(r"condition=%?([\w.\-]+)", rest)
-                assert body is not None and condition is not None, line
-                trips = _TRIP_COUNT.search(rest)
+                body = walk(called["body"].lstrip("%"))
+                condition = walk(called["condition"].lstrip("%"))
+                trips = _TRIP_COUNT.search(m["rest"])
                 n = int(trips.group(1)) if trips else int(taken)
-                total += (walk(body.group(1)) + walk(condition.group(1))) * n
-                total += walk(condition.group(1))
+                total += (body + condition) * n + condition
             elif op not in _NO_KERNEL:
                 # (Every fifth operand is printed after an /*index=N*/ comment.)
                 listed = re.sub(r"/\*.*?\*/", "", m["args"])
