@@ -24,7 +24,8 @@ The count contract (what :class:`MaskedMultiSteps` accepts as ``count=``):
 * A concrete negative, NaN, infinite or too large count raises ``ValueError``.
   Under ``jit``, where the value is unknown, such a count (or one that would
   overflow the window's total) is treated as a skipped microbatch and counted
-  in ``state.num_invalid_counts``; it is never accumulated.
+  in ``state.num_invalid_counts``; it is never accumulated. A window whose
+  total cannot take a count is full: it closes on that microbatch.
 
 The same contract, with ``float32``, holds for the counts that
 :func:`microbatched_value_and_grad` (returned by ``loss_fn``) and

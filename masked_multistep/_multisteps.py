@@ -59,7 +59,8 @@ class MaskedMultiStepsState(NamedTuple):
       updated: whether the last ``update`` applied an inner update.
       num_invalid_counts: microbatches skipped because their count was
         negative or non-finite under ``jit`` (concrete ones raise), or would
-        overflow the window's total (eagerly too) (with a deferred reduction
+        overflow the window's total (eagerly too; the full window then closes
+        on that microbatch) (with a deferred reduction
         agreeing only at the window's end, devices' shares, added when the
         window closes, and 1 for a window dropped whole because its combined
         total does not fit ``count_dtype``).
@@ -106,6 +107,7 @@ class _Gate(NamedTuple):
     local_counts: Any  # every device's count with a deferred reduction, else None
     counted: jax.Array  # the microbatch belongs to the window (mini_step advances)
     valid_count: jax.Array  # the count was usable
+    full: jax.Array  # a usable count the window's total cannot take: it closes
     skip_state: Any
 
 
@@ -222,10 +224,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         microbatch; the window may overshoot the budget by up to one
         microbatch's tokens); the microbatch on which the norm test passes
         (``norm_test``, decided on the window statistics so far, which it
-        keeps on). The rules read only scalars every device agrees on (the
-        window's microbatches and global token total, the gradient step, the
-        tokens seen), so with ``reduction=mm.deferred(...)`` all devices close
-        on the same microbatch; the rules' state (the tokens seen, for a budget
+        keeps on). A window whose total cannot take a microbatch's count (an
+        int32 ``count_dtype`` near 2³¹ − 1) is full and closes on that
+        microbatch, which is skipped (``num_invalid_counts``). The rules read
+        only scalars every device agrees on (the window's microbatches and
+        global token total, the gradient step, the tokens seen), so with
+        ``reduction=mm.deferred(...)`` all devices close on the same
+        microbatch; the rules' state (the tokens seen, for a budget
         that depends on them) is ``policy_state``.
       * Between windows the returned updates are zeros (structure and dtype of the
         inner optimizer's updates); the inner optimizer runs only at the end of a
@@ -884,6 +889,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         else:
             fits = jnp.isfinite(state.acc_count + n)
         valid_count = count_ok & fits
+        # A window whose total cannot take this count is full: it closes on
+        # this microbatch (which is dropped and counted as an invalid count),
+        # or a token budget it cannot reach would hold it open for ever.
+        full = count_ok & ~fits
         # A microbatch without tokens always counts toward its window: the skip
         # function's verdict on its meaningless (often 0/0) gradient is ignored,
         # and its state kept.
@@ -900,7 +909,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             lambda new, old: jnp.where(empty, old, new), skip_state, state.skip_state
         )
         n = jnp.where(counted, n, jnp.zeros_like(n))
-        return _Gate(n, local_counts, counted, valid_count, skip_state)
+        return _Gate(n, local_counts, counted, valid_count, full, skip_state)
 
     def _accumulate(self, state, grads, gate: _Gate, value) -> _Window:
         """Folds the microbatch (``gate.n`` tokens) into the window's running
@@ -935,7 +944,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     ) -> tuple[jax.Array, Any]:
         """Asks the window policy whether the window closes on this microbatch.
 
-        Only a counted microbatch can close a window; the policy sees the
+        Only a counted microbatch can close a window, or one whose count the
+        window's total cannot take (the window is full); the policy sees the
         window as it is with this microbatch folded in (for the norm test, the
         window statistics so far).
         """
@@ -958,10 +968,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "must return a boolean scalar, got dtype "
                 f"{verdict.dtype} and shape {verdict.shape}"
             )
-        closes = gate.counted & verdict
-        # A microbatch that does not count leaves the policy state as it was.
+        closes = (gate.counted & verdict) | gate.full
+        # A microbatch that does not count leaves the policy state as it was,
+        # unless it closes a full window.
         policy_state = jax.tree.map(
-            lambda new, old: jnp.where(gate.counted, new, old),
+            lambda new, old: jnp.where(gate.counted | gate.full, new, old),
             self._policy.update(state.policy_state, scalars, closes),
             state.policy_state,
         )

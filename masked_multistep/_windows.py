@@ -441,8 +441,9 @@ def token_budget(
         float32 scalar) or of the gradient step (``by="gradient_step"``). A
         callable's value is made total under ``jit``: NaN and negative values
         count as 0 (every microbatch with tokens closes its window), ``inf``
-        means no token limit (an int32 window total that reaches 2³¹ − 1,
-        which can take no more, still closes), a non-scalar raises
+        means no token limit (a window whose total cannot take a
+        microbatch's count, as an int32 one near 2³¹ − 1, closes on it), a
+        non-scalar raises
         ``ValueError`` at trace
         time. It is compared with the window's tokens as exactly as a
         constant budget (an integer as it is, a float at its own precision),

@@ -285,13 +285,16 @@ else:
 tx, s = fresh(jnp.int64)
 _, s = jax.jit(tx.update)(g, s, count=jnp.uint64(2**64 - 1))
 assert int(s.num_invalid_counts) == 1 and int(s.acc_count) == 0
-# A window total that would overflow int64 is a counted skip too.
+# A window total that would overflow int64 is a counted skip too, and the full
+# window closes on it, with the tokens it holds; the next one starts afresh.
 tx, s = fresh(jnp.int64, k=3)
 update = jax.jit(tx.update)
-for _ in range(3):
-    _, s = update(g, s, count=jnp.int64(2**62))
-assert int(s.num_invalid_counts) == 2 and int(s.acc_count) == 2**62
-assert int(s.mini_step) == 1
+_, s = update(g, s, count=jnp.int64(2**62))
+_, s = update(g, s, count=jnp.int64(2**62))
+assert int(s.num_invalid_counts) == 1 and int(s.gradient_step) == 1
+assert int(s.acc_count) == 0 and int(s.mini_step) == 0
+_, s = update(g, s, count=jnp.int64(2**62))
+assert int(s.acc_count) == 2**62 and int(s.mini_step) == 1
 """
 
 _X64_PRECISION = """

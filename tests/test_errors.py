@@ -337,12 +337,36 @@ def test_window_total_overflow_is_a_counted_skip():
     update = jax.jit(tx.update)
     state = tx.init(PARAMS)
     _, state = update(GRADS, state, PARAMS, count=jnp.int32(2**31 - 10))
-    _, after = update(GRADS, state, PARAMS, count=jnp.int32(11))
+    # The window is full: it closes on the microbatch it cannot take (skipped
+    # and counted), with the tokens it holds.
+    updates, after = update(GRADS, state, PARAMS, count=jnp.int32(11))
     assert int(after.num_invalid_counts) == 1
-    assert int(after.acc_count) == 2**31 - 10
-    assert int(after.mini_step) == 1
-    _, after = update(GRADS, after, PARAMS, count=jnp.int32(9))  # 2**31 - 1 fits
-    assert int(after.acc_count) == 0 and bool(tx.has_updated(after))
+    assert bool(tx.has_updated(after)) and int(after.gradient_step) == 1
+    assert int(after.acc_count) == 0 and int(after.mini_step) == 0
+    jax.tree.map(lambda u, g: np.testing.assert_allclose(u, -g), updates, GRADS)
+    _, after = update(GRADS, after, PARAMS, count=jnp.int32(9))
+    assert int(after.acc_count) == 9 and int(after.mini_step) == 1
+
+
+def test_a_token_budget_out_of_an_int32_totals_reach_does_not_stall():
+    # Two microbatches bring the window to 2**31 - 2, one short of the budget;
+    # a third cannot fit int32. The full window closes on it instead of
+    # skipping every microbatch from then on.
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), tokens_per_window=2**31 - 1, count_dtype=jnp.int32
+    )
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    steps = []
+    for i in range(6):
+        grads = {k: jnp.full_like(g, float(i)) for k, g in GRADS.items()}
+        updates, state = update(grads, state, PARAMS, count=jnp.int32(2**30 - 1))
+        steps.append(int(state.gradient_step))
+        if bool(tx.has_updated(state)):  # the mean of the two that fit
+            for u in jax.tree.leaves(updates):
+                np.testing.assert_allclose(u, -(i - 1.5))
+    assert steps == [0, 0, 1, 1, 1, 2]
+    assert int(state.num_invalid_counts) == 2
 
 
 def test_mismatched_trees_are_clear(tx):
