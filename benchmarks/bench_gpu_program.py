@@ -88,6 +88,8 @@ COMPETITORS = (
     steps.train_state,
     steps.train_state_stats,
 )
+# The flax steps beyond TrainState: NNX's optimizer, and windows closed on tokens.
+FLAX_COMPETITORS = (steps.train_state_token_windows, steps.nnx_optimizer)
 
 
 def gpu_sharding() -> jax.sharding.NamedSharding:
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     _branch.FORM = args.form
     sharding = gpu_sharding()
     workload = steps.Workload(args.width)
-    rows = [program(make, workload, args.k, sharding) for make in COMPETITORS]
+    competitors = COMPETITORS + (FLAX_COMPETITORS if steps.has_train_state() else ())
+    rows = [program(make, workload, args.k, sharding) for make in competitors]
     mib = 2.0**20
     print(
         f"Compiled for {sharding.mesh.devices.flat[0].device_kind} (deviceless), "

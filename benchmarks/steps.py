@@ -240,6 +240,68 @@ def train_state_stats(workload: Workload, k: int) -> Competitor:
     return train_state(workload, k, window_stats=True)
 
 
+def train_state_token_windows(workload: Workload, k: int) -> Competitor:
+    """``mm.TrainState.apply_gradients`` with windows of ``k`` microbatches'
+    expected tokens (``tokens_per_window``) and the window statistics (flax)."""
+    expected = round(0.8 * k * workload.rows * workload.width)
+    tx = mm.MaskedMultiSteps(
+        optax.adam(LEARNING_RATE), tokens_per_window=expected, window_stats=True
+    )
+
+    def init(params):
+        return mm.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+    def step(state, batch):
+        grads, count = _grads(workload, state.params, batch)
+        return state.apply_gradients(grads=grads, count=count)
+
+    return Competitor(
+        "TrainState token windows+stats", init, step, k, lambda s: s.opt_state
+    )
+
+
+def nnx_optimizer(workload: Workload, k: int) -> Competitor:
+    """``nnx.Optimizer.update`` with ``mm.MaskedMultiSteps(adam, k)`` (flax NNX).
+
+    The carry is the model's and the optimizer's ``nnx.State`` (``nnx.split``),
+    so that it can be donated like the other carries.
+    """
+    from flax import nnx
+
+    tx = mm.MaskedMultiSteps(optax.adam(LEARNING_RATE), every_k_schedule=k)
+
+    class Weights(nnx.Module):
+        def __init__(self, params: dict[str, jax.Array]):
+            self.w = nnx.Dict({name: nnx.Param(w) for name, w in params.items()})
+
+        def params(self) -> dict[str, jax.Array]:
+            return {name: p[...] for name, p in self.w.items()}
+
+    graphdef = None
+
+    def init(params):
+        nonlocal graphdef
+        model = Weights(params)
+        graphdef, state = nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
+        return state
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+
+        def loss_fn(model):
+            return workload.loss_fn(model.params(), batch)
+
+        (loss, count), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        del loss
+        optimizer.update(model, grads, count=count)
+        return nnx.split((model, optimizer))[1]
+
+    def opt_state(state):
+        return nnx.merge(graphdef, state)[1].opt_state
+
+    return Competitor("nnx.Optimizer.update", init, step, k, opt_state)
+
+
 def in_jit_microbatched(workload: Workload, k: int) -> Competitor:
     """One call per window: ``microbatched_value_and_grad`` over k microbatches,
     then one adam step."""

@@ -108,3 +108,36 @@ def test_bench_gpu_program_without_the_cuda_plugin_says_what_to_install():
     assert proc.returncode == 1, proc.stderr
     assert "install jax's CUDA plugin" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bench_gpu_programs_flax_steps_train_like_the_plain_loop():
+    # bench_gpu_program.py only compiles its steps (for a GPU, where CI has
+    # none): here they run on the CPU, through two windows of 3 microbatches.
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_gpu_program
+        import steps
+    finally:
+        sys.path.pop(0)
+    import jax
+    import numpy as np
+
+    workload = steps.Workload(width=16)
+    finals = {}
+    for make in (steps.masked_multisteps, *bench_gpu_program.FLAX_COMPETITORS):
+        comp = make(workload, 3)
+        carry = comp.init(workload.params())
+        step = jax.jit(comp.step, donate_argnums=0)
+        for i in range(6):
+            carry = step(carry, workload.batch(i))
+        state = comp.opt_state(carry)
+        finals[comp.name] = (carry, state)
+        # Windows closed: two of 3 microbatches, or some of about 3's tokens.
+        closed = int(state.gradient_step)
+        assert closed == 2 if "token" not in comp.name else closed >= 1, comp.name
+    # NNX's optimizer takes the same steps as the plain optax loop.
+    (params, _), _ = finals["MaskedMultiSteps update"]
+    nnx_carry, _ = finals["nnx.Optimizer.update"]
+    nnx_params = [x for x in jax.tree.leaves(nnx_carry) if x.shape == (16, 16)]
+    for ours, theirs in zip(jax.tree.leaves(params), nnx_params[:4], strict=True):
+        np.testing.assert_array_equal(ours, theirs)
