@@ -452,10 +452,6 @@ class DeferredPerWindow(Deferred):
             microbatches=zeros(jnp.int32),
         )
 
-    def may_have_tokens(self, acc_count: jax.Array) -> jax.Array:
-        del acc_count
-        return jnp.ones([], jnp.bool_)  # only the window's end can tell
-
     def to_count(  # type: ignore[override]
         self, count: Any, count_dtype: Any
     ) -> tuple[jax.Array, jax.Array, _LocalCounts]:

@@ -1062,7 +1062,6 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             window_done, policy_state = self._close_now(
                 state, gate, acc_grads, acc_count, stats
             )
-            may_have_tokens = window_done & self._reduction.may_have_tokens(acc_count)
 
         static_args = {
             key: v for key, v in extra_args.items() if not isinstance(v, jax.Array)
@@ -1138,13 +1137,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 return (acc_grads, new_inner, optax.apply_updates(params, updates)), ()
             return (acc_grads, new_inner, ()), updates
 
-        def close_window(
-            in_place, so_far, reduction_state, read_only_params, dynamic_args
-        ):
+        def close_window(window, reduction_state, read_only_params, dynamic_args):
             # The window's global figures (with a deferred reduction that agrees
-            # only at the window's end, a scalar all-reduce) and its mean,
-            # formed only when a window closes: with a deferred reduction, the
-            # one gradient-sized cross-device reduction of the window.
+            # only at the window's end, a scalar all-reduce) and its mean: with
+            # a deferred reduction, the one gradient-sized cross-device
+            # reduction of the window.
+            in_place, stats, so_far = window
             acc_grads = in_place[0]
             totals = self._reduction.close_totals(so_far, reduction_state)
             has_tokens = totals.tokens > 0
@@ -1152,8 +1150,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             dynamic_args = {**dynamic_args, "value": window_loss}
             mean = self._reduction.mean(acc_grads, totals.tokens, reduction_state)
             # ‖ḡ‖² for the statistics (`()` without them), read before the
-            # inner optimizer overwrites the mean.
-            mean_sq_norm = self._recorder.read_mean(mean)
+            # inner optimizer overwrites the mean. (A window without tokens
+            # has no mean: its norm is not used, nor differentiated.)
+            mean_sq_norm = self._recorder.read_mean(mean, has_tokens)
             # A non-finite mean never reaches the inner optimizer: a stateful
             # one (adam's moments) would carry the NaN into every later update.
             finite = all_finite(mean, mean_sq_norm)
@@ -1171,27 +1170,35 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 read_only_params,
                 dynamic_args,
             )
-            return in_place, (out, has_tokens, finite, mean_sq_norm, totals)
+            # The window's statistics (`()` without them), recorded only where
+            # a window closes, not on every microbatch.
+            stats = self._recorder.close(
+                stats,
+                jnp.ones([], jnp.bool_),
+                tokens=totals.tokens,
+                mean_sq_norm=mean_sq_norm,
+                loss=window_value(totals),
+                sums=totals.stats_sums,
+            )
+            return (in_place, stats, totals), (out, has_tokens, finite)
 
-        def keep_window(
-            in_place, so_far, reduction_state, read_only_params, dynamic_args
-        ):
+        def keep_window(window, reduction_state, read_only_params, dynamic_args):
             del reduction_state
             return (
-                hold(in_place, None, read_only_params, dynamic_args),
+                hold(window[0], None, read_only_params, dynamic_args),
                 jnp.zeros([], jnp.bool_),
                 jnp.ones([], jnp.bool_),
-                self._recorder.no_mean_sq_norm(),
-                so_far,
             )
 
         with jax.named_scope("masked_multistep/inner_update"):
-            in_place, (out, has_tokens, finite, mean_sq_norm, totals) = in_place_cond(
-                may_have_tokens,
+            # The window's state, updated where it closes (in place: its
+            # statistics and totals too, which a GPU would otherwise copy in
+            # and out of the window's loop on every microbatch).
+            (in_place, stats, totals), (out, has_tokens, finite) = in_place_cond(
+                window_done,
                 close_window,
                 keep_window,
-                in_place,
-                so_far,
+                (in_place, window.stats, so_far),
                 reduction_state,
                 read_only_params,
                 dynamic_args,
@@ -1216,8 +1223,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             has_tokens=has_tokens,
             finite=finite,
             totals=totals,
-            mean_sq_norm=mean_sq_norm,
-            loss=window_value(totals),
+            stats=stats,
         )
         return out, new_state
 
@@ -1235,20 +1241,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         has_tokens,
         finite,
         totals: WindowTotals,
-        mean_sq_norm,
-        loss,
+        stats,
     ) -> MaskedMultiStepsState:
         """The state after this microbatch: counters advanced, the window's
-        running means reset where it closed, its statistics recorded."""
-        stats = self._recorder.close(
-            window.stats,
-            window_done,
-            tokens=totals.tokens,
-            mean_sq_norm=mean_sq_norm,
-            loss=loss,
-            sums=totals.stats_sums,
-        )
-
+        running means reset where it closed (its statistics, ``stats``, were
+        recorded where it closed)."""
         zero = jnp.zeros([], jnp.int32)
         return state._replace(
             mini_step=jnp.where(

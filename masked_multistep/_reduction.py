@@ -168,9 +168,6 @@ class KnownTotals:
     # Leading (device) axes of the accumulator beyond the params' shape.
     device_axes = 0
 
-    def may_have_tokens(self, acc_count: jax.Array) -> jax.Array:
-        return acc_count > 0
-
     def accumulate_value(
         self, acc_value, value_count, reduction_state, value, n, local
     ):

@@ -710,8 +710,9 @@ class Recorder(NamedTuple):
             return accumulate_window_stats(state, grads, count)
         return accumulate_window_stats_per_device(state, grads, count, local_counts)
 
-    def read_mean(self, mean: Any) -> jax.Array | tuple[()]:
-        """``‖mean‖²`` (float32), or ``()`` when disabled.
+    def read_mean(self, mean: Any, take: jax.Array) -> jax.Array | tuple[()]:
+        """``‖mean‖²`` (float32), or ``()`` when disabled; its derivative is
+        0 where ``take`` is False (a window without tokens has no mean).
 
         The caller's finiteness test of ``mean`` reuses it (a finite sum of
         squares means finite elements), so the inner optimizer, which waits
@@ -723,7 +724,7 @@ class Recorder(NamedTuple):
         if not self.enabled:
             return ()
         with jax.named_scope("masked_multistep/window_stats"):
-            return tree_sq_norm(mean).astype(_F32)
+            return _taken_sq_norm(mean, take).astype(_F32)
 
     def so_far(
         self, state: Any, tokens: jax.Array, mean: Any

@@ -12,7 +12,8 @@ the documented semantics (``MaskedMultiSteps`` and ``masked_multistep._checks``)
   ``jit``), the state untouched;
 * a count is valid when finite and non-negative; a concrete invalid count raises
   ``ValueError``, a traced one is skipped and counted in ``num_invalid_counts``,
-  as is one that would overflow the window's float32 token total;
+  as is one that would overflow the window's float32 token total (the full
+  window then closes on it);
 * a count-0 microbatch always counts toward its window (the skip function's
   verdict and state are ignored for it); a microbatch with tokens that the skip
   function rejects is as if it never happened;
@@ -227,7 +228,11 @@ class Model:
             self.num_invalid_counts += 1
             if verdict is not None:
                 self.skip_state = verdict
-            return None
+            if not valid:
+                return None
+            # A usable count the window's total cannot take: the full window
+            # closes on it, with the tokens it holds.
+            return self._close_window()
         if c32 == 0:
             counted = True  # an empty microbatch counts, whatever the skip fn says
         else:
@@ -250,6 +255,10 @@ class Model:
         if self.mini_step < k - 1:
             self.mini_step += 1
             return None
+        return self._close_window()
+
+    def _close_window(self):
+        """Closes the window: returns its update (None: zeros)."""
         update = None
         if self.acc_count > 0:
             mean = self.mean()
