@@ -622,9 +622,9 @@ def _token_weighted_accumulator(
 @overload
 def microbatched_value_and_grad(
     loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
-    num_microbatches: int,
+    num_microbatches: int | np.integer,
     *,
-    has_aux: bool = False,
+    has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
     with_stats: Literal[False] = False,
 ) -> GradFn[ParamsT, BatchT]: ...
@@ -633,9 +633,9 @@ def microbatched_value_and_grad(
 @overload
 def microbatched_value_and_grad(
     loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
-    num_microbatches: int,
+    num_microbatches: int | np.integer,
     *,
-    has_aux: bool = False,
+    has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
     with_stats: Literal[True],
 ) -> GradFnWithStats[ParamsT, BatchT]: ...
@@ -643,9 +643,9 @@ def microbatched_value_and_grad(
 
 def microbatched_value_and_grad(
     loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
-    num_microbatches: int,
+    num_microbatches: int | np.integer,
     *,
-    has_aux: bool = False,
+    has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
     with_stats: bool = False,
 ) -> GradFn[ParamsT, BatchT] | GradFnWithStats[ParamsT, BatchT]:

@@ -120,7 +120,7 @@ def from_optax_multisteps(
     params: optax.Params,
     *,
     acc_count: jax.typing.ArrayLike | None = None,
-    use_grad_mean: bool = True,
+    use_grad_mean: bool | np.bool_ = True,
 ) -> MaskedMultiStepsState:
     """Converts an ``optax.MultiSteps`` state, so that a run can switch mid-run.
 

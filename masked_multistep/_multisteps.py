@@ -451,20 +451,25 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         cls,
         opt: optax.GradientTransformation,
         every_k_schedule: int
+        | np.integer
         | Callable[[jax.Array], jax.typing.ArrayLike]
         | None = None,
         *,
         tokens_per_window: (
-            float | Callable[[jax.Array], jax.typing.ArrayLike] | _windows.WindowPolicy
+            float
+            | np.floating
+            | np.integer
+            | Callable[[jax.Array], jax.typing.ArrayLike]
+            | _windows.WindowPolicy
         )
         | None = None,
-        norm_test: float | _windows.WindowPolicy | None = None,
+        norm_test: float | np.floating | _windows.WindowPolicy | None = None,
         should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
         accumulator_dtype: jax.typing.DTypeLike | None = None,
         count_dtype: jax.typing.DTypeLike = jnp.float32,
         reduction: Deferred | None = None,
-        window_stats: bool = False,
-        stats_decay: float = _DEFAULT_STATS_DECAY,
+        window_stats: bool | np.bool_ = False,
+        stats_decay: float | np.floating = _DEFAULT_STATS_DECAY,
         # Typed Never so that a type checker flags a misspelt keyword; at run
         # time it gets the error below, with a suggestion.
         **unknown: Never,

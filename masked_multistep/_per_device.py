@@ -29,6 +29,7 @@ from typing import Any, Concatenate, Literal, cast, overload
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -68,8 +69,8 @@ def per_device_value_and_grad(
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable] = "data",
     *,
-    num_microbatches: int = 1,
-    has_aux: bool = False,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
 ) -> GradFn[ParamsT, BatchT]:
     """Every device's own ``value_and_grad`` of a masked mean loss, unreduced.
@@ -159,8 +160,8 @@ def _per_device(
     loss_fn: Callable[..., Any],
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable],
-    num_microbatches: int,
-    has_aux: bool,
+    num_microbatches: int | np.integer,
+    has_aux: bool | np.bool_,
     aux_reduction: Any,
     stats_sums: bool = False,
 ) -> Callable[..., Any]:
@@ -242,8 +243,8 @@ def data_parallel_value_and_grad(
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable] = "data",
     *,
-    num_microbatches: int = 1,
-    has_aux: bool = False,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
     with_stats: Literal[False] = False,
 ) -> GradFn[ParamsT, BatchT]: ...
@@ -255,8 +256,8 @@ def data_parallel_value_and_grad(
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable] = "data",
     *,
-    num_microbatches: int = 1,
-    has_aux: bool = False,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
     with_stats: Literal[True],
 ) -> GradFnWithStats[ParamsT, BatchT]: ...
@@ -267,8 +268,8 @@ def data_parallel_value_and_grad(
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable] = "data",
     *,
-    num_microbatches: int = 1,
-    has_aux: bool = False,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
     with_stats: bool = False,
 ) -> GradFn[ParamsT, BatchT] | GradFnWithStats[ParamsT, BatchT]:

@@ -15,7 +15,7 @@ __all__ = ["tokens_schedule"]
 
 def tokens_schedule(
     schedule: Callable[[jax.Array], jax.typing.ArrayLike],
-    tokens_per_step: float,
+    tokens_per_step: float | np.floating | np.integer,
 ) -> Callable[[jax.typing.ArrayLike], jax.Array]:
     """A schedule written in tokens seen, as a schedule of the optimizer step.
 

@@ -85,7 +85,7 @@ def _sanitize_k(k: Any, what: str = "`every_k_schedule(step)`") -> jax.Array:
 
 
 def every_k(
-    every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike],
+    every_k_schedule: int | np.integer | Callable[[jax.Array], jax.typing.ArrayLike],
 ) -> Callable[[jax.Array], jax.Array]:
     """The window size ``k`` as a function of the gradient step.
 
@@ -250,7 +250,7 @@ def _keep(policy_state: Any, scalars: WindowScalars, closed: jax.Array) -> Any:
 
 
 def microbatch_window(
-    every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike],
+    every_k_schedule: int | np.integer | Callable[[jax.Array], jax.typing.ArrayLike],
 ) -> WindowPolicy:
     """Closes the window on its ``k``-th microbatch (``optax.MultiSteps``' rule).
 
@@ -278,7 +278,7 @@ def microbatch_window(
 
 
 def _microbatch_cap(
-    value: int | Callable[[jax.Array], jax.typing.ArrayLike], what: str
+    value: int | np.integer | Callable[[jax.Array], jax.typing.ArrayLike], what: str
 ) -> Callable[[jax.Array], jax.Array]:
     """``every_k(value)``, with errors that name ``what`` (a cap's own name)."""
     if callable(value):
@@ -422,10 +422,16 @@ def _tokens_seen_init() -> TokenTotal:
 
 
 def token_budget(
-    budget: float | Callable[[jax.Array], jax.typing.ArrayLike],
+    budget: float
+    | np.floating
+    | np.integer
+    | Callable[[jax.Array], jax.typing.ArrayLike],
     *,
     by: _BudgetInput = "tokens_seen",
-    max_microbatches: int | Callable[[jax.Array], jax.typing.ArrayLike] | None = None,
+    max_microbatches: int
+    | np.integer
+    | Callable[[jax.Array], jax.typing.ArrayLike]
+    | None = None,
 ) -> WindowPolicy:
     """Closes the window on the microbatch that brings its tokens to ``budget``.
 
@@ -494,9 +500,15 @@ def token_budget(
 
 
 def _token_budget(
-    budget: float | Callable[[jax.Array], jax.typing.ArrayLike],
+    budget: float
+    | np.floating
+    | np.integer
+    | Callable[[jax.Array], jax.typing.ArrayLike],
     by: _BudgetInput = "tokens_seen",
-    max_microbatches: int | Callable[[jax.Array], jax.typing.ArrayLike] | None = None,
+    max_microbatches: int
+    | np.integer
+    | Callable[[jax.Array], jax.typing.ArrayLike]
+    | None = None,
     what: str = "`tokens_per_window`",
 ) -> WindowPolicy:
     """:func:`token_budget`, with errors that call ``budget`` ``what``."""
@@ -550,12 +562,15 @@ def _token_budget(
 
 
 def norm_test(
-    theta: float,
+    theta: float | np.floating,
     *,
-    min_tokens: float = 0,
-    min_microbatches: int = 1,
-    max_tokens: float | None = None,
-    max_microbatches: int | Callable[[jax.Array], jax.typing.ArrayLike] | None = None,
+    min_tokens: float | np.floating | np.integer = 0,
+    min_microbatches: int | np.integer = 1,
+    max_tokens: float | np.floating | np.integer | None = None,
+    max_microbatches: int
+    | np.integer
+    | Callable[[jax.Array], jax.typing.ArrayLike]
+    | None = None,
 ) -> WindowPolicy:
     """Closes the window once its mean gradient is precise enough: the norm test.
 
@@ -825,11 +840,19 @@ def check_reachable(policy: WindowPolicy, count_dtype: Any) -> None:
 
 
 def window_policy(
-    every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike] | None = None,
+    every_k_schedule: int
+    | np.integer
+    | Callable[[jax.Array], jax.typing.ArrayLike]
+    | None = None,
     tokens_per_window: (
-        float | Callable[[jax.Array], jax.typing.ArrayLike] | WindowPolicy | None
+        float
+        | np.floating
+        | np.integer
+        | Callable[[jax.Array], jax.typing.ArrayLike]
+        | WindowPolicy
+        | None
     ) = None,
-    norm_test: float | WindowPolicy | None = None,
+    norm_test: float | np.floating | WindowPolicy | None = None,
 ) -> WindowPolicy:
     """The policy of ``MaskedMultiSteps``' window arguments: whichever closes first.
 

@@ -197,6 +197,44 @@ def test_window_rules_are_typed():
         mm.MaskedMultiSteps(adam, tokens_per_window="4096")  # pyright: ignore[reportArgumentType]
 
 
+def test_numpy_scalars_type_check_where_numbers_are_taken():
+    # Settings read from a config with numpy, or taken from an array: what the
+    # checks accept at run time, the annotations accept too.
+    k, budget, theta = np.int64(4), np.float64(4096.0), np.float32(0.5)
+    adam = optax.adam(1e-3)
+    txs = [
+        mm.MaskedMultiSteps(adam, k, window_stats=np.bool_(True)),
+        mm.MaskedMultiSteps(adam, k, stats_decay=np.float32(0.9), window_stats=True),
+        mm.MaskedMultiSteps(adam, tokens_per_window=budget),
+        mm.MaskedMultiSteps(adam, tokens_per_window=np.int64(4096)),
+        mm.MaskedMultiSteps(adam, k, norm_test=theta),
+        mm.MaskedMultiSteps(
+            adam,
+            norm_test=mm.norm_test(
+                theta,
+                min_tokens=np.int64(16),
+                min_microbatches=np.int32(2),
+                max_tokens=budget,
+                max_microbatches=k,
+            ),
+        ),
+        mm.MaskedMultiSteps(
+            adam, tokens_per_window=mm.token_budget(budget, max_microbatches=k)
+        ),
+    ]
+    for tx in txs:
+        assert_type(tx.init({"w": jnp.zeros(())}), mm.MaskedMultiStepsState)
+    lr = mm.tokens_schedule(optax.linear_schedule(0.0, 1.0, 4096), np.int64(1024))
+    assert float(lr(jnp.asarray(2))) == 0.5
+
+    def loss(params: jax.Array, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jnp.mean(params * batch), jnp.asarray(batch.size)
+
+    grad_fn = mm.microbatched_value_and_grad(loss, k, has_aux=np.bool_(False))
+    (_, count), grads = grad_fn(jnp.ones(()), jnp.ones(8))
+    assert int(count) == 8 and grads.shape == ()
+
+
 def test_typed_loss_fn_with_rng_for_microbatched_value_and_grad():
     # `loss_fn` takes the per-microbatch key as a third argument; the returned
     # function takes `rng=` and still types the gradients like the params.
