@@ -25,7 +25,9 @@ The count contract (what :class:`MaskedMultiSteps` accepts as ``count=``):
   Under ``jit``, where the value is unknown, such a count (or one that would
   overflow the window's total) is treated as a skipped microbatch and counted
   in ``state.num_invalid_counts``; it is never accumulated. A window whose
-  total cannot take a count is full: it closes on that microbatch.
+  total cannot take a count is full: it closes on that microbatch (with
+  ``mm.deferred`` and ``every_k_schedule`` alone, where each device keeps its
+  own total, a device's overflow drops only its share).
 
 The same contract, with ``float32``, holds for the counts that
 :func:`microbatched_value_and_grad` (returned by ``loss_fn``) and

@@ -244,7 +244,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         the inner state and ``gradient_step`` are unchanged.
       * A microbatch with tokens that ``should_skip_update_fn`` rejects is as if
         it never happened (as in optax): it neither counts toward ``k`` nor
-        toward the token budget, and never closes a window.
+        toward the token budget, and never closes a window (unless its count
+        does not fit the window's total, which closes the full window).
       * The count contract (accepted types, precision, what happens under
         ``jit``) is in ``masked_multistep._checks``: any real scalar, converted
         by value, exact to 2²⁴ tokens per window in the default float32; a bad
@@ -955,7 +956,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         window statistics so far).
         """
         scalars = _windows.WindowScalars(
-            microbatches=jnp.asarray(optax.safe_increment(state.mini_step)),
+            # (A microbatch that closes a full window is not one of its own.)
+            microbatches=jnp.where(
+                gate.counted, optax.safe_increment(state.mini_step), state.mini_step
+            ),
             tokens=acc_count,
             gradient_step=state.gradient_step,
         )

@@ -192,8 +192,10 @@ class WindowPolicy(NamedTuple):
       update: ``(policy_state, scalars, closed) -> policy_state``, called after
         every microbatch with whether it closed the window. Its result is
         kept only for a microbatch that counts: a skipped one (or an invalid
-        count) leaves the policy state as it was. The policies here change
-        their state only when a window closes.
+        count) leaves the policy state as it was, except one whose count the
+        window's total cannot take, which closes the full window (``closed``
+        is True, and ``scalars`` describe the window without it). The
+        policies here change their state only when a window closes.
       needs_stats: whether ``closes`` reads ``counted``, ``grad_sq_norm`` and
         ``grad_var_trace``.
       bounded: whether the policy sets a maximum window by itself (a number of

@@ -592,3 +592,24 @@ def test_find_state_on_an_optax_multisteps_state_points_to_the_conversion():
 def test_an_array_number_of_another_shape_is_a_value_error():
     with pytest.raises(ValueError, match=r"`tokens_per_step` must be a scalar, got "):
         mm.tokens_schedule(optax.constant_schedule(1.0), np.array([1024]))
+
+
+def test_a_policy_sees_a_full_windows_own_microbatches_when_it_closes():
+    # The microbatch that does not fit closes the window but is not one of its
+    # microbatches: `update` sees the window as it closes, without it.
+    policy = mm.WindowPolicy(
+        init=lambda: jnp.int32(-1),
+        closes=lambda state, scalars: scalars.microbatches >= 4,
+        update=lambda state, scalars, closed: jnp.where(
+            closed, scalars.microbatches, state
+        ),
+    )
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), tokens_per_window=policy, count_dtype=jnp.int32
+    )
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    for _ in range(2):  # the second count does not fit the int32 total
+        _, state = update(GRADS, state, PARAMS, count=jnp.int32(2**30))
+    assert bool(tx.has_updated(state)) and int(state.num_invalid_counts) == 1
+    assert int(state.policy_state) == 1
