@@ -111,6 +111,18 @@ class _Gate(NamedTuple):
     skip_state: Any
 
 
+class _Counters(NamedTuple):
+    """The state's scalars that a window's close resets or advances, carried
+    through the window's conditional (so that between window ends no select
+    runs on them)."""
+
+    mini_step: jax.Array  # the window's microbatches so far (0 once it closes)
+    gradient_step: jax.Array
+    num_invalid_counts: jax.Array
+    num_nonfinite_windows: jax.Array
+    updated: jax.Array  # whether this microbatch applied an inner update
+
+
 class _Window(NamedTuple):
     """The window with this microbatch folded in, before it may close."""
 
@@ -1146,12 +1158,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 return (acc_grads, new_inner, optax.apply_updates(params, updates)), ()
             return (acc_grads, new_inner, ()), updates
 
-        def close_window(window, reduction_state, read_only_params, dynamic_args):
+        def close_window(window, read_only_params, dynamic_args):
             # The window's global figures (with a deferred reduction that agrees
             # only at the window's end, a scalar all-reduce) and its mean: with
             # a deferred reduction, the one gradient-sized cross-device
             # reduction of the window.
-            in_place, stats, so_far = window
+            in_place, stats, so_far, counters, reduction_state = window
             acc_grads = in_place[0]
             totals = self._reduction.close_totals(so_far, reduction_state)
             has_tokens = totals.tokens > 0
@@ -1170,8 +1182,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # Where the mean is the accumulator itself, `run` reads it from the
             # state it updates (one buffer, not two names for it).
             same = _same_buffers(mean, acc_grads)
+            updated = has_tokens & finite
             in_place, out = in_place_cond(
-                has_tokens & finite,
+                updated,
                 run,
                 hold,
                 in_place,
@@ -1189,109 +1202,76 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 loss=window_value(totals),
                 sums=totals.stats_sums,
             )
-            return (in_place, stats, totals), (out, has_tokens, finite)
-
-        def keep_window(window, reduction_state, read_only_params, dynamic_args):
-            del reduction_state
-            return (
-                hold(window[0], None, read_only_params, dynamic_args),
-                jnp.zeros([], jnp.bool_),
-                jnp.ones([], jnp.bool_),
+            counters = _Counters(
+                mini_step=jnp.zeros([], jnp.int32),
+                gradient_step=jnp.where(
+                    updated,
+                    optax.safe_increment(counters.gradient_step),
+                    counters.gradient_step,
+                ),
+                num_invalid_counts=_add_counts(
+                    counters.num_invalid_counts, totals.num_invalid
+                ),
+                num_nonfinite_windows=jnp.where(
+                    has_tokens & ~finite,
+                    optax.safe_increment(counters.num_nonfinite_windows),
+                    counters.num_nonfinite_windows,
+                ),
+                updated=updated,
             )
+            # The next window starts empty.
+            so_far = jax.tree.map(jnp.zeros_like, so_far)
+            reduction_state = self._reduction.reset(
+                reduction_state, jnp.ones([], jnp.bool_)
+            )
+            return (in_place, stats, so_far, counters, reduction_state), out
+
+        def keep_window(window, read_only_params, dynamic_args):
+            return hold(window[0], None, read_only_params, dynamic_args)
 
         with jax.named_scope("masked_multistep/inner_update"):
-            # The window's state, updated where it closes (in place: its
-            # statistics and totals too, which a GPU would otherwise copy in
-            # and out of the window's loop on every microbatch).
-            (in_place, stats, totals), (out, has_tokens, finite) = in_place_cond(
+            # The window's state, updated where it closes: in place, its
+            # scalars too (which a GPU would otherwise copy in and out of the
+            # window's loop, or select between, on every microbatch).
+            counters = _Counters(
+                mini_step=jnp.where(
+                    gate.counted, optax.safe_increment(state.mini_step), state.mini_step
+                ).astype(jnp.int32),
+                gradient_step=state.gradient_step,
+                num_invalid_counts=_add_counts(
+                    state.num_invalid_counts, jnp.where(gate.valid_count, 0, 1)
+                ),
+                num_nonfinite_windows=state.num_nonfinite_windows,
+                # False: no update runs unless the window closes.
+                updated=window_done,
+            )
+            (in_place, stats, so_far, counters, reduction_state), out = in_place_cond(
                 window_done,
                 close_window,
                 keep_window,
-                (in_place, window.stats, so_far),
-                reduction_state,
+                (in_place, window.stats, so_far, counters, reduction_state),
                 read_only_params,
                 dynamic_args,
             )
             acc_grads, inner_opt_state, new_params = in_place
             out: Any = new_params if apply_params else out
-            updated = has_tokens & finite
             if reuse_acc:
                 out = jax.tree.map(
-                    lambda u: jnp.where(updated, u, jnp.zeros_like(u)), acc_grads
+                    lambda u: jnp.where(counters.updated, u, jnp.zeros_like(u)),
+                    acc_grads,
                 )
 
-        new_state = self._next_state(
-            state,
-            gate,
-            window,
-            window_done,
-            policy_state,
-            acc_grads=acc_grads,
-            inner_opt_state=inner_opt_state,
-            updated=updated,
-            has_tokens=has_tokens,
-            finite=finite,
-            totals=totals,
-            stats=stats,
-        )
-        return out, new_state
-
-    def _next_state(
-        self,
-        state,
-        gate: _Gate,
-        window: _Window,
-        window_done,
-        policy_state,
-        *,
-        acc_grads,
-        inner_opt_state,
-        updated,
-        has_tokens,
-        finite,
-        totals: WindowTotals,
-        stats,
-    ) -> MaskedMultiStepsState:
-        """The state after this microbatch: counters advanced, the window's
-        running means reset where it closed (its statistics, ``stats``, were
-        recorded where it closed)."""
-        zero = jnp.zeros([], jnp.int32)
-        return state._replace(
-            mini_step=jnp.where(
-                window_done,
-                zero,
-                jnp.where(
-                    gate.counted, optax.safe_increment(state.mini_step), state.mini_step
-                ),
-            ).astype(jnp.int32),
-            gradient_step=jnp.where(
-                updated, optax.safe_increment(state.gradient_step), state.gradient_step
-            ),
+        return out, state._replace(
+            **counters._asdict(),
             inner_opt_state=inner_opt_state,
             acc_grads=acc_grads,
-            acc_count=jnp.where(
-                window_done, jnp.zeros_like(window.acc_count), window.acc_count
-            ),
-            acc_value=jnp.where(
-                window_done, jnp.zeros_like(window.acc_value), window.acc_value
-            ),
-            value_count=jnp.where(
-                window_done, jnp.zeros_like(window.value_count), window.value_count
-            ),
-            updated=updated,
-            num_invalid_counts=_add_counts(
-                state.num_invalid_counts,
-                jnp.where(gate.valid_count, 0, 1) + totals.num_invalid,
-            ),
-            num_nonfinite_windows=jnp.where(
-                has_tokens & ~finite,
-                optax.safe_increment(state.num_nonfinite_windows),
-                state.num_nonfinite_windows,
-            ),
+            acc_count=so_far.tokens,
+            acc_value=so_far.value,
+            value_count=so_far.value_count,
             skip_state=gate.skip_state,
             stats=stats,
             policy_state=policy_state,
-            reduction_state=self._reduction.reset(window.reduction_state, window_done),
+            reduction_state=reduction_state,
         )
 
 

@@ -191,6 +191,19 @@ class Traffic:
         return Traffic(self.kernels * n, self.bytes * n, self.copies * n)
 
 
+def _is_slice(body: list[str] | None) -> bool:
+    """Whether a fused computation is a bare slice of its parameter."""
+    if not body:
+        return False
+    roots = [_INSTRUCTION.match(line) for line in body if "ROOT" in line]
+    return (
+        len(body) == 2
+        and bool(roots)
+        and roots[0] is not None
+        and (roots[0]["op"] == "slice")
+    )
+
+
 def traffic(hlo_text: str, taken: bool) -> Traffic:
     """The kernels of one call of a compiled step and the bytes they move.
 
@@ -236,6 +249,12 @@ def traffic(hlo_text: str, taken: bool) -> Traffic:
                 moved = _shape_bytes(m["shape"]) + sum(
                     _shape_bytes(shapes.get(a, "")) for a in args
                 )
+                if op == "slice" or _is_slice(
+                    bodies.get(called.get("calls", "").lstrip("%"))
+                ):
+                    # A slice reads only what it returns (a scalar taken out
+                    # of a combined all-reduce's buffer, say).
+                    moved = 2 * _shape_bytes(m["shape"])
                 copies = [_shape_bytes(m["shape"])] if op == "copy" else []
                 total += Traffic(1, moved, copies)
         return total

@@ -251,6 +251,10 @@ def test_between_window_ends_apply_gradients_moves_what_the_floor_moves(
     moved = between(_apply_gradients_loop(mm.MaskedMultiSteps(_adam(), K)))
     assert floor.bytes <= moved.bytes <= floor.bytes + 1024, (moved, floor)
     assert not [b for b in moved.copies if b >= PARAM_BYTES // LAYERS], moved
+    # And a few kernels on scalars (the window's counters, the microbatch's
+    # checks: 7 here); what changes only when a window closes is computed in
+    # the branch that closes it (selected on every microbatch, 12).
+    assert moved.kernels <= floor.kernels + 8, (moved.kernels, floor.kernels)
 
 
 @pytest.mark.parametrize("form", ["cond", "loop"])
@@ -264,8 +268,9 @@ def test_between_window_ends_the_statistics_add_only_their_running_sums(
     # count to the window's sums; the closed window's figures (estimates,
     # moving averages, the last window's record) are computed only in the
     # branch that closes it. Computed on every microbatch and selected, they
-    # were 33 more kernels here (14 and 8 now); passed beside the window's
-    # loop instead of as its state, they were copied in and out of it.
+    # were 33 more kernels here (16 and 6 now: XLA:CPU copies the scalars
+    # `lax.cond` passes through); passed beside the window's loop instead of
+    # as its state, they were copied in and out of it.
     from _helpers import traffic
 
     from masked_multistep import _branch
@@ -279,6 +284,7 @@ def test_between_window_ends_the_statistics_add_only_their_running_sums(
 
     plain = between(mm.MaskedMultiSteps(_adam(), K))
     stats = between(mm.MaskedMultiSteps(_adam(), K, window_stats=True))
-    assert stats.kernels - plain.kernels <= 16, (stats.kernels, plain.kernels)
+    bound = 8 if form == "loop" else 20
+    assert stats.kernels - plain.kernels <= bound, (stats.kernels, plain.kernels)
     if form == "loop":
         assert len(stats.copies) - len(plain.copies) <= 2, (stats, plain)
