@@ -1053,9 +1053,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     def _step(self, grads, state, params, count, extra_args, *, apply_params):
         """Shared body of :meth:`update` and :meth:`apply_gradients`.
 
-        Accumulates outside the conditional (one fused pass over the gradients);
-        only the inner optimizer (and, with ``apply_params``, the params' update)
-        sits inside it. Returns ``(updates, state)``, or with ``apply_params``
+        Accumulates outside the window's conditional (one fused pass over the
+        gradients); what changes only when a window closes sits inside it: the
+        inner optimizer (and, with ``apply_params``, the params' update), the
+        window's statistics, and the counters a close resets or advances.
+        Returns ``(updates, state)``, or with ``apply_params``
         ``(new_params, state)``.
         """
         _checks.check_extra_args(extra_args, count)

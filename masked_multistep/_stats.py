@@ -684,8 +684,9 @@ def close_window_stats(
 class Recorder(NamedTuple):
     """What :class:`MaskedMultiSteps` calls at three points of its state
     machine: on each microbatch (:meth:`accumulate`), on the window's mean
-    before the inner optimizer reads it (:meth:`mean_sq_norm`), and once the
-    window's fate is known (:meth:`close`). Disabled, every call returns ``()``
+    before the inner optimizer reads it (:meth:`read_mean`), and once the
+    window's fate is known (:meth:`close`, in the branch that closes the
+    window). Disabled, every call returns ``()``
     (an empty state field) and adds nothing to the compiled step.
     """
 
@@ -733,9 +734,6 @@ class Recorder(NamedTuple):
         if not self.enabled:
             raise ValueError("the window statistics are off")
         return window_so_far(state, tokens, mean)
-
-    def no_mean_sq_norm(self) -> jax.Array | tuple[()]:
-        return _nan() if self.enabled else ()
 
     def close(
         self,
