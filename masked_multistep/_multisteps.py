@@ -958,20 +958,17 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
 
     def _close_now(
-        self, state, gate, acc_grads, acc_count, stats
+        self, state, gate, microbatches, acc_grads, acc_count, stats
     ) -> tuple[jax.Array, Any]:
         """Asks the window policy whether the window closes on this microbatch.
 
         Only a counted microbatch can close a window, or one whose count the
         window's total cannot take (the window is full); the policy sees the
-        window as it is with this microbatch folded in (for the norm test, the
-        window statistics so far).
+        window as it is with this microbatch folded in (``microbatches``; for
+        the norm test, the window statistics so far).
         """
         scalars = _windows.WindowScalars(
-            # (A microbatch that closes a full window is not one of its own.)
-            microbatches=jnp.where(
-                gate.counted, optax.safe_increment(state.mini_step), state.mini_step
-            ),
+            microbatches=microbatches,
             tokens=acc_count,
             gradient_step=state.gradient_step,
         )
@@ -1082,8 +1079,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             acc_grads, acc_count, acc_value, value_count, reduction_state, stats = (
                 window
             )
+            # The window's microbatches, this one included if it counts (one
+            # that closes a full window is not one of its own).
+            mini_step = jnp.where(
+                gate.counted, optax.safe_increment(state.mini_step), state.mini_step
+            ).astype(jnp.int32)
             window_done, policy_state = self._close_now(
-                state, gate, acc_grads, acc_count, stats
+                state, gate, mini_step, acc_grads, acc_count, stats
             )
 
         static_args = {
@@ -1169,7 +1171,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             acc_grads = in_place[0]
             totals = self._reduction.close_totals(so_far, reduction_state)
             has_tokens = totals.tokens > 0
-            window_loss = window_value(totals).astype(value_dtype)
+            loss = window_value(totals)
+            window_loss = loss.astype(value_dtype)
             dynamic_args = {**dynamic_args, "value": window_loss}
             mean = self._reduction.mean(acc_grads, totals.tokens, reduction_state)
             # ‖ḡ‖² for the statistics (`()` without them), read before the
@@ -1201,7 +1204,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 jnp.ones([], jnp.bool_),
                 tokens=totals.tokens,
                 mean_sq_norm=mean_sq_norm,
-                loss=window_value(totals),
+                loss=loss,
                 sums=totals.stats_sums,
             )
             counters = _Counters(
@@ -1236,9 +1239,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # scalars too (which a GPU would otherwise copy in and out of the
             # window's loop, or select between, on every microbatch).
             counters = _Counters(
-                mini_step=jnp.where(
-                    gate.counted, optax.safe_increment(state.mini_step), state.mini_step
-                ).astype(jnp.int32),
+                mini_step=mini_step,
                 gradient_step=state.gradient_step,
                 num_invalid_counts=_add_counts(
                     state.num_invalid_counts, jnp.where(gate.valid_count, 0, 1)
