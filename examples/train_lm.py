@@ -575,9 +575,11 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
             loss, rate = record["loss"], record["learning_rate"]
             loss_text = "   n/a" if loss is None else f"{loss:.4f}"
             lr_text = "(no update)" if rate is None else f"{rate:.2e}"
+            scale = record["noise_scale"]
+            scale_text = "n/a" if scale is None else f"{scale:.3g}"
             print_fn(
                 f"window {record['window']:5d}  loss {loss_text}  "
-                f"tokens {record['tokens']:6d}  lr {lr_text}"
+                f"tokens {record['tokens']:6d}  lr {lr_text}  B_simple {scale_text}"
             )
             with metrics.open("a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")

@@ -21,8 +21,15 @@ def _as_array(x: jax.typing.ArrayLike, what: str) -> tuple[jax.Array, np.dtype]:
     float32 (the dtype their mean is computed in).
     """
     try:
+        host = None
         if isinstance(x, (np.ndarray, np.generic, int)):
             host = np.asarray(x)
+        elif isinstance(x, (list, tuple)):
+            try:  # Python numbers; a list of traced values goes to jnp below
+                host = np.asarray(x)
+            except (TypeError, ValueError):
+                host = None
+        if host is not None:
             if host.dtype.kind in "iu" and jax.dtypes.canonicalize_dtype(
                 host.dtype
             ) != np.dtype(host.dtype):

@@ -928,8 +928,16 @@ def _grad_fn(
         return loss, weight, aux, grads
 
     def grad_fn(
-        params: Any, batch: Any, *, rng: jax.typing.ArrayLike | None = None
+        params: Any,
+        batch: Any,
+        *args: Any,
+        rng: jax.typing.ArrayLike | None = None,
     ) -> tuple[Any, ...]:
+        if args:
+            raise TypeError(
+                "grad_fn takes the PRNG key as a keyword: grad_fn(params, batch, "
+                f"rng=key); got {len(args)} more positional argument(s)"
+            )
         _check_params(params)
         batch_size = _batch_size(batch, k)
         if rng is not None:
@@ -954,7 +962,17 @@ def _grad_fn(
             return None if rng is None else jax.random.fold_in(rng, j)
 
         with jax.named_scope("masked_multistep/microbatch"):
-            shapes = jax.eval_shape(per_microbatch, params, microbatch(0), key(0))
+            try:
+                shapes = jax.eval_shape(per_microbatch, params, microbatch(0), key(0))
+            except Exception as err:
+                err.add_note(
+                    f"(raised while tracing `loss_fn` on one microbatch: "
+                    f"num_microbatches={k} splits the batch's {batch_size} rows "
+                    f"into {k} microbatches of {batch_size // k} (microbatch j "
+                    f"holds rows j, j + {k}, ...); the shapes above are a "
+                    "microbatch's)"
+                )
+                raise
             accumulator = _token_weighted_accumulator(
                 shapes, _aux_reductions(shapes[2], aux_reduction), has_aux
             )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, Never, TypeVar
 
@@ -206,6 +207,9 @@ _KEYWORD_HINTS = {
         _WINDOW_SIZE_HINT,
     ),
 }
+
+
+_INIT_DOC = "The wrapper's initial state for ``params``."
 
 
 class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
@@ -510,9 +514,16 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 + (f": {why}" if why else ".")
             )
         if not (hasattr(opt, "init") and hasattr(opt, "update")):
+            hint = ""
+            if callable(opt):
+                name = getattr(opt, "__name__", type(opt).__name__)
+                hint = (
+                    f" {name!r}: call it to build the optimizer, e.g. "
+                    "MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
+                )
             raise TypeError(
                 "`opt` must be an optax GradientTransformation, got "
-                f"{type(opt).__name__}"
+                f"{type(opt).__name__}{hint}"
             )
         policy = _windows.window_policy(every_k_schedule, tokens_per_window, norm_test)
         acc_dtype = _checks.check_accumulator_dtype(accumulator_dtype)
@@ -565,7 +576,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
         # What `help(tx.init)` and `help(tx.update)` show.
         init.__qualname__ = "MaskedMultiSteps.init"
-        init.__doc__ = "The wrapper's initial state for ``params``."
+        init.__doc__ = _INIT_DOC
         update.__qualname__ = "MaskedMultiSteps.update"
         update.__doc__ = cls._update.__doc__
 
@@ -815,6 +826,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             count: jax.typing.ArrayLike,
             **extra_args: Any,
         ) -> tuple[_ParamsT, MaskedMultiStepsState]: ...
+
+    else:
+        # The tuple's two fields, read through properties that carry the
+        # docstrings: `help(mm.MaskedMultiSteps.update)` on the class shows
+        # them, not "Alias for field number 1".
+        init = property(operator.itemgetter(0), doc=_INIT_DOC)
+        update = property(operator.itemgetter(1), doc=_update.__doc__)
 
     @functools.cached_property
     def _settings_layout(self) -> Any:

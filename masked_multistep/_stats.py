@@ -90,6 +90,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -342,38 +343,57 @@ def tree_sq_norm(tree: Any) -> jax.Array:
     return sum((x.astype(dtype) for x in leaves), jnp.zeros([], dtype))
 
 
-@jax.custom_jvp
-def _taken_sq_norm(tree: Any, take: jax.Array) -> jax.Array:
-    """``tree_sq_norm(tree)``, whose derivative is 0 where ``take`` is False.
+def _sq_norms(tree: Any, rows: bool) -> jax.Array:
+    """``tree_sq_norm(tree)``, or with ``rows`` each leading-axis row's."""
+    if not rows:
+        return tree_sq_norm(tree)
+    per_row = [
+        jnp.sum(jnp.square(jnp.abs(x).astype(_F32)), axis=tuple(range(1, x.ndim)))
+        for x in jax.tree.leaves(tree)
+    ]
+    return sum(per_row[1:], per_row[0])
 
-    A skipped microbatch's gradient may be NaN, and ``NaN * 0`` is NaN in a
-    cotangent as in a value. Zeroing the gradient with a ``where`` before the
-    reduction would fix that, but XLA:CPU then writes the selected gradient to
-    a temporary buffer as large as the gradient; the custom derivative keeps
-    the forward pass a bare reduction of the gradient.
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _taken_sq_norm(tree: Any, take: jax.Array, rows: bool = False) -> jax.Array:
+    """``tree_sq_norm(tree)`` (with ``rows``: each leading-axis row's, and
+    ``take`` of shape ``(D,)``), whose derivative ignores skipped and
+    non-finite gradients.
+
+    A skipped microbatch's (or device's) gradient may be NaN, and a window
+    with a non-finite gradient is recorded and then reset; a later window's
+    figures do not depend on them, but reverse mode multiplies their zero
+    cotangent by ``2g``, and ``0 * NaN`` is NaN. So the tangent reads ``g``
+    only where ``take`` holds and ``g`` is finite (at a non-finite ``g`` the
+    value is not finite and has no derivative anyway). Zeroing the gradient
+    with a ``where`` before the reduction would fix that too, but XLA:CPU then
+    writes the selected gradient to a temporary buffer as large as the
+    gradient; the custom derivative keeps the forward pass a bare reduction.
     """
     del take
-    return tree_sq_norm(tree)
+    return _sq_norms(tree, rows)
 
 
 @_taken_sq_norm.defjvp
-def _taken_sq_norm_jvp(primals, tangents):
+def _taken_sq_norm_jvp(rows, primals, tangents):
     tree, take = primals
     d_tree, _ = tangents
-    kept = jax.tree.map(lambda g: jnp.where(take, g, jnp.zeros_like(g)), tree)
-    out = tree_sq_norm(tree)
+    out = _sq_norms(tree, rows)
 
     def inner(g, dg):
-        dg = jnp.asarray(dg)
+        g, dg = jnp.asarray(g), jnp.asarray(dg)
         if jnp.issubdtype(dg.dtype, jax.dtypes.float0):
-            return jnp.zeros([], out.dtype)
+            return jnp.zeros(out.shape, out.dtype)
+        keep = jnp.reshape(take, take.shape + (1,) * (g.ndim - take.ndim))
+        g = jnp.where(keep & jnp.isfinite(g), g, jnp.zeros_like(g))
         prod = jnp.conj(g) * dg if jnp.iscomplexobj(g) else g * dg
-        return jnp.sum(jnp.real(prod)).astype(out.dtype)
+        axes = tuple(range(1, g.ndim)) if rows else None
+        return jnp.sum(jnp.real(prod), axis=axes).astype(out.dtype)
 
     dots = [
-        inner(g, dg) for g, dg in zip(jax.tree.leaves(kept), jax.tree.leaves(d_tree))
+        inner(g, dg) for g, dg in zip(jax.tree.leaves(tree), jax.tree.leaves(d_tree))
     ]
-    return out, 2 * sum(dots, jnp.zeros([], out.dtype))
+    return out, 2 * sum(dots, jnp.zeros(out.shape, out.dtype))
 
 
 def accumulate_window_stats(
@@ -425,11 +445,7 @@ def device_shares(
     whatever ``gᵈ`` holds (a device without tokens may hold NaN).
     """
     n = jnp.where(take, local_counts, 0).astype(_F32)
-    per_device = [
-        jnp.sum(jnp.square(jnp.abs(x).astype(_F32)), axis=tuple(range(1, x.ndim)))
-        for x in jax.tree.leaves(grads)
-    ]
-    sq = sum(per_device, jnp.zeros(n.shape, _F32))
+    sq = _taken_sq_norm(grads, take, True)
     # Selected away, not multiplied: 0 * NaN is NaN.
     return jnp.where(take, n * jnp.where(take, sq, 0), 0), take.astype(jnp.int32)
 

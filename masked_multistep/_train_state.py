@@ -37,6 +37,14 @@ except ImportError as err:
 __all__ = ["TrainState"]
 
 
+_OPTAX_MULTISTEPS = (
+    "`tx` accumulates with optax.MultiSteps, which ignores `count` (it averages "
+    "the microbatches' mean gradients with equal weights): use "
+    "mm.MaskedMultiSteps(inner, k) (a running state converts with "
+    "mm.from_optax_multisteps)."
+)
+
+
 class TrainState(_flax_train_state.TrainState):
     """``flax.training.train_state.TrainState`` for token-weighted accumulation.
 
@@ -91,13 +99,16 @@ class TrainState(_flax_train_state.TrainState):
     ) -> Self:
         """flax's ``TrainState.create``; a class given as ``tx`` is a
         ``TypeError`` that says to build the optimizer (its ``init`` would fail
-        with an error of Python's own)."""
+        with an error of Python's own), and so is a ``tx`` that accumulates
+        with ``optax.MultiSteps`` (which would ignore every ``count``)."""
         if isinstance(tx, type):
             raise TypeError(
                 f"`tx` must be an optimizer, got the class {tx.__name__}: build "
                 "one, e.g. mm.MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
             )
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        if states_in(state.opt_state, optax.MultiStepsState):
+            raise TypeError(_OPTAX_MULTISTEPS)
         return cast(Self, state)
 
     def apply_gradients(  # pyright: ignore[reportRedeclaration]
@@ -220,12 +231,7 @@ class TrainState(_flax_train_state.TrainState):
         else:
             if states_in(self.opt_state, optax.MultiStepsState):
                 # with_extra_args_support would drop the count silently.
-                raise TypeError(
-                    "`tx` accumulates with optax.MultiSteps, which ignores "
-                    "`count` (it averages the microbatches' mean gradients "
-                    "with equal weights): use mm.MaskedMultiSteps(inner, k) "
-                    "(a running state converts with mm.from_optax_multisteps)."
-                )
+                raise TypeError(_OPTAX_MULTISTEPS)
             tx = optax.with_extra_args_support(self.tx)
             updates, new_opt_state = tx.update(
                 grads_with_opt, self.opt_state, params_with_opt, **extra_args

@@ -44,6 +44,9 @@ def test_bad_constructor_arguments():
         TypeError, match="`opt` must be an optax GradientTransformation"
     ):
         mm.MaskedMultiSteps(lambda g: g, 2)
+    # The factory in place of the optimizer it builds.
+    with pytest.raises(TypeError, match=r"got function 'adam': call it to build"):
+        mm.MaskedMultiSteps(optax.adam, 2)
     with pytest.raises(ValueError, match="`accumulator_dtype` must be a floating"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype=jnp.int32)
     with pytest.raises(TypeError, match="`accumulator_dtype` must be .* 'flaot32'"):
@@ -239,6 +242,11 @@ def test_missing_count_says_how_to_pass_it(tx):
     # `help(tx.update)` shows the count.
     assert "count" in inspect.signature(tx.update).parameters
     assert "count: the number of real tokens" in (tx.update.__doc__ or "")
+    # And on the class (it showed the tuple field's "Alias for field number 1").
+    assert "count: the number of real tokens" in (
+        mm.MaskedMultiSteps.update.__doc__ or ""
+    )
+    assert "initial state" in (mm.MaskedMultiSteps.init.__doc__ or "")
     with pytest.raises(TypeError, match=r"count=n.*masked_multistep.TrainState"):
         jax.jit(tx.update)(GRADS, tx.init(PARAMS), PARAMS)
     # A count under a name too far from `count` to be taken for a misspelling

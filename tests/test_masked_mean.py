@@ -68,6 +68,9 @@ def test_64_bit_integers_are_read_by_value_without_x64():
         mm.masked_mean(10**30, True)
     with pytest.raises(TypeError, match="`values` has dtype int64 .* swapped"):
         mm.masked_mean(np.arange(2), np.array([0.5, 0.5]))
+    # Lists of Python ints too (the entry 2**32 was refused as "not an array").
+    mean, count = mm.masked_mean(values[:2], [2**32, 0])
+    assert int(count) == 1 and float(mean) == 1.0
     # Lists (of traced values too) still go to jnp.asarray.
     step = jax.jit(lambda a, b: mm.masked_mean([a, b], [True, False]))
     assert float(step(1.0, 2.0)[0]) == 1.0

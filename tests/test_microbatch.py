@@ -286,6 +286,20 @@ def test_bad_constructor_arguments():
         mm.microbatched_value_and_grad(_loss, 2, has_aux=1)
 
 
+def test_an_error_in_loss_fn_says_it_saw_one_microbatch():
+    # The mask's shape was shown per microbatch ((2, 4) for an (8, 4) mask),
+    # shapes the user never made, without saying so.
+    grad_fn = mm.microbatched_value_and_grad(
+        lambda p, b: mm.masked_mean(b["x"] @ p, b["mask"]), 4
+    )
+    batch = {"x": jnp.ones((8, 5, 3)), "mask": jnp.ones((8, 4), bool)}
+    with pytest.raises(ValueError, match=r"shape \(2, 4\)") as err:
+        grad_fn(jnp.ones(3), batch)
+    note = "\n".join(getattr(err.value, "__notes__", []))
+    assert "num_microbatches=4 splits the batch's 8 rows" in note, note
+    assert "4 microbatches of 2" in note, note
+
+
 @pytest.mark.parametrize(
     ("batch", "match"),
     [

@@ -74,6 +74,8 @@ def test_rng_errors():
     with pytest.raises(TypeError, match=r"called with `rng`.*does not accept an `rng`"):
         grad_fn(jnp.array(1.0), jnp.ones(4), rng=jax.random.key(0))
     grad_fn = mm.microbatched_value_and_grad(_dropout_loss, 2)
+    with pytest.raises(TypeError, match=r"takes the PRNG key as a keyword.*rng=key"):
+        grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)}, jax.random.key(0))
     with pytest.raises(TypeError, match=r"`rng` must be a single PRNG key.*float32"):
         grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)}, rng=jnp.ones(2))
     with pytest.raises(TypeError, match=r"`rng` must be a single PRNG key.*\(2,\)"):

@@ -262,6 +262,69 @@ def test_reverse_mode_derivatives_are_finite_through_empty_microbatches():
     assert np.all(np.isfinite(grad)), grad
 
 
+_STAT_FIELDS = ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm", "noise_scale")
+
+
+def _reverse_equals_forward(fn):
+    """jax.grad of each statistic equals its forward-mode derivative (jvp,
+    which never multiplies by a discarded gradient) and is finite."""
+    for name in _STAT_FIELDS:
+
+        def field(theta, name=name):
+            return getattr(mm.window_stats(fn(theta)), name)
+
+        value, tangent = jax.jit(lambda t: jax.jvp(field, (t,), (1.0,)))(1.0)
+        grad = jax.jit(jax.grad(field))(1.0)
+        assert np.isfinite(value) and np.isfinite(tangent), (name, value, tangent)
+        np.testing.assert_allclose(grad, tangent, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_reverse_mode_derivatives_skip_an_earlier_non_finite_window(bad):
+    """A window with a non-finite gradient is recorded, then reset: the next
+    window's statistics do not depend on it, and neither do their derivatives
+    (its zero cotangent times the non-finite gradient was NaN)."""
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    params = {"w": jnp.ones(3)}
+    offset = jnp.array([0.0, bad, 0.0])  # not a function of theta
+    rows = jnp.array([[1.0, 2, 3], [1, 0, 3], [2, 2, 1], [1, 5, 3]])
+
+    def run(theta):
+        state = tx.init(params)
+        for i in range(4):
+            g = theta * rows[i] + (offset if i == 1 else 0)
+            _, state = tx.update({"w": g}, state, params, count=jnp.float32(i + 1))
+        return state
+
+    _reverse_equals_forward(run)
+
+
+def test_reverse_mode_derivatives_skip_an_empty_device_with_nan_gradients():
+    """reduction=mm.deferred: a device without tokens holds NaN; the window's
+    statistics and their derivatives leave it out."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    ndev = len(jax.devices())
+    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1), 2, window_stats=True, reduction=mm.deferred(mesh, "data")
+    )
+    params = jax.device_put({"w": jnp.ones(3)}, NamedSharding(mesh, P()))
+    base = jnp.arange(3.0 * ndev).reshape(ndev, 3) / 7 + 0.5
+    counts = [jnp.arange(ndev, dtype=jnp.float32) % 3 for _ in range(2)]
+
+    def run(theta):
+        state = tx.init(params)
+        for i, n in enumerate(counts):
+            # The empty devices' gradients: NaN, whose derivative is not 0.
+            g = theta * base * (i + 1) + jnp.where((n == 0)[:, None], jnp.nan, 0)
+            _, state = tx.update({"w": g}, state, params, count=n)
+        return state
+
+    _reverse_equals_forward(run)
+
+
 # ------------------------------------------------------------------ the wrapper
 
 D = 5

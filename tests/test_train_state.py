@@ -72,15 +72,20 @@ def test_the_fields_apply_gradients_sets_are_refused_by_name():
 
 def test_optax_multisteps_as_tx_is_refused_as_it_ignores_the_count():
     # with_extra_args_support dropped `count`: the mean of means, silently
-    # (-37 here, where the token-weighted window gives -76.9).
-    state = mm.TrainState.create(
-        apply_fn=None, params=jnp.zeros(1), tx=optax.MultiSteps(optax.sgd(-1.0), 3)
+    # (-37 here, where the token-weighted window gives -76.9). `create` refuses
+    # it, before a jitted step would.
+    multisteps = optax.MultiSteps(optax.sgd(-1.0), 3)
+    with pytest.raises(TypeError, match=r"optax.MultiSteps, which ignores `count`"):
+        mm.TrainState.create(apply_fn=None, params=jnp.zeros(1), tx=multisteps)
+    with pytest.raises(TypeError, match=r"mm.MaskedMultiSteps\(inner, k\)"):
+        mm.TrainState.create(
+            apply_fn=None, params=jnp.zeros(1), tx=optax.chain(multisteps)
+        )
+    # A state that gets one some other way is refused where it would be used.
+    state = _state().replace(
+        params=jnp.zeros(1), tx=multisteps, opt_state=multisteps.init(jnp.zeros(1))
     )
     with pytest.raises(TypeError, match=r"optax.MultiSteps, which ignores `count`"):
-        state.apply_gradients(grads=jnp.ones(1), count=2)
-    chained = optax.chain(optax.MultiSteps(optax.sgd(-1.0), 3))
-    state = mm.TrainState.create(apply_fn=None, params=jnp.zeros(1), tx=chained)
-    with pytest.raises(TypeError, match=r"mm.MaskedMultiSteps\(inner, k\)"):
         state.apply_gradients(grads=jnp.ones(1), count=2)
 
 
