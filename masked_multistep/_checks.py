@@ -19,8 +19,9 @@ The count contract (what :class:`MaskedMultiSteps` accepts as ``count=``):
   addition by at most 6e-8 of the total, far below the gradient's own
   rounding; a count of at most half the total's last bit may be lost:
   2²⁴ + 1 rounds to 2²⁴).
-  ``count_dtype=jnp.int32`` is exact up to 2³¹ − 1 per window and refuses
-  fractional counts; ``float64``/``int64`` need ``jax_enable_x64``.
+  ``count_dtype=jnp.int32`` is exact up to 2³¹ − 1 per window and takes
+  integer counts only (a floating array is refused by its dtype, a Python
+  float unless whole); ``float64``/``int64`` need ``jax_enable_x64``.
 * A concrete negative, NaN, infinite or too large count raises ``ValueError``.
   Under ``jit``, where the value is unknown, such a count (or one that would
   overflow the window's total) is treated as a skipped microbatch and counted

@@ -10,12 +10,22 @@ token-weighted running mean that :class:`MaskedMultiSteps` uses across steps.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
 import sys
 from collections.abc import Callable
-from typing import Any, Concatenate, Literal, Protocol, TypeVar, cast, overload
+from typing import (
+    Any,
+    Concatenate,
+    Literal,
+    NamedTuple,
+    Protocol,
+    TypeVar,
+    cast,
+    overload,
+)
 
 import jax
 import jax.numpy as jnp
@@ -361,7 +371,7 @@ def _first_three(items: list[str]) -> str:
     return ", ".join(items[:3]) + more
 
 
-def _check_nnx_modules(params: Any) -> None:
+def _check_nnx_modules(params: Any, whole_ok: bool = False) -> None:
     """Refuses NNX modules in ``params`` that hold state other than ``nnx.Param``.
 
     Their other variables (batch statistics, RNG streams) would be
@@ -428,10 +438,16 @@ def _check_nnx_modules(params: Any) -> None:
         found = "; ".join(
             f"{kind} at {_first_three(paths)}" for kind, paths in by_type.items()
         )
+        whole = (
+            "pass the module itself as `params` (microbatched_value_and_grad "
+            "carries its other state from microbatch to microbatch), or "
+            if whole_ok
+            else ""
+        )
         raise TypeError(
             f"`params` is an NNX module ({type(module).__name__}) holding state "
             f"other than nnx.Param ({found}), which cannot be differentiated "
-            f"whole: {_SPLIT_RECIPE}. State that `loss_fn` writes (RNG "
+            f"whole: {whole}{_SPLIT_RECIPE}. State that `loss_fn` writes (RNG "
             "counters, running batch statistics) is not returned"
         )
 
@@ -448,12 +464,13 @@ def _holds_nnx(params: Any) -> bool:
     )
 
 
-def _check_params(params: Any) -> None:
+def _check_params(params: Any, whole_ok: bool = False) -> None:
     """``params`` holds only floating (or complex) leaves, as ``jax.grad`` needs.
 
-    An NNX module in ``params`` may hold only ``nnx.Param`` variables.
+    An NNX module in ``params`` may hold only ``nnx.Param`` variables
+    (``whole_ok``: the error says that the module itself may be passed whole).
     """
-    _check_nnx_modules(params)
+    _check_nnx_modules(params, whole_ok)
     check_param_leaves(
         params, "only floating (or complex) arrays, the variables to differentiate"
     )
@@ -731,18 +748,24 @@ def microbatched_value_and_grad(
         module as ``params`` and ``loss_fn`` receives it rebuilt around the
         traced parameters; the gradients come back as a module of the same
         class, which ``nnx.Optimizer.update(model, grads)`` takes (example
-        below). A module that also holds RNG streams (``nnx.Rngs``) or batch
-        statistics cannot be differentiated whole (the error says so): split
-        it, ``graphdef, params, rest = nnx.split(model, nnx.Param, ...)``,
-        pass ``params``, and rebuild it in ``loss_fn`` with
-        ``nnx.merge(graphdef, params, rest, copy=True)`` (``copy=True``: the
-        rebuilt module's variables belong to the traced call, so dropout may
-        advance its stream); ``nnx.reseed(module, default=rng, dropout=rng)``
-        then gives each microbatch its own key (dropout draws from its
-        ``dropout`` stream where the model's ``nnx.Rngs`` has one, else from
-        ``default``; reseeding a stream the model lacks does nothing). Either
-        way, state that ``loss_fn`` writes (RNG counters, running batch
-        statistics) is not returned.
+        below). A module that also holds RNG streams (``nnx.Rngs``), batch
+        statistics or other variables goes in whole too: the gradients are
+        taken with respect to its ``nnx.Param`` variables and come back as an
+        ``nnx.State`` of them (as ``nnx.grad``'s do), and the rest of its
+        state is carried from one microbatch to the next, in order, and
+        written back into the module: each microbatch's dropout draws from
+        the stream where the previous one left it, and the running batch
+        statistics end where ``k`` calls of the module one after the other
+        leave them (under ``jax.jit``, return the module from the step, as
+        for ``nnx.Optimizer.update``; ``nnx.jit`` writes it back itself). A
+        ``loss_fn`` that adds variables to the module (``sow``) is an error:
+        return such values as ``aux``. The split form works as well:
+        ``graphdef, params, rest = nnx.split(model, nnx.Param, ...)``, pass
+        ``params``, and rebuild the module in ``loss_fn`` with
+        ``nnx.merge(graphdef, params, rest, copy=True)``; state that such a
+        ``loss_fn`` writes is not returned (``nnx.reseed(module,
+        default=rng, dropout=rng)`` with ``rng=`` gives each microbatch its
+        own dropout key).
       * ``with_stats=True`` also returns the call's :class:`WindowStats`, the
         statistics :class:`MaskedMultiSteps` keeps per window (the call is one
         window of ``k`` microbatches): tokens, microbatches with tokens, loss,
@@ -770,7 +793,8 @@ def microbatched_value_and_grad(
       ``((loss, (count, aux)), grads)`` with ``has_aux=True``. ``batch`` is a
       pytree whose leaves share a leading batch axis; gradients are taken with
       respect to ``params`` (a pytree of floating arrays, or an NNX module of
-      parameters) and have its structure; ``count`` is float32; ``rng`` is a
+      parameters) and have its structure (for a module with other state: an
+      ``nnx.State`` of its parameters); ``count`` is float32; ``rng`` is a
       PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``). With
       ``with_stats=True``, a third element: the :class:`WindowStats`.
 
@@ -778,9 +802,10 @@ def microbatched_value_and_grad(
       TypeError: if ``loss_fn`` is not callable, ``num_microbatches`` is not an
         integer, ``has_aux`` or ``with_stats`` is not a bool, an
         ``aux_reduction`` leaf is not a string; when called, if ``params`` has
-        a leaf that is not floating (the error names it) or holds an NNX module
-        with state other than ``nnx.Param`` (the error names its variables),
-        ``rng`` is not a PRNG key or ``loss_fn`` cannot take it, or ``loss_fn``
+        a leaf that is not floating (the error names it) or holds, below its
+        top level, an NNX module with state other than ``nnx.Param`` (the
+        error names its variables), ``loss_fn`` adds variables to a module
+        passed whole, ``rng`` is not a PRNG key or ``loss_fn`` cannot take it, or ``loss_fn``
         returns something other than the documented structure, a non-scalar or
         non-floating loss, a boolean or complex count or one in a float
         narrower than float32, an ``aux`` leaf that is
@@ -874,7 +899,12 @@ def microbatched_value_and_grad(
         loss_fn, num_microbatches, has_aux, aux_reduction, with_stats
     )
     return _grad_fn(
-        loss_fn, k, has_aux, aux_reduction, "window" if with_stats else None
+        loss_fn,
+        k,
+        has_aux,
+        aux_reduction,
+        "window" if with_stats else None,
+        module_state=True,
     )
 
 
@@ -899,33 +929,115 @@ def _check_args(
     return k, has_aux, with_stats
 
 
+class _ModuleState(NamedTuple):
+    """An NNX module passed whole, split for differentiation.
+
+    Its ``nnx.Param`` state is what the gradients are taken with respect to;
+    the rest (RNG streams' counters, running batch statistics, any other
+    variable) is threaded through the microbatches in order, each
+    microbatch's ``loss_fn`` call seeing what the previous one wrote, as ``k``
+    calls of the module one after the other would, and written back into the
+    module at the end.
+    """
+
+    module: Any
+    graphdef: Any
+    params: Any
+    rest: Any
+
+    @classmethod
+    def of(cls, params: Any) -> _ModuleState | None:
+        """The split of ``params`` if it is an NNX module holding state other
+        than ``nnx.Param``; ``None`` otherwise (a pytree of params, or a
+        module of parameters only, differentiated as a pytree)."""
+        nnx = sys.modules.get("flax.nnx")
+        if nnx is None or not isinstance(params, nnx.Module):
+            return None
+        if not jax.tree.leaves(nnx.state(params, nnx.Not(nnx.Param))):
+            return None
+        graphdef, param_state, rest = nnx.split(params, nnx.Param, ...)
+        return cls(params, graphdef, param_state, rest)
+
+    def merge(self, params: Any, rest: Any) -> Any:
+        """The module of ``params`` and ``rest``, for one ``loss_fn`` call."""
+        nnx = sys.modules["flax.nnx"]
+        return nnx.merge(self.graphdef, params, rest, copy=True)
+
+    def rest_of(self, module: Any) -> Any:
+        """The rest of ``module``'s state after a ``loss_fn`` call."""
+        nnx = sys.modules["flax.nnx"]
+        return nnx.split(module, nnx.Param, ...)[2]
+
+    def check_kept(self, after: Any) -> None:
+        """Refuses a ``loss_fn`` that changes the state's layout (``sow``
+        adds ``nnx.Intermediate`` variables): each microbatch must leave
+        the state as the next one takes it."""
+        before = jax.tree.map(jax.typeof, self.rest)
+        after = jax.tree.map(lambda x: jax.typeof(x), after)
+        if jax.tree.structure(before) != jax.tree.structure(after) or any(
+            (a.shape, a.dtype) != (b.shape, b.dtype)
+            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))
+        ):
+            nnx = sys.modules["flax.nnx"]
+            added = sorted(
+                _nnx_path(path)
+                for path, _ in nnx.to_flat_state(after)
+                if path not in dict(nnx.to_flat_state(self.rest))
+            )
+            raise TypeError(
+                "`loss_fn` changed the layout of the module's state other than "
+                "nnx.Param (the state carried from one microbatch to the next)"
+                + (f": it added {_first_three(added)}" if added else "")
+                + ". Variables created during the call (`sow`, nnx.Intermediate) "
+                "cannot be carried: return what you need as `aux` "
+                "(has_aux=True) instead"
+            )
+
+    def write_back(self, rest: Any) -> None:
+        """The microbatches' last state, into the module passed in."""
+        sys.modules["flax.nnx"].update(self.module, rest)
+
+
 def _grad_fn(
     loss_fn: Callable[..., Any],
     k: int,
     has_aux: bool,
     aux_reduction: AuxReduction,
     stats: Literal["window", "sums"] | None,
+    module_state: bool = False,
 ) -> Any:
     """:func:`microbatched_value_and_grad`'s function, arguments checked.
 
     ``stats``: ``"window"`` appends the call's :class:`WindowStats`;
     ``"sums"`` its running sums ``(Σ nᵢ‖gᵢ‖², K)`` instead, for a caller that
     combines several calls into one window (:func:`data_parallel_value_and_grad`).
+    ``module_state``: an NNX module passed whole may hold state other than its
+    parameters (RNG streams, batch statistics), threaded through the
+    microbatches in order and written back (:class:`_ModuleState`).
     """
 
-    def normalized_loss(params, microbatch, key):
+    def normalized_loss(params, microbatch, key, rest, *, module):
+        if module is not None:  # the module, rebuilt around traced params
+            params = module.merge(params, rest)
         if key is None:
             out = loss_fn(params, microbatch)
         else:
             out = loss_fn(params, microbatch, rng=key)
         loss, weight, aux = _check_output(out, has_aux)
-        return loss, (weight, aux)
+        rest = None if module is None else module.rest_of(params)
+        return loss, (weight, aux, rest)
 
-    value_and_grad = jax.value_and_grad(normalized_loss, has_aux=True)
+    def value_and_grad(module: _ModuleState | None) -> Callable[..., Any]:
+        """One microbatch's ``((loss, weight, aux, grads), rest)``."""
+        # The module's split is closed over, not traced: only `rest` changes.
+        fn = functools.partial(normalized_loss, module=module)
+        grad_of = jax.value_and_grad(fn, has_aux=True)
 
-    def per_microbatch(params, microbatch, key):
-        (loss, (weight, aux)), grads = value_and_grad(params, microbatch, key)
-        return loss, weight, aux, grads
+        def per_microbatch(params, microbatch, key, rest):
+            (loss, (weight, aux, rest)), grads = grad_of(params, microbatch, key, rest)
+            return (loss, weight, aux, grads), rest
+
+        return per_microbatch
 
     def grad_fn(
         params: Any,
@@ -938,7 +1050,12 @@ def _grad_fn(
                 "grad_fn takes the PRNG key as a keyword: grad_fn(params, batch, "
                 f"rng=key); got {len(args)} more positional argument(s)"
             )
-        _check_params(params)
+        module = _ModuleState.of(params) if module_state else None
+        if module is not None:
+            params = module.params
+        per_microbatch = value_and_grad(module)
+        rest = None if module is None else module.rest
+        _check_params(params, whole_ok=module_state)
         batch_size = _batch_size(batch, k)
         if rng is not None:
             rng = _check_rng(rng)
@@ -963,7 +1080,9 @@ def _grad_fn(
 
         with jax.named_scope("masked_multistep/microbatch"):
             try:
-                shapes = jax.eval_shape(per_microbatch, params, microbatch(0), key(0))
+                shapes, rest_after = jax.eval_shape(
+                    per_microbatch, params, microbatch(0), key(0), rest
+                )
             except Exception as err:
                 err.add_note(
                     f"(raised while tracing `loss_fn` on one microbatch: "
@@ -973,6 +1092,8 @@ def _grad_fn(
                     "microbatch's)"
                 )
                 raise
+            if module is not None:
+                module.check_kept(rest_after)
             accumulator = _token_weighted_accumulator(
                 shapes, _aux_reductions(shapes[2], aux_reduction), has_aux
             )
@@ -987,11 +1108,15 @@ def _grad_fn(
                 )
 
             def body(j, carry):
-                value = per_microbatch(params, microbatch(j), key(j))
-                return accumulator.update(carry, value, j)
+                carry, rest = carry
+                value, rest = per_microbatch(params, microbatch(j), key(j), rest)
+                return accumulator.update(carry, value, j), rest
 
-            carry = accumulator.init(shapes)
-            out = accumulator.finalize(jax.lax.fori_loop(0, k, body, carry))
+            carry = (accumulator.init(shapes), rest)
+            carry, rest = jax.lax.fori_loop(0, k, body, carry)
+            out = accumulator.finalize(carry)
+            if module is not None:
+                module.write_back(rest)
         # optax types `finalize` as returning any pytree; ours returns
         # `(value, grads[, stats])`, the grads a pytree like `params`.
         return cast("tuple[Any, ...]", out)

@@ -1,14 +1,15 @@
 """`microbatched_value_and_grad` with an NNX module.
 
-Two ways: a module whose state is only `nnx.Param` goes in place of `params`
-(NNX modules are pytrees; the gradients come back as a module); any module
-goes through `nnx.split(model, nnx.Param, ...)`, whose parameters (an
-`nnx.State`) are differentiated while `loss_fn` rebuilds the module with
-`nnx.merge`. Both match `nnx.value_and_grad` on the full batch, and an
-`nnx.Optimizer` takes the gradients as they come.
+A module whose state is only `nnx.Param` goes in place of `params` (NNX
+modules are pytrees; the gradients come back as a module). A module that also
+holds RNG streams or batch statistics goes in whole too: its parameters are
+differentiated and the rest of its state is carried from one microbatch to the
+next and written back, as k calls one after the other would leave it. Any
+module also goes through `nnx.split(model, nnx.Param, ...)`, whose parameters
+(an `nnx.State`) are differentiated while `loss_fn` rebuilds the module with
+`nnx.merge`. All match `nnx.value_and_grad`, and an `nnx.Optimizer` takes the
+gradients as they come.
 """
-
-import re
 
 import chex
 import jax
@@ -153,6 +154,38 @@ def test_module_in_place_of_params_with_dropout_per_microbatch():
     )
 
 
+def _looped(loss_fn, model, batch):
+    """k calls of ``nnx.value_and_grad`` one after the other on the
+    microbatches (rows j, j + k, ...), the module's state carried between
+    them: ``((loss, count), grads)`` token-weighted in float64."""
+    losses, counts, grads = [], [], []
+    for j in range(K):
+        microbatch = jax.tree.map(lambda x, j=j: x[j::K], batch)
+        (loss, count), g = nnx.value_and_grad(loss_fn, has_aux=True)(model, microbatch)
+        losses.append(float(loss))
+        counts.append(float(count))
+        grads.append(nnx.to_pure_dict(g))
+    total = sum(counts)
+    mean = jax.tree.map(
+        lambda *g: (
+            sum(n * np.asarray(x, np.float64) for n, x in zip(counts, g) if n) / total
+        ),
+        *grads,
+    )
+    loss = sum(n * x for n, x in zip(counts, losses) if n) / total
+    return (loss, total), mean
+
+
+def _assert_same_as_looped(got, want):
+    (loss, count), grads = got
+    (want_loss, want_count), want_grads = want
+    assert float(count) == want_count
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+    chex.assert_trees_all_close(
+        nnx.to_pure_dict(grads), want_grads, rtol=1e-5, atol=1e-6
+    )
+
+
 class _WithRngs(nnx.Module):
     """A module that keeps its dropout RNG stream: not only parameters."""
 
@@ -171,7 +204,7 @@ class _WithRngs(nnx.Module):
     [lambda: nnx.Rngs(0, dropout=1), lambda: nnx.Rngs(0)],
     ids=["dropout stream", "default stream"],
 )
-def test_module_with_rng_streams_is_a_clear_error_naming_the_split_recipe(rngs):
+def test_module_with_rng_streams_passed_whole_draws_new_masks_per_microbatch(rngs):
     model = _WithRngs(rngs())
 
     def loss_fn(model, batch):
@@ -179,17 +212,24 @@ def test_module_with_rng_streams_is_a_clear_error_naming_the_split_recipe(rngs):
         per_token = jnp.sum((model(x) - batch["y"]) ** 2, axis=-1)
         return mm.masked_mean(per_token, batch["mask"])
 
+    # Passed whole, the module's stream advances microbatch by microbatch, as
+    # k calls one after the other do: the same masks, loss and gradients as
+    # such a loop, and the stream left where the loop leaves it. (Before, the
+    # module was refused; split by hand without `rng=`, every microbatch and
+    # every call drew the same mask.)
+    looped = nnx.clone(model)
+    want = _looped(loss_fn, looped, _batch())
     grad_fn = mm.microbatched_value_and_grad(loss_fn, K)
-    with pytest.raises(
-        TypeError,
-        match=r"^`params` is an NNX module \(_WithRngs\) holding state other than "
-        r"nnx\.Param \(RngCount at params\.dropout\.rngs\.count; RngKey at "
-        r"params\.dropout\.rngs\.key\), which cannot be differentiated whole: "
-        r"pass `params` from `graphdef, params, rest = nnx\.split\(model, "
-        r"nnx\.Param, \.\.\.\)`.*nnx\.merge\(graphdef, params, rest, copy=True\)",
-    ):
-        grad_fn(model, _batch())
-    # The recipe the error names works, with a dropout key per microbatch.
+    got = nnx.jit(grad_fn)(model, _batch())
+    _assert_same_as_looped(got, want)
+    chex.assert_trees_all_equal(
+        nnx.to_pure_dict(nnx.state(model, nnx.RngState)),
+        nnx.to_pure_dict(nnx.state(looped, nnx.RngState)),
+    )
+    again = grad_fn(model, _batch())  # eager; the stream has moved on
+    assert float(again[0][0]) != float(got[0][0])
+    _assert_same_as_looped(again, _looped(loss_fn, looped, _batch()))
+    # Split by hand, a dropout key per microbatch comes from `rng=`.
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def merged_loss(params, batch, rng):
@@ -227,27 +267,42 @@ def _bn_loss(model, batch):
     return mm.masked_mean(per_token, batch["mask"])
 
 
-_BATCH_STATS = re.escape(
-    "holding state other than nnx.Param (BatchStat at params.bn.mean, "
-    "params.bn.var), which cannot be differentiated whole: pass `params` from "
-    "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)` and rebuild "
-    "the module in `loss_fn` with `nnx.merge(graphdef, params, rest, copy=True)`"
-)
+def test_module_with_batch_stats_passed_whole_updates_them_microbatch_by_microbatch():
+    # The split recipe's `nnx.merge(..., copy=True)` dropped what each
+    # microbatch wrote: the running statistics never moved. Passed whole, each
+    # microbatch normalises with and updates the statistics the previous one
+    # left, as k calls one after the other do.
+    model = _WithBatchNorm(nnx.Rngs(0))
+    batch = _batch()
+    looped = nnx.clone(model)
+    want = _looped(_bn_loss, looped, batch)
+    grad_fn = mm.microbatched_value_and_grad(_bn_loss, K)
+
+    @jax.jit
+    def step(model, batch):  # jax.jit: the updated module is returned
+        return grad_fn(model, batch), model
+
+    got, model = step(model, batch)
+    _assert_same_as_looped(got, want)
+    chex.assert_trees_all_close(
+        nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)),
+        nnx.to_pure_dict(nnx.state(looped, nnx.BatchStat)),
+        rtol=1e-6,
+    )
+    assert float(jnp.max(jnp.abs(model.bn.mean[...]))) > 0  # they moved
+    # The gradients are the parameters' (an nnx.State), as nnx.grad's, and an
+    # nnx.Optimizer takes them.
+    assert not nnx.to_flat_state(nnx.state(got[1], nnx.Not(nnx.Param)))
+    nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param).update(model, got[1])
 
 
-def test_module_with_batch_stats_is_a_clear_error_naming_the_split_recipe():
+def test_module_with_batch_stats_is_refused_where_its_state_cannot_be_carried():
     # BatchStat is float: without the check its mean and var would come back
     # as "gradients", which nnx.Optimizer(wrt=nnx.Param) takes silently, and
     # the running statistics would never be updated.
     model = _WithBatchNorm(nnx.Rngs(0))
     batch = _batch()
-    grad_fn = mm.microbatched_value_and_grad(_bn_loss, K)
-    match = r"^`params` is an NNX module \(_WithBatchNorm\) " + _BATCH_STATS
-    with pytest.raises(TypeError, match=match):
-        grad_fn(model, batch)
-    with pytest.raises(TypeError, match=match):
-        jax.jit(grad_fn)(model, batch)
-    # A module anywhere in `params` is checked; the path says where.
+    # A module inside `params` is checked; the path says where.
     with pytest.raises(
         TypeError,
         match=r"NNX module \(_WithBatchNorm\) holding state other than "
@@ -294,6 +349,24 @@ def test_module_with_batch_stats_is_a_clear_error_naming_the_split_recipe():
     # Only parameters are differentiated (the BatchNorm'd bias gradient is
     # rounding noise, hence the atol above).
     assert not nnx.to_flat_state(nnx.state(grads, nnx.Not(nnx.Param)))
+
+
+class _Sows(nnx.Module):
+    def __init__(self, rngs):
+        self.inner = _WithBatchNorm(rngs)
+
+    def __call__(self, x):
+        y = self.inner(x)
+        self.sow(nnx.Intermediate, "out", y)
+        return y
+
+
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside")
+def test_a_loss_fn_that_adds_module_state_is_a_clear_error():
+    # Each microbatch's state is the next one's: a variable created during the
+    # call cannot be carried (jax's fori_loop would name carry types only).
+    with pytest.raises(TypeError, match=r"changed the layout .* added \.out\. .*aux"):
+        mm.microbatched_value_and_grad(_bn_loss, K)(_Sows(nnx.Rngs(0)), _batch())
 
 
 class _Tied(nnx.Module):
