@@ -758,8 +758,12 @@ def microbatched_value_and_grad(
         statistics end where ``k`` calls of the module one after the other
         leave them (under ``jax.jit``, return the module from the step, as
         for ``nnx.Optimizer.update``; ``nnx.jit`` writes it back itself). A
-        ``loss_fn`` that adds variables to the module (``sow``) is an error:
-        return such values as ``aux``. The split form works as well:
+        ``loss_fn`` that adds variables to the module (``sow``) or changes a
+        variable's dtype is an error: return such values as ``aux``. Only the
+        variables are carried: a change ``loss_fn`` makes to the module's
+        other attributes (``model.eval()`` inside it) is not seen by the next
+        microbatch nor written back; set them before the call. The split form
+        works as well:
         ``graphdef, params, rest = nnx.split(model, nnx.Param, ...)``, pass
         ``params``, and rebuild the module in ``loss_fn`` with
         ``nnx.merge(graphdef, params, rest, copy=True)``; state that such a
@@ -804,8 +808,9 @@ def microbatched_value_and_grad(
         ``aux_reduction`` leaf is not a string; when called, if ``params`` has
         a leaf that is not floating (the error names it) or holds, below its
         top level, an NNX module with state other than ``nnx.Param`` (the
-        error names its variables), ``loss_fn`` adds variables to a module
-        passed whole, ``rng`` is not a PRNG key or ``loss_fn`` cannot take it, or ``loss_fn``
+        error names its variables), ``loss_fn`` changes the variables of a
+        module passed whole, their shapes or dtypes, ``rng`` is not a PRNG
+        key or ``loss_fn`` cannot take it, or ``loss_fn``
         returns something other than the documented structure, a non-scalar or
         non-floating loss, a boolean or complex count or one in a float
         narrower than float32, an ``aux`` leaf that is
@@ -929,6 +934,14 @@ def _check_args(
     return k, has_aux, with_stats
 
 
+def _layout_text(layout: Any) -> str:
+    """``float32[4]`` for a leaf's ``(shape, dtype)``; ``None`` for no value."""
+    leaves = jax.tree.leaves(layout, is_leaf=lambda x: isinstance(x, tuple))
+    if not leaves:
+        return "None"
+    return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in leaves)
+
+
 class _ModuleState(NamedTuple):
     """An NNX module passed whole, split for differentiation.
 
@@ -953,7 +966,7 @@ class _ModuleState(NamedTuple):
         nnx = sys.modules.get("flax.nnx")
         if nnx is None or not isinstance(params, nnx.Module):
             return None
-        if not jax.tree.leaves(nnx.state(params, nnx.Not(nnx.Param))):
+        if not nnx.to_flat_state(nnx.state(params, nnx.Not(nnx.Param))):
             return None
         graphdef, param_state, rest = nnx.split(params, nnx.Param, ...)
         return cls(params, graphdef, param_state, rest)
@@ -970,28 +983,43 @@ class _ModuleState(NamedTuple):
 
     def check_kept(self, after: Any) -> None:
         """Refuses a ``loss_fn`` that changes the state's layout (``sow``
-        adds ``nnx.Intermediate`` variables): each microbatch must leave
-        the state as the next one takes it."""
-        before = jax.tree.map(jax.typeof, self.rest)
-        after = jax.tree.map(lambda x: jax.typeof(x), after)
-        if jax.tree.structure(before) != jax.tree.structure(after) or any(
-            (a.shape, a.dtype) != (b.shape, b.dtype)
-            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))
-        ):
-            nnx = sys.modules["flax.nnx"]
-            added = sorted(
-                _nnx_path(path)
-                for path, _ in nnx.to_flat_state(after)
-                if path not in dict(nnx.to_flat_state(self.rest))
+        adds ``nnx.Intermediate`` variables; a value may change dtype): each
+        microbatch must leave the state as the next one takes it."""
+        nnx = sys.modules["flax.nnx"]
+
+        def layout(state: Any) -> dict[Any, Any]:
+            return {
+                path: jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), v)
+                for path, v in nnx.to_flat_state(state)
+            }
+
+        before, now = layout(self.rest), layout(after)
+        if before == now:
+            return
+        added = [_nnx_path(p) for p in now if p not in before]
+        removed = [_nnx_path(p) for p in before if p not in now]
+        changed = [
+            f"{_nnx_path(p)} ({_layout_text(before[p])} -> {_layout_text(now[p])})"
+            for p in before
+            if p in now and before[p] != now[p]
+        ]
+        found = "; ".join(
+            f"{what} {_first_three(paths)}"
+            for what, paths in (
+                ("added", added),
+                ("removed", removed),
+                ("changed", changed),
             )
-            raise TypeError(
-                "`loss_fn` changed the layout of the module's state other than "
-                "nnx.Param (the state carried from one microbatch to the next)"
-                + (f": it added {_first_three(added)}" if added else "")
-                + ". Variables created during the call (`sow`, nnx.Intermediate) "
-                "cannot be carried: return what you need as `aux` "
-                "(has_aux=True) instead"
-            )
+            if paths
+        )
+        raise TypeError(
+            "`loss_fn` changed the layout of the module's state other than "
+            "nnx.Param, which is carried from one microbatch to the next and "
+            f"must keep its variables, shapes and dtypes: it {found}. Variables "
+            "created during the call (`sow`, nnx.Intermediate) cannot be "
+            "carried: return what you need as `aux` (has_aux=True) instead; "
+            "keep a variable's dtype (`.astype` the new value)"
+        )
 
     def write_back(self, rest: Any) -> None:
         """The microbatches' last state, into the module passed in."""

@@ -367,6 +367,37 @@ def test_a_loss_fn_that_adds_module_state_is_a_clear_error():
     # call cannot be carried (jax's fori_loop would name carry types only).
     with pytest.raises(TypeError, match=r"changed the layout .* added \.out\. .*aux"):
         mm.microbatched_value_and_grad(_bn_loss, K)(_Sows(nnx.Rngs(0)), _batch())
+    # A carried value that changes dtype is named with both layouts.
+    with pytest.raises(TypeError, match=r"changed \.total \(bfloat16\[2\] -> float32"):
+        mm.microbatched_value_and_grad(_bn_loss, K)(_Promotes(), _batch())
+
+
+class _Promotes(nnx.Module):
+    def __init__(self):
+        self.hidden = nnx.Linear(D_IN, D_OUT, rngs=nnx.Rngs(0))
+        self.total = nnx.BatchStat(jnp.zeros(D_OUT, jnp.bfloat16))
+
+    def __call__(self, x):
+        y = self.hidden(x)
+        self.total.set_value(self.total[...] + jnp.mean(y, axis=(0, 1)))  # float32
+        return y
+
+
+class _HoldsNothing(nnx.Module):
+    def __init__(self):
+        self.hidden = nnx.Linear(D_IN, D_OUT, rngs=nnx.Rngs(0))
+        self.cache = nnx.Cache(None)  # a variable without a value yet
+
+    def __call__(self, x):
+        return self.hidden(x)
+
+
+def test_a_module_with_an_empty_variable_goes_in_whole():
+    # Its state beside the parameters has no array: it was taken for a module
+    # of parameters, then refused for holding a Cache.
+    model = _HoldsNothing()
+    got = mm.microbatched_value_and_grad(_bn_loss, K)(model, _batch())
+    _assert_same_as_looped(got, _looped(_bn_loss, nnx.clone(model), _batch()))
 
 
 class _Tied(nnx.Module):
