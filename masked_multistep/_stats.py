@@ -343,15 +343,16 @@ def tree_sq_norm(tree: Any) -> jax.Array:
     return sum((x.astype(dtype) for x in leaves), jnp.zeros([], dtype))
 
 
-def _sq_norms(tree: Any, rows: bool) -> jax.Array:
-    """``tree_sq_norm(tree)``, or with ``rows`` each leading-axis row's."""
+def _sq_norms(tree: Any, rows: bool, shape: tuple[int, ...]) -> jax.Array:
+    """``tree_sq_norm(tree)``, or with ``rows`` each leading-axis row's (the
+    rows' count in ``shape``, which also holds with no leaves at all)."""
     if not rows:
         return tree_sq_norm(tree)
     per_row = [
         jnp.sum(jnp.square(jnp.abs(x).astype(_F32)), axis=tuple(range(1, x.ndim)))
         for x in jax.tree.leaves(tree)
     ]
-    return sum(per_row[1:], per_row[0])
+    return sum(per_row, jnp.zeros(shape, _F32))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -370,15 +371,14 @@ def _taken_sq_norm(tree: Any, take: jax.Array, rows: bool = False) -> jax.Array:
     writes the selected gradient to a temporary buffer as large as the
     gradient; the custom derivative keeps the forward pass a bare reduction.
     """
-    del take
-    return _sq_norms(tree, rows)
+    return _sq_norms(tree, rows, jnp.shape(take))
 
 
 @_taken_sq_norm.defjvp
 def _taken_sq_norm_jvp(rows, primals, tangents):
     tree, take = primals
     d_tree, _ = tangents
-    out = _sq_norms(tree, rows)
+    out = _sq_norms(tree, rows, jnp.shape(take))
 
     def inner(g, dg):
         g, dg = jnp.asarray(g), jnp.asarray(dg)

@@ -325,6 +325,23 @@ def test_reverse_mode_derivatives_skip_an_empty_device_with_nan_gradients():
     _reverse_equals_forward(run)
 
 
+def test_deferred_statistics_with_no_parameters():
+    """An empty tree (``tx.init({})``) accumulates the devices' counts alone."""
+    ndev = len(jax.devices())
+    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1), 2, window_stats=True, reduction=mm.deferred(mesh, "data")
+    )
+    state = tx.init({})
+    counts = jnp.arange(ndev, dtype=jnp.int32) % 3
+    for _ in range(2):
+        _, state = tx.update({}, state, {}, count=counts)
+    stats = mm.window_stats(state)
+    assert float(stats.tokens) == 2 * int(counts.sum())
+    assert int(stats.microbatches) == 2 * int((counts > 0).sum())
+    assert float(stats.grad_sq_norm) == 0.0
+
+
 # ------------------------------------------------------------------ the wrapper
 
 D = 5
