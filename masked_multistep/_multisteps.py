@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from optax import tree as otu
 
-from masked_multistep import _checks, _stats, _windows
+from masked_multistep import _checks, _processes, _stats, _windows
 from masked_multistep._branch import in_place_cond
 from masked_multistep._deferred import Deferred
 from masked_multistep._reduction import Local, WindowTotals
@@ -209,7 +209,12 @@ _KEYWORD_HINTS = {
 }
 
 
-_INIT_DOC = "The wrapper's initial state for ``params``."
+_INIT_DOC = """The wrapper's initial state for ``params``.
+
+When the state is made of global arrays on devices of every process (a
+multi-process mesh, outside ``jit``), the processes compare their wrappers'
+``repr`` and state layouts (one small all-gather) and all raise ``ValueError``
+if they differ: every process must build the same wrapper."""
 
 
 class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
@@ -710,7 +715,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             policy_state=self._policy.init(),
             reduction_state=self._reduction.init(self._count_dtype),
         )
-        return self._reduction.place(state, params)
+        state = self._reduction.place(state, params)
+        if _processes.spans_every_process(state):
+            _processes.check_same_across_processes(
+                _processes.describe(self, state), "MaskedMultiSteps.init"
+            )
+        return state
 
     def has_updated(self, state: MaskedMultiStepsState) -> jax.Array:
         """True exactly when the last :meth:`update` applied an inner update.

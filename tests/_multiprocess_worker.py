@@ -200,6 +200,43 @@ def _eager_counts(mesh, global_batches, process_id: int) -> None:
         assert got == want, (start, got, holder)
 
 
+def _different_settings(mesh, process_id: int) -> None:
+    """Processes that build different wrappers are told so by ``init``, all of
+    them alike (with ``k`` = 2 on one and 3 on the other, the deferred windows
+    would pair different microbatches and the parameters drift apart). A mesh
+    over one process's devices only is not compared: the other process never
+    calls its ``init``."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import masked_multistep as mm
+
+    params = jax.device_put(init_params(), NamedSharding(mesh, P()))
+    for reduction in (None, mm.deferred(mesh, "data")):
+        tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2 + process_id, reduction=reduction)
+        try:
+            tx.init(params)
+        except ValueError as e:
+            assert "process(es) [" in str(e), e
+            assert f"every_k_schedule={2 + process_id}" in str(e), e
+        else:
+            raise AssertionError(f"no error with reduction={reduction!r}")
+    own = jax.make_mesh(
+        (LOCAL_DEVICES,),
+        ("data",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=jax.local_devices(),
+    )
+    own_params = jax.device_put(init_params(), NamedSharding(own, P()))
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1), 2 + process_id, reduction=mm.deferred(own, "data")
+    )
+    state = tx.init(own_params)
+    assert int(state.mini_step) == 0
+
+
 def main(process_id: int, port: int, out_path: str, ckpt_dir: str) -> None:
     import jax
 
@@ -248,6 +285,7 @@ def main(process_id: int, port: int, out_path: str, ckpt_dir: str) -> None:
     assert int(state.gradient_step) == WINDOWS, state.gradient_step
     deferred = _deferred_run(mesh, global_batches, ckpt_dir)
     _eager_counts(mesh, global_batches, process_id)
+    _different_settings(mesh, process_id)
     np.savez(
         out_path,
         **{f"auto/{k}": np.asarray(v) for k, v in params.items()},
