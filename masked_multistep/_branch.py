@@ -17,10 +17,10 @@ default is the CPU gets the conditional). Elsewhere it is the plain
 ``lax.cond``.
 
 The loop cannot be differentiated in reverse mode, so it is a ``custom_jvp``
-whose rule is the conditional's: derivatives (and the values computed beside
-them) go through ``lax.cond``. One case still fails on a GPU: reverse-mode
-derivatives of a ``vmap`` whose examples take different branches (the rule's
-batched conditional has no transpose).
+whose rule runs both branches and selects (the values computed beside the
+derivatives too): a differentiated step costs both branches' derivatives, on
+a GPU only, and works under ``vmap`` whatever branch each example takes (a
+batched ``lax.cond`` in the rule would have no transpose).
 """
 
 from __future__ import annotations
@@ -99,16 +99,6 @@ def _closure_converted(fn: Callable[..., Any], args: tuple) -> tuple[Callable, l
     return converted, list(closed.consts)
 
 
-def _as_cond(true_c, false_c, pred, consts, args):
-    t, f = consts
-    return jax.lax.cond(
-        pred,
-        lambda a: true_c(t, *a),
-        lambda a: (a[0], false_c(f, *a)),
-        args,
-    )
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _loop(true_c, false_c, pred, consts, args):
     t, f = consts
@@ -126,5 +116,38 @@ def _loop(true_c, false_c, pred, consts, args):
 
 @_loop.defjvp
 def _loop_jvp(true_c, false_c, primals, tangents):
-    # The conditional's derivatives (a while loop has none in reverse mode).
-    return jax.jvp(functools.partial(_as_cond, true_c, false_c), primals, tangents)
+    # A while loop has no derivatives in reverse mode, and the conditional's
+    # cannot serve under `vmap`: a batched `lax.cond` runs both branches and
+    # hides each branch's operands from the other behind `stop_gradient`,
+    # which reverse mode cannot transpose when those operands are tangents (as
+    # they are inside this rule). So both branches run here, each seeing the
+    # tangents only where it is taken (a `where`, which transposes):
+    # cotangents reach neither branch where it is not taken, even through a
+    # NaN in its derivative.
+    pred, (t, f), args = primals
+    _, (dt, df), dargs = tangents
+
+    def only_where(take: jax.Array, tree: Any) -> Any:
+        return jax.tree.map(
+            lambda d: d if _is_float0(d) else jnp.where(take, d, jnp.zeros_like(d)),
+            tree,
+        )
+
+    def select(a: Any, b: Any) -> Any:
+        return jax.tree.map(
+            lambda x, y: x if _is_float0(x) else jnp.where(pred, x, y), a, b
+        )
+
+    taken, d_taken = jax.jvp(
+        lambda c, a: true_c(c, *a), (t, args), only_where(pred, (dt, dargs))
+    )
+    extra, d_extra = jax.jvp(
+        lambda c, a: false_c(c, *a), (f, args), only_where(~pred, (df, dargs))
+    )
+    held = (args[0], extra)
+    d_held = (only_where(~pred, dargs[0]), d_extra)
+    return select(taken, held), select(d_taken, d_held)
+
+
+def _is_float0(x: Any) -> bool:
+    return jax.dtypes.result_type(x) == jax.dtypes.float0

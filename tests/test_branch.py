@@ -296,3 +296,33 @@ def test_eager_steps_keep_no_gradients_alive(form):
         if i == 1:
             before = live()
     assert live() <= before
+
+
+def test_reverse_mode_through_vmap_with_examples_in_different_branches(monkeypatch):
+    # Two training runs side by side under `vmap`, their windows closing on
+    # different microbatches (a token budget), one run's second microbatch
+    # empty with NaN gradients: derivatives with respect to the learning rate
+    # and the gradients' scale in the loop form equal the conditional's (a
+    # batched conditional inside the loop's rule had no transpose).
+    counts = jnp.array([[3, 0, 2, 4, 1], [1, 2, 5, 1, 3]], jnp.int32)
+
+    def train(theta, lr, counts):
+        tx = mm.MaskedMultiSteps(optax.adam(lr), tokens_per_window=4)
+        w = jnp.array([1.0, -2.0, 0.5])
+        state = tx.init(w)
+        for i in range(counts.shape[0]):
+            g = theta * w * (i + 1) + jnp.where(counts[i] == 0, jnp.nan, 0)
+            w, state = tx.apply_gradients(g, state, w, count=counts[i])
+        return jnp.sum(w**2) + state.acc_grads.sum()
+
+    def loss(theta, lr):
+        return jnp.sum(jax.vmap(train, in_axes=(None, None, 0))(theta, lr, counts))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    want = grad(0.7, 0.1)
+    _loop_on_cpu(monkeypatch)
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(0.7, 0.1)
+    assert all(np.isfinite(g) for g in got), got
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    _, tangent = jax.jvp(lambda lr: loss(0.7, lr), (0.1,), (1.0,))
+    np.testing.assert_allclose(tangent, want[1], rtol=1e-5)
