@@ -14,13 +14,11 @@ import functools
 import inspect
 import math
 import numbers
-import sys
 from collections.abc import Callable
 from typing import (
     Any,
     Concatenate,
     Literal,
-    NamedTuple,
     Protocol,
     TypeVar,
     cast,
@@ -32,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_multistep import _stats
+from masked_multistep import _nnx_state, _stats
 from masked_multistep._checks import (
     check_flag,
     check_microbatches,
@@ -350,127 +348,13 @@ def _check_output(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
     return loss, weight, aux
 
 
-_SPLIT_RECIPE = (
-    "pass `params` from `graphdef, params, rest = nnx.split(model, nnx.Param, "
-    "...)` and rebuild the module in `loss_fn` with `nnx.merge(graphdef, "
-    "params, rest, copy=True)` (then `nnx.reseed(module, default=rng, "
-    "dropout=rng)` gives each microbatch its own dropout key when `grad_fn` is "
-    "called with `rng=`; dropout draws from the `default` stream of an "
-    "`nnx.Rngs(0)`)"
-)
-
-
-def _nnx_path(path: tuple[Any, ...]) -> str:
-    """An ``nnx`` state path as attribute access: ``.bn.mean``, ``.layers[0]``."""
-    return "".join(f".{key}" if isinstance(key, str) else f"[{key!r}]" for key in path)
-
-
-def _first_three(items: list[str]) -> str:
-    """``a, b, c and N more``: the first three of ``items``, and how many else."""
-    more = f" and {len(items) - 3} more" if len(items) > 3 else ""
-    return ", ".join(items[:3]) + more
-
-
-def _check_nnx_modules(params: Any, whole_ok: bool = False) -> None:
-    """Refuses NNX modules in ``params`` that hold state other than ``nnx.Param``.
-
-    Their other variables (batch statistics, RNG streams) would be
-    "differentiated" like parameters, and the state ``loss_fn`` writes to them
-    lost. flax is optional: if ``flax.nnx`` was never imported, ``params``
-    holds no NNX module.
-
-    >>> from flax import nnx
-    >>> _check_nnx_modules({"bn": nnx.BatchNorm(2, rngs=nnx.Rngs(0))})
-    Traceback (most recent call last):
-    TypeError: `params` is an NNX module (BatchNorm) holding state other than
-    nnx.Param (BatchStat at params['bn'].mean, params['bn'].var), which cannot
-    be differentiated whole: pass `params` from `graphdef, params, rest =
-    nnx.split(model, nnx.Param, ...)` and rebuild the module in `loss_fn` ...
-    """
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None:
-        return
-    # Variables that are never trained, in a state split off whole
-    # (`nnx.split(model)`); other Variable types may be a user's parameters.
-    untrainable = (nnx.BatchStat, nnx.Cache, nnx.Intermediate, nnx.RngState)
-    leaves = jax.tree_util.tree_flatten_with_path(
-        params, is_leaf=lambda x: isinstance(x, (nnx.Module, nnx.Variable))
-    )[0]
-    found_in_state = [
-        f"{type(leaf).__name__} at params{jax.tree_util.keystr(path)}"
-        for path, leaf in leaves
-        if isinstance(leaf, untrainable)
-    ]
-    if found_in_state:
-        raise TypeError(
-            f"`params` holds variables that are not parameters "
-            f"({_first_three(found_in_state)}): {_SPLIT_RECIPE}"
-        )
-    # A variable reached twice (tied weights) is differentiated as two leaves:
-    # its gradient would come back split between them.
-    first_seen: dict[int, str] = {}
-    for path, variable in jax.tree_util.tree_flatten_with_path(
-        params, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )[0]:
-        if not isinstance(variable, nnx.Variable):
-            continue
-        where = f"params{jax.tree_util.keystr(path)}"
-        if id(variable) in first_seen:
-            raise TypeError(
-                f"`params` reaches the same NNX variable at {first_seen[id(variable)]} "
-                f"and at {where} (shared, tied weights): differentiated whole, "
-                "its gradient would be split between the two. "
-                f"{_SPLIT_RECIPE[0].upper()}{_SPLIT_RECIPE[1:]} "
-                "(nnx.split lists a shared variable once)"
-            )
-        first_seen[id(variable)] = where
-    for prefix, module in leaves:
-        if not isinstance(module, nnx.Module):
-            continue
-        where = f"params{jax.tree_util.keystr(prefix)}"
-        by_type: dict[str, list[str]] = {}
-        for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param))):
-            by_type.setdefault(type(variable).__name__, []).append(
-                where + _nnx_path(path)
-            )
-        if not by_type:
-            continue
-        found = "; ".join(
-            f"{kind} at {_first_three(paths)}" for kind, paths in by_type.items()
-        )
-        whole = (
-            "pass the module itself as `params` (microbatched_value_and_grad "
-            "carries its other state from microbatch to microbatch), or "
-            if whole_ok
-            else ""
-        )
-        raise TypeError(
-            f"`params` is an NNX module ({type(module).__name__}) holding state "
-            f"other than nnx.Param ({found}), which cannot be differentiated "
-            f"whole: {whole}{_SPLIT_RECIPE}. State that `loss_fn` writes (RNG "
-            "counters, running batch statistics) is not returned"
-        )
-
-
-def _holds_nnx(params: Any) -> bool:
-    """Whether ``params`` is or holds an NNX module, variable or state."""
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None:
-        return False
-    kinds = (nnx.Module, nnx.Variable, nnx.State)
-    return any(
-        isinstance(x, kinds)
-        for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, kinds))
-    )
-
-
 def _check_params(params: Any, whole_ok: bool = False) -> None:
     """``params`` holds only floating (or complex) leaves, as ``jax.grad`` needs.
 
     An NNX module in ``params`` may hold only ``nnx.Param`` variables
     (``whole_ok``: the error says that the module itself may be passed whole).
     """
-    _check_nnx_modules(params, whole_ok)
+    _nnx_state.check_nnx_modules(params, whole_ok)
     check_param_leaves(
         params, "only floating (or complex) arrays, the variables to differentiate"
     )
@@ -489,8 +373,8 @@ def _check_params(params: Any, whole_ok: bool = False) -> None:
         if not jnp.issubdtype(dtype, jnp.inexact):
             hint = (
                 ". An NNX module that holds RNG streams, batch statistics or "
-                f"other non-parameter state: {_SPLIT_RECIPE}"
-                if _holds_nnx(params)
+                f"other non-parameter state: {_nnx_state.SPLIT_RECIPE}"
+                if _nnx_state.holds_nnx(params)
                 else ""
             )
             raise TypeError(
@@ -934,98 +818,6 @@ def _check_args(
     return k, has_aux, with_stats
 
 
-def _layout_text(layout: Any) -> str:
-    """``float32[4]`` for a leaf's ``(shape, dtype)``; ``None`` for no value."""
-    leaves = jax.tree.leaves(layout, is_leaf=lambda x: isinstance(x, tuple))
-    if not leaves:
-        return "None"
-    return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in leaves)
-
-
-class _ModuleState(NamedTuple):
-    """An NNX module passed whole, split for differentiation.
-
-    Its ``nnx.Param`` state is what the gradients are taken with respect to;
-    the rest (RNG streams' counters, running batch statistics, any other
-    variable) is threaded through the microbatches in order, each
-    microbatch's ``loss_fn`` call seeing what the previous one wrote, as ``k``
-    calls of the module one after the other would, and written back into the
-    module at the end.
-    """
-
-    module: Any
-    graphdef: Any
-    params: Any
-    rest: Any
-
-    @classmethod
-    def of(cls, params: Any) -> _ModuleState | None:
-        """The split of ``params`` if it is an NNX module holding state other
-        than ``nnx.Param``; ``None`` otherwise (a pytree of params, or a
-        module of parameters only, differentiated as a pytree)."""
-        nnx = sys.modules.get("flax.nnx")
-        if nnx is None or not isinstance(params, nnx.Module):
-            return None
-        if not nnx.to_flat_state(nnx.state(params, nnx.Not(nnx.Param))):
-            return None
-        graphdef, param_state, rest = nnx.split(params, nnx.Param, ...)
-        return cls(params, graphdef, param_state, rest)
-
-    def merge(self, params: Any, rest: Any) -> Any:
-        """The module of ``params`` and ``rest``, for one ``loss_fn`` call."""
-        nnx = sys.modules["flax.nnx"]
-        return nnx.merge(self.graphdef, params, rest, copy=True)
-
-    def rest_of(self, module: Any) -> Any:
-        """The rest of ``module``'s state after a ``loss_fn`` call."""
-        nnx = sys.modules["flax.nnx"]
-        return nnx.split(module, nnx.Param, ...)[2]
-
-    def check_kept(self, after: Any) -> None:
-        """Refuses a ``loss_fn`` that changes the state's layout (``sow``
-        adds ``nnx.Intermediate`` variables; a value may change dtype): each
-        microbatch must leave the state as the next one takes it."""
-        nnx = sys.modules["flax.nnx"]
-
-        def layout(state: Any) -> dict[Any, Any]:
-            return {
-                path: jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), v)
-                for path, v in nnx.to_flat_state(state)
-            }
-
-        before, now = layout(self.rest), layout(after)
-        if before == now:
-            return
-        added = [_nnx_path(p) for p in now if p not in before]
-        removed = [_nnx_path(p) for p in before if p not in now]
-        changed = [
-            f"{_nnx_path(p)} ({_layout_text(before[p])} -> {_layout_text(now[p])})"
-            for p in before
-            if p in now and before[p] != now[p]
-        ]
-        found = "; ".join(
-            f"{what} {_first_three(paths)}"
-            for what, paths in (
-                ("added", added),
-                ("removed", removed),
-                ("changed", changed),
-            )
-            if paths
-        )
-        raise TypeError(
-            "`loss_fn` changed the layout of the module's state other than "
-            "nnx.Param, which is carried from one microbatch to the next and "
-            f"must keep its variables, shapes and dtypes: it {found}. Variables "
-            "created during the call (`sow`, nnx.Intermediate) cannot be "
-            "carried: return what you need as `aux` (has_aux=True) instead; "
-            "keep a variable's dtype (`.astype` the new value)"
-        )
-
-    def write_back(self, rest: Any) -> None:
-        """The microbatches' last state, into the module passed in."""
-        sys.modules["flax.nnx"].update(self.module, rest)
-
-
 def _grad_fn(
     loss_fn: Callable[..., Any],
     k: int,
@@ -1041,7 +833,7 @@ def _grad_fn(
     combines several calls into one window (:func:`data_parallel_value_and_grad`).
     ``module_state``: an NNX module passed whole may hold state other than its
     parameters (RNG streams, batch statistics), threaded through the
-    microbatches in order and written back (:class:`_ModuleState`).
+    microbatches in order and written back (:class:`_nnx_state.ModuleState`).
     """
 
     def normalized_loss(params, microbatch, key, rest, *, module):
@@ -1055,7 +847,7 @@ def _grad_fn(
         rest = None if module is None else module.rest_of(params)
         return loss, (weight, aux, rest)
 
-    def value_and_grad(module: _ModuleState | None) -> Callable[..., Any]:
+    def value_and_grad(module: _nnx_state.ModuleState | None) -> Callable[..., Any]:
         """One microbatch's ``((loss, weight, aux, grads), rest)``."""
         # The module's split is closed over, not traced: only `rest` changes.
         fn = functools.partial(normalized_loss, module=module)
@@ -1078,7 +870,7 @@ def _grad_fn(
                 "grad_fn takes the PRNG key as a keyword: grad_fn(params, batch, "
                 f"rng=key); got {len(args)} more positional argument(s)"
             )
-        module = _ModuleState.of(params) if module_state else None
+        module = _nnx_state.ModuleState.of(params) if module_state else None
         if module is not None:
             params = module.params
         per_microbatch = value_and_grad(module)
