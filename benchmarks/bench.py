@@ -104,6 +104,7 @@ def machine_info() -> dict[str, Any]:
         "commit": _commit(),
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     try:
@@ -454,7 +455,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     info = machine_info()
     print(
         f"CPU: {info['cpu']} ({info['cores']} cores, {info['usable_cores']} usable); "
-        f"backend {info['backend']}; jax {info['jax']}, jaxlib {info['jaxlib']}, "
+        f"backend {info['backend']} ({info['device_kind']}); jax {info['jax']}, "
+        f"jaxlib {info['jaxlib']}, "
         f"optax {info['optax']}, flax {info['flax']}, python {info['python']}"
     )
     load_before = load_average()

@@ -141,3 +141,25 @@ def test_bench_gpu_programs_flax_steps_train_like_the_plain_loop():
     nnx_params = [x for x in jax.tree.leaves(nnx_carry) if x.shape == (16, 16)]
     for ours, theirs in zip(jax.tree.leaves(params), nnx_params[:4], strict=True):
         np.testing.assert_array_equal(ours, theirs)
+
+
+def test_gpu_session_script_parses_and_its_flags_are_bench_pys():
+    """``benchmarks/gpu_session.sh`` runs where no one can fix it mid-run (one
+    prepared call on a lent GPU): its shell parses and every ``bench.py``
+    argument list it passes is accepted."""
+    script = BENCHMARKS / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    lists = [
+        line.split("=(", 1)[1].rstrip(")").split()
+        for line in script.read_text().splitlines()
+        if line.strip().startswith(("reference=(", "table=("))
+    ]
+    assert len(lists) == 4, lists
+    for args in lists:
+        parsed = bench.parse_args(args)
+        assert parsed.widths and parsed.ks and parsed.repeats, args
