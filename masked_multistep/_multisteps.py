@@ -214,7 +214,8 @@ _INIT_DOC = """The wrapper's initial state for ``params``.
 When the state is made of global arrays on devices of every process (a
 multi-process mesh, outside ``jit``), the processes compare their wrappers'
 ``repr`` and state layouts (one small all-gather) and all raise ``ValueError``
-if they differ: every process must build the same wrapper."""
+if they differ: every process must build the same wrapper, and call ``init``
+(``jax.jit(tx.init)(params)`` builds the state without the comparison)."""
 
 
 class MaskedMultiSteps(optax.GradientTransformationExtraArgs):

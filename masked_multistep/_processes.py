@@ -7,11 +7,15 @@ process's first ``k₀`` microbatches with another's first ``k₁``, and the
 processes' parameters would silently drift apart. So when ``init`` builds a
 state of global arrays that span every process, the processes compare a digest
 of the wrapper's ``repr`` and the state's layout (one small all-gather, once),
-and all of them raise the same error when they differ.
+and all of them raise the same error when they differ. Every process must
+therefore call ``init`` (as JAX's multi-process model asks of every computation on
+global arrays): one that does not leaves the others waiting in the
+all-gather. A state built under ``jit`` (``jax.jit(tx.init)(params)``) is not
+compared.
 
 What the digest covers is what ``repr`` shows (the window rules, the dtypes,
 the reduction, the statistics' options, the inner optimizer's name) and the
-state's tree structure, shapes and dtypes. Hyperparameters the ``repr`` does
+path, shape and dtype of each leaf of the state. Hyperparameters the ``repr`` does
 not show (an ``optax.adam`` learning rate) and functions of the same name
 differing in what they compute are not compared.
 """
@@ -45,30 +49,41 @@ def spans_every_process(tree: Any) -> bool:
     return any(len(_process_indices(x)) == n for x in jax.tree.leaves(tree))
 
 
-def describe(tx: Any, state: Any) -> str:
-    """The text the processes compare: ``repr(tx)`` (addresses left out) and
-    the layout of ``state``."""
+def describe(tx: Any, state: Any) -> tuple[str, str]:
+    """What the processes compare: ``repr(tx)`` (addresses left out) and the
+    layout of ``state``, each leaf's path, shape and dtype (not the tree's own
+    text, which shows the functions a node holds by their addresses)."""
     shown = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(tx))
-    leaves, treedef = jax.tree.flatten(state)
-    layout = [(np.shape(x), str(jax.numpy.result_type(x))) for x in leaves]
-    return f"{shown}\n{treedef}\n{layout}"
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    layout = "\n".join(
+        f"{jax.tree_util.keystr(path)}: {jax.numpy.result_type(x)}{list(np.shape(x))}"
+        for path, x in leaves
+    )
+    return shown, layout
 
 
-def check_same_across_processes(text: str, what: str) -> None:
+def check_same_across_processes(texts: tuple[str, ...], what: str) -> None:
     """Raises ``ValueError`` on every process unless all of them hold the same
-    ``text``. Every process must call this."""
+    ``texts`` (``describe``'s). Every process must call this."""
     from jax.experimental import multihost_utils
 
-    mine = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+    mine = np.stack(
+        [np.frombuffer(hashlib.sha256(t.encode()).digest(), np.uint8) for t in texts]
+    )
     every = np.asarray(multihost_utils.process_allgather(mine))
-    differ = [i for i, row in enumerate(every) if not np.array_equal(row, mine)]
+    differ = [i for i, rows in enumerate(every) if not np.array_equal(rows, mine)]
     if differ:
-        me = jax.process_index()
+        which = [
+            name
+            for k, name in enumerate(("wrapper (its repr)", "state layout"))
+            if any(not np.array_equal(every[i][k], mine[k]) for i in differ)
+        ]
         raise ValueError(
-            f"{what}: the processes built different wrappers or states; process "
-            f"{me} has {text.splitlines()[0]}, and process(es) {differ} have "
-            "something else (a different repr or state layout). Every process "
-            "must build the same MaskedMultiSteps with the same arguments: with "
-            "different window rules their windows would pair different "
-            "microbatches and their parameters drift apart silently"
+            f"{what}: the processes built different wrappers or states: "
+            f"process(es) {differ} built a different {' and '.join(which)} than "
+            f"process {jax.process_index()}, whose wrapper is {texts[0]}. Every "
+            "process must build the same MaskedMultiSteps with the same "
+            "arguments, for the same params: with different window rules "
+            "their windows would pair different microbatches and their "
+            "parameters drift apart silently"
         )

@@ -219,10 +219,16 @@ def _different_settings(mesh, process_id: int) -> None:
         try:
             tx.init(params)
         except ValueError as e:
-            assert "process(es) [" in str(e), e
+            why = f"process(es) [{1 - process_id}] built a different wrapper (its repr)"
+            assert why in str(e), e
             assert f"every_k_schedule={2 + process_id}" in str(e), e
         else:
             raise AssertionError(f"no error with reduction={reduction!r}")
+    # The same wrapper over a state whose tree holds a function (its address
+    # differs between the processes): no error.
+    partial = jax.tree_util.Partial(loss_fn, params)
+    state = mm.MaskedMultiSteps(optax.adam(0.1), 2).init(partial)
+    assert int(state.mini_step) == 0
     own = jax.make_mesh(
         (LOCAL_DEVICES,),
         ("data",),
