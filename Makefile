@@ -76,6 +76,6 @@ bench-compile: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) demo-output benchmarks/results .pytest_cache .hypothesis \
+	rm -rf $(VENV) demo-output train-lm-output benchmarks/results .pytest_cache .hypothesis \
 		docs/_build docs/notebooks docs/benchmarks dist build *.egg-info .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
