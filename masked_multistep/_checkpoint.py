@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_multistep import _stats
-from masked_multistep._checks import to_count
+from masked_multistep._checks import check_count_dtype, to_count
 from masked_multistep._multisteps import MaskedMultiStepsState
-from masked_multistep._reduction import place_uncommitted
+from masked_multistep._reduction import placed_like
 
 __all__ = ["STATE_0_1_FIELDS", "from_state_0_1", "state_0_1_target"]
 
@@ -67,9 +67,8 @@ def _like_template(name: str, got: Any, want: Any) -> Any:
             same_kind = any(
                 jnp.issubdtype(g.dtype, k) and jnp.issubdtype(w_dtype, k) for k in kinds
             )
-            fits = not jnp.issubdtype(w_dtype, jnp.integer) or (
-                isinstance(g, jax.core.Tracer)
-                or bool((g.astype(w_dtype).astype(g.dtype) == g).all())
+            fits = not jnp.issubdtype(w_dtype, jnp.integer) or bool(
+                (g.astype(w_dtype).astype(g.dtype) == g).all()
             )
             if not (same_kind and fits):
                 raise ValueError(
@@ -83,44 +82,38 @@ def _like_template(name: str, got: Any, want: Any) -> Any:
     return jax.tree.map(leaf, got, want)
 
 
-def _placed_like(x: Any, like: Any) -> Any:
-    """``x`` placed as ``like`` is, if ``x`` is uncommitted and ``like`` committed."""
-    if (
-        isinstance(x, jax.Array)
-        and not isinstance(x, jax.core.Tracer)
-        and not getattr(x, "_committed", True)
-        and isinstance(like, jax.Array)
-        and getattr(like, "_committed", False)
-    ):
-        return place_uncommitted(x, like.sharding)
-    return x
-
-
 def _acc_count(acc_count: Any, count_dtype: Any) -> jax.Array:
     """The restored 0.1 token total in ``count_dtype``, by the count contract.
 
     As a Python number: a whole float total (0.1 could count in float) then
     converts into integer counts, a fractional one is refused."""
-    if isinstance(acc_count, jax.core.Tracer):
-        return acc_count.astype(count_dtype)
     count, _ = to_count(
         np.asarray(acc_count).item(), count_dtype, "`restored['acc_count']`"
     )
     return count
 
 
-def state_0_1_target(template: MaskedMultiStepsState) -> dict[str, Any]:
+def state_0_1_target(
+    template: MaskedMultiStepsState, *, count_dtype: jax.typing.DTypeLike | None = None
+) -> dict[str, Any]:
     """The tree to restore a version 0.1 wrapper state into.
 
     Args:
       template: a state of the current layout, ``tx.init(params)`` (or its
         abstract form), for the same inner optimizer and parameters.
+      count_dtype: the ``count_dtype`` the 0.1 run counted tokens in (0.1's
+        default was ``int32``), where it differs from the template's. Orbax
+        casts each restored leaf to the target's dtype: a fractional float
+        total restored as an integer would be truncated (0.5 to 0, dropping
+        the pending gradient) before :func:`from_state_0_1` could refuse it.
+        ``None``: the template's count dtype.
 
     Returns:
-      A ``dict`` keyed by the 0.1 field names, with the template's values: pass
-      it (through ``ocp.utils.to_shape_dtype_struct`` for orbax) where the state
-      sits in the restore target. Orbax converts the 0.1 integer token total to
-      the current count dtype by value.
+      A ``dict`` keyed by the 0.1 field names, with the template's values (the
+      token total in ``count_dtype``): pass it (through
+      ``ocp.utils.to_shape_dtype_struct`` for orbax) where the state sits in
+      the restore target. :func:`from_state_0_1` then converts the total to
+      the template's count dtype by the count contract.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -131,7 +124,17 @@ def state_0_1_target(template: MaskedMultiStepsState) -> dict[str, Any]:
       True
     """
     _check_template(template)
-    return {name: getattr(template, name) for name in STATE_0_1_FIELDS}
+    target = {name: getattr(template, name) for name in STATE_0_1_FIELDS}
+    if count_dtype is not None:
+        dtype = jax.dtypes.canonicalize_dtype(check_count_dtype(count_dtype))
+        like = template.acc_count
+        if isinstance(like, jax.ShapeDtypeStruct):
+            target["acc_count"] = jax.ShapeDtypeStruct(
+                like.shape, dtype, sharding=like.sharding
+            )
+        else:
+            target["acc_count"] = placed_like(np.zeros(jnp.shape(like), dtype), like)
+    return target
 
 
 def from_state_0_1(
@@ -160,7 +163,8 @@ def from_state_0_1(
 
     Raises:
       TypeError: if ``template`` is not a concrete state (``tx.init(params)``,
-        not its abstract form), or ``restored`` not a mapping.
+        not its abstract form), ``restored`` not a mapping, or the call is
+        traced by ``jit``.
       ValueError: if ``restored`` does not have the 0.1 fields, or their
         structure or shapes differ from ``template``'s; if a field holds
         integers where the template has floats (or the reverse), or integers
@@ -195,6 +199,15 @@ def from_state_0_1(
             "`restored` must be the 0.1 state as a mapping of its fields (restore "
             f"it against `state_0_1_target(template)`), got {type(restored).__name__}"
         )
+    if any(
+        isinstance(x, jax.core.Tracer)
+        for x in jax.tree.leaves((dict(restored), template))
+    ):
+        raise TypeError(
+            "from_state_0_1 reads the restored values to check them (token "
+            "total, step counters), so it must be called eagerly (outside jit), "
+            "once, after restoring"
+        )
     if set(restored) != set(STATE_0_1_FIELDS):
         raise ValueError(
             "`restored` is not a masked_multistep 0.1 state: expected the fields "
@@ -223,7 +236,7 @@ def from_state_0_1(
     )
     for name in ("mini_step", "gradient_step", "num_invalid_counts"):
         counter = getattr(state, name)
-        if not isinstance(counter, jax.core.Tracer) and int(counter) < 0:
+        if int(counter) < 0:
             # A negative step counter would stretch the next window (mini_step
             # -2 with k = 3 closes it after 5 microbatches).
             raise ValueError(
@@ -241,4 +254,4 @@ def from_state_0_1(
     # Where the template's leaves are (`init` places its scalars as a step
     # returns them): the counts built here would otherwise sit uncommitted on
     # one device, and the first step compile twice.
-    return jax.tree.map(_placed_like, state, template)
+    return jax.tree.map(placed_like, state, template)

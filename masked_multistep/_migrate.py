@@ -18,6 +18,7 @@ from masked_multistep._checks import (
 )
 from masked_multistep._deferred import Deferred
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
+from masked_multistep._reduction import placed_like
 
 __all__ = ["from_optax_multisteps"]
 
@@ -142,11 +143,14 @@ def from_optax_multisteps(
     ``optax.MultiSteps`` gave them, with ``acc_count`` as their total.
 
     The window's ``value`` mean (``acc_value``) starts empty: ``optax.MultiSteps``
-    keeps no loss. With ``window_stats=True`` the window's statistics count the
-    accumulated mean as one microbatch of ``acc_count`` tokens (its spread
-    within is lost), so the first window's noise-scale estimates stay unbiased;
-    no earlier window is recorded. ``has_updated`` of the result agrees with
-    ``optax.MultiSteps.has_updated`` of ``state``.
+    keeps no loss, nor tokens seen: a token budget that is a function of the
+    tokens seen (a warmup) starts from 0 tokens, and the statistics'
+    ``tokens_seen`` counts from the switch. With ``window_stats=True`` the
+    window's statistics count the accumulated mean as one microbatch of
+    ``acc_count`` tokens (its spread within is lost), so the first window's
+    noise-scale estimates stay unbiased; no earlier window is recorded.
+    ``has_updated`` of the result agrees with ``optax.MultiSteps.has_updated``
+    of ``state``.
 
     Call it eagerly, once; it allocates one fresh state with ``tx.init(params)``.
     For a state inside ``optax.chain``, convert the chain's element that is the
@@ -272,6 +276,9 @@ def from_optax_multisteps(
     if "updated" in fresh._fields:
         # What optax.MultiSteps.has_updated would say of `state`.
         replacements["updated"] = jnp.asarray((mini_step == 0) & (gradient_step > 0))
-    # Placed as `tx.init`'s state is (new scalars on the params' mesh), so that
-    # the first jitted step sees the shardings of every later one.
-    return tx._reduction.place(fresh._replace(**replacements), params)
+    # Placed as `tx.init`'s state is (a sharded accumulator sharded, not whole
+    # on every device; host arrays of a state read with flax.serialization on
+    # the devices; new scalars on the params' mesh), so that the first jitted
+    # step sees the shardings of every later one.
+    state = jax.tree.map(placed_like, fresh._replace(**replacements), fresh)
+    return tx._reduction.place(state, params)

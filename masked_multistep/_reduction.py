@@ -24,6 +24,7 @@ branch on the mode.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -69,6 +70,27 @@ def place_uncommitted(state: Any, sharding: jax.sharding.Sharding) -> Any:
         return x
 
     return jax.tree.map(leaf, state)
+
+
+def placed_like(x: Any, like: Any) -> Any:
+    """``x`` placed as ``like`` is, where ``like`` is a committed array and
+    ``x`` a host array (numpy, a Python number) or an uncommitted one: a
+    restored or converted state's leaves where ``tx.init`` puts them (a
+    sharded accumulator stays sharded, not replicated whole on every device)."""
+    if not (isinstance(like, jax.Array) and getattr(like, "_committed", False)):
+        return x
+    if isinstance(x, jax.core.Tracer):
+        return x
+    if isinstance(x, jax.Array):
+        if getattr(x, "_committed", True):
+            return x
+        return place_uncommitted(x, like.sharding)
+    if isinstance(x, (np.ndarray, np.generic, numbers.Number)):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(
+            host.shape, like.sharding, lambda index: host[index]
+        )
+    return x
 
 
 def check_mesh_axes(

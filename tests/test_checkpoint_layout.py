@@ -202,3 +202,51 @@ def test_a_0_1_state_of_sharded_params_read_with_flax_serialization():
     ):
         assert got.sharding == want.sharding
     jax.jit(lambda s: tx.apply_gradients(params, s, params, count=1))(state)
+
+
+@pytest.mark.parametrize("total, ok", [(3.0, True), (0.5, False)])
+def test_orbax_restores_a_float_0_1_total_in_its_own_dtype(tmp_path, total, ok):
+    # A 0.1 run that counted in float32, continued with int32 counts: orbax
+    # casts to the target's dtype, so against the template's int32 a total of
+    # 0.5 became 0 (the pending gradient dropped) before any check; with the
+    # 0.1 count dtype in the target it is read as it was saved.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2, count_dtype=jnp.int32)
+    params = {"w": jnp.zeros(2)}
+    template = tx.init(params)
+    fields = {name: getattr(template, name) for name in mm.STATE_0_1_FIELDS}
+    fields.update(
+        mini_step=jnp.int32(1),
+        acc_count=jnp.float32(total),
+        acc_grads={"w": jnp.full(2, 4.0)},
+    )
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", {"opt_state": State01(**fields)})
+    checkpointer.wait_until_finished()
+    assert mm.state_0_1_target(template)["acc_count"].dtype == jnp.int32
+    target = {"opt_state": mm.state_0_1_target(template, count_dtype=jnp.float32)}
+    assert target["opt_state"]["acc_count"].dtype == jnp.float32
+    restored = checkpointer.restore(
+        tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    )
+    checkpointer.close()
+    if not ok:
+        with pytest.raises(ValueError, match=r"is fractional \(0.5\)"):
+            mm.from_state_0_1(restored["opt_state"], template)
+        return
+    state = mm.from_state_0_1(restored["opt_state"], template)
+    assert state.acc_count.dtype == jnp.int32 and int(state.acc_count) == 3
+    assert state.acc_count.sharding == template.acc_count.sharding
+    updates, _ = tx.update({"w": jnp.zeros(2)}, state, params, count=jnp.int32(1))
+    np.testing.assert_allclose(updates["w"], -(3 * 4.0) / 4)
+    with pytest.raises(ValueError, match="`count_dtype` must be one of"):
+        mm.state_0_1_target(template, count_dtype=jnp.float16)
+
+
+def test_from_state_0_1_refuses_to_be_traced():
+    # Under jit its checks (token total, step counters) cannot read the values:
+    # a fractional or negative total passed as it was.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=3, count_dtype=jnp.int32)
+    template = tx.init({"w": jnp.zeros(2)})
+    old = {**mm.state_0_1_target(template), "acc_count": jnp.float32(2.5)}
+    with pytest.raises(TypeError, match="must be called eagerly"):
+        jax.jit(mm.from_state_0_1)(old, template)

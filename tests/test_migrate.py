@@ -260,3 +260,43 @@ def test_mismatches_are_refused():
         mm.from_optax_multisteps(fresh, tx, params, acc_count=4)
     with pytest.raises(TypeError, match="must be called eagerly"):
         jax.jit(lambda s: mm.from_optax_multisteps(s, tx, params, acc_count=3))(state)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_a_state_read_back_as_numpy_is_placed_like_tx_init(axis_type):
+    # An optax.MultiSteps state read with flax.serialization holds numpy
+    # arrays: its accumulator was put replicated, whole on every device, and
+    # on an Explicit mesh the first step failed on mismatched shardings.
+    from flax import serialization
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((len(jax.devices()),), ("d",), axis_types=(kind,))
+    sharded = NamedSharding(mesh, P("d"))
+    params = {"w": jax.device_put(jnp.arange(16.0), sharded)}
+    old = optax.MultiSteps(optax.adam(0.1), every_k_schedule=4)
+    state = old.init(params)
+    for g in (1.0, 2.0):
+        grads = {"w": jax.device_put(jnp.full(16, g), sharded)}
+        _, state = jax.jit(old.update)(grads, state, params)
+    read = serialization.from_bytes(old.init(params), serialization.to_bytes(state))
+    assert isinstance(read.acc_grads["w"], np.ndarray)
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), every_k_schedule=4)
+    fresh = tx.init(params)
+    from_jax = mm.from_optax_multisteps(state, tx, params, acc_count=8)
+    from_numpy = mm.from_optax_multisteps(read, tx, params, acc_count=8)
+    for a, b, f in zip(
+        jax.tree.leaves(from_numpy),
+        jax.tree.leaves(from_jax),
+        jax.tree.leaves(fresh),
+        strict=True,
+    ):
+        assert isinstance(a, jax.Array)
+        assert a.sharding.is_equivalent_to(f.sharding, a.ndim), (a.sharding, f)
+        np.testing.assert_array_equal(a, b)
+    step = jax.jit(tx.apply_gradients)
+    grads = {"w": jax.device_put(jnp.ones(16), sharded)}
+    got = step(grads, from_numpy, params, count=jnp.float32(4))
+    want = step(grads, from_jax, params, count=jnp.float32(4))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
