@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_multistep import _stats
-from masked_multistep._checks import check_count_dtype, to_count
+from masked_multistep._checks import check_count_dtype, nested_hint, to_count
 from masked_multistep._multisteps import MaskedMultiStepsState
 from masked_multistep._reduction import placed_like
 
@@ -41,9 +41,12 @@ STATE_0_1_FIELDS = (
 
 def _check_template(template: Any) -> None:
     if not isinstance(template, MaskedMultiStepsState):
+        hint = nested_hint(
+            template, MaskedMultiStepsState, "that element (the wrapper's own state)"
+        )
         raise TypeError(
             "`template` must be a MaskedMultiStepsState (from `tx.init(params)`), "
-            f"got {type(template).__name__}"
+            f"got {type(template).__name__}{hint}"
         )
 
 
@@ -155,7 +158,7 @@ def from_state_0_1(
     Args:
       restored: the restored 0.1 state: a mapping with exactly the keys of
         :data:`STATE_0_1_FIELDS`, e.g. restored against
-        :func:`state_0_1_target`.
+        :func:`state_0_1_target` (or a NamedTuple of those fields).
       template: ``tx.init(params)`` for the same inner optimizer and parameters.
 
     Returns:
@@ -194,6 +197,10 @@ def from_state_0_1(
             "`template` must be the concrete state `tx.init(params)`, got one with "
             "ShapeDtypeStruct leaves (the abstract form is for `state_0_1_target`)"
         )
+    if not isinstance(restored, Mapping) and hasattr(restored, "_asdict"):
+        # The 0.1 state as a NamedTuple of its fields (flax.serialization
+        # restores into the target's type).
+        restored = restored._asdict()
     if not isinstance(restored, Mapping):
         raise TypeError(
             "`restored` must be the 0.1 state as a mapping of its fields (restore "

@@ -635,3 +635,20 @@ def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
             else ""
         )
         raise TypeError(_MISSING_COUNT + got)
+
+
+def nested_hint(tree: Any, kind: type, what: str) -> str:
+    """``": it holds one at [1] ..."`` where ``tree`` holds a ``kind`` (an
+    ``optax.chain``'s state, say), else ``""``: for the errors of functions that
+    take the ``kind`` itself."""
+    found = [
+        jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: isinstance(x, kind)
+        )[0]
+        if isinstance(x, kind)
+    ]
+    if not found:
+        return ""
+    where = ", ".join(found[:3]) + (" ..." if len(found) > 3 else "")
+    return f": it holds one at {where}; pass {what}"

@@ -13,6 +13,7 @@ import optax
 from masked_multistep._checks import (
     check_flag,
     host_int_to_float,
+    nested_hint,
     refuse_narrow_float,
     to_count,
 )
@@ -204,9 +205,10 @@ def from_optax_multisteps(
       [-3.75 -3.75]
     """
     if not isinstance(state, optax.MultiStepsState):
+        hint = nested_hint(state, optax.MultiStepsState, "that element")
         raise TypeError(
             "`state` must be an optax.MultiStepsState (the state of "
-            f"optax.MultiSteps), got {type(state).__name__}"
+            f"optax.MultiSteps), got {type(state).__name__}{hint}"
         )
     if not isinstance(tx, MaskedMultiSteps):
         raise TypeError(

@@ -101,7 +101,16 @@ def test_from_state_0_1_refuses_what_is_not_a_0_1_state():
     with pytest.raises(ValueError, match="not a masked_multistep 0.1 state"):
         mm.from_state_0_1(template._asdict(), template)
     with pytest.raises(TypeError, match="`restored` must be"):
-        mm.from_state_0_1(_as_0_1(template), template)
+        mm.from_state_0_1(list(mm.STATE_0_1_FIELDS), template)
+    # The 0.1 state as the NamedTuple flax.serialization restores reads as
+    # its fields.
+    as_tuple = mm.from_state_0_1(_as_0_1(template), template)
+    as_dict = mm.from_state_0_1(_as_0_1(template)._asdict(), template)
+    jax.tree.map(np.testing.assert_array_equal, as_tuple, as_dict)
+    # A state inside a chain: the error says where the wrapper's own one is.
+    chained = (optax.EmptyState(), template)
+    with pytest.raises(TypeError, match=r"it holds one at \[1\]"):
+        mm.state_0_1_target(chained)
     with pytest.raises(TypeError, match="`template` must be"):
         mm.state_0_1_target({"w": 1})
     # A template for other params (or with per-device accumulators, which 0.1

@@ -300,3 +300,11 @@ def test_a_state_read_back_as_numpy_is_placed_like_tx_init(axis_type):
     got = step(grads, from_numpy, params, count=jnp.float32(4))
     want = step(grads, from_jax, params, count=jnp.float32(4))
     jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_a_chain_state_is_refused_with_where_its_multisteps_state_is():
+    params = {"w": jnp.zeros(2)}
+    old = optax.chain(optax.clip(1.0), optax.MultiSteps(optax.adam(0.1), 3))
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 3)
+    with pytest.raises(TypeError, match=r"got tuple: it holds one at \[1\]"):
+        mm.from_optax_multisteps(old.init(params), tx, params)
