@@ -141,7 +141,10 @@ def state_0_1_target(
 
 
 def from_state_0_1(
-    restored: Mapping[str, Any], template: MaskedMultiStepsState
+    restored: Mapping[str, Any],
+    template: MaskedMultiStepsState,
+    *,
+    tokens_seen: jax.typing.ArrayLike | None = None,
 ) -> MaskedMultiStepsState:
     """A version 0.1 wrapper state, restored as a ``dict``, in the current layout.
 
@@ -160,6 +163,9 @@ def from_state_0_1(
         :data:`STATE_0_1_FIELDS`, e.g. restored against
         :func:`state_0_1_target` (or a NamedTuple of those fields).
       template: ``tx.init(params)`` for the same inner optimizer and parameters.
+      tokens_seen: the tokens of all windows the 0.1 run completed (0.1 kept
+        no such count), for a token budget that is a function of the tokens
+        seen and the statistics' ``tokens_seen``; ``None``: 0.
 
     Returns:
       A :class:`MaskedMultiStepsState` that continues the 0.1 run.
@@ -168,7 +174,8 @@ def from_state_0_1(
       TypeError: if ``template`` is not a concrete state (``tx.init(params)``,
         not its abstract form), ``restored`` not a mapping, or the call is
         traced by ``jit``.
-      ValueError: if ``restored`` does not have the 0.1 fields, or their
+      ValueError: if ``tokens_seen`` is not a whole number in ``[0, 2**48]``;
+        if ``restored`` does not have the 0.1 fields, or their
         structure or shapes differ from ``template``'s; if a field holds
         integers where the template has floats (or the reverse), or integers
         its dtype cannot hold; if a step counter (``mini_step``,
@@ -258,6 +265,10 @@ def from_state_0_1(
         # microbatch of its tokens.
         stats = _stats.accumulate_window_stats(stats, state.acc_grads, acc_count)
     state = state._replace(acc_count=acc_count, value_count=value_count, stats=stats)
+    if tokens_seen is not None:
+        state = _stats.with_tokens_seen(
+            state, _stats.token_total(tokens_seen, "`tokens_seen`")
+        )
     # Where the template's leaves are (`init` places its scalars as a step
     # returns them): the counts built here would otherwise sit uncommitted on
     # one device, and the first step compile twice.

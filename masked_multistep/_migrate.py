@@ -20,6 +20,7 @@ from masked_multistep._checks import (
 from masked_multistep._deferred import Deferred
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 from masked_multistep._reduction import placed_like
+from masked_multistep._stats import token_total, with_tokens_seen
 
 __all__ = ["from_optax_multisteps"]
 
@@ -123,6 +124,7 @@ def from_optax_multisteps(
     *,
     acc_count: jax.typing.ArrayLike | None = None,
     use_grad_mean: bool | np.bool_ = True,
+    tokens_seen: jax.typing.ArrayLike | None = None,
 ) -> MaskedMultiStepsState:
     """Converts an ``optax.MultiSteps`` state, so that a run can switch mid-run.
 
@@ -144,12 +146,14 @@ def from_optax_multisteps(
     ``optax.MultiSteps`` gave them, with ``acc_count`` as their total.
 
     The window's ``value`` mean (``acc_value``) starts empty: ``optax.MultiSteps``
-    keeps no loss, nor tokens seen: a token budget that is a function of the
-    tokens seen (a warmup) starts from 0 tokens, and the statistics'
-    ``tokens_seen`` counts from the switch. With ``window_stats=True`` the
-    window's statistics count the accumulated mean as one microbatch of
-    ``acc_count`` tokens (its spread within is lost), so the first window's
-    noise-scale estimates stay unbiased; no earlier window is recorded.
+    keeps no loss, nor tokens seen: pass ``tokens_seen=`` (the tokens of the
+    windows completed so far) for a token budget that is a function of the
+    tokens seen (a warmup) to continue where it was, and for the statistics'
+    ``tokens_seen``; without it both count from the switch. With
+    ``window_stats=True`` the window's statistics count the accumulated mean
+    as one microbatch of ``acc_count`` tokens (its spread within is lost), so
+    the first window's noise-scale estimates stay unbiased; no earlier window
+    is recorded.
     ``has_updated`` of the result agrees with ``optax.MultiSteps.has_updated``
     of ``state``.
 
@@ -167,6 +171,9 @@ def from_optax_multisteps(
       use_grad_mean: the ``use_grad_mean`` the ``optax.MultiSteps`` was built
         with (optax's default, ``True``: ``acc_grads`` is a mean; ``False``: a
         sum).
+      tokens_seen: the tokens of all windows completed before the switch (a
+        whole number up to ``2**48``), where the new wrapper's rules or
+        statistics count tokens seen; ``None``: 0.
 
     Returns:
       A :class:`MaskedMultiStepsState` for ``tx``.
@@ -174,8 +181,10 @@ def from_optax_multisteps(
     Raises:
       TypeError: if ``state`` is not an ``optax.MultiStepsState``, ``tx`` not a
         :class:`MaskedMultiSteps`, ``acc_count`` not a real scalar,
-        ``use_grad_mean`` not a bool, or the call is traced by ``jit``.
-      ValueError: if ``acc_count`` is missing mid-window, nonzero at a window
+        ``use_grad_mean`` not a bool, ``tokens_seen`` not a number, or the
+        call is traced by ``jit``.
+      ValueError: if ``tokens_seen`` is not a whole number in ``[0, 2**48]``;
+        if ``acc_count`` is missing mid-window, nonzero at a window
         boundary, zero mid-window, negative, not finite, beyond the count
         dtype or fractional for an integer ``count_dtype``; if
         ``state.mini_step`` or ``state.gradient_step`` is not an integer in
@@ -218,6 +227,7 @@ def from_optax_multisteps(
     mini_step = _step_counter(state.mini_step, "state.mini_step")
     gradient_step = _step_counter(state.gradient_step, "state.gradient_step")
     count = _check_acc_count(acc_count, mini_step)
+    seen = None if tokens_seen is None else token_total(tokens_seen, "`tokens_seen`")
 
     fresh = tx.init(params)
     params_hint = "`params` must be the params the optax.MultiSteps state was built for"
@@ -275,6 +285,9 @@ def from_optax_multisteps(
         # The statistics see the accumulated mean as one microbatch.
         stats=tx._recorder.accumulate(fresh.stats, acc_grads, new_count),
     )
+    if seen is not None:
+        replacements["policy_state"] = with_tokens_seen(fresh.policy_state, seen)
+        replacements["stats"] = with_tokens_seen(replacements["stats"], seen)
     if "updated" in fresh._fields:
         # What optax.MultiSteps.has_updated would say of `state`.
         replacements["updated"] = jnp.asarray((mini_step == 0) & (gradient_step > 0))

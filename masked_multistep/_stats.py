@@ -91,6 +91,8 @@ References:
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -230,6 +232,49 @@ def add_tokens(total: TokenTotal, x: jax.Array) -> TokenTotal:
     for piece in _float32_pieces(x):
         total = _add_exact_piece(total, piece)
     return total
+
+
+def token_total(tokens: Any, what: str) -> TokenTotal:
+    """A concrete count of tokens (a whole number in ``[0, 2**48]``: a Python
+    or numpy integer, or a whole float) as an exact :class:`TokenTotal`.
+
+    Examples:
+      >>> print(int(token_total(2**40 + 3, "`tokens_seen`")))
+      1099511627779
+    """
+    if isinstance(tokens, bool) or not isinstance(
+        tokens, (numbers.Real, np.ndarray, np.generic, jax.Array)
+    ):
+        raise TypeError(
+            f"{what} must be a whole number of tokens, got {tokens!r} of type "
+            f"{type(tokens).__name__}"
+        )
+    value = np.asarray(tokens)
+    kinds = (np.integer, np.floating)
+    if value.shape != () or not any(np.issubdtype(value.dtype, k) for k in kinds):
+        raise TypeError(
+            f"{what} must be a whole number of tokens, got shape {value.shape} "
+            f"and dtype {value.dtype}"
+        )
+    item = value.item()
+    if not (math.isfinite(item) and item == int(item) and 0 <= item <= 2**48):
+        raise ValueError(
+            f"{what} must be a whole number of tokens in [0, 2**48], got {item!r}"
+        )
+    whole = int(item)
+    hi = np.float32(whole)
+    lo = np.float32(whole - int(hi))  # exact: |lo| <= ulp(hi) / 2 <= 2**23
+    return TokenTotal(jnp.asarray(hi), jnp.asarray(lo))
+
+
+def with_tokens_seen(tree: Any, seen: TokenTotal) -> Any:
+    """``tree`` with every :class:`TokenTotal` in it (a token budget's tokens
+    seen, the window statistics' ``tokens_seen``) set to ``seen``."""
+    return jax.tree.map(
+        lambda x: seen if isinstance(x, TokenTotal) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, TokenTotal),
+    )
 
 
 class WindowStats(NamedTuple):

@@ -259,3 +259,17 @@ def test_from_state_0_1_refuses_to_be_traced():
     old = {**mm.state_0_1_target(template), "acc_count": jnp.float32(2.5)}
     with pytest.raises(TypeError, match="must be called eagerly"):
         jax.jit(mm.from_state_0_1)(old, template)
+
+
+def test_from_state_0_1_takes_the_tokens_seen():
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        tokens_per_window=lambda seen: jnp.where(seen < 100, 2.0, 8.0),
+        window_stats=True,
+    )
+    template = tx.init({"w": jnp.zeros(2)})
+    old = mm.state_0_1_target(template)
+    state = mm.from_state_0_1(old, template, tokens_seen=2**30 + 1)
+    assert int(mm.window_stats(state).tokens_seen) == 2**30 + 1
+    assert int(state.policy_state) == 2**30 + 1  # the budget's tokens seen
+    assert int(mm.window_stats(mm.from_state_0_1(old, template)).tokens_seen) == 0

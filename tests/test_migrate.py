@@ -308,3 +308,46 @@ def test_a_chain_state_is_refused_with_where_its_multisteps_state_is():
     tx = mm.MaskedMultiSteps(optax.adam(0.1), 3)
     with pytest.raises(TypeError, match=r"got tuple: it holds one at \[1\]"):
         mm.from_optax_multisteps(old.init(params), tx, params)
+
+
+def test_tokens_seen_continues_a_token_budget_warmup_and_the_statistics():
+    # A batch-size warmup in tokens (4 tokens per window until 32 seen, then
+    # 12): after 4 windows of 2 microbatches of 4 tokens (32 seen) under
+    # optax.MultiSteps (k = 2), the switched run with tokens_seen=32 closes
+    # its windows where a MaskedMultiSteps run from the start does; without
+    # it the warmup starts over.
+    def budget(seen):
+        return jnp.where(seen < 32, 4.0, 12.0)
+
+    def grads(i):
+        return {"w": jnp.full(2, float(i % 5) - 2.0)}
+
+    params = {"w": jnp.zeros(2)}
+    old = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    old_state = old.init(params)
+    p_old = params
+    for i in range(8):
+        updates, old_state = old.update(grads(i), old_state, p_old)
+        p_old = optax.apply_updates(p_old, updates)
+    assert int(old_state.gradient_step) == 4 and int(old_state.mini_step) == 0
+
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1), tokens_per_window=budget, window_stats=True
+    )
+    kept = mm.from_optax_multisteps(old_state, tx, p_old, tokens_seen=32)
+    lost = mm.from_optax_multisteps(old_state, tx, p_old)
+    assert float(mm.window_stats(kept).tokens_seen) == 32
+    assert float(mm.window_stats(lost).tokens_seen) == 0
+    closes = {}
+    for name, state in (("kept", kept), ("lost", lost)):
+        p, seen = p_old, []
+        for i in range(8, 14):
+            p, state = tx.apply_gradients(grads(i), state, p, count=jnp.float32(4))
+            seen.append(bool(state.updated))
+        closes[name] = seen
+    assert closes["kept"] == [False, False, True, False, False, True]
+    assert closes["lost"] == [True] * 6
+    with pytest.raises(ValueError, match=r"`tokens_seen` must be a whole number"):
+        mm.from_optax_multisteps(old_state, tx, p_old, tokens_seen=2.5)
+    with pytest.raises(TypeError, match=r"`tokens_seen` must be a whole number"):
+        mm.from_optax_multisteps(old_state, tx, p_old, tokens_seen="32")
