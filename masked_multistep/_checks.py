@@ -637,18 +637,25 @@ def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
         raise TypeError(_MISSING_COUNT + got)
 
 
+def first_three(items: list[str]) -> str:
+    """``a, b, c and N more``: the first three of ``items``, and how many else."""
+    more = f" and {len(items) - 3} more" if len(items) > 3 else ""
+    return ", ".join(items[:3]) + more
+
+
+def instances_in(tree: Any, types: type | tuple[type, ...]) -> list[tuple[Any, Any]]:
+    """``(path, node)`` of the nodes of ``tree`` that are instances of
+    ``types`` (outermost ones: a match is not searched further), in leaf order."""
+    is_match = lambda x: isinstance(x, types)  # noqa: E731
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_match)[0]
+    return [(path, x) for path, x in found if is_match(x)]
+
+
 def nested_hint(tree: Any, kind: type, what: str) -> str:
     """``": it holds one at [1] ..."`` where ``tree`` holds a ``kind`` (an
     ``optax.chain``'s state, say), else ``""``: for the errors of functions that
     take the ``kind`` itself."""
-    found = [
-        jax.tree_util.keystr(path)
-        for path, x in jax.tree_util.tree_flatten_with_path(
-            tree, is_leaf=lambda x: isinstance(x, kind)
-        )[0]
-        if isinstance(x, kind)
-    ]
+    found = [jax.tree_util.keystr(path) for path, _ in instances_in(tree, kind)]
     if not found:
         return ""
-    where = ", ".join(found[:3]) + (" ..." if len(found) > 3 else "")
-    return f": it holds one at {where}; pass {what}"
+    return f": it holds one at {first_three(found)}; pass {what}"

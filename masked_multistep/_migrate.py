@@ -285,9 +285,6 @@ def from_optax_multisteps(
         # The statistics see the accumulated mean as one microbatch.
         stats=tx._recorder.accumulate(fresh.stats, acc_grads, new_count),
     )
-    if seen is not None:
-        replacements["policy_state"] = with_tokens_seen(fresh.policy_state, seen)
-        replacements["stats"] = with_tokens_seen(replacements["stats"], seen)
     if "updated" in fresh._fields:
         # What optax.MultiSteps.has_updated would say of `state`.
         replacements["updated"] = jnp.asarray((mini_step == 0) & (gradient_step > 0))
@@ -295,5 +292,8 @@ def from_optax_multisteps(
     # on every device; host arrays of a state read with flax.serialization on
     # the devices; new scalars on the params' mesh), so that the first jitted
     # step sees the shardings of every later one.
-    state = jax.tree.map(placed_like, fresh._replace(**replacements), fresh)
+    state = fresh._replace(**replacements)
+    if seen is not None:
+        state = with_tokens_seen(state, seen)
+    state = jax.tree.map(placed_like, state, fresh)
     return tx._reduction.place(state, params)

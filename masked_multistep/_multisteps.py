@@ -1330,8 +1330,7 @@ jax.tree_util.register_pytree_node(MaskedMultiSteps, _flatten, _unflatten)
 def states_in(tree: Any, types: type | tuple[type, ...]) -> list[Any]:
     """The nodes of ``tree`` that are instances of ``types`` (outermost ones:
     a match is not searched further), in leaf order."""
-    is_match = lambda x: isinstance(x, types)  # noqa: E731
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_match) if is_match(x)]
+    return [x for _, x in _checks.instances_in(tree, types)]
 
 
 def _refuse_nested_accumulation(inner_opt_state: Any) -> None:

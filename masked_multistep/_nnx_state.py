@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from masked_multistep._checks import first_three
+
 SPLIT_RECIPE = (
     "pass `params` from `graphdef, params, rest = nnx.split(model, nnx.Param, "
     "...)` and rebuild the module in `loss_fn` with `nnx.merge(graphdef, "
@@ -29,12 +31,6 @@ SPLIT_RECIPE = (
 def nnx_path(path: tuple[Any, ...]) -> str:
     """An ``nnx`` state path as attribute access: ``.bn.mean``, ``.layers[0]``."""
     return "".join(f".{key}" if isinstance(key, str) else f"[{key!r}]" for key in path)
-
-
-def first_three(items: list[str]) -> str:
-    """``a, b, c and N more``: the first three of ``items``, and how many else."""
-    more = f" and {len(items) - 3} more" if len(items) > 3 else ""
-    return ", ".join(items[:3]) + more
 
 
 def check_nnx_modules(params: Any, whole_ok: bool = False) -> None:

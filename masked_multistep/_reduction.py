@@ -60,16 +60,18 @@ def place_uncommitted(state: Any, sharding: jax.sharding.Sharding) -> Any:
 
     def leaf(x):
         if isinstance(x, jax.Array) and not getattr(x, "_committed", True):
-            # From each process's own copy (every process builds the same
-            # state): jax.device_put would compare them across processes, and
-            # the statistics' NaN placeholders never compare equal.
-            host = np.asarray(x)
-            return jax.make_array_from_callback(
-                x.shape, sharding, lambda index: host[index]
-            )
+            return _from_host(x, sharding)
         return x
 
     return jax.tree.map(leaf, state)
+
+
+def _from_host(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` on ``sharding``, from each process's own copy (every process
+    builds the same state): jax.device_put would compare them across
+    processes, and the statistics' NaN placeholders never compare equal."""
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
 
 
 def placed_like(x: Any, like: Any) -> Any:
@@ -79,17 +81,12 @@ def placed_like(x: Any, like: Any) -> Any:
     sharded accumulator stays sharded, not replicated whole on every device)."""
     if not (isinstance(like, jax.Array) and getattr(like, "_committed", False)):
         return x
-    if isinstance(x, jax.core.Tracer):
+    if isinstance(x, jax.core.Tracer) or (
+        isinstance(x, jax.Array) and getattr(x, "_committed", True)
+    ):
         return x
-    if isinstance(x, jax.Array):
-        if getattr(x, "_committed", True):
-            return x
-        return place_uncommitted(x, like.sharding)
-    if isinstance(x, (np.ndarray, np.generic, numbers.Number)):
-        host = np.asarray(x)
-        return jax.make_array_from_callback(
-            host.shape, like.sharding, lambda index: host[index]
-        )
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, numbers.Number)):
+        return _from_host(x, like.sharding)
     return x
 
 
