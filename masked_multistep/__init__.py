@@ -3,10 +3,40 @@
 ``optax.MultiSteps`` averages microbatch mean gradients with equal weight; with
 padding and loss masks that is not the gradient of the full batch's token-mean
 loss. :class:`MaskedMultiSteps` weights each microbatch by its token count and
-runs the inner optimizer once per window on exactly the full-batch gradient.
+runs the inner optimizer once per window on exactly the full-batch gradient::
+
+    tx = mm.MaskedMultiSteps(optax.adamw(1e-3), every_k_schedule=4)
+    (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+    updates, opt_state = tx.update(grads, opt_state, params, count=count)
+
+where ``loss_fn`` returns ``mm.masked_mean(per_token_loss, mask)``.
+
+The public names, by what they are for:
+
+Accumulate across steps
+    ``MaskedMultiSteps``, ``MaskedMultiStepsState``, ``masked_mean``, and
+    ``TrainState`` (Flax linen's, with ``apply_gradients(grads=, count=)``;
+    needs flax). NNX's ``nnx.Optimizer`` takes ``MaskedMultiSteps`` as it is.
+Microbatch inside one jitted step; data parallel
+    ``microbatched_value_and_grad``, ``per_device_value_and_grad``,
+    ``data_parallel_value_and_grad``, ``deferred`` (one gradient reduction per
+    window), ``weighted_mean_across``.
+Window statistics and inspection
+    ``window_stats``, ``has_updated``, ``find_state``, ``WindowStats``,
+    ``TokenTotal``, ``noise_scale_estimates``.
+Windows by tokens
+    ``token_budget``, ``norm_test``, ``tokens_schedule``, ``WindowPolicy``,
+    ``WindowScalars``.
+Migration and checkpoints
+    ``from_optax_multisteps``, ``from_state_0_1``, ``state_0_1_target``,
+    ``STATE_0_1_FIELDS``.
+Building block
+    ``running_mean_update``: the token-weighted running mean itself.
+
+The README is the guide; every name's docstring has its contract and examples.
 """
 
-import importlib.util
+import importlib.util as _importlib_util
 from typing import TYPE_CHECKING
 
 from masked_multistep._checkpoint import (
@@ -72,7 +102,7 @@ __all__ = [
     "weighted_mean_across",
     "window_stats",
 ]
-if importlib.util.find_spec("flax") is not None:
+if _importlib_util.find_spec("flax") is not None:
     __all__.append("TrainState")
 
 

@@ -69,7 +69,8 @@ def masked_mean(
         must be finite and non-negative, as token counts are: a concrete mask
         with a negative, NaN or infinite weight is a ``ValueError``; under
         ``jit`` weights that sum to 0 give the empty microbatch's ``(0, 0)``,
-        and a negative or non-finite sum is an invalid count for
+        and a negative weight (even where the sum is positive) or a
+        non-finite one makes the count NaN or infinite, an invalid count for
         :class:`MaskedMultiSteps` (counted in ``num_invalid_counts`` and left
         out).
 
@@ -159,6 +160,10 @@ def masked_mean(
         # Real weights, and so a real count, for complex values too.
         weights = mask.astype(jnp.finfo(dtype).dtype)
         count = jnp.sum(weights)
+        if isinstance(mask, jax.core.Tracer):
+            # Unchecked above: a negative weight makes the count NaN (an
+            # invalid count), even where the weights' sum is positive.
+            count = jnp.where(jnp.any(weights < 0), jnp.nan, count)
     else:
         weights = (mask != 0).astype(dtype)
         count = jnp.sum(mask != 0, dtype=jnp.int32)

@@ -531,9 +531,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "`opt` must be an optax GradientTransformation, got "
                 f"{type(opt).__name__}{hint}"
             )
-        policy = _windows.window_policy(every_k_schedule, tokens_per_window, norm_test)
         acc_dtype = _checks.check_accumulator_dtype(accumulator_dtype)
         cnt_dtype = _checks.check_count_dtype(count_dtype)
+        policy = _windows.window_policy(
+            every_k_schedule, tokens_per_window, norm_test, cnt_dtype
+        )
         _windows.check_reachable(policy, cnt_dtype)
         if should_skip_update_fn is not None and not callable(should_skip_update_fn):
             raise TypeError(

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_multistep._checks import check_real
+from masked_multistep._checks import check_real, refuse_narrow_float
 
 __all__ = ["tokens_schedule"]
 
@@ -64,6 +64,8 @@ def tokens_schedule(
     """
     if not callable(schedule):
         raise TypeError(f"`schedule` must be callable, got {schedule!r}")
+    if hasattr(tokens_per_step, "dtype"):  # jnp.bfloat16(3001) is already 3008
+        refuse_narrow_float(tokens_per_step.dtype, "`tokens_per_step`")
     rate = float(check_real(tokens_per_step, "`tokens_per_step`"))
     f32 = np.finfo(np.float32)
     if not float(f32.tiny) <= rate <= float(f32.max):

@@ -61,8 +61,8 @@ class TrainState(_flax_train_state.TrainState):
     * a :class:`MaskedMultiSteps`: its fused ``apply_gradients`` is used, so on
       microbatches that do not end a window the params pass through untouched
       (no tree of zero updates is added to them);
-    * any optax transformation, e.g. ``optax.chain(...,
-      mm.MaskedMultiSteps(...).gradient_transformation())``: ``tx.update(grads,
+    * any optax transformation, e.g. ``optax.chain(..., mm.MaskedMultiSteps(...))``
+      (the wrapper in the chain as it is): ``tx.update(grads,
       opt_state, params, count=count, value=value, ...)`` followed by
       ``optax.apply_updates``. Transformations that take no extra arguments
       ignore them, as inside ``optax.chain``.

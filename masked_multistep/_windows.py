@@ -312,6 +312,8 @@ def _sanitize_budget(
     """
     if is_host_int(budget) and np.ndim(budget) == 0:
         return max(int(budget), 0)
+    if isinstance(budget, np.ndarray) and budget.ndim == 0:
+        budget = budget[()]  # np.array(2.0000001): read exactly, as np.float64 is
     if isinstance(budget, np.floating):
         refuse_narrow_float(budget.dtype, what)
     if isinstance(budget, (float, np.floating)):
@@ -611,7 +613,9 @@ def norm_test(
       min_tokens: the test is not consulted before the window has this many
         tokens.
       min_microbatches: nor before it has this many microbatches with tokens
-        (``K``; the variance estimate has ``K − 1`` degrees of freedom). A
+        (``K``; the variance estimate has ``K − 1`` degrees of freedom; the
+        test decides on ``K >= 2`` whatever this says, so a fixed maximum
+        below 2 microbatches is refused as one below this minimum is). A
         count-0 microbatch adds nothing to the estimate, so it does not count
         here, while it does toward ``every_k_schedule`` and
         ``max_microbatches``.
@@ -669,13 +673,16 @@ def norm_test(
             raise ValueError(
                 f"`max_tokens` ({max_tokens}) is below `min_tokens` ({min_tokens})"
             )
+    # The test decides on K >= 2 microbatches with tokens whatever the minimum.
+    consulted_from = max(2, min_microbatches)
     cap = None
     if max_microbatches is not None:
         cap = _microbatch_cap(max_microbatches, "`max_microbatches`")
-        if not callable(max_microbatches) and int(max_microbatches) < min_microbatches:
+        if not callable(max_microbatches) and int(max_microbatches) < consulted_from:
             raise ValueError(
                 f"`max_microbatches` ({int(max_microbatches)}) is below "
-                f"`min_microbatches` ({min_microbatches})"
+                + _fewest_consulted(consulted_from)
+                + ": every window would close before the test is consulted"
             )
     theta_sq = theta * theta
 
@@ -712,7 +719,7 @@ def norm_test(
         _keep,
         needs_stats=True,
         bounded=bounded,
-        minimum=(min_microbatches, min_tokens),
+        minimum=(consulted_from, min_tokens),
         maximum=(
             None
             if max_microbatches is None or callable(max_microbatches)
@@ -788,26 +795,43 @@ def _smallest(values: Any) -> Any:
     return min((x for x in values if x is not None), default=None)
 
 
-def _check_consulted(test: WindowPolicy, every_k_schedule: Any, budget: Any) -> None:
-    """A fixed window below the norm test's minimum would never consult it.
+def _fewest_consulted(min_microbatches: int) -> str:
+    """The norm test's fewest microbatches, in words, for an error message."""
+    if min_microbatches > 2:
+        return f"the norm test's `min_microbatches` ({min_microbatches})"
+    return "2, the fewest microbatches with tokens the norm test decides on"
+
+
+def _check_consulted(
+    test: WindowPolicy, every_k_schedule: Any, budget: Any, count_dtype: Any
+) -> None:
+    """A fixed window below the norm test's minimum would never consult it,
+    nor would a window whose total ``count_dtype`` cannot take to
+    ``min_tokens``.
 
     Called once the other rules are built, so their constants are checked.
     """
     min_microbatches, min_tokens = test.minimum
+    never = ": every window would close before the test is consulted"
     if every_k_schedule is not None and not callable(every_k_schedule):
         if int(every_k_schedule) < min_microbatches:
             raise ValueError(
-                f"`every_k_schedule` ({int(every_k_schedule)}) is below the norm "
-                f"test's `min_microbatches` ({min_microbatches}): every window "
-                "would close before the test is consulted"
+                f"`every_k_schedule` ({int(every_k_schedule)}) is below "
+                + _fewest_consulted(min_microbatches)
+                + never
             )
+    if count_dtype is not None and min_tokens > _largest_total(count_dtype):
+        raise ValueError(
+            f"The norm test's `min_tokens` ({min_tokens}) is beyond the largest "
+            f"window total count_dtype {np.dtype(count_dtype)} holds "
+            f"({_largest_total(count_dtype)}): the test would never be consulted"
+        )
     if isinstance(budget, WindowPolicy):
         max_microbatches, max_tokens = budget.maximum
         if max_microbatches is not None and max_microbatches < min_microbatches:
             raise ValueError(
                 f"`tokens_per_window`'s `max_microbatches` ({max_microbatches}) "
-                f"is below the norm test's `min_microbatches` ({min_microbatches})"
-                ": every window would close before the test is consulted"
+                "is below " + _fewest_consulted(min_microbatches) + never
             )
         budget = max_tokens
     if budget is None or callable(budget):
@@ -815,9 +839,17 @@ def _check_consulted(test: WindowPolicy, every_k_schedule: Any, budget: Any) -> 
     if float(budget) < min_tokens:
         raise ValueError(
             f"`tokens_per_window` ({budget}) is below the norm test's "
-            f"`min_tokens` ({min_tokens}): every window would close before "
-            "the test is consulted"
+            f"`min_tokens` ({min_tokens})" + never
         )
+
+
+def _largest_total(count_dtype: Any) -> int | float:
+    """The largest window total ``count_dtype`` holds, as a Python number
+    (numpy would cast 1e39 to float32's inf before comparing)."""
+    dtype = np.dtype(count_dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return int(np.iinfo(dtype).max)
+    return float(np.finfo(dtype).max)
 
 
 def check_reachable(policy: WindowPolicy, count_dtype: Any) -> None:
@@ -830,8 +862,7 @@ def check_reachable(policy: WindowPolicy, count_dtype: Any) -> None:
         return
     dtype = np.dtype(count_dtype)
     integer = jnp.issubdtype(dtype, jnp.integer)
-    # Compared as Python numbers: numpy would cast 1e39 to float32's inf first.
-    top = int(np.iinfo(dtype).max) if integer else float(np.finfo(dtype).max)
+    top = _largest_total(dtype)
     if budget > top:
         raise ValueError(
             f"The token budget {budget} (`tokens_per_window`, or the norm test's "
@@ -855,6 +886,7 @@ def window_policy(
         | None
     ) = None,
     norm_test: float | np.floating | WindowPolicy | None = None,
+    count_dtype: Any = None,
 ) -> WindowPolicy:
     """The policy of ``MaskedMultiSteps``' window arguments: whichever closes first.
 
@@ -866,6 +898,8 @@ def window_policy(
         built (e.g. ``by="gradient_step"``), or ``None``.
       norm_test: the norm test's θ (a number), a policy that :func:`norm_test`
         built (with its minimum and maximum budgets), or ``None``.
+      count_dtype: the dtype of the window's token total, if known: the norm
+        test's ``min_tokens`` must be a total it holds.
 
     Returns:
       :func:`any_of` the given rules.
@@ -878,7 +912,9 @@ def window_policy(
         test is given no maximum: neither ``every_k_schedule`` nor
         ``tokens_per_window`` nor its own ``max_tokens``/``max_microbatches``,
         or a fixed ``every_k_schedule`` or ``tokens_per_window`` is below its
-        minimum (it would never be consulted).
+        minimum (it would never be consulted: the test decides on 2
+        microbatches with tokens at the fewest), or its ``min_tokens`` is
+        beyond ``count_dtype``'s largest total.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -910,7 +946,7 @@ def window_policy(
         test = (
             norm_test if isinstance(norm_test, WindowPolicy) else _norm_test(norm_test)
         )
-        _check_consulted(test, every_k_schedule, tokens_per_window)
+        _check_consulted(test, every_k_schedule, tokens_per_window, count_dtype)
         policies.append(test)
     if not policies:
         raise TypeError(

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import masked_multistep as mm
@@ -45,6 +46,29 @@ def test_a_concrete_negative_weight_is_refused():
         mm.masked_mean(jnp.array([1.0, 2.0]), jnp.array([-1.0, 1.0]))
     with pytest.raises(ValueError, match="negative weights"):
         mm.masked_mean(np.ones(2), np.array([0.5, -0.5]))
+
+
+def test_a_traced_negative_weight_makes_the_count_invalid():
+    # Under jit [-1, 1, 1] summed to one token with mean -8 (taken as valid).
+    values, mask = jnp.array([9.0, 1.0, 0.0]), jnp.array([-1.0, 1.0, 1.0])
+    _, count = jax.jit(mm.masked_mean)(values, mask)
+    assert np.isnan(count)
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    params = jnp.zeros(())
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, mask):
+        (loss, n), g = jax.value_and_grad(
+            lambda w: mm.masked_mean(w + values, mask), has_aux=True
+        )(params)
+        return tx.apply_gradients(g, state, params, count=n, value=loss)
+
+    params, state = step(params, state, mask)
+    assert int(state.num_invalid_counts) == 1 and float(state.acc_count) == 0
+    # Non-negative weights are untouched by the check.
+    mean, count = jax.jit(mm.masked_mean)(values, jnp.array([0.0, 0.5, 1.5]))
+    assert float(count) == 2.0 and float(mean) == 0.25
 
 
 def test_complex_values_under_weights_have_a_real_count():

@@ -546,6 +546,9 @@ def test_tokens_schedule_evaluates_the_schedule_at_step_times_tokens():
             mm.tokens_schedule(lambda t: t, rate)
     with pytest.raises(TypeError, match="schedule"):
         mm.tokens_schedule(3e-4, 256)
+    # As token budgets: jnp.bfloat16(3001) is 3008 already (it was accepted).
+    with pytest.raises(TypeError, match="`tokens_per_step`.*bfloat16"):
+        mm.tokens_schedule(lambda t: t, jnp.bfloat16(3001))
 
 
 # --- errors ------------------------------------------------------------------------
@@ -671,6 +674,7 @@ def test_a_returned_budget_is_compared_as_exactly_as_a_constant(tokens_per_windo
         2.0000001,
         lambda seen: 2.0000001,
         lambda seen: np.float64(2.0000001),
+        lambda seen: np.array(2.0000001),  # a 0-d array went through float32
         mm.token_budget(lambda step: 2.0000001, by="gradient_step"),
     ],
 )
@@ -801,7 +805,7 @@ def test_jax_and_numpy_integer_scalars_are_accepted_where_ints_are():
     other = w.norm_test(0.5, min_microbatches=5, min_tokens=10, max_tokens=100)
     assert w.any_of(policy, other).minimum == (2, 0)
     tokens_only = w.norm_test(0.5, min_tokens=3, max_tokens=9)
-    assert w.any_of(other, tokens_only).minimum == (1, 3)
+    assert w.any_of(other, tokens_only).minimum == (2, 3)  # the test needs K >= 2
     lr = mm.tokens_schedule(lambda t: t, tokens_per_step=jnp.float32(4))
     assert float(lr(3)) == 12.0
 
@@ -835,6 +839,28 @@ def test_jax_and_numpy_integer_scalars_are_accepted_where_ints_are():
             r"`tokens_per_window`'s `max_microbatches` \(2\) is below the norm "
             r"test's `min_microbatches` \(4\)",
         ),
+        # The test decides on 2 microbatches with tokens at the fewest: these
+        # windows all closed at their maximum, the test never consulted.
+        (
+            {"every_k_schedule": 1, "norm_test": 0.5},
+            r"`every_k_schedule` \(1\) is below 2, the fewest microbatches",
+        ),
+        (
+            {
+                "tokens_per_window": mm.token_budget(10**6, max_microbatches=1),
+                "norm_test": 0.5,
+            },
+            r"`tokens_per_window`'s `max_microbatches` \(1\) is below 2, the fewest",
+        ),
+        (
+            {
+                "every_k_schedule": 8,
+                "norm_test": mm.norm_test(0.5, min_tokens=2**32),
+                "count_dtype": jnp.int32,
+            },
+            r"`min_tokens` \(4294967296\) is beyond the largest window total "
+            r"count_dtype int32 holds",
+        ),
     ],
 )
 def test_a_window_that_closes_before_the_norm_test_is_consulted_is_refused(
@@ -848,6 +874,14 @@ def test_a_window_that_closes_before_the_norm_test_is_consulted_is_refused(
         every_k_schedule=4,
         norm_test=mm.norm_test(0.5, min_microbatches=4),
     )
+
+
+def test_a_norm_test_capped_below_two_microbatches_is_refused():
+    with pytest.raises(
+        ValueError, match=r"`max_microbatches` \(1\) is below 2, the fewest"
+    ):
+        mm.norm_test(0.5, max_microbatches=1)
+    mm.norm_test(0.5, max_microbatches=2)
 
 
 def test_a_skipped_microbatch_leaves_a_custom_policys_state_as_it_was():
