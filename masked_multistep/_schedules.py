@@ -64,8 +64,9 @@ def tokens_schedule(
     """
     if not callable(schedule):
         raise TypeError(f"`schedule` must be callable, got {schedule!r}")
-    if hasattr(tokens_per_step, "dtype"):  # jnp.bfloat16(3001) is already 3008
-        refuse_narrow_float(tokens_per_step.dtype, "`tokens_per_step`")
+    dtype = getattr(tokens_per_step, "dtype", None)
+    if dtype is not None:  # jnp.bfloat16(3001) is already 3008
+        refuse_narrow_float(dtype, "`tokens_per_step`")
     rate = float(check_real(tokens_per_step, "`tokens_per_step`"))
     f32 = np.finfo(np.float32)
     if not float(f32.tiny) <= rate <= float(f32.max):
