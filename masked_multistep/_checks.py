@@ -40,8 +40,10 @@ traced invalid count weighs 0 (that microbatch or shard contributes nothing).
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 import numbers
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -659,3 +661,46 @@ def nested_hint(tree: Any, kind: type, what: str) -> str:
     if not found:
         return ""
     return f": it holds one at {first_three(found)}; pass {what}"
+
+
+def in_series(paths: list[Any]) -> tuple[str, str] | None:
+    """Two of the state paths ``paths`` (of accumulators found in one optimizer
+    state) that one update passes through in turn, as ``keystr``s; ``None``
+    where every two sit in different branches of ``optax.multi_transform``
+    (``PartitionState.inner_states``), whose updates never meet."""
+    for i, a in enumerate(paths):
+        for b in paths[i + 1 :]:
+            common = 0
+            while common < min(len(a), len(b)) and a[common] == b[common]:
+                common += 1
+            branches = common > 0 and (
+                getattr(a[common - 1], "name", None) == "inner_states"
+            )
+            if not branches:
+                return jax.tree_util.keystr(a), jax.tree_util.keystr(b)
+    return None
+
+
+def refuse_unknown_keywords(
+    where: str,
+    unknown: Mapping[str, Any],
+    fn: Callable[..., Any],
+    hints: Mapping[str, str],
+) -> None:
+    """A ``TypeError`` for the first keyword of ``unknown`` (what ``fn``'s
+    ``**unknown`` caught), with its hint, or the closest name ``fn`` takes."""
+    for key in unknown:
+        why = hints.get(key)
+        if why is None:
+            known = [
+                name
+                for name, param in inspect.signature(fn).parameters.items()
+                if name not in ("self", "cls")
+                and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL)
+            ]
+            close = difflib.get_close_matches(key, known, n=1)
+            why = f"did you mean {close[0]!r}?" if close else None
+        raise TypeError(
+            f"{where} got an unexpected keyword argument {key!r}"
+            + (f": {why}" if why else ".")
+        )

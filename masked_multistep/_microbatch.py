@@ -19,6 +19,7 @@ from typing import (
     Any,
     Concatenate,
     Literal,
+    Never,
     Protocol,
     TypeVar,
     cast,
@@ -36,10 +37,26 @@ from masked_multistep._checks import (
     check_microbatches,
     check_param_leaves,
     count_weight,
+    refuse_unknown_keywords,
 )
 from masked_multistep._running_mean import compute_dtype, running_mean_update
 
 __all__ = ["microbatched_value_and_grad"]
+
+# Keywords of other APIs, for microbatched_value_and_grad (and its data
+# parallel twin) to answer with where they went.
+KEYWORD_HINTS = {
+    **dict.fromkeys(
+        ("k", "microbatches", "n_microbatches", "accumulation_steps"),
+        "the number of microbatches is `num_microbatches` (or the second "
+        "positional argument)",
+    ),
+    "argnums": (
+        "gradients are taken with respect to the first argument of `loss_fn`, "
+        "`params` (any pytree: put everything to differentiate in it)"
+    ),
+    "rng": "pass the key to the returned function: grad_fn(params, batch, rng=key)",
+}
 
 # The types of `loss_fn`'s arguments: the gradients have the params' type (the
 # same pytree), and the batch the microbatches' (the same pytree, k times the
@@ -407,6 +424,16 @@ def _check_rng(rng: Any) -> jax.Array:
     return key
 
 
+def _looks_like_key(x: Any) -> bool:
+    """A typed PRNG key, or a raw ``jax.random.PRNGKey`` (uint32, shape (2,))."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return dtype == jnp.uint32 and getattr(x, "shape", None) == (2,)
+
+
 def _check_accepts_rng(loss_fn: Callable[..., Any]) -> None:
     """Raises if ``loss_fn`` visibly cannot take the ``rng`` keyword."""
     try:
@@ -549,6 +576,9 @@ def microbatched_value_and_grad(
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
     with_stats: bool = False,
+    # Typed Never so that a type checker flags a misspelt keyword; at run time
+    # it gets an error with a hint.
+    **unknown: Never,
 ) -> GradFn[ParamsT, BatchT] | GradFnWithStats[ParamsT, BatchT]:
     """``jax.value_and_grad`` of a masked mean loss, one microbatch at a time.
 
@@ -784,6 +814,12 @@ def microbatched_value_and_grad(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
+    refuse_unknown_keywords(
+        "microbatched_value_and_grad",
+        unknown,
+        microbatched_value_and_grad,
+        KEYWORD_HINTS,
+    )
     k, has_aux, with_stats = _check_args(
         loss_fn, num_microbatches, has_aux, aux_reduction, with_stats
     )
@@ -865,10 +901,17 @@ def _grad_fn(
         *args: Any,
         rng: jax.typing.ArrayLike | None = None,
     ) -> tuple[Any, ...]:
-        if args:
+        if len(args) == 1 and _looks_like_key(args[0]):
             raise TypeError(
                 "grad_fn takes the PRNG key as a keyword: grad_fn(params, batch, "
-                f"rng=key); got {len(args)} more positional argument(s)"
+                "rng=key); got it as a third positional argument"
+            )
+        if args:
+            raise TypeError(
+                f"grad_fn takes (params, batch, *, rng=None), got {len(args)} "
+                "more positional argument(s): pack the batch's arrays into one "
+                'pytree, e.g. grad_fn(params, {"x": x, "mask": mask}) (loss_fn '
+                "gets each microbatch of it), and pass a PRNG key as rng=key"
             )
         module = _nnx_state.ModuleState.of(params) if module_state else None
         if module is not None:

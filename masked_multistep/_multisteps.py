@@ -9,9 +9,7 @@ statistics in ``_stats``.
 
 from __future__ import annotations
 
-import difflib
 import functools
-import inspect
 import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, Never, TypeVar
@@ -497,28 +495,17 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # time it gets the error below, with a suggestion.
         **unknown: Never,
     ) -> MaskedMultiSteps:
-        for key in unknown:
-            why = _KEYWORD_HINTS.get(key)
-            if key == "unknown" and unknown[key] == {}:
-                # What optax.inject_hyperparams(mm.MaskedMultiSteps) passes.
-                raise TypeError(
-                    "MaskedMultiSteps cannot be built by optax.inject_hyperparams "
-                    "(it would be rebuilt on every call); inject the inner "
-                    "optimizer's hyperparameters instead: mm.MaskedMultiSteps("
-                    "optax.inject_hyperparams(optax.adam)(learning_rate=...), k)"
-                )
-            if why is None:
-                known = [
-                    name
-                    for name, param in inspect.signature(cls.__new__).parameters.items()
-                    if name != "cls" and param.kind is not param.VAR_KEYWORD
-                ]
-                close = difflib.get_close_matches(key, known, n=1)
-                why = f"did you mean {close[0]!r}?" if close else None
+        if unknown.get("unknown", None) == {}:
+            # What optax.inject_hyperparams(mm.MaskedMultiSteps) passes.
             raise TypeError(
-                f"MaskedMultiSteps got an unexpected keyword argument {key!r}"
-                + (f": {why}" if why else ".")
+                "MaskedMultiSteps cannot be built by optax.inject_hyperparams "
+                "(it would be rebuilt on every call); inject the inner "
+                "optimizer's hyperparameters instead: mm.MaskedMultiSteps("
+                "optax.inject_hyperparams(optax.adam)(learning_rate=...), k)"
             )
+        _checks.refuse_unknown_keywords(
+            "MaskedMultiSteps", unknown, cls.__new__, _KEYWORD_HINTS
+        )
         if not (hasattr(opt, "init") and hasattr(opt, "update")):
             hint = ""
             if callable(opt):

@@ -25,7 +25,7 @@ own, never summed over the devices.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Concatenate, Literal, cast, overload
+from typing import Any, Concatenate, Literal, Never, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from masked_multistep import _stats
-from masked_multistep._checks import check_flag
+from masked_multistep._checks import check_flag, refuse_unknown_keywords
 from masked_multistep._microbatch import (
+    KEYWORD_HINTS,
     BatchT,
     GradFn,
     GradFnWithStats,
@@ -64,6 +65,16 @@ def _check_batch(batch: Any, num_devices: int, num_microbatches: int) -> None:
         )
 
 
+# What `microbatched_value_and_grad` hints; here `k` is per device.
+_HINTS = {
+    **KEYWORD_HINTS,
+    **dict.fromkeys(
+        ("k", "microbatches", "n_microbatches", "accumulation_steps"),
+        "the microbatches per device are `num_microbatches=`",
+    ),
+}
+
+
 def per_device_value_and_grad(
     loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
     mesh: jax.sharding.Mesh,
@@ -72,6 +83,7 @@ def per_device_value_and_grad(
     num_microbatches: int | np.integer = 1,
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
+    **unknown: Never,  # a misspelt keyword: flagged by a type checker, hinted
 ) -> GradFn[ParamsT, BatchT]:
     """Every device's own ``value_and_grad`` of a masked mean loss, unreduced.
 
@@ -150,6 +162,9 @@ def per_device_value_and_grad(
       >>> float((grad * count).sum() / count.sum()) == (2 * n - 1) / 2  # global
       True
     """
+    refuse_unknown_keywords(
+        "per_device_value_and_grad", unknown, per_device_value_and_grad, _HINTS
+    )
     return cast(
         GradFn[ParamsT, BatchT],
         _per_device(loss_fn, mesh, axis_name, num_microbatches, has_aux, aux_reduction),
@@ -272,6 +287,7 @@ def data_parallel_value_and_grad(
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
     with_stats: bool = False,
+    **unknown: Never,  # a misspelt keyword: flagged by a type checker, hinted
 ) -> GradFn[ParamsT, BatchT] | GradFnWithStats[ParamsT, BatchT]:
     """In-jit microbatching over data-parallel devices, reduced once per call.
 
@@ -351,6 +367,9 @@ def data_parallel_value_and_grad(
       D. H. D. West, "Updating mean and variance estimates: an improved method",
       Communications of the ACM 22(9), 1979.
     """
+    refuse_unknown_keywords(
+        "data_parallel_value_and_grad", unknown, data_parallel_value_and_grad, _HINTS
+    )
     has_aux = check_flag(has_aux, "`has_aux`")
     with_stats = check_flag(with_stats, "`with_stats`")
     per_device = _per_device(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Self, cast
 import jax
 import optax
 
-from masked_multistep._checks import LOSS_KEYWORDS
+from masked_multistep._checks import LOSS_KEYWORDS, in_series, instances_in
 from masked_multistep._inspect import find_state
 from masked_multistep._multisteps import (
     MaskedMultiSteps,
@@ -100,7 +100,10 @@ class TrainState(_flax_train_state.TrainState):
         """flax's ``TrainState.create``; a class given as ``tx`` is a
         ``TypeError`` that says to build the optimizer (its ``init`` would fail
         with an error of Python's own), and so is a ``tx`` that accumulates
-        with ``optax.MultiSteps`` (which would ignore every ``count``)."""
+        with ``optax.MultiSteps`` (which would ignore every ``count``) or holds
+        two :class:`MaskedMultiSteps` in series (one after the other in a
+        chain; in different branches of ``optax.multi_transform`` they are
+        fine)."""
         if isinstance(tx, type):
             raise TypeError(
                 f"`tx` must be an optimizer, got the class {tx.__name__}: build "
@@ -109,6 +112,17 @@ class TrainState(_flax_train_state.TrainState):
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         if states_in(state.opt_state, optax.MultiStepsState):
             raise TypeError(_OPTAX_MULTISTEPS)
+        found = instances_in(state.opt_state, MaskedMultiStepsState)
+        pair = in_series([path for path, _ in found])
+        if pair is not None:
+            raise TypeError(
+                f"`tx` holds two MaskedMultiSteps one after the other (their "
+                f"states at opt_state{pair[0]} and opt_state{pair[1]}): the "
+                "second would average the first's in-window zero updates as "
+                "microbatches. Use one wrapper, with every transformation that "
+                "should run once per window inside it: "
+                "mm.MaskedMultiSteps(optax.chain(...), k)"
+            )
         return cast(Self, state)
 
     def apply_gradients(  # pyright: ignore[reportRedeclaration]
@@ -172,6 +186,15 @@ class TrainState(_flax_train_state.TrainState):
                 f"{', '.join(f'`{k}=`' for k in own)}, set by apply_gradients "
                 "itself: to give a field a value of your own, call "
                 f"`state.replace({own[0]}=...)`."
+            )
+        if "tx" in kwargs:
+            # flax's would apply this step with the old `tx`, then pair the new
+            # one with the old one's state (the next step fails in optax).
+            raise TypeError(
+                f"{type(self).__name__}.apply_gradients got `tx=`: a new "
+                "optimizer needs its own state. Replace both, "
+                "`state.replace(tx=new_tx, opt_state=new_tx.init(state.params))`, "
+                "or build the state again with create"
             )
         field_names = [f.name for f in dataclasses.fields(self)]
         unknown = [k for k in kwargs if k not in field_names]

@@ -113,6 +113,22 @@ def test_optax_multisteps_keywords_are_explained():
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, unknown=1)
 
 
+def test_microbatching_keywords_of_other_apis_are_explained():
+    # They got Python's bare "unexpected keyword argument".
+    loss = lambda w, mb: mm.masked_mean(w * mb, jnp.ones_like(mb, bool))  # noqa: E731
+    with pytest.raises(TypeError, match=r"'argnums': gradients are taken .* first"):
+        mm.microbatched_value_and_grad(loss, 2, argnums=1)
+    with pytest.raises(TypeError, match=r"'has_axu': did you mean 'has_aux'"):
+        mm.microbatched_value_and_grad(loss, 2, has_axu=True)
+    with pytest.raises(TypeError, match=r"'rng': pass the key to the returned"):
+        mm.microbatched_value_and_grad(loss, 2, rng=jax.random.key(0))
+    mesh = jax.make_mesh((1,), ("data",))
+    with pytest.raises(TypeError, match=r"'k': the microbatches per device are"):
+        mm.data_parallel_value_and_grad(loss, mesh, k=2)
+    with pytest.raises(TypeError, match=r"'accumulation_steps': the microbatches per"):
+        mm.per_device_value_and_grad(loss, mesh, accumulation_steps=2)
+
+
 @pytest.mark.parametrize("keyword", ["k", "num_microbatches", "accumulation_steps"])
 def test_other_names_of_the_window_size_point_to_every_k_schedule(keyword):
     with pytest.raises(TypeError, match=f"'{keyword}': the microbatches per window"):

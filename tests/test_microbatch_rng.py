@@ -76,6 +76,13 @@ def test_rng_errors():
     grad_fn = mm.microbatched_value_and_grad(_dropout_loss, 2)
     with pytest.raises(TypeError, match=r"takes the PRNG key as a keyword.*rng=key"):
         grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)}, jax.random.key(0))
+    with pytest.raises(TypeError, match=r"takes the PRNG key as a keyword.*rng=key"):
+        grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)}, jax.random.PRNGKey(0))
+    # Data as more arguments (it said "takes the PRNG key as a keyword").
+    with pytest.raises(
+        TypeError, match=r"got 2 more positional .*pack the batch's arrays into one"
+    ):
+        grad_fn(jnp.ones((4, D)), jnp.arange(4), jnp.ones(4), jnp.ones(4))
     with pytest.raises(TypeError, match=r"`rng` must be a single PRNG key.*float32"):
         grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)}, rng=jnp.ones(2))
     with pytest.raises(TypeError, match=r"`rng` must be a single PRNG key.*\(2,\)"):

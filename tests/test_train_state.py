@@ -89,6 +89,36 @@ def test_optax_multisteps_as_tx_is_refused_as_it_ignores_the_count():
         state.apply_gradients(grads=jnp.ones(1), count=2)
 
 
+def test_two_wrappers_in_series_are_refused():
+    # Accepted, they trained on the wrong gradient: after windows of (1, n=3),
+    # (5, n=1) the param was -1.0, not -2.0 (the second wrapper averaged the
+    # first's in-window zero updates as microbatches).
+    tx = optax.chain(
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2), mm.MaskedMultiSteps(optax.identity(), 2)
+    )
+    with pytest.raises(TypeError, match=r"two MaskedMultiSteps one after .*\[0\]"):
+        mm.TrainState.create(apply_fn=None, params=jnp.zeros(1), tx=tx)
+    inner = optax.chain(optax.scale(1.0), mm.MaskedMultiSteps(optax.sgd(1.0), 2))
+    with pytest.raises(TypeError, match=r"inner_states\['x'\].*one wrapper"):
+        mm.TrainState.create(
+            apply_fn=None,
+            params={"a": jnp.zeros(1), "b": jnp.zeros(1)},
+            tx=optax.multi_transform(
+                {
+                    "x": optax.chain(inner, mm.MaskedMultiSteps(optax.sgd(1.0), 2)),
+                    "y": optax.sgd(1.0),
+                },
+                {"a": "x", "b": "y"},
+            ),
+        )
+
+
+def test_a_new_tx_in_apply_gradients_is_refused():
+    # flax's stepped with the old tx, then paired the new one with its state.
+    with pytest.raises(TypeError, match=r"got `tx=`.*state.replace\(tx=new_tx"):
+        _state().apply_gradients(grads={"w": jnp.ones(2)}, count=1, tx=optax.adam(1e-3))
+
+
 def test_two_wrapped_branches_say_which_part_of_the_state_to_read():
     params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
     tx = optax.multi_transform(
