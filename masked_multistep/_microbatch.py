@@ -592,7 +592,10 @@ def microbatched_value_and_grad(
 
     which is ``jax.value_and_grad`` of the full batch's masked mean loss (up to
     float rounding): exactly what one full-batch step would see, at the peak
-    memory of one microbatch. The means are kept in at least float32 and returned
+    memory of one microbatch. (A loss that couples the examples of a batch,
+    such as ``BatchNorm`` in training mode, sees each microbatch as a batch of
+    its own; the README's section on in-jit microbatching has a recipe for
+    linen's batch statistics.) The means are kept in at least float32 and returned
     in the dtypes ``loss_fn`` and its gradient have. Use it inside ``jit``; one
     call is one compiled loop, with no host round trips.
 

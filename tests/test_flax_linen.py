@@ -261,3 +261,53 @@ def test_package_imports_without_flax():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+class _NormedNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask):
+        h = nn.Dense(8)(x)
+        h = nn.BatchNorm(use_running_average=False, momentum=0.9)(
+            h, mask=mask[..., None]
+        )
+        return nn.Dense(1)(nn.relu(h))[..., 0]
+
+
+def test_linen_batch_stats_as_mean_aux_the_readme_recipe():
+    # The README's recipe for linen BatchNorm under microbatched_value_and_grad:
+    # the updated statistics as "mean" aux, BatchNorm masked like the loss. The
+    # running mean is the full batch's update; the variance the microbatches'
+    # (it misses the spread between them); an empty microbatch is left out and
+    # an empty batch keeps the old statistics through the `where`.
+    model = _NormedNet()
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, 6, 3)), jnp.float32)
+    mask = jnp.asarray(np.arange(6) < rng.integers(1, 7, size=(8, 1)))
+    mask = mask.at[1].set(False).at[5].set(False)  # microbatch 1 (rows 1, 5): empty
+    variables = model.init(jax.random.key(0), x, mask)
+    params, stats = variables["params"], variables["batch_stats"]
+
+    def loss_fn(params, mb):
+        y, new = model.apply(
+            {"params": params, "batch_stats": stats},
+            mb["x"],
+            mb["mask"],
+            mutable=["batch_stats"],
+        )
+        loss, n = mm.masked_mean(y**2, mb["mask"])
+        return loss, (n, new["batch_stats"])
+
+    grad_fn = jax.jit(
+        mm.microbatched_value_and_grad(loss_fn, 4, has_aux=True, aux_reduction="mean")
+    )
+    (_, (_, new)), _ = grad_fn(params, {"x": x, "mask": mask})
+    full = jax.value_and_grad(loss_fn, has_aux=True)(params, {"x": x, "mask": mask})
+    full_new = full[0][1][1]
+    np.testing.assert_allclose(
+        new["BatchNorm_0"]["mean"], full_new["BatchNorm_0"]["mean"], rtol=1e-5
+    )
+    var, full_var = new["BatchNorm_0"]["var"], full_new["BatchNorm_0"]["var"]
+    assert np.all(np.isfinite(var)) and np.all(var <= full_var * (1 + 1e-5))
+    (_, (count, new)), _ = grad_fn(params, {"x": x, "mask": jnp.zeros_like(mask)})
+    kept = jax.tree.map(lambda n, o: jnp.where(count > 0, n, o), new, stats)
+    chex.assert_trees_all_equal(kept, stats)
