@@ -100,6 +100,16 @@ def format_table(summary: dict[str, Any]) -> str:
             width=_WIDTH,
         ),
     ]
+    runs = summary["runs"]
+    ms, mm_run = runs["optax_multisteps"], runs["masked_multisteps"]
+    verdict = (
+        "In short: optax.MultiSteps handed adam a gradient "
+        f"{ms['grad_rel_error_mean']:.0%} off on average, mm.MaskedMultiSteps one "
+        f"{mm_run['grad_rel_error_mean']:.1e} off; held-out loss "
+        f"{ms['heldout_loss']:.4f} and {mm_run['heldout_loss']:.4f}, the full "
+        f"batch's {runs['full_batch']['heldout_loss']:.4f}."
+    )
+    lines += ["", *textwrap.wrap(verdict, width=_WIDTH)]
     tokens_per_step = summary["mean_tokens_per_batch"]
     noise_scale = summary["runs"]["masked_multisteps"]["final_noise_scale"]
     stats = "mm.MaskedMultiSteps window statistics: gradient noise scale B_simple "
