@@ -233,70 +233,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
     The wrapper is itself an ``optax.GradientTransformationExtraArgs``: it goes
     wherever optax and flax expect a gradient transformation, and inside
-    ``optax.chain`` the chain forwards ``count=`` to it.
-
-    Semantics:
-      * A window closes on the microbatch that completes it by any of the rules
-        given, whichever comes first: its ``k``-th microbatch
-        (``every_k_schedule``); the microbatch whose count brings the window's
-        tokens ``Σ nᵢ`` (as ``acc_count`` holds them, in ``count_dtype``) to
-        ``tokens_per_window`` or past it (never a count-0
-        microbatch; the window may overshoot the budget by up to one
-        microbatch's tokens); the microbatch on which the norm test passes
-        (``norm_test``, decided on the window statistics so far, which it
-        keeps on). A window whose total cannot take a microbatch's count (an
-        int32 ``count_dtype`` near 2³¹ − 1) is full and closes on that
-        microbatch, which is skipped (``num_invalid_counts``). The rules read
-        only scalars every device agrees on (the window's microbatches and
-        global token total, the gradient step, the tokens seen), so with
-        ``reduction=mm.deferred(...)`` all devices close on the same
-        microbatch; the rules' state (the tokens seen, for a budget
-        that depends on them) is ``policy_state``.
-      * Between windows the returned updates are zeros (structure and dtype of the
-        inner optimizer's updates); the inner optimizer runs only at the end of a
-        window, so its state, step count, schedules and weight decay advance once
-        per window.
-      * ``count == 0`` adds nothing, even if the gradient is NaN (an all-masked
-        microbatch gives 0/0), and always counts toward its window (``mini_step``
-        advances), whatever ``should_skip_update_fn`` says about its meaningless
-        gradient (the skip function's state is then left as it was).
-      * A window whose counts are all zero applies no update: zeros are returned,
-        the inner state and ``gradient_step`` are unchanged.
-      * A microbatch with tokens that ``should_skip_update_fn`` rejects is as if
-        it never happened (as in optax): it neither counts toward ``k`` nor
-        toward the token budget, and never closes a window (unless its count
-        does not fit the window's total, which closes the full window).
-      * The count contract (accepted types, precision, what happens under
-        ``jit``) is in ``masked_multistep._checks``: any real scalar, converted
-        by value, exact to 2²⁴ tokens per window in the default float32; a bad
-        concrete count raises ``ValueError``; under ``jit`` it is skipped and
-        counted in ``state.num_invalid_counts``.
-      * A window whose mean gradient is not finite (a NaN or inf gradient with a
-        positive count) is not handed to the inner optimizer: zeros are returned,
-        the inner state (adam's moments too) is untouched, the window is counted
-        in ``state.num_nonfinite_windows``, and the next window starts clean.
-      * ``value=`` (the microbatch's mean loss, a scalar), if passed, is averaged
-        with the same weights over the microbatches that pass one, and handed to
-        the inner optimizer as ``value=`` at the end of the window. An inner
-        optimizer that needs ``value=`` (``optax.contrib.reduce_on_plateau``)
-        receives the window's mean also when the closing microbatch passes none;
-        a window in which no microbatch passed one (a forgotten ``value=``), or
-        whose mean is not finite, is held for such an optimizer like a
-        non-finite mean (counted in ``state.num_nonfinite_windows``).
-        ``grad=`` (a line search's gradient at the params), if passed, is
-        replaced by the window's mean of the gradients this wrapper receives,
-        what the inner optimizer gets as its updates (the window's gradient
-        when nothing transforms it before the wrapper: put clipping and the
-        like inside it). Other extra arguments go to the inner optimizer as the
-        window's closing call passes them (a line search's ``value_fn`` must
-        give the window's loss).
-      * With ``window_stats=True`` each completed window's statistics (tokens,
-        microbatches, loss, ‖ḡ‖², the gradient noise scale; see
-        :class:`WindowStats`) are kept in ``state.stats`` until the next window
-        completes. They never change the updates. A window that ends without
-        tokens, or with a non-finite mean, still completes: its tokens, loss
-        and ``tokens_seen`` are counted, its noise-scale estimates are NaN and
-        the smoothed noise scale skips it.
+    ``optax.chain`` the chain forwards ``count=`` to it. Its semantics, case by
+    case, follow the examples.
 
     Where clipping goes: ``MaskedMultiSteps(optax.chain(clip, adam), k)`` clips
     the window's full-batch gradient, which is what the full batch would see;
@@ -424,6 +362,69 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
       0.0 0
       -4.0 1
       -2.0 2
+
+    Semantics:
+      * A window closes on the microbatch that completes it by any of the rules
+        given, whichever comes first: its ``k``-th microbatch
+        (``every_k_schedule``); the microbatch whose count brings the window's
+        tokens ``Σ nᵢ`` (as ``acc_count`` holds them, in ``count_dtype``) to
+        ``tokens_per_window`` or past it (never a count-0
+        microbatch; the window may overshoot the budget by up to one
+        microbatch's tokens); the microbatch on which the norm test passes
+        (``norm_test``, decided on the window statistics so far, which it
+        keeps on). A window whose total cannot take a microbatch's count (an
+        int32 ``count_dtype`` near 2³¹ − 1) is full and closes on that
+        microbatch, which is skipped (``num_invalid_counts``). The rules read
+        only scalars every device agrees on (the window's microbatches and
+        global token total, the gradient step, the tokens seen), so with
+        ``reduction=mm.deferred(...)`` all devices close on the same
+        microbatch; the rules' state (the tokens seen, for a budget
+        that depends on them) is ``policy_state``.
+      * Between windows the returned updates are zeros (structure and dtype of the
+        inner optimizer's updates); the inner optimizer runs only at the end of a
+        window, so its state, step count, schedules and weight decay advance once
+        per window.
+      * ``count == 0`` adds nothing, even if the gradient is NaN (an all-masked
+        microbatch gives 0/0), and always counts toward its window (``mini_step``
+        advances), whatever ``should_skip_update_fn`` says about its meaningless
+        gradient (the skip function's state is then left as it was).
+      * A window whose counts are all zero applies no update: zeros are returned,
+        the inner state and ``gradient_step`` are unchanged.
+      * A microbatch with tokens that ``should_skip_update_fn`` rejects is as if
+        it never happened (as in optax): it neither counts toward ``k`` nor
+        toward the token budget, and never closes a window (unless its count
+        does not fit the window's total, which closes the full window).
+      * The count contract (accepted types, precision, what happens under
+        ``jit``) is in ``masked_multistep._checks``: any real scalar, converted
+        by value, exact to 2²⁴ tokens per window in the default float32; a bad
+        concrete count raises ``ValueError``; under ``jit`` it is skipped and
+        counted in ``state.num_invalid_counts``.
+      * A window whose mean gradient is not finite (a NaN or inf gradient with a
+        positive count) is not handed to the inner optimizer: zeros are returned,
+        the inner state (adam's moments too) is untouched, the window is counted
+        in ``state.num_nonfinite_windows``, and the next window starts clean.
+      * ``value=`` (the microbatch's mean loss, a scalar), if passed, is averaged
+        with the same weights over the microbatches that pass one, and handed to
+        the inner optimizer as ``value=`` at the end of the window. An inner
+        optimizer that needs ``value=`` (``optax.contrib.reduce_on_plateau``)
+        receives the window's mean also when the closing microbatch passes none;
+        a window in which no microbatch passed one (a forgotten ``value=``), or
+        whose mean is not finite, is held for such an optimizer like a
+        non-finite mean (counted in ``state.num_nonfinite_windows``).
+        ``grad=`` (a line search's gradient at the params), if passed, is
+        replaced by the window's mean of the gradients this wrapper receives,
+        what the inner optimizer gets as its updates (the window's gradient
+        when nothing transforms it before the wrapper: put clipping and the
+        like inside it). Other extra arguments go to the inner optimizer as the
+        window's closing call passes them (a line search's ``value_fn`` must
+        give the window's loss).
+      * With ``window_stats=True`` each completed window's statistics (tokens,
+        microbatches, loss, ‖ḡ‖², the gradient noise scale; see
+        :class:`WindowStats`) are kept in ``state.stats`` until the next window
+        completes. They never change the updates. A window that ends without
+        tokens, or with a non-finite mean, still completes: its tokens, loss
+        and ``tokens_seen`` are counted, its noise-scale estimates are NaN and
+        the smoothed noise scale skips it.
 
     References:
       R. H. Byrd, G. M. Chin, J. Nocedal, Y. Wu, "Sample size selection in
