@@ -154,6 +154,16 @@ def _same_avals(a: Any, b: Any) -> bool:
     )
 
 
+def _same_shapes(a: Any, b: Any) -> bool:
+    """Whether two pytrees have the same structure and leaf shapes."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(
+        jnp.shape(x) == jnp.shape(y)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
 def _accumulator_dtype(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
     """The accumulator dtype of one leaf.
 
@@ -935,6 +945,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # and its state kept.
         empty = valid_count & (n == 0)
         counted = valid_count & (empty | ~should_skip)
+        if not _same_avals(skip_state, state.skip_state) and _same_shapes(
+            skip_state, state.skip_state
+        ):
+            # `init` built the skip state from the params, whose dtypes the
+            # gradients need not share (optax.skip_large_updates' norm): it
+            # keeps the dtypes it was built with.
+            skip_state = otu.cast_like(skip_state, state.skip_state)
         if not _same_avals(skip_state, state.skip_state):
             raise ValueError(
                 "`state.skip_state` is not what `should_skip_update_fn` returns: "

@@ -14,9 +14,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Self, cast
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from masked_multistep._checks import LOSS_KEYWORDS, in_series, instances_in
+from masked_multistep._checks import (
+    LOSS_KEYWORDS,
+    first_three,
+    in_series,
+    instances_in,
+)
 from masked_multistep._inspect import find_state
 from masked_multistep._multisteps import (
     MaskedMultiSteps,
@@ -270,6 +276,7 @@ class TrainState(_flax_train_state.TrainState):
             }
         else:
             new_params = new_params_with_opt
+        _check_same_shapes(new_params, self.params)
         return self.replace(
             step=self.step + 1,
             params=new_params,
@@ -323,3 +330,29 @@ class TrainState(_flax_train_state.TrainState):
                 f"TrainState.{attribute} reads the MaskedMultiSteps state in "
                 f"`opt_state`: {err}"
             ) from None
+
+
+def _check_same_shapes(new_params: Any, params: Any) -> None:
+    """Refuses params whose leaves changed shape in a step: updates of another
+    shape broadcast into them silently (``optax.apply_updates``)."""
+    old = {
+        jax.tree_util.keystr(path): jnp.shape(x)
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    changed = [
+        f"params{key} {old[key]} -> {jnp.shape(x)}"
+        for path, x in jax.tree_util.tree_flatten_with_path(new_params)[0]
+        if (key := jax.tree_util.keystr(path)) in old and jnp.shape(x) != old[key]
+    ]
+    if changed:
+        raise ValueError(
+            "apply_gradients changed the shape of "
+            f"{first_three(changed)}: the gradients of those params have "
+            "another shape than the params. With reduction=mm.deferred(...) "
+            "every gradient carries a leading device axis, which only the "
+            "wrapper removes: a transformation outside it (a branch of "
+            "optax.multi_transform without it) hands it on; keep the wrapper "
+            "outermost, with every transformation inside it. flax's fp8 "
+            "'overwrite with gradient' variables are not supported with the "
+            "deferred reduction"
+        )

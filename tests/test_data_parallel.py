@@ -546,6 +546,32 @@ def test_train_state_deferred_equals_single_device(mesh, window_stats):
         assert np.isfinite(last.grad_var_trace) and last.grad_var_trace > 0
 
 
+def test_train_state_refuses_params_a_deferred_gradient_would_reshape(mesh):
+    # A multi_transform branch without the wrapper got the per-device (D, ...)
+    # gradients, and optax.apply_updates broadcast its params to (D, ...):
+    # silently, until a later step failed somewhere else.
+    tx = optax.multi_transform(
+        {"train": _tx(mm.deferred(mesh, "data")), "freeze": optax.set_to_zero()},
+        {"w1": "train", "w2": "freeze"},
+    )
+    grad_fn = mm.per_device_value_and_grad(_loss, mesh, "data")
+    state = mm.TrainState.create(
+        apply_fn=None, params=jax.device_put(_params(), NamedSharding(mesh, P())), tx=tx
+    )
+    mb = jax.device_put(_microbatches()[0], NamedSharding(mesh, P("data")))
+    (_, count), grads = grad_fn(state.params, mb)
+    # jax's default, under which the suite's "raise" did not catch it either.
+    with (
+        jax.numpy_rank_promotion("allow"),
+        pytest.raises(
+            ValueError,
+            match=rf"shape of params\['w2'\] \({H},\) -> \({NDEV}, {H}\).*"
+            "keep the wrapper outermost",
+        ),
+    ):
+        state.apply_gradients(grads=grads, count=count)
+
+
 def test_nnx_optimizer_deferred_equals_single_device(mesh):
     from flax import nnx
 

@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,6 +191,22 @@ def test_skipped_microbatch_is_as_if_it_never_happened(skip_fn):
     assert bool(tx.has_updated(state))
     for u in jax.tree.leaves(updates):
         np.testing.assert_allclose(u, -3.25)
+
+
+def test_a_skip_state_keeps_its_dtypes_for_gradients_of_another_dtype():
+    # skip_large_updates' norm comes in the gradients' dtype, its initial state
+    # in the params': float32 gradients for bfloat16 params were refused as "a
+    # state built by a MaskedMultiSteps with another skip function".
+    skip = functools.partial(optax.skip_large_updates, max_squared_norm=100.0)
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=skip)
+    params = jnp.ones(3, jnp.bfloat16)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    _, new = update(jnp.ones(3, jnp.float32), state, params, count=jnp.int32(2))
+    chex.assert_trees_all_equal_shapes_and_dtypes(new.skip_state, state.skip_state)
+    assert float(new.skip_state["norm_squared"]) == 3.0 and int(new.mini_step) == 1
+    updates, new = update(jnp.full(3, 9.0), new, params, count=jnp.int32(2))
+    assert bool(new.skip_state["should_skip"]) and int(new.mini_step) == 1
 
 
 def test_has_updated_is_true_exactly_after_an_applied_update():
