@@ -1,6 +1,9 @@
 """Test configuration: 8 CPU devices for the SPMD tests, strict numerics."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import jax
 from hypothesis import settings
@@ -8,6 +11,21 @@ from hypothesis import settings
 # Must happen before any JAX backend is created.
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# One persistent compilation cache per test session, shared by the xdist
+# workers (they inherit the folder through the environment) and removed when
+# the process that made it exits. Many tests compile the same programs again
+# (eager `lax.cond`s recompile on every call, a state machine's examples rebuild
+# the same wrappers): a hit reads the executable XLA compiled before instead of
+# compiling it again. It is the same executable, and a hit still counts as a
+# compile for `jax.monitoring` (the compile-counting tests see no difference).
+_CACHE_ENV = "MASKED_MULTISTEP_TESTS_COMPILATION_CACHE"
+if not os.environ.get(_CACHE_ENV):
+    os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="masked-multistep-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ[_CACHE_ENV], ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 # In CI the property tests draw the same examples on every run (reproducible
 # verdicts); elsewhere they explore new ones each time.
