@@ -31,3 +31,10 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 # verdicts); elsewhere they explore new ones each time.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+def pytest_collection_modifyitems(items):
+    # The long-running tests first (a stable sort: the rest keep their order),
+    # so that pytest-xdist's workers start them early instead of one worker
+    # finishing a notebook alone at the end.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
