@@ -322,7 +322,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ``None`` nor ``mm.deferred(...)``, or ``window_stats`` is not a bool,
         or an ``optax.MultiSteps``-only keyword is passed, or it is built by
         ``optax.inject_hyperparams`` (inject the inner optimizer's
-        hyperparameters instead).
+        hyperparameters instead; raised where that builds it, in its ``init``).
       ValueError: if ``every_k_schedule`` is out of range, or a budget is not
         finite and ``> 0``, or a fixed one beyond the largest window total
         ``count_dtype`` holds, or the norm test has no maximum window, or a window
