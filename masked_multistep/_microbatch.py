@@ -45,9 +45,11 @@ __all__ = ["microbatched_value_and_grad"]
 
 # Keywords of other APIs, for microbatched_value_and_grad (and its data
 # parallel twin) to answer with where they went.
+# Other libraries' names for the number of microbatches.
+MICROBATCH_KEYWORDS = ("k", "microbatches", "n_microbatches", "accumulation_steps")
 KEYWORD_HINTS = {
     **dict.fromkeys(
-        ("k", "microbatches", "n_microbatches", "accumulation_steps"),
+        MICROBATCH_KEYWORDS,
         "the number of microbatches is `num_microbatches` (or the second "
         "positional argument)",
     ),
@@ -401,6 +403,22 @@ def _check_params(params: Any, whole_ok: bool = False) -> None:
             )
 
 
+def _raw_key_shape() -> tuple[int, ...]:
+    """The shape of a raw key: the default implementation's key data."""
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
+def _is_single_key(x: Any) -> bool:
+    """Whether ``x`` is one PRNG key: a typed key of shape ``()``, or a raw
+    ``uint32`` key (``jax.random.PRNGKey``)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return jnp.shape(x) == ()
+    return dtype == jnp.uint32 and jnp.shape(x) == _raw_key_shape()
+
+
 def _check_rng(rng: Any) -> jax.Array:
     """``rng`` as a PRNG key array: a typed key or a raw ``uint32`` key."""
     try:
@@ -410,28 +428,13 @@ def _check_rng(rng: Any) -> jax.Array:
             "`rng` must be a PRNG key (jax.random.key(...) or "
             f"jax.random.PRNGKey(...)), got {type(rng).__name__}"
         ) from err
-    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    # A raw key has the shape of the default implementation's key data.
-    raw = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
-    if not (
-        (typed and key.shape == ()) or (key.dtype == jnp.uint32 and key.shape == raw)
-    ):
+    if not _is_single_key(key):
         raise TypeError(
             "`rng` must be a single PRNG key (jax.random.key(...) or "
-            f"jax.random.PRNGKey(...), raw keys of shape {raw}), got shape "
-            f"{key.shape} and dtype {key.dtype}"
+            f"jax.random.PRNGKey(...), raw keys of shape {_raw_key_shape()}), got "
+            f"shape {key.shape} and dtype {key.dtype}"
         )
     return key
-
-
-def _looks_like_key(x: Any) -> bool:
-    """A typed PRNG key, or a raw ``jax.random.PRNGKey`` (uint32, shape (2,))."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return False
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        return True
-    return dtype == jnp.uint32 and getattr(x, "shape", None) == (2,)
 
 
 def _check_accepts_rng(loss_fn: Callable[..., Any]) -> None:
@@ -904,7 +907,7 @@ def _grad_fn(
         *args: Any,
         rng: jax.typing.ArrayLike | None = None,
     ) -> tuple[Any, ...]:
-        if len(args) == 1 and _looks_like_key(args[0]):
+        if len(args) == 1 and _is_single_key(args[0]):
             raise TypeError(
                 "grad_fn takes the PRNG key as a keyword: grad_fn(params, batch, "
                 "rng=key); got it as a third positional argument"

@@ -144,22 +144,14 @@ def _same_buffers(a: Any, b: Any) -> bool:
     return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
 
 
-def _same_avals(a: Any, b: Any) -> bool:
-    """Whether two pytrees have the same structure, and leaves the same avals."""
-    if jax.tree.structure(a) != jax.tree.structure(b):
-        return False
-    return all(
-        (jnp.shape(x), jnp.result_type(x)) == (jnp.shape(y), jnp.result_type(y))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-
-
-def _same_shapes(a: Any, b: Any) -> bool:
-    """Whether two pytrees have the same structure and leaf shapes."""
+def _same_avals(a: Any, b: Any, *, dtypes: bool = True) -> bool:
+    """Whether two pytrees have the same structure, and leaves the same avals
+    (the same shapes only, with ``dtypes=False``)."""
     if jax.tree.structure(a) != jax.tree.structure(b):
         return False
     return all(
         jnp.shape(x) == jnp.shape(y)
+        and (not dtypes or jnp.result_type(x) == jnp.result_type(y))
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     )
 
@@ -945,12 +937,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # and its state kept.
         empty = valid_count & (n == 0)
         counted = valid_count & (empty | ~should_skip)
-        if not _same_avals(skip_state, state.skip_state) and _same_shapes(
-            skip_state, state.skip_state
-        ):
+        if _same_avals(skip_state, state.skip_state, dtypes=False):
             # `init` built the skip state from the params, whose dtypes the
             # gradients need not share (optax.skip_large_updates' norm): it
-            # keeps the dtypes it was built with.
+            # keeps the dtypes it was built with (a no-op where they agree).
             skip_state = otu.cast_like(skip_state, state.skip_state)
         if not _same_avals(skip_state, state.skip_state):
             raise ValueError(

@@ -37,6 +37,7 @@ from masked_multistep import _stats
 from masked_multistep._checks import check_flag, refuse_unknown_keywords
 from masked_multistep._microbatch import (
     KEYWORD_HINTS,
+    MICROBATCH_KEYWORDS,
     BatchT,
     GradFn,
     GradFnWithStats,
@@ -69,8 +70,7 @@ def _check_batch(batch: Any, num_devices: int, num_microbatches: int) -> None:
 _HINTS = {
     **KEYWORD_HINTS,
     **dict.fromkeys(
-        ("k", "microbatches", "n_microbatches", "accumulation_steps"),
-        "the microbatches per device are `num_microbatches=`",
+        MICROBATCH_KEYWORDS, "the microbatches per device are `num_microbatches=`"
     ),
 }
 
