@@ -29,7 +29,8 @@ Windows by tokens
     ``WindowScalars``.
 Migration and checkpoints
     ``from_optax_multisteps``, ``from_state_0_1``, ``state_0_1_target``,
-    ``STATE_0_1_FIELDS``.
+    ``STATE_0_1_FIELDS``; ``device_count_target``, ``from_device_count`` (a
+    deferred state onto another number of devices).
 Building block
     ``running_mean_update``: the token-weighted running mean itself.
 
@@ -46,6 +47,7 @@ from masked_multistep._checkpoint import (
 )
 from masked_multistep._collectives import weighted_mean_across
 from masked_multistep._deferred import deferred
+from masked_multistep._device_count import device_count_target, from_device_count
 from masked_multistep._inspect import find_state, has_updated, window_stats
 from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
@@ -86,7 +88,9 @@ __all__ = [
     "WindowStats",
     "data_parallel_value_and_grad",
     "deferred",
+    "device_count_target",
     "find_state",
+    "from_device_count",
     "from_optax_multisteps",
     "from_state_0_1",
     "has_updated",

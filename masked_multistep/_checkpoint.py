@@ -50,8 +50,9 @@ def _check_template(template: Any) -> None:
         )
 
 
-def _like_template(name: str, got: Any, want: Any) -> Any:
-    """The restored field ``got`` in the dtypes of the template's ``want``.
+def _like_template(where: str, got: Any, want: Any) -> Any:
+    """The restored field ``got`` in the dtypes of the template's ``want``
+    (``where``: how the error names ``got``).
 
     As orbax does on restore (``flax.serialization`` keeps the saved dtypes, e.g.
     a 0.1 bfloat16 accumulator): floating leaves are cast, integer ones only
@@ -75,7 +76,7 @@ def _like_template(name: str, got: Any, want: Any) -> Any:
             )
             if not (same_kind and fits):
                 raise ValueError(
-                    f"`restored[{name!r}]` holds dtype {g.dtype} where the template "
+                    f"{where} holds dtype {g.dtype} where the template "
                     f"has {w_dtype}"
                     + ("" if not same_kind else ", and values that do not fit it")
                 )
@@ -243,7 +244,9 @@ def from_state_0_1(
             )
     state = template._replace(
         **{
-            name: _like_template(name, restored[name], getattr(template, name))
+            name: _like_template(
+                f"`restored[{name!r}]`", restored[name], getattr(template, name)
+            )
             for name in STATE_0_1_FIELDS
             if name != "acc_count"
         }

@@ -1,0 +1,247 @@
+"""A deferred window moved onto another number of devices.
+
+``mm.device_count_target`` and ``mm.from_device_count``: a state saved
+mid-window on ``D`` devices continues on ``D′`` and its window ends as if
+nothing had moved: the same mean gradient (checked against a float64 reference
+built from the same rows), token total, loss and statistics.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _helpers import backend_compiles
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import masked_multistep as mm
+
+AUTO = jax.sharding.AxisType.Auto
+ROWS, K, H = 24, 4, 5  # 24 rows split evenly over 1, 2, 3, 4 or 8 devices
+MOVE_AFTER = 2  # microbatches before the state moves
+EMPTY_ROWS = slice(6, 12)  # no tokens in any microbatch
+EMPTY_MICROBATCH = 1  # no tokens anywhere
+
+
+def _mesh(n):
+    return jax.make_mesh((n,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:n])
+
+
+def _rows():
+    """Every row's mean gradient, token count and loss, per microbatch."""
+    rng = np.random.default_rng(0)
+    grads = rng.normal(size=(K, ROWS, H))
+    counts = rng.integers(1, 9, size=(K, ROWS)).astype(np.float64)
+    counts[:, EMPTY_ROWS] = 0
+    counts[EMPTY_MICROBATCH] = 0
+    grads[counts == 0] = np.nan  # a row without tokens: 0/0
+    losses = rng.uniform(1, 2, size=(K, ROWS))
+    return grads, counts, losses
+
+
+def _per_device(i, n):
+    """Microbatch ``i`` as ``n`` devices see it: each its rows' token-weighted
+    mean gradient, its count and its loss."""
+    grads, counts, losses = (x[i] for x in _rows())
+    g = grads.reshape(n, ROWS // n, H)
+    c = counts.reshape(n, ROWS // n)
+    v = losses.reshape(n, ROWS // n)
+    total = c.sum(1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.nansum(g * c[..., None], 1) / total[:, None]
+        loss = (v * c).sum(1) / total
+    return mean, total, loss
+
+
+def _tx(n, stats=True, skip=None):
+    return mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        K,
+        reduction=mm.deferred(_mesh(n), "data"),
+        window_stats=stats,
+        should_skip_update_fn=skip,
+    )
+
+
+def _step(tx, params, state, i, n):
+    mean, count, loss = _per_device(i, n)
+    data = NamedSharding(_mesh(n), P("data"))
+    put = lambda x: jax.device_put(jnp.asarray(x, jnp.float32), data)  # noqa: E731
+    return jax.jit(tx.update)(
+        {"w": put(mean)}, state, params, count=put(count), value=put(loss)
+    )
+
+
+def _run(old, new, stats=True, skip=None):
+    """``MOVE_AFTER`` microbatches on ``old`` devices, the rest on ``new``."""
+    params = {"w": jnp.zeros(H)}
+    tx = _tx(old, stats, skip)
+    state = tx.init(params)
+    for i in range(MOVE_AFTER):
+        updates, state = _step(tx, params, state, i, old)
+    tx = _tx(new, stats, skip)
+    template = tx.init(params)
+    _step(tx, params, template, MOVE_AFTER, new)  # compiles the new mesh's step
+    moved = mm.from_device_count(state, template)
+    chex.assert_trees_all_equal_shapes_and_dtypes(moved, template)
+    with backend_compiles() as compiles:  # placed as `init` places it
+        for i in range(MOVE_AFTER, K):
+            updates, moved = _step(tx, params, moved, i, new)
+    assert not compiles, compiles
+    return updates, moved
+
+
+def _shares(old, new):
+    """Every (microbatch, device) share the window saw: gradients, counts."""
+    shares = [_per_device(i, old if i < MOVE_AFTER else new) for i in range(K)]
+    g = np.concatenate([s[0] for s in shares])
+    c = np.concatenate([s[1] for s in shares])
+    v = np.concatenate([s[2] for s in shares])
+    return g[c > 0], c[c > 0], v[c > 0]
+
+
+@pytest.mark.parametrize(("old", "new"), [(8, 4), (8, 3), (2, 8)], ids=lambda n: str(n))
+def test_a_window_moved_mid_way_ends_with_the_full_batch_mean(old, new):
+    updates, state = _run(old, new)
+    g, c, v = _shares(old, new)
+    mean = (g * c[:, None]).sum(0) / c.sum()
+    np.testing.assert_allclose(updates["w"], -mean, rtol=1e-5, atol=1e-6)
+    assert int(state.gradient_step) == 1
+    # The statistics of a window whose shares came from both device counts:
+    # each share a small batch of its own.
+    stats = mm.window_stats(state)
+    n = c.sum()
+    sq = float(mean @ mean)
+    s = float((c * ((g - mean) ** 2).sum(1)).sum())
+    assert int(stats.tokens) == n and int(stats.microbatches) == len(c)
+    np.testing.assert_allclose(stats.loss, (v * c).sum() / n, rtol=1e-6)
+    np.testing.assert_allclose(stats.grad_sq_norm, sq, rtol=1e-5)
+    np.testing.assert_allclose(stats.grad_var_trace, s / (len(c) - 1), rtol=1e-5)
+
+
+def test_the_synced_variant_moves_too():
+    """With a skip function the devices agree on every microbatch's count:
+    ``acc_count`` is the global total, and the per-device state only counts."""
+    updates, state = _run(8, 3, stats=False, skip=optax.skip_not_finite)
+    g, c, _ = _shares(8, 3)
+    mean = (g * c[:, None]).sum(0) / c.sum()
+    np.testing.assert_allclose(updates["w"], -mean, rtol=1e-5, atol=1e-6)
+    assert int(state.gradient_step) == 1
+
+
+def test_the_same_device_count_is_returned_bit_for_bit():
+    params = {"w": jnp.zeros(H)}
+    tx = _tx(4)
+    state = tx.init(params)
+    for i in range(MOVE_AFTER):
+        _, state = _step(tx, params, state, i, 4)
+    chex.assert_trees_all_equal(mm.from_device_count(state, tx.init(params)), state)
+
+
+@pytest.mark.parametrize("new", [4, 3])
+def test_orbax_restores_into_the_target_and_converts(tmp_path, new):
+    """Restored on 4 of 8 devices the old axis stays sharded (two running
+    means per device); on 3 it is replicated; both convert as in memory."""
+    import orbax.checkpoint as ocp
+
+    params = {"w": jnp.zeros(H)}
+    tx = _tx(8)
+    state = tx.init(params)
+    for i in range(MOVE_AFTER):
+        _, state = _step(tx, params, state, i, 8)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
+    checkpointer.wait_until_finished()
+
+    template = {"params": params, "opt_state": _tx(new).init(params)}
+    target = mm.device_count_target(template, 8)
+    acc = target["opt_state"].acc_grads["w"]
+    assert acc.shape == (8, H)
+    assert acc.sharding.spec == (P("data") if new == 4 else P(None))
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+    checkpointer.close()
+    moved = mm.from_device_count(restored, template)
+    in_memory = mm.from_device_count(state, template["opt_state"])
+    chex.assert_trees_all_equal(moved, {"params": params, "opt_state": in_memory})
+    want = template["opt_state"].acc_grads["w"].sharding
+    assert moved["opt_state"].acc_grads["w"].sharding.is_equivalent_to(want, 2)
+
+
+def test_an_nnx_optimizer_state_moves():
+    """``nnx.state(optimizer)`` holds the wrapper's fields by name; the
+    converted state goes back with ``nnx.update``."""
+    from flax import nnx
+
+    def make(n):
+        model = nnx.Linear(H, 1, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, _tx(n, stats=False), wrt=nnx.Param)
+
+    model, optimizer = make(8)
+    # Device d's gradient is d everywhere, over d tokens.
+    ramp = jax.tree.map(
+        lambda p: jnp.arange(8.0).reshape(8, *[1] * p.ndim) * jnp.ones((8, *p.shape)),
+        nnx.state(model, nnx.Param),
+    )
+    nnx.jit(lambda m, o, g: o.update(m, g, count=jnp.arange(8.0)))(
+        model, optimizer, ramp
+    )
+    _, resumed = make(2)
+    state = mm.from_device_count(nnx.state(optimizer), nnx.state(resumed))
+    nnx.update(resumed, state)
+    acc = resumed.opt_state.acc_grads["kernel"][...]
+    counts = resumed.opt_state.reduction_state.counts[...]
+    # Devices 0-3 (0 + 1 + 2 + 3 tokens) and 4-7 (22 tokens): Σ d² / Σ d.
+    np.testing.assert_allclose(counts, [6.0, 22.0])
+    np.testing.assert_allclose(acc[:, 0, 0], [14 / 6, 126 / 22], rtol=1e-6)
+    assert int(resumed.opt_state.mini_step[...]) == 1
+
+
+def test_bad_input_is_refused_by_name():
+    params = {"w": jnp.zeros(H)}
+    template = _tx(4).init(params)
+    saved = _tx(8).init(params)
+    with pytest.raises(ValueError, match=r"`num_devices` must be >= 1, got 0"):
+        mm.device_count_target(template, 0)
+    with pytest.raises(TypeError, match=r"`num_devices` must be an integer"):
+        mm.device_count_target(template, 2.0)
+    local = mm.MaskedMultiSteps(optax.sgd(1.0), K).init(params)
+    with pytest.raises(ValueError, match=r"`template` holds no per-device state"):
+        mm.device_count_target(local, 8)
+    with pytest.raises(ValueError, match=r"exactly one MaskedMultiStepsState"):
+        mm.from_device_count(saved, {"a": template, "b": template})
+    with pytest.raises(ValueError, match=r"does not have the template's structure"):
+        mm.from_device_count(_tx(8, stats=False).init(params), template)
+    wrong = saved._replace(acc_grads={"w": jnp.zeros((8, H + 1))})
+    with pytest.raises(ValueError, match=r"shape \(8, 6\) at \.acc_grads\['w'\]"):
+        mm.from_device_count(wrong, template)
+    negative = saved._replace(
+        reduction_state=saved.reduction_state._replace(counts=-jnp.ones(8))
+    )
+    with pytest.raises(ValueError, match=r"negative or not finite"):
+        mm.from_device_count(negative, template)
+    with pytest.raises(TypeError, match=r"eagerly"):
+        jax.jit(mm.from_device_count)(saved, template)
+
+
+def test_an_integer_total_that_no_longer_fits_is_refused():
+    """Two int32 devices of 2³⁰ tokens each cannot become one device's total."""
+    params = {"w": jnp.zeros(H)}
+
+    def tx(n):
+        return mm.MaskedMultiSteps(
+            optax.sgd(1.0), K, reduction=mm.deferred(_mesh(n)), count_dtype=jnp.int32
+        )
+
+    saved = tx(2).init(params)
+    saved = saved._replace(
+        reduction_state=saved.reduction_state._replace(
+            counts=jnp.full(2, 2**30, jnp.int32)
+        )
+    )
+    with pytest.raises(ValueError, match=r"beyond the count dtype on one of the 1"):
+        mm.from_device_count(saved, tx(1).init(params))
+    same = mm.from_device_count(saved, tx(2).init(params))
+    assert int(same.reduction_state.counts[0]) == 2**30
