@@ -37,10 +37,14 @@ float32's floor of a few 1e-7 dominates;
 one seed each with ``K`` = 8 and 256 microbatches: 0.10 and 0.13 at
 ``10⁸·B_simple``). Those figures are for large trees, whose rounding errors
 partly cancel; with few parameters and few microbatches the error reaches about
-``2.5e-7 · N / (B̂ · (K − 1))``, ``B̂ = N ‖ḡ‖² / S`` the window's own estimate,
-which scatters around the true ``B_simple`` (200 windows of ``K`` = 2 with 8
-parameters at a true ``N / B_simple`` of ``2·10⁶``, two generators of test
-data: median 8-10%, 95th percentile 47-56%, worst 102-111%).
+``2.5e-7 · N / (B̂ · (K − 1))``, ``B̂ = S / ((K − 1) ‖ḡ‖²)`` the window's own
+estimate, which scatters around the true ``B_simple`` (200 windows of ``K`` = 2
+with 8 parameters at a true ``N / B_simple`` of ``2·10⁶``, two generators of
+test data: median 8-10%, 95th percentile 47-56%, worst 102-111%). Very uneven
+counts add to it: a microbatch of a few tokens beside ones of 2²⁸ moves the
+float32 mean by less than its rounding, so ``ḡ`` leaves it out while
+``Σ nᵢ ‖gᵢ‖²`` counts it (counts 3, 2²⁸+1, 2²⁸+1, 2²⁸+1 with 64 parameters at
+``N / B_simple ≈ 100``: 1e-5 to 2e-4 over 10 seeds, against 8e-6 from the bound).
 That is below the statistical noise of an estimate from ``K`` microbatches
 (relative standard deviation about ``√(2 / (K − 1))``) while
 ``N / B_simple ≲ 10⁸ / √K`` (for small trees, ``N / B̂ ≲ 5·10⁶ · √(K − 1)``): for a
@@ -61,9 +65,9 @@ large in another). The same holds for :func:`data_parallel_value_and_grad`'s
 statistics with bfloat16 params (each device's mean is cast to the params'
 dtype before the devices are combined).
 
-The squared norms are float32 (float64 for float64 leaves): a gradient whose
-squared norm exceeds float32's range (elements beyond about 1e19), or
-``nᵢ ‖gᵢ‖²`` beyond it (1e30 tokens of a gradient of norm 1e5), makes the
+The statistics are float32, for float64 leaves too (their squared norms are
+cast to float32): a gradient whose squared norm exceeds float32's range
+(elements beyond about 1e19), or ``nᵢ ‖gᵢ‖²`` beyond it (1e30 tokens of a gradient of norm 1e5), makes the
 window's ``grad_sq_norm`` infinite and its estimates NaN; its update is
 unaffected.
 

@@ -6,7 +6,8 @@ rows of every microbatch. It trains twice: with the compiler's reduction of
 every microbatch (automatic sharding), and with the deferred reduction
 (``mm.per_device_value_and_grad``, ``reduction=mm.deferred``), where it also
 checkpoints the per-device state mid-window (orbax, into ``CKPT_DIR``),
-restores it and checks that training continues bit-identically. The final
+restores it and checks that training continues bit-identically (and, restored
+onto 2 devices, one per process, that the window ends as it did). The final
 (replicated) parameters of both runs go to ``OUT.npz``.
 
 The model, the data and the optimizer live here so that the test computes its
@@ -159,7 +160,64 @@ def _deferred_run(mesh, global_batches, ckpt_dir):
         for sa, sb in zip(a.addressable_shards, b.addressable_shards, strict=True):
             assert sa.index == sb.index
             assert np.array_equal(sa.data, sb.data, equal_nan=True), (sa, sb)
+    _on_fewer_devices(ckpt_dir, len(global_batches) - stop, uninterrupted)
     return uninterrupted[0]
+
+
+def _on_fewer_devices(ckpt_dir, rest, uninterrupted):
+    """The mid-window checkpoint of 4 devices restored onto 2 (one per
+    process) with ``mm.device_count_target`` and ``mm.from_device_count``; the
+    window ends as the uninterrupted run's did."""
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import masked_multistep as mm
+
+    devices = [
+        next(d for d in jax.devices() if d.process_index == p)
+        for p in range(NUM_PROCESSES)
+    ]
+    mesh = jax.make_mesh(
+        (len(devices),),
+        ("data",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=devices,
+    )
+    tx, step = make_deferred_step(mesh)
+    params = jax.device_put(init_params(), NamedSharding(mesh, P()))
+    template = {"params": params, "opt_state": tx.init(params)}
+    target = mm.device_count_target(template, len(jax.devices()))
+    # Both processes hold 2 of the saved devices' running means.
+    assert target["opt_state"].acc_grads["w"].sharding.spec == P("data")
+    checkpointer = ocp.StandardCheckpointer()
+    restored = checkpointer.restore(
+        ckpt_dir, jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    )
+    checkpointer.close()
+    moved = mm.from_device_count(restored, template)
+    params, state = moved["params"], moved["opt_state"]
+    assert state.acc_grads["w"].shape == (len(devices), D)
+    data = NamedSharding(mesh, P("data"))
+    ((local, *_),) = data.addressable_devices_indices_map((B,)).values()
+    for mb in microbatches()[-rest:]:  # this process's rows, on its one device
+        mb = jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(
+                data, x[local], global_shape=x.shape
+            ),
+            mb,
+        )
+        params, state = step(params, state, mb)
+    assert int(state.gradient_step) == WINDOWS, state.gradient_step
+    want_params, want_state = uninterrupted
+    for got, want in zip(
+        jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+    got, want = mm.window_stats(state), mm.window_stats(want_state)
+    assert int(got.tokens) == int(want.tokens)
+    np.testing.assert_allclose(np.asarray(got.loss), np.asarray(want.loss), rtol=1e-5)
 
 
 def _eager_counts(mesh, global_batches, process_id: int) -> None:
