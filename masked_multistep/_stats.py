@@ -67,9 +67,9 @@ dtype before the devices are combined).
 
 The statistics are float32, for float64 leaves too (their squared norms are
 cast to float32): a gradient whose squared norm exceeds float32's range
-(elements beyond about 1e19), or ``nᵢ ‖gᵢ‖²`` beyond it (1e30 tokens of a gradient of norm 1e5), makes the
-window's ``grad_sq_norm`` infinite and its estimates NaN; its update is
-unaffected.
+(elements beyond about 1e19), or ``nᵢ ‖gᵢ‖²`` beyond it (1e30 tokens of a
+gradient of norm 1e5), makes the window's ``grad_sq_norm`` infinite and its
+estimates NaN; its update is unaffected.
 
 ``B_simple`` from one window is very noisy; McCandlish et al. smooth the
 numerator and the denominator separately with exponential moving averages. The
