@@ -80,8 +80,9 @@ nitpick_ignore_regex = [
     # The type of `MaskedMultiSteps(reduction=...)`: built by `mm.deferred`,
     # whose entry documents it.
     (r"py:class", r"masked_multistep\._deferred\.Deferred"),
-    # MaskedMultiStepsState's docstring says :meth:`update` for
-    # MaskedMultiSteps.update; remove this line once it names the class.
+    # MaskedMultiSteps' docstrings (the class, has_updated, apply_gradients) say
+    # :meth:`update`, which Sphinx does not resolve there; remove this line once
+    # they write :meth:`MaskedMultiSteps.update`.
     ("py:meth", "update"),
 ]
 

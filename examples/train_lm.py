@@ -41,7 +41,8 @@ Usage (from a checkout, with the ``flax`` extra and ``orbax-checkpoint``)::
     python examples/train_lm.py --windows 200 --out /tmp/lm --resume
     JAX_NUM_CPU_DEVICES=4 python examples/train_lm.py --devices 4 --out /tmp/lm4
 
-The data of window ``w`` are drawn from a generator seeded with ``(seed, w)``,
+The data of window ``w`` (counted from 0) are drawn from a generator seeded
+with ``(seed, 1, w)``,
 so the data position is just the number of microbatches done, which the
 checkpoint stores.
 """
@@ -202,7 +203,8 @@ HELP = {
     "num_heads": "attention heads",
     "num_layers": "transformer blocks",
     "learning_rate": "peak learning rate of the warmup-cosine schedule",
-    "warmup": "windows of linear warmup (then cosine decay to 10%% of the peak)",
+    "warmup": "windows of linear warmup from 0 (the first window's update uses a "
+    "learning rate of 0), then cosine decay to 10%% of the peak",
     "weight_decay": "adamw weight decay",
     "clip_norm": "clip each window's full-batch gradient to this global norm",
     "skew": "length skew between microbatches: 0 = random, 1 = sorted by length "
@@ -263,17 +265,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             f"--batch-size ({args.batch_size}) must be divisible by "
             f"--microbatches ({args.microbatches})"
         )
+    if (args.batch_size // args.microbatches) % args.devices:
+        parser.error(
+            f"a microbatch's {args.batch_size // args.microbatches} sequence(s) "
+            f"(--batch-size / --microbatches) must split evenly over --devices "
+            f"{args.devices}"
+        )
     if args.devices > len(jax.devices()):
         parser.error(
             f"--devices {args.devices}: only {len(jax.devices())} "
             f"{jax.default_backend()} device(s) here (on CPU, set "
             f"JAX_NUM_CPU_DEVICES={args.devices})"
-        )
-    if (args.batch_size // args.microbatches) % args.devices:
-        parser.error(
-            f"a microbatch's {args.batch_size // args.microbatches} sequences "
-            f"(--batch-size / --microbatches) must split evenly over --devices "
-            f"{args.devices}"
         )
     if args.d_model % args.num_heads:
         parser.error(

@@ -186,8 +186,13 @@ def test_data_parallel_matches_one_device_and_resumes_bit_identically(
         (["--clip-norm", "nan"], "--clip-norm must be > 0, got nan"),
         (["--seed", "-1"], "--seed must be >= 0, got -1"),
         (["--devices", "0"], "--devices must be >= 1, got 0"),
-        (["--devices", "3"], "sequences (--batch-size / --microbatches) must split"),
-        (["--devices", "9"], "--devices 9: only 8 cpu device(s) here"),
+        (["--devices", "3"], "sequence(s) (--batch-size / --microbatches) must split"),
+        # The split is checked first: it is the one to fix on any machine.
+        (["--devices", "9"], "4 sequence(s) (--batch-size / --microbatches) must"),
+        (
+            ["--devices", "16", "--batch-size", "64"],
+            "--devices 16: only 8 cpu device(s) here",
+        ),
         # A file as --out failed in orbax after the model was built.
         (["--out", __file__], "--out must name a directory"),
         (["--out", ""], "--out must name a directory, got ''"),
