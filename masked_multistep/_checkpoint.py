@@ -71,14 +71,22 @@ def _like_template(where: str, got: Any, want: Any) -> Any:
             same_kind = any(
                 jnp.issubdtype(g.dtype, k) and jnp.issubdtype(w_dtype, k) for k in kinds
             )
-            fits = not jnp.issubdtype(w_dtype, jnp.integer) or bool(
-                (g.astype(w_dtype).astype(g.dtype) == g).all()
-            )
-            if not (same_kind and fits):
+            # By value: a cast there and back keeps the bits of another
+            # signedness (3e9 as int32 is -1294967296).
+            outside = None
+            if same_kind and jnp.issubdtype(w_dtype, jnp.integer) and g.size:
+                info = jnp.iinfo(w_dtype)
+                lo, hi = int(g.min()), int(g.max())
+                outside = lo if lo < info.min else hi if hi > info.max else None
+            if not same_kind or outside is not None:
                 raise ValueError(
                     f"{where} holds dtype {g.dtype} where the template "
                     f"has {w_dtype}"
-                    + ("" if not same_kind else ", and values that do not fit it")
+                    + (
+                        ""
+                        if not same_kind
+                        else f", and values that do not fit it: {outside}"
+                    )
                 )
             g = g.astype(w_dtype)
         return jnp.asarray(g)

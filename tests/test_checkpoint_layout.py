@@ -144,6 +144,9 @@ def test_0_1_fields_take_the_template_dtypes_and_the_count_contract():
         ("acc_count", np.float32(0.5), r"`restored\['acc_count'\]` is fractional"),
         ("acc_count", np.float32(-1.0), r"`restored\['acc_count'\]` must be"),
         ("mini_step", np.int64(2**40), r"`restored\['mini_step'\]` .* do not fit"),
+        # Another signedness casts there and back to the same bits (3e9 as
+        # int32 is -1294967296): compared by value.
+        ("mini_step", np.uint32(3e9), r"uint32 where .* do not fit it: 3000000000"),
         ("acc_grads", {"w": np.ones(2, np.int32)}, r"holds dtype int32 where"),
     ]:
         with pytest.raises(ValueError, match=match):
