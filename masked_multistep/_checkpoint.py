@@ -50,7 +50,21 @@ def _check_template(template: Any) -> None:
         )
 
 
-def _like_template(where: str, got: Any, want: Any) -> Any:
+def check_matches(what: str, got: Any, want: Any, hint: str) -> None:
+    """Refuses a restored field ``got`` whose tree structure or shapes are not
+    the template's ``want`` (``what`` names it; ``hint`` says what to do)."""
+    if jax.tree.structure(got) != jax.tree.structure(want) or any(
+        np.shape(g) != np.shape(w)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    ):
+        raise ValueError(
+            f"{what} does not match the template's (structure or shapes: got "
+            f"{jax.tree.map(np.shape, got)}, template "
+            f"{jax.tree.map(np.shape, want)}): {hint}"
+        )
+
+
+def like_template(where: str, got: Any, want: Any) -> Any:
     """The restored field ``got`` in the dtypes of the template's ``want``
     (``where``: how the error names ``got``).
 
@@ -237,22 +251,16 @@ def from_state_0_1(
             f"{sorted(STATE_0_1_FIELDS)}, got {sorted(map(str, restored))}"
         )
     for name in STATE_0_1_FIELDS:
-        got, want = restored[name], getattr(template, name)
-        if jax.tree.structure(got) != jax.tree.structure(want) or any(
-            jnp.shape(g) != jnp.shape(w)
-            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
-        ):
-            raise ValueError(
-                f"`restored[{name!r}]` does not match the template's "
-                f"{name} (structure or shapes: got "
-                f"{jax.tree.map(jnp.shape, got)}, template "
-                f"{jax.tree.map(jnp.shape, want)}): the template must come from "
-                "`tx.init(params)` of a wrapper like the 0.1 one, on the same "
-                "params (0.1 had no reduction=mm.deferred(...))"
-            )
+        check_matches(
+            f"`restored[{name!r}]`",
+            restored[name],
+            getattr(template, name),
+            "the template must come from `tx.init(params)` of a wrapper like the "
+            "0.1 one, on the same params (0.1 had no reduction=mm.deferred(...))",
+        )
     state = template._replace(
         **{
-            name: _like_template(
+            name: like_template(
                 f"`restored[{name!r}]`", restored[name], getattr(template, name)
             )
             for name in STATE_0_1_FIELDS

@@ -1,4 +1,4 @@
-"""Moving a deferred window onto another number of devices.
+"""Moving a window in progress onto another number of devices.
 
 With ``reduction=mm.deferred(mesh, axis)`` the wrapper's state holds one
 running mean per device of ``axis`` (``acc_grads``' leading axis) and each
@@ -15,6 +15,14 @@ running means combined as the window's end combines all of them, by
 :func:`mean_over_devices`, the one weighted mean); when it grows some new
 devices start empty. Token totals, invalid counts, the statistics' sums and
 microbatch counts add up; the window's global figures are unchanged.
+
+A state without a reduction counts as one device, so the same conversion moves
+a run between one device and a deferred reduction, either way. Where the
+layouts differ, the window's figures (token total, loss, the statistics'
+sums) move between the state's own fields and the devices' shares in
+``reduction_state`` (a deferred reduction agreeing only at the window's end
+keeps them per device; a converted window's figures become the first
+device's share).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from masked_multistep._checkpoint import _like_template
+from masked_multistep._checkpoint import check_matches, like_template
 from masked_multistep._checks import check_microbatches
 from masked_multistep._deferred import _exact_sums
 from masked_multistep._multisteps import MaskedMultiStepsState
@@ -43,10 +51,38 @@ __all__ = ["device_count_target", "from_device_count"]
 # empty fields).
 _DEVICE_FIELDS = ("acc_grads", "reduction_state")
 _NAMED = frozenset(("mini_step", "gradient_step", "acc_count", *_DEVICE_FIELDS))
-# Per-device fields of the reduction state and the weights their entries are
-# means over; every other field is a sum.
-_MEANS = {"value": "value_counts"}
-_TOTALS = ("counts", "value_counts")
+# The layouts of a window: one device (no reduction), a deferred reduction
+# whose devices agree on every microbatch's count, or only at the window's end.
+_LOCAL, _SYNCED, _WINDOW = "local", "synced", "per-window"
+# The fields that hold the window's figures in one layout or another.
+_LAYOUT_FIELDS = frozenset(
+    (
+        "acc_grads",
+        "acc_count",
+        "acc_value",
+        "value_count",
+        "num_invalid_counts",
+        "stats",
+        "reduction_state",
+    )
+)
+# The window's scalars as `_convert` names them, and their state fields.
+_SCALAR_FIELDS = {
+    "acc_count": "acc_count",
+    "acc_value": "acc_value",
+    "value_count": "value_count",
+    "num_invalid": "num_invalid_counts",
+}
+_FIGURES = ("acc_count", "acc_value", "value_count", "num_invalid", "sq", "k")
+# The per-window layout's per-device sums, and every per-device field's dtype
+# (the counts' is the count dtype).
+_SUMS = ("invalid", "sq_norms", "microbatches")
+_DEVICE_DTYPES = {
+    "invalid": jnp.int32,
+    "value": jnp.float32,
+    "sq_norms": jnp.float32,
+    "microbatches": jnp.int32,
+}
 
 
 def _key(entry: Any) -> Any:
@@ -120,7 +156,10 @@ def device_count_target(template: Any, num_devices: int) -> Any:
     replicated otherwise (every device holds all ``num_devices`` while
     converting). Restore against it (through ``ocp.utils.to_shape_dtype_struct``
     for orbax, which leaves these as they are), then convert with
-    :func:`from_device_count`.
+    :func:`from_device_count`. (A state saved without a reduction restores
+    against that wrapper's ``init``; one saved with a deferred reduction onto a
+    wrapper without one, against this function's result for a deferred
+    wrapper configured as the saved one, on the devices at hand.)
 
     Args:
       template: what the checkpoint's item is restored against on the new
@@ -180,18 +219,26 @@ def _resized(sharding: Any, num: int) -> Any:
 
 
 def _placed(got: Any, want: Any) -> Any:
-    """``got`` where the template's ``want`` is: a host or uncommitted value
-    as :func:`placed_like` puts it, an array on other devices (a state
-    converted in memory, not restored) moved there."""
+    """``got`` where the template's ``want`` is (see :func:`_onto`)."""
+    if isinstance(want, jax.Array) and not getattr(want, "_committed", True):
+        # Left where jax puts it (params on no particular device): so is the
+        # result, or the first step after converting would compile again.
+        return jnp.asarray(np.asarray(got)) if getattr(got, "_committed", 0) else got
     got = placed_like(got, want)
     sharding = getattr(want, "sharding", None)
-    if (
-        isinstance(got, jax.Array)
-        and isinstance(sharding, jax.sharding.Sharding)
-        and got.sharding.device_set != sharding.device_set
-    ):
-        return jax.device_put(got, sharding)
+    if isinstance(got, jax.Array) and isinstance(sharding, jax.sharding.Sharding):
+        return _onto(got, sharding)
     return got
+
+
+def _onto(x: Any, sharding: Any) -> Any:
+    """``x`` on ``sharding``'s devices: read from the host, or moved from other
+    devices (a state converted in memory, not restored onto the new ones)."""
+    if not getattr(x, "_committed", True):
+        return _from_host(np.asarray(x), sharding)
+    if isinstance(x, jax.Array) and x.sharding.device_set != sharding.device_set:
+        return jax.device_put(x, sharding)
+    return x
 
 
 def _groups(old: int, new: int) -> tuple[np.ndarray, np.ndarray]:
@@ -209,91 +256,337 @@ def _groups(old: int, new: int) -> tuple[np.ndarray, np.ndarray]:
     return index, member
 
 
-def _regroup(device: dict[str, Any], old: int, new: int) -> tuple[Any, jax.Array]:
-    """The per-device leaves regrouped from ``old`` devices into ``new``, and
-    whether the restored counts are valid and their groups' totals fit."""
-    index, member = _groups(old, new)
-    contiguous = old % new == 0
-    size = index.shape[1]
+class _Regroup:
+    """Per-device arrays (leading axis ``old``) regrouped onto ``new`` devices."""
 
-    def group(x: jax.Array) -> jax.Array:
-        if contiguous:  # each new device's group is a block of the old axis
-            return x.reshape(new, size, *x.shape[1:])
-        return x[index]
+    def __init__(self, old: int, new: int):
+        self.new = new
+        self.index, self.member = _groups(old, new)
+        self.contiguous = old % new == 0
 
-    def masked(x: jax.Array) -> jax.Array:
-        x = group(x)
-        where = member.reshape(member.shape + (1,) * (x.ndim - 2))
+    def group(self, x: jax.Array) -> jax.Array:
+        """``x``, shape ``(old, ...)``, as ``(new, G, ...)``."""
+        if self.contiguous:  # each new device's group is a block of the old axis
+            return x.reshape(self.new, self.index.shape[1], *x.shape[1:])
+        return x[self.index]
+
+    def masked(self, x: jax.Array) -> jax.Array:
+        x = self.group(x)
+        where = self.member.reshape(self.member.shape + (1,) * (x.ndim - 2))
         return jnp.where(where, x, jnp.zeros_like(x))
 
-    rs = device["reduction_state"]
-    ok = jnp.ones([], jnp.bool_)
-    totals = {}
-    for name in _TOTALS:
-        if name in rs:
-            counts = rs[name]
-            ok &= jnp.all(counts >= 0)
-            if jnp.issubdtype(counts.dtype, jnp.floating):
-                ok &= jnp.all(jnp.isfinite(counts))
-            sums, fits = _exact_sums(masked(counts))
-            totals[name] = sums
-            ok &= jnp.all(fits)
+    def total(self, counts: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Every group's total, and whether it fits the counts' dtype."""
+        sums, fits = _exact_sums(self.masked(counts))
+        return sums, jnp.all(fits)
 
-    def mean(tree: Any, weights: str) -> Any:
-        counts = masked(rs[weights])
+    def sum(self, x: jax.Array) -> jax.Array:
+        return jnp.sum(self.masked(x), axis=1).astype(x.dtype)
+
+    def mean(self, tree: Any, counts: jax.Array, totals: jax.Array) -> Any:
+        """Every group's token-weighted mean (:func:`mean_over_devices`)."""
         return jax.vmap(lambda x, n, t: mean_over_devices(x, n, t)[0])(
-            jax.tree.map(group, tree), counts, totals[weights]
+            jax.tree.map(self.group, tree), self.masked(counts), totals
         )
 
-    out = {"acc_grads": mean(device["acc_grads"], "counts"), "reduction_state": {}}
-    for name, x in rs.items():
-        if name in totals:
-            out["reduction_state"][name] = totals[name]
-        elif name in _MEANS:
-            out["reduction_state"][name] = mean(x, _MEANS[name])
-        else:  # the window's sums: invalid counts, Σ nᵈ‖gᵈ‖², microbatches
-            out["reduction_state"][name] = jnp.sum(masked(x), axis=1).astype(x.dtype)
+
+def _first(x: jax.Array, new: int) -> jax.Array:
+    """A window's figure as the share of the first of ``new`` devices."""
+    return jnp.zeros((new,), x.dtype).at[0].set(x)
+
+
+def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
+    """The window's arrays in layout ``layouts[0]`` on ``old`` devices, in
+    layout ``layouts[1]`` on ``new``, and whether the counts were valid.
+
+    ``r`` holds ``acc`` (the running means, with a leading device axis unless
+    local), the scalars ``acc_count``, ``acc_value``, ``value_count``,
+    ``num_invalid`` and, with statistics, ``sq`` and ``k``, and a deferred
+    layout's per-device ``rs`` fields."""
+    r_layout, t_layout = layouts
+    rs = r.get("rs", {})
+    if r_layout == _LOCAL:
+        means = [x[None] for x in r["acc"]]
+        counts = r["acc_count"][None]
+    else:
+        means, counts = r["acc"], rs["counts"]
+    ok = jnp.all(counts >= 0)
+    if jnp.issubdtype(counts.dtype, jnp.floating):
+        ok &= jnp.all(jnp.isfinite(counts))
+    # The window's figures, where the layout keeps them per device (and the
+    # target does not).
+    if r_layout == _WINDOW and t_layout == _WINDOW:
+        figures = {}
+    elif r_layout == _WINDOW:
+        whole = _Regroup(old, 1)
+        (n,), fits = whole.total(counts)
+        (value_count,), value_fits = whole.total(rs["value_counts"])
+        ok &= fits & value_fits & jnp.all(rs["value_counts"] >= 0)
+        (value,) = whole.mean(rs["value"], rs["value_counts"], value_count[None])
+        figures = {
+            "acc_count": n,
+            "acc_value": value,
+            "value_count": value_count,
+            "sq": whole.sum(rs["sq_norms"])[0],
+            "k": whole.sum(rs["microbatches"])[0],
+            "num_invalid": r["num_invalid"] + whole.sum(rs["invalid"])[0],
+        }
+    else:
+        figures = {name: r[name] for name in _FIGURES if name in r}
+    if t_layout == _LOCAL:
+        whole = _Regroup(old, 1)
+        totals, fits = whole.total(counts)
+        out = {**figures, "acc": [m[0] for m in whole.mean(means, counts, totals)]}
+        return {k: v for k, v in out.items() if k in r or k == "acc"}, ok & fits
+    regroup = _Regroup(old, new)
+    totals, fits = regroup.total(counts)
+    ok &= fits
+    out = {"acc": regroup.mean(means, counts, totals)}
+    if t_layout == _SYNCED:
+        out.update(figures)
+        out["rs"] = {"counts": totals}
+    elif r_layout == _WINDOW:  # each device's shares regrouped
+        value_totals, value_fits = regroup.total(rs["value_counts"])
+        ok &= value_fits
+        out.update({name: r[name] for name in _FIGURES if name in r})
+        out["rs"] = {
+            "counts": totals,
+            "value_counts": value_totals,
+            "value": regroup.mean(rs["value"], rs["value_counts"], value_totals),
+            **{name: regroup.sum(rs[name]) for name in _SUMS},
+        }
+    else:  # the window's figures become the first device's shares
+        zero = {name: jnp.zeros_like(r[name]) for name in _FIGURES if name in r}
+        out.update(zero, num_invalid=r["num_invalid"])
+        out["rs"] = {
+            "counts": totals,
+            "value_counts": _first(figures["value_count"], new),
+            "value": _first(figures["acc_value"], new),
+            "sq_norms": _first(figures.get("sq", jnp.float32(0)), new),
+            "microbatches": _first(figures.get("k", jnp.int32(0)), new),
+            "invalid": jnp.zeros((new,), jnp.int32),
+        }
     return out, ok
 
 
+def _fields(node: Any) -> tuple[str, ...]:
+    if isinstance(node, Mapping):
+        return tuple(node.keys())
+    return getattr(node, "_fields", ())
+
+
+def _get(node: Any, name: str) -> Any:
+    """A field of the wrapper's state, bare or as ``nnx.state`` holds it (which
+    leaves out an empty field)."""
+    if isinstance(node, Mapping):
+        return node.get(name, ())
+    return getattr(node, name)
+
+
+def _with(node: Any, **fields: Any) -> Any:
+    if isinstance(node, Mapping):  # a dict, or flax's nnx.State
+        kind: Any = type(node)
+        return kind({**node, **fields})
+    return node._replace(**fields)
+
+
+def _array(field: Any) -> Any:
+    """The one array of a scalar field (an NNX variable holds it inside)."""
+    (leaf,) = jax.tree.leaves(field)
+    return leaf
+
+
+def _like(field: Any, value: Any) -> Any:
+    """``value`` in the template ``field``'s container (an NNX variable)."""
+    return jax.tree.unflatten(jax.tree.structure(field), [value])
+
+
+def _layout(node: Any) -> str:
+    names = _fields(_get(node, "reduction_state"))
+    if not names:
+        return _LOCAL
+    return _WINDOW if "invalid" in names else _SYNCED
+
+
+def _check_same(name: str, got: Any, want: Any) -> None:
+    check_matches(
+        f"`restored`'s {name}",
+        got,
+        want,
+        "the template must come from a wrapper configured like the one that "
+        "saved the state (the same inner optimizer, params, window_stats, skip "
+        "function and window policy), whatever its reduction",
+    )
+
+
+def _convert_state(r: Any, t: Any) -> Any:
+    """The wrapper state ``r`` in the layout and on the devices of ``t``."""
+    r_layout, t_layout = _layout(r), _layout(t)
+    for name in _fields(t):
+        if name not in _LAYOUT_FIELDS:
+            _check_same(f"`{name}`", _get(r, name), _get(t, name))
+    r_stats, t_stats = _get(r, "stats"), _get(t, "stats")
+    _check_same("`stats`", r_stats, t_stats)
+    t_acc, t_def = jax.tree.flatten(_get(t, "acc_grads"))
+    r_acc = jax.tree.leaves(_get(r, "acc_grads"))
+    t_rs, r_rs = _get(t, "reduction_state"), _get(r, "reduction_state")
+    old = 1 if r_layout == _LOCAL else int(np.shape(_array(_get(r_rs, "counts")))[0])
+    new = 1 if t_layout == _LOCAL else int(np.shape(_array(_get(t_rs, "counts")))[0])
+    t_lead, r_lead = int(t_layout != _LOCAL), int(r_layout != _LOCAL)
+    t_paths = [
+        p for p, _ in jax.tree_util.tree_flatten_with_path(_get(t, "acc_grads"))[0]
+    ]
+    if len(r_acc) != len(t_acc):
+        raise ValueError(
+            f"`restored`'s accumulator holds {len(r_acc)} arrays where the "
+            f"template's holds {len(t_acc)} (at {[_where(p) for p in t_paths]})"
+        )
+    for path, a, b in zip(t_paths, r_acc, t_acc):
+        want = (old,) * r_lead + tuple(np.shape(b)[t_lead:])
+        if np.shape(a) != want:
+            raise ValueError(
+                f"`restored`'s accumulator holds shape {np.shape(a)} at "
+                f"{_where(path)} where {want} was expected (the template's"
+                + (f", with {old} devices in front)" if r_lead else ")")
+            )
+    # Every array the window spreads over devices, cast like the template's
+    # and on its devices.
+    count_dtype = jnp.result_type(_array(_get(t, "acc_count")))
+    replicated = _array(_get(t, "acc_count")).sharding
+    scalars = {
+        "acc_count": _get(r, "acc_count"),
+        "acc_value": _get(r, "acc_value"),
+        "value_count": _get(r, "value_count"),
+        "num_invalid": _get(r, "num_invalid_counts"),
+    }
+    like = {k: _array(_get(t, f)) for k, f in _SCALAR_FIELDS.items()}
+    if _fields(t_stats):
+        scalars["sq"] = _get(r_stats, "weighted_sq_norms")
+        scalars["k"] = _get(r_stats, "microbatches")
+        like["sq"] = _array(_get(t_stats, "weighted_sq_norms"))
+        like["k"] = _array(_get(t_stats, "microbatches"))
+    inputs: dict[str, Any] = {
+        k: _onto(like_template(f"`restored`'s {k}", _array(v), like[k]), replicated)
+        for k, v in scalars.items()
+    }
+    acc_where = [
+        _resized(b.sharding, old) if r_lead and t_lead else replicated for b in t_acc
+    ]
+    inputs["acc"] = [
+        _onto(like_template("`restored`'s accumulator", a, b), where)
+        for a, b, where in zip(r_acc, t_acc, acc_where)
+    ]
+    if r_layout != _LOCAL:
+        dtypes = {**_DEVICE_DTYPES, "counts": count_dtype, "value_counts": count_dtype}
+        where = (
+            _resized(_array(_get(t_rs, "counts")).sharding, old)
+            if t_lead
+            else (replicated)
+        )
+        inputs["rs"] = {
+            name: _onto(
+                like_template(
+                    f"`restored`'s reduction_state.{name}",
+                    _array(_get(r_rs, name)),
+                    np.zeros((), dtypes[name]),
+                ),
+                where,
+            )
+            for name in _fields(r_rs)
+        }
+    # Where each converted array goes: the template's placement.
+    targets: dict[str, Any] = {**like, "acc": t_acc}
+    if t_layout != _LOCAL:
+        targets["rs"] = {name: _array(_get(t_rs, name)) for name in _fields(t_rs)}
+    out, ok = jax.jit(
+        _convert,
+        static_argnums=(1, 2, 3),
+        out_shardings=(jax.tree.map(lambda w: w.sharding, targets), replicated),
+    )(inputs, (r_layout, t_layout), old, new)
+    out = jax.tree.map(_placed, out, targets)
+    if not bool(ok):
+        raise ValueError(
+            "`restored` holds per-device token counts that are negative or not "
+            "finite, or that add up beyond the count dtype on one of the "
+            f"{new} devices: it cannot continue its window on {new} devices"
+        )
+    # The other fields as restored, in the template's dtypes and placement.
+    state = _with(
+        t,
+        **{
+            name: jax.tree.map(
+                lambda g, w, name=name: _placed(
+                    like_template(f"`restored`'s `{name}`", g, w), w
+                ),
+                _get(r, name),
+                _get(t, name),
+            )
+            for name in _fields(t)
+            if name not in _LAYOUT_FIELDS or name == "stats"
+        },
+    )
+    stats = _get(state, "stats")
+    if _fields(t_stats):
+        stats = _with(
+            stats,
+            weighted_sq_norms=_like(_get(t_stats, "weighted_sq_norms"), out["sq"]),
+            microbatches=_like(_get(t_stats, "microbatches"), out["k"]),
+        )
+    fields = {f: _like(_get(t, f), out[k]) for k, f in _SCALAR_FIELDS.items()}
+    fields["acc_grads"] = jax.tree.unflatten(t_def, out["acc"])
+    if t_layout != _LOCAL:
+        fields["reduction_state"] = _with(
+            t_rs,
+            **{
+                name: _like(_get(t_rs, name), out["rs"][name]) for name in _fields(t_rs)
+            },
+        )
+    if "stats" in _fields(t):  # nnx.state leaves out an empty one
+        fields["stats"] = stats
+    return _with(state, **fields)
+
+
 def from_device_count(restored: Any, template: Any) -> Any:
-    """A deferred state from another number of devices, for the template's.
+    """A window in progress, moved onto the template's devices and reduction.
 
-    ``restored`` is a checkpoint restored against
-    ``device_count_target(template, D)``: its wrapper state holds ``D``
-    devices' running means and shares of the window in progress. The result
-    has ``template``'s structure, placement and dtypes, with those shares
-    regrouped onto the template's ``D′`` devices (old device ``d`` joins new
-    device ``⌊d·D′/D⌋``; see the module docstring) and every other leaf as
-    restored. The window continues where it stopped: its mean gradient, token
-    total, loss and window statistics are those of the saved state (the means
-    of a group are combined in float32, as the window's end combines devices;
-    for ``D′ = D`` the state is returned bit for bit). Every field the window
-    does not spread over devices (``mini_step``, the inner optimizer's state,
-    ...) is kept as restored.
-
-    A state without a window in progress (saved right after a window closed)
-    holds nothing per device; converting it costs only the restore of its
-    ``D`` empty accumulators.
+    ``restored`` is a checkpoint of a :class:`MaskedMultiSteps` state (or of a
+    tree holding one) saved with ``reduction=mm.deferred(...)`` on ``D``
+    devices, restored against ``device_count_target(template, D)``, or saved
+    without a reduction and restored against that wrapper's ``init``. The
+    result has ``template``'s structure, placement and dtypes: with a deferred
+    reduction on ``D′`` devices, the saved devices' running means and shares
+    of the window regrouped onto them (old device ``d`` joins new device
+    ``⌊d·D′/D⌋``, see the module docstring; a state without a reduction is
+    one device); without one, combined into the one running mean. The window
+    continues where it stopped: its mean gradient, token total, loss and
+    window statistics are those of the saved state (a group's means are
+    combined in float32, as the window's end combines devices; onto the same
+    devices and reduction the run continues bit for bit, the running mean of a
+    device without tokens, scratch, coming back as zeros). Every other field
+    (``mini_step``, the inner optimizer's state, ...) is kept as restored.
 
     Args:
-      restored: the restored tree: the template's structure, with ``D``
-        entries along the device axis.
-      template: the tree :func:`device_count_target` was given (concrete or
-        abstract): it says where each converted leaf goes.
+      restored: the restored tree.
+      template: the tree the converted state should match, e.g.
+        ``tx.init(params)`` of the wrapper that continues (or its abstract
+        form), or a tree holding it: a ``TrainState``, a ``dict`` of items,
+        ``nnx.state(optimizer)`` (then ``nnx.update(optimizer, converted)``).
+        Its wrapper must be configured like the one that saved the state
+        (inner optimizer, params, ``window_stats``, skip function, window
+        policy), but for ``reduction=``.
 
     Returns:
       ``restored`` converted, in ``template``'s structure, on its devices.
 
     Raises:
       TypeError: if called under ``jit`` (the restored counts are read).
-      ValueError: if either tree holds no deferred wrapper state, their
-        structures differ (the template is of another configuration: another
-        inner optimizer, ``window_stats``, skip function or window policy), a
+      ValueError: if either tree holds no wrapper state (or several), the
+        trees differ outside the window's layout (another configuration), a
         leaf's shape is not the template's (with ``D`` entries along the
-        device axis), a leaf's dtype is of another kind, or the restored counts
-        are negative, not finite, or (for an integer ``count_dtype``) add up
-        beyond it within a group.
+        device axis), a leaf's dtype is of another kind or holds values its
+        template dtype cannot, or the restored counts are negative, not
+        finite, or (for an integer ``count_dtype``) add up beyond it on a new
+        device.
 
     Examples:
       Two devices' halves of a window (2 tokens of mean 1, 6 tokens of mean 3)
@@ -320,6 +613,13 @@ def from_device_count(restored: Any, template: Any) -> Any:
       ...                            count=jnp.ones(1))
       >>> print(updates["w"])  # -(8 · 2.5 + 1 · 1) / 9
       -2.3333333
+
+      The same window continues without a reduction:
+
+      >>> local = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+      >>> state = mm.from_device_count(saved, local.init(params))
+      >>> print(state.acc_grads["w"], state.acc_count)
+      2.5 8.0
     """
     if any(
         isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((restored, template))
@@ -329,65 +629,25 @@ def from_device_count(restored: Any, template: Any) -> Any:
             "it must be called eagerly (outside jit), once, after restoring"
         )
     at = _state_path(template, "template")
-    t_leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
-    new = _devices_of(t_leaves, at, "template")
-    if jax.tree.structure(restored) != treedef:
+    if _state_path(restored, "restored") != at:
         raise ValueError(
-            "`restored` does not have the template's structure: restore against "
-            "`mm.device_count_target(template, num_devices)`, with a template "
-            "from a wrapper configured as the one that saved the state (the "
-            "same inner optimizer, window_stats, skip function and window "
-            f"policy); got {jax.tree.structure(restored)}, template {treedef}"
+            "`restored` holds its MaskedMultiStepsState elsewhere than the "
+            "template: restore against a target of the template's structure"
         )
-    paired = list(zip(t_leaves, jax.tree.leaves(restored), strict=True))
-    old = _devices_of([(p, r) for (p, _), r in paired], at, "restored")
-    # The device-axis leaves, keyed as `_regroup` takes them, and where each
-    # converted one goes (the template's sharding).
-    device: dict[str, dict[str, Any]] = {"acc_grads": {}, "reduction_state": {}}
-    shardings: dict[str, dict[str, Any]] = {"acc_grads": {}, "reduction_state": {}}
-    keys: list[tuple[str, str] | None] = []
-    out: list[Any] = []
-    for (path, want), got in paired:
-        field = _device_field(path, at)
-        shape = np.shape(want)
-        expected = shape if field is None else (old, *shape[1:])
-        if np.shape(got) != expected:
-            raise ValueError(
-                f"`restored` holds shape {np.shape(got)} at {_where(path)} where "
-                f"{expected} was expected (the template's, with {old} devices "
-                "along the device axis)"
-            )
-        got = _like_template(f"`restored` at {_where(path)}", got, want)
-        if field is None:
-            keys.append(None)
-            out.append(_placed(got, want))
-            continue
-        key = (
-            ("acc_grads", _where(path))
-            if field == "acc_grads"
-            else (
-                "reduction_state",
-                field,
-            )
-        )
-        sharding = _resized(want.sharding, old)
-        if not getattr(got, "_committed", True):  # read from the host
-            got = _from_host(np.asarray(got), sharding)
-        elif got.sharding.device_set != sharding.device_set:  # not restored here
-            got = jax.device_put(got, sharding)
-        device[key[0]][key[1]] = got
-        shardings[key[0]][key[1]] = want.sharding
-        keys.append(key)
-        out.append(None)
-    replicated = NamedSharding(shardings["reduction_state"]["counts"].mesh, P())
-    converted, ok = jax.jit(
-        _regroup, static_argnums=(1, 2), out_shardings=(shardings, replicated)
-    )(device, old, new)
-    if not bool(ok):
+
+    outside = jax.tree.structure(template, is_leaf=_is_state)
+    if jax.tree.structure(restored, is_leaf=_is_state) != outside:
         raise ValueError(
-            "`restored` holds per-device token counts that are negative or not "
-            "finite, or that add up beyond the count dtype on one of the "
-            f"{new} devices: it cannot continue its window on {new} devices"
+            "`restored` does not have the template's structure outside its "
+            f"MaskedMultiStepsState: got "
+            f"{jax.tree.structure(restored, is_leaf=_is_state)}, template {outside}"
         )
-    out = [x if key is None else converted[key[0]][key[1]] for x, key in zip(out, keys)]
-    return jax.tree.unflatten(treedef, out)
+
+    def convert(path: tuple[Any, ...], t: Any, r: Any) -> Any:
+        if path == at:
+            return _convert_state(r, t)
+        return _placed(like_template(f"`restored` at {_where(path)}", r, t), t)
+
+    return jax.tree_util.tree_map_with_path(
+        convert, template, restored, is_leaf=_is_state
+    )

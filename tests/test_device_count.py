@@ -23,6 +23,7 @@ ROWS, K, H = 24, 4, 5  # 24 rows split evenly over 1, 2, 3, 4 or 8 devices
 MOVE_AFTER = 2  # microbatches before the state moves
 EMPTY_ROWS = slice(6, 12)  # no tokens in any microbatch
 EMPTY_MICROBATCH = 1  # no tokens anywhere
+LOCAL = 0  # one device, no reduction=
 
 
 def _mesh(n):
@@ -43,7 +44,8 @@ def _rows():
 
 def _per_device(i, n):
     """Microbatch ``i`` as ``n`` devices see it: each its rows' token-weighted
-    mean gradient, its count and its loss."""
+    mean gradient, its count and its loss (``n = LOCAL``: one device)."""
+    n = max(n, 1)
     grads, counts, losses = (x[i] for x in _rows())
     g = grads.reshape(n, ROWS // n, H)
     c = counts.reshape(n, ROWS // n)
@@ -59,7 +61,7 @@ def _tx(n, stats=True, skip=None):
     return mm.MaskedMultiSteps(
         optax.sgd(1.0),
         K,
-        reduction=mm.deferred(_mesh(n), "data"),
+        reduction=None if n == LOCAL else mm.deferred(_mesh(n), "data"),
         window_stats=stats,
         should_skip_update_fn=skip,
     )
@@ -67,8 +69,11 @@ def _tx(n, stats=True, skip=None):
 
 def _step(tx, params, state, i, n):
     mean, count, loss = _per_device(i, n)
-    data = NamedSharding(_mesh(n), P("data"))
-    put = lambda x: jax.device_put(jnp.asarray(x, jnp.float32), data)  # noqa: E731
+    if n == LOCAL:  # the whole microbatch, no device axis
+        put = lambda x: jnp.asarray(x[0], jnp.float32)  # noqa: E731
+    else:
+        data = NamedSharding(_mesh(n), P("data"))
+        put = lambda x: jax.device_put(jnp.asarray(x, jnp.float32), data)  # noqa: E731
     return jax.jit(tx.update)(
         {"w": put(mean)}, state, params, count=put(count), value=put(loss)
     )
@@ -102,15 +107,14 @@ def _shares(old, new):
     return g[c > 0], c[c > 0], v[c > 0]
 
 
-@pytest.mark.parametrize(("old", "new"), [(8, 4), (8, 3), (2, 8)], ids=lambda n: str(n))
-def test_a_window_moved_mid_way_ends_with_the_full_batch_mean(old, new):
-    updates, state = _run(old, new)
+def _check_window(updates, state, old, new):
+    """The update is the full batch's mean; the statistics are those of a
+    window whose shares came from both device counts (each share a small
+    batch of its own), against float64."""
     g, c, v = _shares(old, new)
     mean = (g * c[:, None]).sum(0) / c.sum()
     np.testing.assert_allclose(updates["w"], -mean, rtol=1e-5, atol=1e-6)
     assert int(state.gradient_step) == 1
-    # The statistics of a window whose shares came from both device counts:
-    # each share a small batch of its own.
     stats = mm.window_stats(state)
     n = c.sum()
     sq = float(mean @ mean)
@@ -121,23 +125,41 @@ def test_a_window_moved_mid_way_ends_with_the_full_batch_mean(old, new):
     np.testing.assert_allclose(stats.grad_var_trace, s / (len(c) - 1), rtol=1e-5)
 
 
-def test_the_synced_variant_moves_too():
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [(8, 4), (8, 3), (2, 8), (LOCAL, 4), (8, LOCAL)],
+    ids=["8-4", "8-3", "2-8", "local-4", "8-local"],
+)
+def test_a_window_moved_mid_way_ends_with_the_full_batch_mean(old, new):
+    """Onto fewer devices, more, and between one device without a reduction
+    and a deferred one whose devices agree at the window's end."""
+    _check_window(*_run(old, new), old, new)
+
+
+@pytest.mark.parametrize(("old", "new"), [(8, 3), (LOCAL, 3)], ids=["8-3", "local-3"])
+def test_the_synced_variant_moves_too(old, new):
     """With a skip function the devices agree on every microbatch's count:
-    ``acc_count`` is the global total, and the per-device state only counts."""
-    updates, state = _run(8, 3, stats=False, skip=optax.skip_not_finite)
-    g, c, _ = _shares(8, 3)
-    mean = (g * c[:, None]).sum(0) / c.sum()
-    np.testing.assert_allclose(updates["w"], -mean, rtol=1e-5, atol=1e-6)
-    assert int(state.gradient_step) == 1
+    ``acc_count`` and the statistics' sums are the window's, the per-device
+    state only counts."""
+    _check_window(*_run(old, new, skip=optax.skip_not_finite), old, new)
 
 
-def test_the_same_device_count_is_returned_bit_for_bit():
+def test_onto_the_same_devices_the_run_continues_bit_for_bit():
+    """Moved in the second window (the first one's update left in the
+    accumulator as scratch), onto the same 4 devices: every later step and
+    the final state equal the uninterrupted run's."""
     params = {"w": jnp.zeros(H)}
     tx = _tx(4)
     state = tx.init(params)
-    for i in range(MOVE_AFTER):
-        _, state = _step(tx, params, state, i, 4)
-    chex.assert_trees_all_equal(mm.from_device_count(state, tx.init(params)), state)
+    for i in range(K + 1):
+        _, state = _step(tx, params, state, i % K, 4)
+    moved = mm.from_device_count(state, tx.init(params))
+    for i in range(1, K):
+        want = _step(tx, params, state, i, 4)
+        got = _step(tx, params, moved, i, 4)
+        chex.assert_trees_all_equal(got, want)
+        state, moved = want[1], got[1]
+    assert int(state.gradient_step) == 2
 
 
 @pytest.mark.parametrize("new", [4, 3])
@@ -212,10 +234,10 @@ def test_bad_input_is_refused_by_name():
         mm.device_count_target(local, 8)
     with pytest.raises(ValueError, match=r"exactly one MaskedMultiStepsState"):
         mm.from_device_count(saved, {"a": template, "b": template})
-    with pytest.raises(ValueError, match=r"does not have the template's structure"):
+    with pytest.raises(ValueError, match=r"`stats` does not match the template's"):
         mm.from_device_count(_tx(8, stats=False).init(params), template)
     wrong = saved._replace(acc_grads={"w": jnp.zeros((8, H + 1))})
-    with pytest.raises(ValueError, match=r"shape \(8, 6\) at \.acc_grads\['w'\]"):
+    with pytest.raises(ValueError, match=r"shape \(8, 6\) at \['w'\] where \(8, 5\)"):
         mm.from_device_count(wrong, template)
     negative = saved._replace(
         reduction_state=saved.reduction_state._replace(counts=-jnp.ones(8))
