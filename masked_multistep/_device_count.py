@@ -419,131 +419,148 @@ def _check_same(name: str, got: Any, want: Any) -> None:
     )
 
 
-def _convert_state(r: Any, t: Any) -> Any:
-    """The wrapper state ``r`` in the layout and on the devices of ``t``."""
-    r_layout, t_layout = _layout(r), _layout(t)
-    for name in _fields(t):
-        if name not in _LAYOUT_FIELDS:
-            _check_same(f"`{name}`", _get(r, name), _get(t, name))
-    r_stats, t_stats = _get(r, "stats"), _get(t, "stats")
-    _check_same("`stats`", r_stats, t_stats)
-    t_acc, t_def = jax.tree.flatten(_get(t, "acc_grads"))
-    r_acc = jax.tree.leaves(_get(r, "acc_grads"))
-    t_rs, r_rs = _get(t, "reduction_state"), _get(r, "reduction_state")
-    old = 1 if r_layout == _LOCAL else int(np.shape(_array(_get(r_rs, "counts")))[0])
-    new = 1 if t_layout == _LOCAL else int(np.shape(_array(_get(t_rs, "counts")))[0])
-    t_lead, r_lead = int(t_layout != _LOCAL), int(r_layout != _LOCAL)
-    t_paths = [
-        p for p, _ in jax.tree_util.tree_flatten_with_path(_get(t, "acc_grads"))[0]
-    ]
-    if len(r_acc) != len(t_acc):
-        raise ValueError(
-            f"`restored`'s accumulator holds {len(r_acc)} arrays where the "
-            f"template's holds {len(t_acc)} (at {[_where(p) for p in t_paths]})"
+class _Side:
+    """One side of a conversion: a wrapper state (restored, or the template),
+    its layout and number of devices (1 without a reduction)."""
+
+    def __init__(self, node: Any):
+        self.node = node
+        self.layout = _layout(node)
+        self.rs = _get(node, "reduction_state")
+        self.stats = _get(node, "stats")
+        self.lead = int(self.layout != _LOCAL)
+        self.devices = (
+            int(np.shape(_array(_get(self.rs, "counts")))[0]) if self.lead else 1
         )
-    for path, a, b in zip(t_paths, r_acc, t_acc):
-        want = (old,) * r_lead + tuple(np.shape(b)[t_lead:])
+        self.acc = jax.tree_util.tree_flatten_with_path(_get(node, "acc_grads"))[0]
+
+    def scalars(self) -> dict[str, Any]:
+        """The window's scalars, keyed as :func:`_convert` takes them."""
+        out = {k: _array(_get(self.node, f)) for k, f in _SCALAR_FIELDS.items()}
+        if _fields(self.stats):
+            out["sq"] = _array(_get(self.stats, "weighted_sq_norms"))
+            out["k"] = _array(_get(self.stats, "microbatches"))
+        return out
+
+
+def _check_accumulators(r: _Side, t: _Side) -> None:
+    if len(r.acc) != len(t.acc):
+        raise ValueError(
+            f"`restored`'s accumulator holds {len(r.acc)} arrays where the "
+            f"template's holds {len(t.acc)} (at {[_where(p) for p, _ in t.acc]})"
+        )
+    for (_, a), (path, b) in zip(r.acc, t.acc):
+        want = (r.devices,) * r.lead + tuple(np.shape(b)[t.lead :])
         if np.shape(a) != want:
             raise ValueError(
                 f"`restored`'s accumulator holds shape {np.shape(a)} at "
                 f"{_where(path)} where {want} was expected (the template's"
-                + (f", with {old} devices in front)" if r_lead else ")")
+                + (f", with {r.devices} devices in front)" if r.lead else ")")
             )
-    # Every array the window spreads over devices, cast like the template's
-    # and on its devices.
-    count_dtype = jnp.result_type(_array(_get(t, "acc_count")))
-    replicated = _array(_get(t, "acc_count")).sharding
-    scalars = {
-        "acc_count": _get(r, "acc_count"),
-        "acc_value": _get(r, "acc_value"),
-        "value_count": _get(r, "value_count"),
-        "num_invalid": _get(r, "num_invalid_counts"),
-    }
-    like = {k: _array(_get(t, f)) for k, f in _SCALAR_FIELDS.items()}
-    if _fields(t_stats):
-        scalars["sq"] = _get(r_stats, "weighted_sq_norms")
-        scalars["k"] = _get(r_stats, "microbatches")
-        like["sq"] = _array(_get(t_stats, "weighted_sq_norms"))
-        like["k"] = _array(_get(t_stats, "microbatches"))
+
+
+def _inputs(r: _Side, t: _Side, like: dict[str, Any]) -> dict[str, Any]:
+    """``r``'s window, as :func:`_convert` takes it: in the template's dtypes,
+    on its devices (the device axis sharded over them where it divides)."""
+    replicated = like["acc_count"].sharding
     inputs: dict[str, Any] = {
-        k: _onto(like_template(f"`restored`'s {k}", _array(v), like[k]), replicated)
-        for k, v in scalars.items()
+        k: _onto(like_template(f"`restored`'s {k}", v, like[k]), replicated)
+        for k, v in r.scalars().items()
     }
-    acc_where = [
-        _resized(b.sharding, old) if r_lead and t_lead else replicated for b in t_acc
-    ]
     inputs["acc"] = [
-        _onto(like_template("`restored`'s accumulator", a, b), where)
-        for a, b, where in zip(r_acc, t_acc, acc_where)
-    ]
-    if r_layout != _LOCAL:
-        dtypes = {**_DEVICE_DTYPES, "counts": count_dtype, "value_counts": count_dtype}
-        where = (
-            _resized(_array(_get(t_rs, "counts")).sharding, old)
-            if t_lead
-            else (replicated)
+        _onto(
+            like_template(f"`restored`'s accumulator at {_where(path)}", a, b),
+            _resized(b.sharding, r.devices) if r.lead and t.lead else replicated,
         )
+        for (_, a), (path, b) in zip(r.acc, t.acc)
+    ]
+    if r.lead:
+        count_dtype = jnp.result_type(like["acc_count"])
+        dtypes = {**_DEVICE_DTYPES, "counts": count_dtype, "value_counts": count_dtype}
+        where = replicated
+        if t.lead:
+            where = _resized(_array(_get(t.rs, "counts")).sharding, r.devices)
         inputs["rs"] = {
             name: _onto(
                 like_template(
                     f"`restored`'s reduction_state.{name}",
-                    _array(_get(r_rs, name)),
+                    _array(_get(r.rs, name)),
                     np.zeros((), dtypes[name]),
                 ),
                 where,
             )
-            for name in _fields(r_rs)
+            for name in _fields(r.rs)
         }
+    return inputs
+
+
+def _convert_state(r_node: Any, t_node: Any) -> Any:
+    """The wrapper state ``r_node`` in the layout and on the devices of
+    ``t_node``."""
+    r, t = _Side(r_node), _Side(t_node)
+    for name in _fields(t.node):
+        if name not in _LAYOUT_FIELDS:
+            _check_same(f"`{name}`", _get(r.node, name), _get(t.node, name))
+    _check_same("`stats`", r.stats, t.stats)
+    _check_accumulators(r, t)
+    like = t.scalars()
+    if like["acc_count"].sharding is None:
+        raise TypeError(
+            "`template`'s arrays must say where they go: pass `tx.init(params)`, "
+            "or its abstract form with shardings (ocp.utils.to_shape_dtype_struct)"
+        )
     # Where each converted array goes: the template's placement.
-    targets: dict[str, Any] = {**like, "acc": t_acc}
-    if t_layout != _LOCAL:
-        targets["rs"] = {name: _array(_get(t_rs, name)) for name in _fields(t_rs)}
+    targets: dict[str, Any] = {**like, "acc": [b for _, b in t.acc]}
+    if t.lead:
+        targets["rs"] = {name: _array(_get(t.rs, name)) for name in _fields(t.rs)}
     out, ok = jax.jit(
         _convert,
         static_argnums=(1, 2, 3),
-        out_shardings=(jax.tree.map(lambda w: w.sharding, targets), replicated),
-    )(inputs, (r_layout, t_layout), old, new)
-    out = jax.tree.map(_placed, out, targets)
+        out_shardings=(
+            jax.tree.map(lambda w: w.sharding, targets),
+            like["acc_count"].sharding,
+        ),
+    )(_inputs(r, t, like), (r.layout, t.layout), r.devices, t.devices)
     if not bool(ok):
         raise ValueError(
             "`restored` holds per-device token counts that are negative or not "
             "finite, or that add up beyond the count dtype on one of the "
-            f"{new} devices: it cannot continue its window on {new} devices"
+            f"{t.devices} devices: it cannot continue its window on {t.devices} "
+            "devices"
         )
-    # The other fields as restored, in the template's dtypes and placement.
-    state = _with(
-        t,
-        **{
-            name: jax.tree.map(
-                lambda g, w, name=name: _placed(
-                    like_template(f"`restored`'s `{name}`", g, w), w
-                ),
-                _get(r, name),
-                _get(t, name),
-            )
-            for name in _fields(t)
-            if name not in _LAYOUT_FIELDS or name == "stats"
-        },
+    out = jax.tree.map(_placed, out, targets)
+    # The other fields as restored, in the template's dtypes and placement;
+    # the window's own from `out`, in the template's containers.
+    fields = {
+        name: jax.tree.map(
+            lambda g, w, name=name: _placed(
+                like_template(f"`restored`'s `{name}`", g, w), w
+            ),
+            _get(r.node, name),
+            _get(t.node, name),
+        )
+        for name in _fields(t.node)
+        if name not in _LAYOUT_FIELDS or name == "stats"
+    }
+    if _fields(t.stats):
+        fields["stats"] = _with(
+            fields["stats"],
+            weighted_sq_norms=_like(_get(t.stats, "weighted_sq_norms"), out["sq"]),
+            microbatches=_like(_get(t.stats, "microbatches"), out["k"]),
+        )
+    for k, f in _SCALAR_FIELDS.items():
+        fields[f] = _like(_get(t.node, f), out[k])
+    fields["acc_grads"] = jax.tree.unflatten(
+        jax.tree.structure(_get(t.node, "acc_grads")), out["acc"]
     )
-    stats = _get(state, "stats")
-    if _fields(t_stats):
-        stats = _with(
-            stats,
-            weighted_sq_norms=_like(_get(t_stats, "weighted_sq_norms"), out["sq"]),
-            microbatches=_like(_get(t_stats, "microbatches"), out["k"]),
-        )
-    fields = {f: _like(_get(t, f), out[k]) for k, f in _SCALAR_FIELDS.items()}
-    fields["acc_grads"] = jax.tree.unflatten(t_def, out["acc"])
-    if t_layout != _LOCAL:
+    if t.lead:
         fields["reduction_state"] = _with(
-            t_rs,
+            t.rs,
             **{
-                name: _like(_get(t_rs, name), out["rs"][name]) for name in _fields(t_rs)
+                name: _like(_get(t.rs, name), out["rs"][name]) for name in _fields(t.rs)
             },
         )
-    if "stats" in _fields(t):  # nnx.state leaves out an empty one
-        fields["stats"] = stats
-    return _with(state, **fields)
+    return _with(t.node, **fields)
 
 
 def from_device_count(restored: Any, template: Any) -> Any:
