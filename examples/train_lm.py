@@ -33,6 +33,9 @@ uses the gradient of the whole batch's token-mean loss. What it shows:
   A checkpoint may also fall in the middle of a window (``--stop-after``, the
   way a preemption handler saves): the optimizer state holds the half-accumulated
   window, and the resumed run continues bit for bit as if never stopped.
+  ``--resume`` may change ``--devices``: the pending window's running means
+  move onto the new devices (``mm.device_count_target`` and
+  ``mm.from_device_count``), and the run continues to float32 rounding.
 
 Usage (from a checkout, with the ``flax`` extra and ``orbax-checkpoint``)::
 
@@ -212,7 +215,7 @@ HELP = {
     "seed": "data and initialisation seed",
     "devices": "data-parallel devices, each with its own running mean, reduced once "
     "per window (on CPU, run with JAX_NUM_CPU_DEVICES=N; the logged noise scale "
-    "then counts each device's share as a microbatch)",
+    "then counts each device's share as a microbatch); --resume may change it",
 }
 
 
@@ -327,7 +330,7 @@ def make_mesh(devices: int) -> jax.sharding.Mesh | None:
 
 
 @functools.cache
-def make_optimizer(config: Config) -> mm.MaskedMultiSteps:
+def make_optimizer(config: Config, deferred: bool = False) -> mm.MaskedMultiSteps:
     """Clip and adamw *inside* the wrapper: both act on the full-batch gradient.
 
     The schedule's step is the inner optimizer's count, which advances once per
@@ -336,9 +339,10 @@ def make_optimizer(config: Config) -> mm.MaskedMultiSteps:
     window statistics (loss, tokens, noise scale) that the log reads. With
     ``--devices`` above 1 each device keeps its own running mean (a leading
     device axis on the accumulator), and the devices combine them, weighted by
-    their tokens, when the window closes. (Cached: the optimizer is part of the
-    compiled step's static structure, so runs with the same settings in one
-    process share one compilation.)
+    their tokens, when the window closes (``deferred``: also on one device,
+    for the layout of a state saved on several). (Cached: the optimizer is
+    part of the compiled step's static structure, so runs with the same
+    settings in one process share one compilation.)
     """
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
@@ -352,6 +356,13 @@ def make_optimizer(config: Config) -> mm.MaskedMultiSteps:
     )
     inner = optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw)
     mesh = make_mesh(config.devices)
+    if mesh is None and deferred:
+        mesh = jax.make_mesh(
+            (1,),
+            ("data",),
+            axis_types=(jax.sharding.AxisType.Auto,),
+            devices=jax.devices()[:1],
+        )
     return mm.MaskedMultiSteps(
         inner,
         every_k_schedule=config.microbatches,
@@ -470,10 +481,32 @@ def restore(manager, model, optimizer, config, print_fn=print) -> int:
     )
 
 
+def _as_saved(config, saved_devices, model, optimizer):
+    """The optimizer state laid out as a run on ``saved_devices`` devices saved
+    it: the tree to restore the checkpoint into, on this run's devices."""
+    if saved_devices == config.devices:
+        return nnx.state(optimizer)
+    if saved_devices > 1 and config.devices > 1:
+        return mm.device_count_target(nnx.state(optimizer), saved_devices)
+    if saved_devices == 1:  # one device, no reduction
+        tx = make_optimizer(dataclasses.replace(config, devices=1))
+    else:  # onto one device: a deferred wrapper on it has the saved layout
+        tx = make_optimizer(config, deferred=True)
+    like_saved = nnx.state(nnx.Optimizer(model, tx, wrt=nnx.Param))
+    if saved_devices == 1:
+        return like_saved
+    return mm.device_count_target(like_saved, saved_devices)
+
+
 def _restore_step(manager, step, model, optimizer, config) -> int:
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     saved = meta["meta"]["config"]
-    changed = [k for k, v in dataclasses.asdict(config).items() if saved[k] != v]
+    # Any setting but the number of devices defines the run.
+    changed = [
+        k
+        for k, v in dataclasses.asdict(config).items()
+        if saved[k] != v and k != "devices"
+    ]
     if changed:
         flags = ", ".join(
             f"--{k.replace('_', '-')} {saved[k]} (now {getattr(config, k)})"
@@ -485,11 +518,17 @@ def _restore_step(manager, step, model, optimizer, config) -> int:
         step,
         args=ocp.args.Composite(
             model=ocp.args.StandardRestore(abstract(nnx.state(model))),
-            optimizer=ocp.args.StandardRestore(abstract(nnx.state(optimizer))),
+            optimizer=ocp.args.StandardRestore(
+                abstract(_as_saved(config, saved["devices"], model, optimizer))
+            ),
         ),
     )
     nnx.update(model, restored["model"])
-    nnx.update(optimizer, restored["optimizer"])
+    opt_state = restored["optimizer"]
+    if saved["devices"] != config.devices:
+        # The pending window's running means, regrouped onto this run's devices.
+        opt_state = mm.from_device_count(opt_state, nnx.state(optimizer))
+    nnx.update(optimizer, opt_state)
     return meta["meta"]["microbatches_done"]
 
 

@@ -50,7 +50,7 @@ __all__ = ["device_count_target", "from_device_count"]
 # state where it is held by name (``nnx.state(optimizer)``, which leaves out
 # empty fields).
 _DEVICE_FIELDS = ("acc_grads", "reduction_state")
-_NAMED = frozenset(("mini_step", "gradient_step", "acc_count", *_DEVICE_FIELDS))
+_NAMED = frozenset(("mini_step", "gradient_step", "acc_count", "acc_grads"))
 # The layouts of a window: one device (no reduction), a deferred reduction
 # whose devices agree on every microbatch's count, or only at the window's end.
 _LOCAL, _SYNCED, _WINDOW = "local", "synced", "per-window"

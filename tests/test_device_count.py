@@ -219,6 +219,17 @@ def test_an_nnx_optimizer_state_moves():
     np.testing.assert_allclose(counts, [6.0, 22.0])
     np.testing.assert_allclose(acc[:, 0, 0], [14 / 6, 126 / 22], rtol=1e-6)
     assert int(resumed.opt_state.mini_step[...]) == 1
+    # And back onto one device without a reduction, whose nnx.state has no
+    # reduction_state at all: the window's 28 tokens, mean Σ d² / Σ d.
+    _, local = make(LOCAL)
+    nnx.update(local, mm.from_device_count(nnx.state(resumed), nnx.state(local)))
+    assert float(local.opt_state.acc_count[...]) == 28.0
+    np.testing.assert_allclose(
+        local.opt_state.acc_grads["kernel"][...][0, 0], 140 / 28, rtol=1e-6
+    )
+    # ... and from there onto 2 devices again: all of it on the first.
+    nnx.update(resumed, mm.from_device_count(nnx.state(local), nnx.state(resumed)))
+    np.testing.assert_allclose(resumed.opt_state.reduction_state.counts[...], [28, 0])
 
 
 def test_bad_input_is_refused_by_name():
