@@ -46,10 +46,8 @@ from masked_multistep._reduction import _from_host, mean_over_devices, placed_li
 
 __all__ = ["device_count_target", "from_device_count"]
 
-# The fields that carry the device axis, and those that identify the wrapper's
-# state where it is held by name (``nnx.state(optimizer)``, which leaves out
-# empty fields).
-_DEVICE_FIELDS = ("acc_grads", "reduction_state")
+# The fields that identify the wrapper's state where it is held by name
+# (``nnx.state(optimizer)``, which leaves out empty fields).
 _NAMED = frozenset(("mini_step", "gradient_step", "acc_count", "acc_grads"))
 # The layouts of a window: one device (no reduction), a deferred reduction
 # whose devices agree on every microbatch's count, or only at the window's end.
@@ -85,13 +83,6 @@ _DEVICE_DTYPES = {
 }
 
 
-def _key(entry: Any) -> Any:
-    for attr in ("name", "key", "idx"):
-        if hasattr(entry, attr):
-            return getattr(entry, attr)
-    return entry
-
-
 def _is_state(x: Any) -> bool:
     if isinstance(x, MaskedMultiStepsState):
         return True
@@ -113,32 +104,6 @@ def _state_path(tree: Any, what: str) -> tuple[Any, ...]:
             f"{len(found)}"
         )
     return found[0]
-
-
-def _device_field(path: tuple[Any, ...], at: tuple[Any, ...]) -> str | None:
-    """For a leaf at ``path`` with the wrapper state at ``at``: ``"acc_grads"``
-    for the accumulator, the reduction state's field name for its leaves, else
-    ``None``."""
-    if path[: len(at)] != at or len(path) == len(at):
-        return None
-    field = _key(path[len(at)])
-    if field == "acc_grads":
-        return field
-    if field == "reduction_state" and len(path) > len(at) + 1:
-        return str(_key(path[len(at) + 1]))
-    return None
-
-
-def _devices_of(leaves: list[tuple[Any, Any]], at: tuple[Any, ...], what: str) -> int:
-    """The number of devices behind the per-device counts in ``leaves``."""
-    for path, x in leaves:
-        if _device_field(path, at) == "counts":
-            return int(np.shape(x)[0])
-    raise ValueError(
-        f"`{what}` holds no per-device state: only a wrapper with "
-        "reduction=mm.deferred(mesh, axis) keeps one (any other state restores "
-        "onto any number of devices as it is)"
-    )
 
 
 def _where(path: tuple[Any, ...]) -> str:
@@ -190,19 +155,30 @@ def device_count_target(template: Any, num_devices: int) -> Any:
     """
     num = check_microbatches(num_devices, "`num_devices`")
     at = _state_path(template, "template")
-    leaves = jax.tree_util.tree_flatten_with_path(template)[0]
-    _devices_of(leaves, at, "template")
 
-    def resize(path: tuple[Any, ...], x: Any) -> Any:
-        if _device_field(path, at) is None:
-            return x
+    def resize(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(
             (num, *np.shape(x)[1:]),
             jnp.result_type(x),
             sharding=_resized(getattr(x, "sharding", None), num),
         )
 
-    return jax.tree_util.tree_map_with_path(resize, template)
+    def target(path: tuple[Any, ...], node: Any) -> Any:
+        if path != at:
+            return node
+        if _layout(node) == _LOCAL:
+            raise ValueError(
+                "`template` holds no per-device state: only a wrapper with "
+                "reduction=mm.deferred(mesh, axis) keeps one (a state saved "
+                "without one restores against that wrapper's `init` as it is)"
+            )
+        return _with(
+            node,
+            acc_grads=jax.tree.map(resize, _get(node, "acc_grads")),
+            reduction_state=jax.tree.map(resize, _get(node, "reduction_state")),
+        )
+
+    return jax.tree_util.tree_map_with_path(target, template, is_leaf=_is_state)
 
 
 def _resized(sharding: Any, num: int) -> Any:
