@@ -208,11 +208,14 @@ def _placed(got: Any, want: Any) -> Any:
 
 
 def _onto(x: Any, sharding: Any) -> Any:
-    """``x`` on ``sharding``'s devices: read from the host, or moved from other
-    devices (a state converted in memory, not restored onto the new ones)."""
+    """``x`` on ``sharding``: read from the host, or moved from another
+    placement (a state converted in memory, not restored onto the new mesh:
+    other devices, the same ones in another order, another layout)."""
     if not getattr(x, "_committed", True):
         return _from_host(np.asarray(x), sharding)
-    if isinstance(x, jax.Array) and x.sharding.device_set != sharding.device_set:
+    # Equal, not merely equivalent: jit compiles again for a replicated array
+    # on another mesh over the same devices.
+    if isinstance(x, jax.Array) and x.sharding != sharding:
         return jax.device_put(x, sharding)
     return x
 
@@ -286,9 +289,12 @@ def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
         counts = r["acc_count"][None]
     else:
         means, counts = r["acc"], rs["counts"]
-    ok = jnp.all(counts >= 0)
-    if jnp.issubdtype(counts.dtype, jnp.floating):
-        ok &= jnp.all(jnp.isfinite(counts))
+    ok = jnp.ones([], jnp.bool_)
+    for x in [counts, *rs.values()]:  # counts, tallies, sums: none negative
+        if x is not rs.get("value"):
+            ok &= jnp.all(x >= 0)
+        if jnp.issubdtype(x.dtype, jnp.floating) and x is not rs.get("value"):
+            ok &= jnp.all(jnp.isfinite(x))
     # The window's figures, where the layout keeps them per device (and the
     # target does not).
     if r_layout == _WINDOW and t_layout == _WINDOW:
@@ -419,12 +425,23 @@ class _Side:
         return out
 
 
-def _check_accumulators(r: _Side, t: _Side) -> None:
-    if len(r.acc) != len(t.acc):
+def _check_window_arrays(r: _Side, t: _Side) -> None:
+    """The restored accumulator has the template's leaves (by path) and
+    shapes, and every per-device field one entry per saved device."""
+    r_paths, t_paths = [_where(p) for p, _ in r.acc], [_where(p) for p, _ in t.acc]
+    if r_paths != t_paths:
         raise ValueError(
-            f"`restored`'s accumulator holds {len(r.acc)} arrays where the "
-            f"template's holds {len(t.acc)} (at {[_where(p) for p, _ in t.acc]})"
+            f"`restored`'s accumulator holds {r_paths} where the template's holds "
+            f"{t_paths}: the template must be for the same params"
         )
+    for name in _fields(r.rs):
+        shape = np.shape(_array(_get(r.rs, name)))
+        if shape != (r.devices,):
+            raise ValueError(
+                f"`restored`'s reduction_state.{name} has shape {shape} where "
+                f"({r.devices},) was expected, one entry per saved device (as "
+                "its counts)"
+            )
     for (_, a), (path, b) in zip(r.acc, t.acc):
         want = (r.devices,) * r.lead + tuple(np.shape(b)[t.lead :])
         if np.shape(a) != want:
@@ -478,7 +495,7 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
         if name not in _LAYOUT_FIELDS:
             _check_same(f"`{name}`", _get(r.node, name), _get(t.node, name))
     _check_same("`stats`", r.stats, t.stats)
-    _check_accumulators(r, t)
+    _check_window_arrays(r, t)
     like = t.scalars()
     if like["acc_count"].sharding is None:
         raise TypeError(
@@ -499,8 +516,9 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     )(_inputs(r, t, like), (r.layout, t.layout), r.devices, t.devices)
     if not bool(ok):
         raise ValueError(
-            "`restored` holds per-device token counts that are negative or not "
-            "finite, or that add up beyond the count dtype on one of the "
+            "`restored` holds per-device token counts (or tallies: invalid "
+            "counts, microbatches, squared norms) that are negative or not "
+            "finite, or counts that add up beyond the count dtype on one of the "
             f"{t.devices} devices: it cannot continue its window on {t.devices} "
             "devices"
         )
@@ -574,12 +592,13 @@ def from_device_count(restored: Any, template: Any) -> Any:
     Raises:
       TypeError: if called under ``jit`` (the restored counts are read).
       ValueError: if either tree holds no wrapper state (or several), the
-        trees differ outside the window's layout (another configuration), a
-        leaf's shape is not the template's (with ``D`` entries along the
-        device axis), a leaf's dtype is of another kind or holds values its
-        template dtype cannot, or the restored counts are negative, not
-        finite, or (for an integer ``count_dtype``) add up beyond it on a new
-        device.
+        trees differ outside the window's layout (another configuration, or
+        the accumulator for other params), a leaf's shape is not the
+        template's (with ``D`` entries along the device axis), a leaf's
+        dtype is of another kind or holds values its template dtype cannot,
+        or the restored counts are negative, not finite (or its invalid
+        counts, microbatches or squared norms are), or
+        (for an integer ``count_dtype``) add up beyond it on a new device.
 
     Examples:
       Two devices' halves of a window (2 tokens of mean 1, 6 tokens of mean 3)
@@ -628,19 +647,33 @@ def from_device_count(restored: Any, template: Any) -> Any:
             "template: restore against a target of the template's structure"
         )
 
-    outside = jax.tree.structure(template, is_leaf=_is_state)
-    if jax.tree.structure(restored, is_leaf=_is_state) != outside:
+    # Outside the wrapper state the trees must hold the same leaves at the
+    # same paths; their static parts (a TrainState's `tx`) are the template's.
+    t_outside, treedef = jax.tree_util.tree_flatten_with_path(
+        template, is_leaf=_is_state
+    )
+    r_outside = jax.tree_util.tree_flatten_with_path(restored, is_leaf=_is_state)[0]
+    t_paths = [_where(p) for p, _ in t_outside]
+    r_paths = [_where(p) for p, _ in r_outside]
+    if r_paths != t_paths:
+        missing = sorted(set(t_paths) - set(r_paths))
+        extra = sorted(set(r_paths) - set(t_paths))
         raise ValueError(
             "`restored` does not have the template's structure outside its "
-            f"MaskedMultiStepsState: got "
-            f"{jax.tree.structure(restored, is_leaf=_is_state)}, template {outside}"
+            f"MaskedMultiStepsState: missing {missing[:5]}, unexpected {extra[:5]}"
         )
-
-    def convert(path: tuple[Any, ...], t: Any, r: Any) -> Any:
+    replicated = _array(_get(t_outside[t_paths.index(_where(at))][1], "acc_count"))
+    out = []
+    for (path, t), (_, r) in zip(t_outside, r_outside):
         if path == at:
-            return _convert_state(r, t)
-        return _placed(like_template(f"`restored` at {_where(path)}", r, t), t)
-
-    return jax.tree_util.tree_map_with_path(
-        convert, template, restored, is_leaf=_is_state
-    )
+            out.append(_convert_state(r, t))
+            continue
+        got = like_template(f"`restored` at {_where(path)}", r, t)
+        if not isinstance(t, (jax.Array, jax.ShapeDtypeStruct)) and isinstance(
+            got, jax.Array
+        ):
+            # A Python number in the template (a TrainState's step): replicated
+            # where the wrapper's state is, not left on the saved devices.
+            got = _onto(got, replicated.sharding)
+        out.append(_placed(got, t))
+    return jax.tree.unflatten(treedef, out)

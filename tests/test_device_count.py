@@ -250,11 +250,20 @@ def test_bad_input_is_refused_by_name():
     wrong = saved._replace(acc_grads={"w": jnp.zeros((8, H + 1))})
     with pytest.raises(ValueError, match=r"shape \(8, 6\) at \['w'\] where \(8, 5\)"):
         mm.from_device_count(wrong, template)
-    negative = saved._replace(
-        reduction_state=saved.reduction_state._replace(counts=-jnp.ones(8))
+    for field, value in [("counts", -jnp.ones(8)), ("invalid", -jnp.ones(8, int))]:
+        negative = saved._replace(
+            reduction_state=saved.reduction_state._replace(**{field: value})
+        )
+        with pytest.raises(ValueError, match=r"negative or not finite"):
+            mm.from_device_count(negative, template)
+    short = saved._replace(
+        reduction_state=saved.reduction_state._replace(invalid=jnp.ones(4, int))
     )
-    with pytest.raises(ValueError, match=r"negative or not finite"):
-        mm.from_device_count(negative, template)
+    with pytest.raises(ValueError, match=r"reduction_state.invalid has shape \(4,\)"):
+        mm.from_device_count(short, template)
+    renamed = _tx(8).init({"v": jnp.zeros(H)})
+    with pytest.raises(ValueError, match=r"holds \[\"\['v'\]\"\] where the templ"):
+        mm.from_device_count(renamed, template)
     with pytest.raises(TypeError, match=r"eagerly"):
         jax.jit(mm.from_device_count)(saved, template)
 
@@ -278,3 +287,55 @@ def test_an_integer_total_that_no_longer_fits_is_refused():
         mm.from_device_count(saved, tx(1).init(params))
     same = mm.from_device_count(saved, tx(2).init(params))
     assert int(same.reduction_state.counts[0]) == 2**30
+
+
+def test_another_mesh_over_the_same_devices_takes_the_templates_placement():
+    """In memory, onto a 4x2 mesh of the same 8 devices (params sharded over
+    "model"), and onto the same 4 devices in another order: every leaf as the
+    template places it, so the step compiled for the template runs as it is."""
+    params = {"w": jnp.zeros((4, 2))}
+    old = mm.MaskedMultiSteps(optax.adam(0.1), K, reduction=mm.deferred(_mesh(8)))
+    state = old.init(jax.device_put(params, NamedSharding(_mesh(8), P())))
+    grid = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AUTO, AUTO))
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), K, reduction=mm.deferred(grid, "data"))
+    new_params = jax.device_put(params, NamedSharding(grid, P(None, "model")))
+    template = tx.init(new_params)
+    moved = mm.from_device_count(state, template)
+    for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(template), strict=True):
+        assert a.sharding == b.sharding, (a.sharding, b.sharding)
+    step = jax.jit(tx.update)
+    grads = {"w": jax.device_put(jnp.ones((4, 4, 2)), template.acc_grads["w"].sharding)}
+    count = jax.device_put(jnp.ones(4), NamedSharding(grid, P("data")))
+    step(grads, template, new_params, count=count)
+    with backend_compiles() as compiles:
+        step(grads, moved, new_params, count=count)
+    assert not compiles, compiles
+
+    reordered = jax.make_mesh(
+        (4,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:4][::-1]
+    )
+    small = _tx(4, stats=False).init({"w": jnp.zeros(H)})
+    back = mm.MaskedMultiSteps(optax.sgd(1.0), K, reduction=mm.deferred(reordered))
+    template = back.init({"w": jnp.zeros(H)})
+    moved = mm.from_device_count(small, template)
+    assert moved.acc_grads["w"].sharding == template.acc_grads["w"].sharding
+
+
+def test_a_train_state_moves_onto_a_template_with_another_tx():
+    """`mm.TrainState` keeps `tx` static: a state restored against the saved
+    run's TrainState converts onto the new one's, `step` included."""
+    params = {"w": jnp.zeros(H)}
+    saved = mm.TrainState.create(apply_fn=None, params=params, tx=_tx(8, stats=False))
+    mean, count, _ = _per_device(0, 8)
+    saved = saved.apply_gradients(
+        grads={"w": jnp.asarray(mean, jnp.float32)},
+        count=jnp.asarray(count, jnp.float32),
+    )
+    new = mm.TrainState.create(apply_fn=None, params=params, tx=_tx(3, stats=False))
+    moved = mm.from_device_count(saved, new)
+    assert moved.tx is new.tx and int(moved.opt_state.mini_step) == 1
+    counts = moved.opt_state.reduction_state.counts
+    np.testing.assert_allclose(counts.sum(), count.sum())
+    devices = set(jax.devices()[:3])
+    for leaf in jax.tree.leaves(moved):
+        assert leaf.sharding.device_set <= devices
