@@ -290,10 +290,10 @@ def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
     else:
         means, counts = r["acc"], rs["counts"]
     ok = jnp.ones([], jnp.bool_)
-    for x in [counts, *rs.values()]:  # counts, tallies, sums: none negative
-        if x is not rs.get("value"):
-            ok &= jnp.all(x >= 0)
-        if jnp.issubdtype(x.dtype, jnp.floating) and x is not rs.get("value"):
+    # Counts, tallies and sums (all but the loss): none negative or non-finite.
+    for x in [counts, *(v for name, v in rs.items() if name != "value")]:
+        ok &= jnp.all(x >= 0)
+        if jnp.issubdtype(x.dtype, jnp.floating):
             ok &= jnp.all(jnp.isfinite(x))
     # The window's figures, where the layout keeps them per device (and the
     # target does not).
@@ -303,7 +303,7 @@ def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
         whole = _Regroup(old, 1)
         (n,), fits = whole.total(counts)
         (value_count,), value_fits = whole.total(rs["value_counts"])
-        ok &= fits & value_fits & jnp.all(rs["value_counts"] >= 0)
+        ok &= fits & value_fits
         (value,) = whole.mean(rs["value"], rs["value_counts"], value_count[None])
         figures = {
             "acc_count": n,
@@ -497,7 +497,8 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     _check_same("`stats`", r.stats, t.stats)
     _check_window_arrays(r, t)
     like = t.scalars()
-    if like["acc_count"].sharding is None:
+    replicated = like["acc_count"].sharding
+    if replicated is None:
         raise TypeError(
             "`template`'s arrays must say where they go: pass `tx.init(params)`, "
             "or its abstract form with shardings (ocp.utils.to_shape_dtype_struct)"
@@ -509,10 +510,7 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     out, ok = jax.jit(
         _convert,
         static_argnums=(1, 2, 3),
-        out_shardings=(
-            jax.tree.map(lambda w: w.sharding, targets),
-            like["acc_count"].sharding,
-        ),
+        out_shardings=(jax.tree.map(lambda w: w.sharding, targets), replicated),
     )(_inputs(r, t, like), (r.layout, t.layout), r.devices, t.devices)
     if not bool(ok):
         raise ValueError(
@@ -662,7 +660,9 @@ def from_device_count(restored: Any, template: Any) -> Any:
             "`restored` does not have the template's structure outside its "
             f"MaskedMultiStepsState: missing {missing[:5]}, unexpected {extra[:5]}"
         )
-    replicated = _array(_get(t_outside[t_paths.index(_where(at))][1], "acc_count"))
+    # Where the wrapper's scalars are: replicated over the template's devices.
+    state = next(x for path, x in t_outside if path == at)
+    replicated = _array(_get(state, "acc_count")).sharding
     out = []
     for (path, t), (_, r) in zip(t_outside, r_outside):
         if path == at:
@@ -674,6 +674,6 @@ def from_device_count(restored: Any, template: Any) -> Any:
         ):
             # A Python number in the template (a TrainState's step): replicated
             # where the wrapper's state is, not left on the saved devices.
-            got = _onto(got, replicated.sharding)
+            got = _onto(got, replicated)
         out.append(_placed(got, t))
     return jax.tree.unflatten(treedef, out)
