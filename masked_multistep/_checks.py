@@ -152,7 +152,12 @@ _MISSING_COUNT = (
 )
 
 
-def _check_concrete(value: int | float, dtype: jnp.dtype, what: str) -> None:
+def _check_concrete(
+    value: int | float, dtype: jnp.dtype, what: str, dtype_name: str | None = None
+) -> None:
+    """Refuses a bad concrete count; ``dtype_name`` names the dtype it is summed
+    in (``count_dtype ...`` by default)."""
+    dtype_name = dtype_name or f"count_dtype {dtype}"
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{what} must be a finite non-negative number, got {value}")
     if value < 0:
@@ -165,11 +170,14 @@ def _check_concrete(value: int | float, dtype: jnp.dtype, what: str) -> None:
             )
         if value > np.iinfo(dtype).max:
             raise ValueError(
-                f"{what} must be at most {np.iinfo(dtype).max} for count_dtype "
-                f"{dtype}, got {value}"
+                f"{what} must be at most {np.iinfo(dtype).max} for {dtype_name}, "
+                f"got {value}"
             )
-    elif float(min(value, 1e300)) > float(np.finfo(dtype).max):
-        raise ValueError(f"{what} is too large for count_dtype {dtype}, got {value}")
+    elif value > float(np.finfo(dtype).max):  # exact for a Python int of any size
+        digits = str(value)
+        if isinstance(value, int) and len(digits) > 30:
+            digits = f"{digits[0]}.{digits[1:4]}...e+{len(digits) - 1}"
+        raise ValueError(f"{what} is too large for {dtype_name}, got {digits}")
 
 
 def refuse_narrow_float(dtype: Any, what: str) -> None:
@@ -196,7 +204,11 @@ def refuse_narrow_float(dtype: Any, what: str) -> None:
 
 
 def to_count(
-    count: Any, dtype: jnp.dtype, what: str = "`count`", shape: tuple = ()
+    count: Any,
+    dtype: jnp.dtype,
+    what: str = "`count`",
+    shape: tuple = (),
+    dtype_name: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``count`` converted by value to ``dtype``, and whether it may be used.
 
@@ -205,26 +217,27 @@ def to_count(
     non-negative, representable in ``dtype``), with the count replaced by zero
     where it is invalid. ``shape`` other than ``()`` takes an array of counts
     (one per device), checked element by element; the flag then has that shape.
+    ``dtype_name`` names ``dtype`` in errors (``count_dtype ...`` by default).
     """
     if count is None:
         raise TypeError(_MISSING_COUNT)
     if isinstance(count, (bool, np.bool_)):
         raise TypeError(f"{what} must be a number of tokens, got a bool ({count})")
     if shape != ():
-        if not hasattr(count, "dtype") or tuple(count.shape) != shape:
-            got = (
-                f"shape {tuple(count.shape)} and dtype {count.dtype}"
-                if hasattr(count, "dtype")
-                else f"{count!r} of type {type(count).__name__}"
+        if not hasattr(count, "dtype") or not hasattr(count, "shape"):
+            raise TypeError(
+                f"{what} must be an integer or floating array of shape {shape}, "
+                f"got {count!r:.120} of type {type(count).__name__}"
             )
+        if tuple(count.shape) != shape:
             raise ValueError(
                 f"{what} must be an integer or floating array of shape {shape}, "
-                f"got {got}"
+                f"got shape {tuple(count.shape)} and dtype {count.dtype}"
             )
     elif not hasattr(count, "dtype") and isinstance(count, numbers.Real):
         # A Python int of any size or a Python float: check it exactly.
         value = int(count) if isinstance(count, numbers.Integral) else float(count)
-        _check_concrete(value, dtype, what)
+        _check_concrete(value, dtype, what, dtype_name)
         return jnp.asarray(np.asarray(value).astype(dtype)), jnp.ones([], jnp.bool_)
     if not hasattr(count, "dtype") or not hasattr(count, "shape"):
         raise TypeError(
@@ -261,10 +274,10 @@ def to_count(
         # Concrete (numpy or jax): `.tolist()` is exact for every integer dtype.
         values = np.asarray(count).tolist()
         if shape == ():
-            _check_concrete(values, dtype, what)
+            _check_concrete(values, dtype, what, dtype_name)
         else:
             for i, value in enumerate(np.ravel(np.asarray(values, dtype=object))):
-                _check_concrete(value, dtype, f"{what}[{i}]")
+                _check_concrete(value, dtype, f"{what}[{i}]", dtype_name)
         if isinstance(count, (np.ndarray, np.generic)):
             # Convert on the host: jnp.asarray would narrow int64 to int32 first.
             return jnp.asarray(np.asarray(count).astype(dtype)), jnp.ones(
@@ -301,8 +314,23 @@ def count_weight(count: Any, what: str) -> jax.Array:
     """
     if count is None:
         raise TypeError(f"{what} must be a number of tokens, got None")
-    weight, _ = to_count(count, _WEIGHT_DTYPE, what)
+    weight, _ = to_count(
+        count, _WEIGHT_DTYPE, what, dtype_name="float32, the weights' dtype"
+    )
     return weight
+
+
+def returned_flag(x: Any, what: str) -> jax.Array:
+    """``x``, what a user's function returned, as a boolean scalar, or an
+    error naming ``what`` (``TypeError`` for another dtype, ``ValueError`` for
+    another shape)."""
+    flag = jnp.asarray(x)
+    got = f"got dtype {flag.dtype} and shape {flag.shape}"
+    if flag.dtype != jnp.bool_:
+        raise TypeError(f"{what} must return a boolean scalar, {got}")
+    if flag.shape != ():
+        raise ValueError(f"{what} must return a boolean scalar, {got}")
+    return flag
 
 
 def real_array(x: Any, what: str, *, scalar: bool = False) -> jax.Array:

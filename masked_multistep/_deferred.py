@@ -36,7 +36,7 @@ from masked_multistep._running_mean import (
     running_mean_update,
     safe_fraction,
 )
-from masked_multistep._stats import device_shares
+from masked_multistep._stats import device_shares, sum_over_devices
 
 __all__ = [
     "Deferred",
@@ -355,9 +355,8 @@ class Deferred(KnownTotals):
         mean, _ = mean_over_devices(acc, reduction_state.counts, acc_count)
         return mean
 
-    def reset(self, reduction_state: DeferredState, window_done: jax.Array):
-        counts = reduction_state.counts
-        return DeferredState(jnp.where(window_done, jnp.zeros_like(counts), counts))
+    def reset(self, reduction_state: DeferredState):
+        return DeferredState(jnp.zeros_like(reduction_state.counts))
 
 
 class DeferredWindowState(NamedTuple):
@@ -538,17 +537,10 @@ class DeferredPerWindow(Deferred):
         num_invalid = sums[1].astype(jnp.int32) + (~kept).astype(jnp.int32)
         value_total = jnp.where(kept, sums[2], jnp.zeros_like(sums[2]))
         value, _ = mean_over_devices(state.value, state.value_counts, value_total)
-        stats_sums = so_far.stats_sums
+        stats_sums = ()
         if self.keeps_stats:
-            # K is exact in float32 below 2²⁴ (device, microbatch) pairs.
-            sq_norms, k = jnp.sum(
-                jnp.stack([state.sq_norms, state.microbatches.astype(jnp.float32)]),
-                axis=1,
-            )
-            stats_sums = (
-                jnp.where(kept, sq_norms, 0),
-                jnp.where(kept, k, 0).astype(jnp.int32),
-            )
+            sq_norms, k = sum_over_devices(state.sq_norms, state.microbatches)
+            stats_sums = (jnp.where(kept, sq_norms, 0), jnp.where(kept, k, 0))
         return WindowTotals(
             tokens=total.astype(so_far.tokens.dtype),
             value=value.astype(jnp.float32),
@@ -557,10 +549,8 @@ class DeferredPerWindow(Deferred):
             stats_sums=stats_sums,
         )
 
-    def reset(self, reduction_state: Any, window_done: jax.Array):  # type: ignore[override]
-        return jax.tree.map(
-            lambda x: jnp.where(window_done, jnp.zeros_like(x), x), reduction_state
-        )
+    def reset(self, reduction_state: Any):  # type: ignore[override]
+        return jax.tree.map(jnp.zeros_like, reduction_state)
 
 
 def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:

@@ -334,7 +334,7 @@ def _check_output(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
         )
     loss = jnp.asarray(loss)
     if loss.shape != ():
-        raise TypeError(
+        raise ValueError(
             "The loss returned by `loss_fn` must be a floating scalar (the "
             f"microbatch's mean loss), got {_describe(loss)}; reduce it with "
             "`mm.masked_mean(values, mask)`, which returns (mean_loss, count)"
@@ -731,7 +731,7 @@ def microbatched_value_and_grad(
         error names its variables), ``loss_fn`` changes the variables of a
         module passed whole, their shapes or dtypes, ``rng`` is not a PRNG
         key or ``loss_fn`` cannot take it, or ``loss_fn``
-        returns something other than the documented structure, a non-scalar or
+        returns something other than the documented structure, a
         non-floating loss, a boolean or complex count or one in a float
         narrower than float32, an ``aux`` leaf that is
         neither float nor integer, a floating ``aux`` leaf without
@@ -746,8 +746,8 @@ def microbatched_value_and_grad(
         ``AxisType.Explicit`` mesh axis whose devices do not divide each
         microbatch's rows, a ``params`` leaf sharded over an
         ``AxisType.Explicit`` axis, ``aux_reduction`` is not a prefix of
-        ``aux``, or ``loss_fn``'s count is not a scalar (or is a constant that
-        is negative, non-finite or beyond float32's range).
+        ``aux``, or ``loss_fn``'s loss or count is not a scalar (or the count
+        is a constant that is negative, non-finite or beyond float32's range).
 
     Examples:
       Four rows with 1, 0, 2 and 1 real tokens, two microbatches (rows 0, 2 and

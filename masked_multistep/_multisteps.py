@@ -43,7 +43,9 @@ class MaskedMultiStepsState(NamedTuple):
       inner_opt_state: the state of the wrapped optimizer.
       acc_grads: running token-weighted mean of the window's gradients (with
         ``reduction=mm.deferred(...)``, one per device along a leading axis).
-        Meaningful where ``acc_count > 0``; the next counted microbatch after a
+        Meaningful where the window holds tokens (``acc_count > 0``, or with a
+        deferred reduction agreeing only at the window's end, a device's
+        ``reduction_state.counts``); the next counted microbatch after a
         window ends overwrites it. It is scratch once a window closes: after
         ``MaskedMultiSteps.update`` applied an inner update it may hold that
         update's values (the update reuses its buffer).
@@ -102,7 +104,10 @@ class MaskedMultiStepsState(NamedTuple):
 class _Gate(NamedTuple):
     """What the checks decided about one microbatch."""
 
-    n: jax.Array  # the (global) count to accumulate (0 unless `counted`)
+    # The (global) count to accumulate (0 unless `counted`; with a deferred
+    # reduction agreeing only at the window's end, 0: the devices' own are in
+    # `local_counts`).
+    n: jax.Array
     local_counts: Any  # every device's count with a deferred reduction, else None
     counted: jax.Array  # the microbatch belongs to the window (mini_step advances)
     valid_count: jax.Array  # the count was usable
@@ -779,10 +784,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             token count, swapped with the loss; a Python int is taken as a
             float, but an int passed through ``jax.jit`` arrives as an int32
             array and is refused: pass losses as floats); if a
-            keyword names the loss (``loss=``: it goes in ``value=``).
+            keyword names the loss (``loss=``: it goes in ``value=``); if
+            ``should_skip_update_fn`` or a window policy's ``closes`` returns
+            a flag that is not boolean.
           ValueError: if ``count`` is not a scalar, or is concretely negative,
             non-finite or too large; if ``value`` is not a scalar; if the
-            gradients do not match the state's tree.
+            gradients do not match the state's tree; if that flag is not a
+            scalar.
         """
         return self._step(updates, state, params, count, extra_args, apply_params=False)
 
@@ -907,13 +915,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "state)`, as optax's ShouldSkipUpdateFunction does (e.g. "
                 f"optax.skip_not_finite), got {out!r:.60}"
             )
-        should_skip = jnp.asarray(out[0])
-        if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
-            raise ValueError(
-                "`should_skip_update_fn` must return a boolean scalar, got dtype "
-                f"{should_skip.dtype} and shape {should_skip.shape}"
-            )
-        return should_skip, out[1]
+        return _checks.returned_flag(out[0], "`should_skip_update_fn`"), out[1]
 
     def _gate(self, grads, state, params, count) -> _Gate:
         """Whether this microbatch counts, and with how many tokens."""
@@ -1005,13 +1007,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             scalars = scalars._replace(
                 counted=counted, grad_sq_norm=sq_norm, grad_var_trace=var_trace
             )
-        verdict = jnp.asarray(self._policy.closes(state.policy_state, scalars))
-        if (verdict.dtype, verdict.shape) != (jnp.bool_, ()):
-            raise ValueError(
-                f"The window policy {_windows.describe(self._policy)}'s `closes` "
-                "must return a boolean scalar, got dtype "
-                f"{verdict.dtype} and shape {verdict.shape}"
-            )
+        verdict = _windows.verdict(self._policy, state.policy_state, scalars)
         closes = (gate.counted & verdict) | gate.full
         # A microbatch that does not count leaves the policy state as it was,
         # unless it closes a full window.
@@ -1120,9 +1116,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         dynamic_args = {
             key: v for key, v in extra_args.items() if isinstance(v, jax.Array)
         }
-        value_dtype = (
-            value.dtype if value is not None and _is_float(value) else jnp.float32
-        )
+        # The window's loss in the dtype of the microbatches' (floating: the
+        # reduction's `value` refuses integer arrays and reads host ints as
+        # floats).
+        value_dtype = jnp.float32 if value is None else value.dtype
 
         def window_value(totals: WindowTotals) -> jax.Array:
             # The window's token-weighted loss over the microbatches that passed
@@ -1130,13 +1127,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             return jnp.where(totals.value_count > 0, totals.value, jnp.nan)
 
         so_far = WindowTotals(
-            acc_count,
-            acc_value,
-            value_count,
-            jnp.zeros([], jnp.int32),
-            (stats.weighted_sq_norms, stats.microbatches)
-            if self._reduction.keeps_stats
-            else (),
+            acc_count, acc_value, value_count, num_invalid=jnp.zeros([], jnp.int32)
         )
         dynamic_args["value"] = window_value(so_far).astype(value_dtype)
         # What the taken branch updates in place, and the other passes through:
@@ -1227,7 +1218,6 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # a window closes, not on every microbatch.
             stats = self._recorder.close(
                 stats,
-                jnp.ones([], jnp.bool_),
                 tokens=totals.tokens,
                 mean_sq_norm=mean_sq_norm,
                 loss=loss,
@@ -1252,9 +1242,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             )
             # The next window starts empty.
             so_far = jax.tree.map(jnp.zeros_like, so_far)
-            reduction_state = self._reduction.reset(
-                reduction_state, jnp.ones([], jnp.bool_)
-            )
+            reduction_state = self._reduction.reset(reduction_state)
             return (in_place, stats, so_far, counters, reduction_state), out
 
         def keep_window(window, read_only_params, dynamic_args):
@@ -1271,7 +1259,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                     state.num_invalid_counts, jnp.where(gate.valid_count, 0, 1)
                 ),
                 num_nonfinite_windows=state.num_nonfinite_windows,
-                # False: no update runs unless the window closes.
+                # Where the window stays open, False (no update runs); where
+                # it closes, `close_window` sets whether the inner update ran.
                 updated=window_done,
             )
             (in_place, stats, so_far, counters, reduction_state), out = in_place_cond(
@@ -1375,7 +1364,3 @@ def _layout(x: Any) -> Any:
     if isinstance(x, dict):
         return (dict, tuple((k, _layout(v)) for k, v in sorted(x.items())))
     return None
-
-
-def _is_float(x: jax.Array) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.floating)

@@ -386,7 +386,7 @@ def data_parallel_value_and_grad(
             return combined
         (loss, rest), grads = combined
         count = rest[0] if has_aux else rest
-        sums = jax.tree.map(lambda x: jnp.sum(x, 0), out[2])
+        sums = _stats.sum_over_devices(*out[2])
         stats = _stats.one_window_stats(sums, tokens=count, mean=grads, loss=loss)
         return (*combined, stats)
 

@@ -17,8 +17,9 @@ device axis (:func:`mean_over_devices`), the window's global figures
 uses, :class:`Local` (``reduction=None``: the gradients it receives are already
 the microbatch's global mean). The deferred reductions, where each device's
 gradients stay local and are combined once per window, are in ``_deferred``.
-All have the same small interface, so the wrapper's state machine does not
-branch on the mode.
+All have the same small interface, which the wrapper's state machine calls
+without knowing the mode (it asks only ``device_axes``, for the shapes it
+checks, and ``keeps_stats``, whether the statistics' sums are per device).
 """
 
 from __future__ import annotations
@@ -207,8 +208,9 @@ class Local(KnownTotals):
 
     The default reduction: whatever reduced the devices' gradients (the
     compiler, under ``jit`` with sharded arrays) did so before
-    :class:`MaskedMultiSteps` saw them. Every method is the identity, or the
-    single-device count contract of ``_checks``.
+    :class:`MaskedMultiSteps` saw them. The accumulation is the plain running
+    mean, the counts follow the single-device contract of ``_checks``, and the
+    rest is the identity (no per-device state, nothing to combine).
     """
 
     def __repr__(self) -> str:
@@ -265,6 +267,5 @@ class Local(KnownTotals):
         del acc_count, reduction_state
         return acc
 
-    def reset(self, reduction_state: Any, window_done: jax.Array) -> Any:
-        del window_done
+    def reset(self, reduction_state: Any) -> Any:
         return reduction_state

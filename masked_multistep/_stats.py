@@ -85,7 +85,8 @@ estimates are NaN and the moving averages skip it.
 
 :class:`MaskedMultiSteps` calls this module through :func:`recorder` at three
 points of its state machine: every microbatch (``n ‖g‖²``), the window's mean
-before the inner optimizer reads it (``‖ḡ‖²``), and the window's close.
+before the inner optimizer reads it (``‖ḡ‖²``), and the window's close; and,
+for the norm test, on every microbatch the window's figures so far.
 
 References:
   S. McCandlish, J. Kaplan, D. Amodei and the OpenAI Dota Team, "An Empirical
@@ -656,18 +657,16 @@ def window_so_far(
 
 def close_window_stats(
     state: WindowStatsState,
-    done: jax.Array,
     *,
     tokens: jax.Array,
     grad_sq_norm: jax.Array,
     loss: jax.Array,
     decay: float,
 ) -> WindowStatsState:
-    """Where ``done``: records the finished window and starts a new one.
+    """Records the finished window and starts a new one.
 
     Args:
       state: the statistics' state, with the window's last microbatch folded in.
-      done: whether the window ends here (a boolean scalar).
       tokens: the window's ``N`` (count dtype).
       grad_sq_norm: ``‖ḡ‖²`` of the window's mean (any value where ``N == 0``).
       loss: the window's token-weighted mean ``value`` (any value where no
@@ -675,7 +674,7 @@ def close_window_stats(
       decay: the moving averages' decay per window, in ``[0, 1)``.
 
     Returns:
-      The new state: unchanged where ``done`` is False.
+      The new state.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -684,7 +683,7 @@ def close_window_stats(
       >>> s = init_window_stats()
       >>> for g in (1.0, 3.0):
       ...     s = accumulate_window_stats(s, jnp.array(g), jnp.float32(2))
-      >>> s = close_window_stats(s, jnp.array(True), tokens=jnp.float32(4),
+      >>> s = close_window_stats(s, tokens=jnp.float32(4),
       ...                        grad_sq_norm=jnp.float32(4.0),
       ...                        loss=jnp.float32(0.5), decay=0.9)
       >>> print(s.last.noise_scale, s.last.smoothed_noise_scale, s.microbatches)
@@ -697,21 +696,20 @@ def close_window_stats(
         var, true_sq, scale = noise_scale_estimates(s, k, n, g2)
 
         finite = jnp.isfinite(var) & jnp.isfinite(true_sq)
-        fold = done & finite
         beta = jnp.asarray(decay, _F32)
         ema_var = jnp.where(
-            fold,
+            finite,
             beta * state.ema_grad_var_trace + (1 - beta) * jnp.where(finite, var, 0),
             state.ema_grad_var_trace,
         )
         ema_true = jnp.where(
-            fold,
+            finite,
             beta * state.ema_true_grad_sq_norm
             + (1 - beta) * jnp.where(finite, true_sq, 0),
             state.ema_true_grad_sq_norm,
         )
         ema_weight = jnp.where(
-            fold, beta * state.ema_weight + (1 - beta), state.ema_weight
+            finite, beta * state.ema_weight + (1 - beta), state.ema_weight
         )
         # The debiasing divisor cancels in the ratio; it only decides whether
         # any window has been averaged yet.
@@ -721,7 +719,7 @@ def close_window_stats(
         )
 
         old = state.last
-        new_last = WindowStats(
+        last = WindowStats(
             tokens=n.astype(old.tokens.dtype),
             microbatches=k,
             loss=jnp.asarray(loss).astype(_F32),
@@ -735,10 +733,9 @@ def close_window_stats(
                 old.windows < jnp.iinfo(jnp.int32).max, old.windows + 1, old.windows
             ),
         )
-        last = jax.tree.map(lambda a, b: jnp.where(done, a, b), new_last, old)
         return WindowStatsState(
-            weighted_sq_norms=jnp.where(done, 0, state.weighted_sq_norms).astype(_F32),
-            microbatches=jnp.where(done, 0, k).astype(jnp.int32),
+            weighted_sq_norms=jnp.zeros([], _F32),
+            microbatches=jnp.zeros([], jnp.int32),
             ema_grad_var_trace=ema_var,
             ema_true_grad_sq_norm=ema_true,
             ema_weight=ema_weight,
@@ -751,8 +748,10 @@ class Recorder(NamedTuple):
     machine: on each microbatch (:meth:`accumulate`), on the window's mean
     before the inner optimizer reads it (:meth:`read_mean`), and once the
     window's fate is known (:meth:`close`, in the branch that closes the
-    window). Disabled, every call returns ``()``
-    (an empty state field) and adds nothing to the compiled step.
+    window); with the norm test, also on each microbatch (:meth:`so_far`).
+    Disabled, those three return ``()`` (an empty state field) and add nothing
+    to the compiled step; :meth:`so_far` needs them on (the norm test turns
+    them on).
     """
 
     enabled: bool
@@ -803,7 +802,6 @@ class Recorder(NamedTuple):
     def close(
         self,
         state: Any,
-        done: jax.Array,
         *,
         tokens: jax.Array,
         mean_sq_norm: Any,
@@ -819,7 +817,6 @@ class Recorder(NamedTuple):
             state = state._replace(weighted_sq_norms=sums[0], microbatches=sums[1])
         return close_window_stats(
             state,
-            done,
             tokens=tokens,
             grad_sq_norm=mean_sq_norm,
             loss=loss,
@@ -859,6 +856,24 @@ def recorder(window_stats: Any, stats_decay: Any) -> Recorder:
     return Recorder(window_stats, decay)
 
 
+def sum_over_devices(
+    weighted_sq_norms: jax.Array, microbatches: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Every device's share ``(Σ nᵢ‖gᵢ‖², K)`` (shape ``(D,)`` each) summed
+    over the devices, in one reduction.
+
+    ``K`` is summed in float32, stacked with the squared norms (exact below
+    2²⁴ (device, microbatch) pairs): a cross-device sum of the two is then one
+    all-reduce, which the compiler joins with the gradients' (an int32 ``K``
+    would be an all-reduce of its own).
+    """
+    sq_norms, k = jnp.sum(
+        jnp.stack([jnp.asarray(weighted_sq_norms, _F32), microbatches.astype(_F32)]),
+        axis=1,
+    )
+    return sq_norms, k.astype(jnp.int32)
+
+
 def one_window_stats(
     sums: tuple[jax.Array, jax.Array],
     *,
@@ -877,7 +892,6 @@ def one_window_stats(
     )
     state = close_window_stats(
         state,
-        jnp.ones([], jnp.bool_),
         tokens=tokens,
         grad_sq_norm=tree_sq_norm(mean),
         loss=jnp.where(tokens > 0, loss, jnp.nan),

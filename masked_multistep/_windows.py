@@ -24,6 +24,7 @@ from masked_multistep._checks import (
     is_host_int,
     python_scalar,
     refuse_narrow_float,
+    returned_flag,
 )
 from masked_multistep._stats import TokenTotal, add_tokens
 
@@ -232,6 +233,16 @@ def describe(rule: Any) -> str:
     if isinstance(rule, WindowPolicy):
         return rule.name
     return getattr(rule, "__name__", "<schedule>") if callable(rule) else repr(rule)
+
+
+def verdict(policy: WindowPolicy, policy_state: Any, scalars: WindowScalars) -> Any:
+    """``policy.closes(policy_state, scalars)``, checked: a boolean scalar, or
+    an error naming the policy (within :func:`any_of`, the one that returned
+    something else)."""
+    return returned_flag(
+        policy.closes(policy_state, scalars),
+        f"The window policy {describe(policy)}'s `closes`",
+    )
 
 
 def _call(function: str, *args: Any, **kwargs: Any) -> str:
@@ -766,7 +777,7 @@ def any_of(*policies: WindowPolicy) -> WindowPolicy:
         return tuple(p.init() for p in policies)
 
     def closes(policy_state, scalars):
-        done = [p.closes(s, scalars) for p, s in zip(policies, policy_state)]
+        done = [verdict(p, s, scalars) for p, s in zip(policies, policy_state)]
         return functools.reduce(jnp.logical_or, done)
 
     def update(policy_state, scalars, closed):

@@ -199,6 +199,16 @@ def test_data_parallel_statistics_treat_each_device_microbatch_as_a_batch(mesh):
     )
     assert [(c.kind, c.where) for c in found] == [("all-reduce", "step")], found
     assert PARAM_BYTES <= sum(c.bytes for c in found) <= PARAM_BYTES + 16, found
+    # The statistics' sums join the call's reductions: as many collectives of
+    # any size as without them (K summed as an int32 was one more all-reduce).
+    every = [
+        sorted(
+            (c.kind, c.where)
+            for c in collectives(fn.lower(params, sharded).compile().as_text())
+        )
+        for fn in (plain, with_stats)
+    ]
+    assert every[0] == every[1], every
 
 
 def test_data_parallel_aux_is_token_weighted_and_summed(mesh):
@@ -858,6 +868,12 @@ def test_deferred_bad_input(mesh):
         ValueError, match=r"`count` \(every device's .*shape \(8,\), got shape \(\)"
     ):
         tx.update(per_device, state, params, count=jnp.array(3))
+    # Not an array at all: the wrong kind, as without the deferred reduction.
+    for count in ("abc", [1] * NDEV):
+        with pytest.raises(
+            TypeError, match=r"`count` \(every device's .*shape \(8,\), got .* of type"
+        ):
+            tx.update(per_device, state, params, count=count)
     with pytest.raises(
         ValueError,
         match=r"`count` \(every device's .*\)\[3\] must be non-negative, got -1",

@@ -328,6 +328,25 @@ def test_concrete_bad_count_values_raise(count, count_dtype, match):
         tx.update(GRADS, tx.init(PARAMS), PARAMS, count=count)
 
 
+@pytest.mark.parametrize("count", [2 * 10**308, 10**400], ids=["2e308", "1e400"])
+def test_a_python_int_beyond_float64_is_a_value_error(count):
+    # float64's range ends near 1.8e308: such an int was an OverflowError from
+    # the conversion (a smaller bound was checked), not an error naming `count`.
+    with jax.enable_x64(True):
+        tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=jnp.float64)
+        params = {"w": jnp.zeros(2)}
+        with pytest.raises(
+            ValueError, match=r"`count` is too large for count_dtype float64, got \d"
+        ):
+            tx.update(params, tx.init(params), params, count=count)
+    grad_fn = mm.microbatched_value_and_grad(lambda w, mb: (jnp.mean(w * mb), count), 1)
+    with pytest.raises(
+        ValueError,
+        match="count returned by `loss_fn` is too large for float32, the weights'",
+    ):
+        grad_fn(jnp.float32(1.0), jnp.ones((2, 3)))
+
+
 @pytest.mark.parametrize(
     "count_dtype,bad",
     [
@@ -401,12 +420,22 @@ def test_mismatched_trees_are_clear(tx):
         tx.update({"w": GRADS["w"], "b": jnp.ones(4)}, state, PARAMS, count=1)
 
 
-def test_bad_skip_function_output_is_clear():
+@pytest.mark.parametrize(
+    "should_skip, error, got",
+    [
+        (jnp.zeros(2, bool), ValueError, r"bool and shape \(2,\)"),
+        (jnp.int32(0), TypeError, r"int32 and shape \(\)"),
+        (jnp.zeros(2), TypeError, r"float32 and shape \(2,\)"),
+    ],
+    ids=["shape", "int", "float vector"],
+)
+def test_bad_skip_function_output_is_clear(should_skip, error, got):
     tx = mm.MaskedMultiSteps(
-        optax.sgd(1.0), 2, should_skip_update_fn=lambda u, s, p: (jnp.zeros(2), ())
+        optax.sgd(1.0), 2, should_skip_update_fn=lambda u, s, p: (should_skip, ())
     )
     with pytest.raises(
-        ValueError, match="`should_skip_update_fn` must return a boolean"
+        error,
+        match=f"`should_skip_update_fn` must return a boolean scalar, got dtype {got}",
     ):
         tx.update(GRADS, tx.init(PARAMS), PARAMS, count=1)
 

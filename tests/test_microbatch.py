@@ -383,7 +383,7 @@ def test_a_batch_on_an_explicit_axis_needs_microbatches_that_split_evenly():
         (
             lambda p: (p * jnp.ones(3), jnp.array(1)),
             False,
-            TypeError,
+            ValueError,
             r"loss returned by `loss_fn` must be a floating scalar.*got a "
             r"float32\[3\] array",
         ),
@@ -477,6 +477,14 @@ _RETURN_MISTAKES = {
 }
 
 
+# Wrong kinds of value are TypeErrors; a loss of the wrong shape, a ValueError.
+_SHAPE_MISTAKES = {"per-row loss"}
+
+
+def _mistake_error(mistake):
+    return ValueError if mistake in _SHAPE_MISTAKES else TypeError
+
+
 def _mistake_batch():
     return {"x": jnp.ones((16, 3)), "mask": jnp.ones((16, 3), bool)}
 
@@ -487,7 +495,7 @@ def test_wrong_loss_fn_return_is_described_with_the_fix(mistake, jit):
     loss_fn, has_aux, message = _RETURN_MISTAKES[mistake]
     grad_fn = mm.microbatched_value_and_grad(loss_fn, 2, has_aux=has_aux)
     grad_fn = jax.jit(grad_fn) if jit else grad_fn
-    with pytest.raises(TypeError) as err:
+    with pytest.raises(_mistake_error(mistake)) as err:
         grad_fn(jnp.array(2.0), _mistake_batch())
     assert str(err.value) == message
     assert "Tracer" not in str(err.value)
@@ -503,7 +511,7 @@ def test_data_parallel_wrong_loss_fn_return_gets_the_same_error(mistake):
     message = message.replace("float32[8]", "float32[1]")
     for make in (mm.data_parallel_value_and_grad, mm.per_device_value_and_grad):
         grad_fn = make(loss_fn, mesh, num_microbatches=2, has_aux=has_aux)
-        with pytest.raises(TypeError) as err:
+        with pytest.raises(_mistake_error(mistake)) as err:
             jax.jit(grad_fn)(jnp.array(2.0), batch)
         assert str(err.value) == message, make.__name__
 

@@ -29,7 +29,6 @@ def _window(stats, grads, counts, decay=DECAY):
     (mean, total, stats), _ = jax.lax.scan(body, init, (grads, counts))
     return _stats.close_window_stats(
         stats,
-        jnp.array(True),
         tokens=total,
         grad_sq_norm=_stats.tree_sq_norm(mean),
         loss=jnp.float32(jnp.nan),
@@ -164,17 +163,6 @@ def test_empty_microbatch_leaves_state_bit_identical():
         stats, jnp.array([jnp.nan, jnp.inf, 1.0]), jnp.float32(0)
     )
     for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(after), strict=True):
-        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
-    # A window that does not end leaves the snapshot alone.
-    kept = _stats.close_window_stats(
-        after,
-        jnp.array(False),
-        tokens=jnp.float32(2.5),
-        grad_sq_norm=jnp.float32(5.0),
-        loss=jnp.float32(1.0),
-        decay=DECAY,
-    )
-    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(kept), strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
 
 

@@ -912,21 +912,32 @@ def test_a_skipped_microbatch_leaves_a_custom_policys_state_as_it_was():
 
 
 @pytest.mark.parametrize(
-    "verdict, got",
+    "verdict, error, got",
     [
-        (lambda s: s.microbatches >= jnp.array([3]), "bool and shape \\(1,\\)"),
-        (lambda s: s.tokens, "float32 and shape \\(\\)"),
+        (
+            lambda s: s.microbatches >= jnp.array([3]),
+            ValueError,
+            "bool and shape \\(1,\\)",
+        ),
+        (lambda s: s.tokens, TypeError, "float32 and shape \\(\\)"),
+        (lambda s: jnp.int32(1), TypeError, "int32 and shape \\(\\)"),
     ],
-    ids=["shape", "dtype"],
+    ids=["shape", "dtype", "int"],
 )
-def test_a_custom_policy_whose_closes_is_not_a_boolean_scalar_is_named(verdict, got):
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "with k"])
+def test_a_custom_policy_whose_closes_is_not_a_boolean_scalar_is_named(
+    verdict, error, got, alone
+):
+    # Also beside `every_k_schedule`, where the policies' verdicts are or-ed
+    # (an int32 1 was taken as True there, and the window closed).
     policy = mm.WindowPolicy(
         lambda: (), lambda ps, s: verdict(s), lambda *a: (), name="P"
     )
-    tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=policy)
+    k = {} if alone else {"every_k_schedule": 5}
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=policy, **k)
     p = jnp.zeros(2)
     with pytest.raises(
-        ValueError,
+        error,
         match=f"policy P's `closes` must return a boolean scalar, got dtype {got}",
     ):
         tx.update(jnp.ones(2), tx.init(p), p, count=jnp.float32(2))
