@@ -127,6 +127,18 @@ class _Counters(NamedTuple):
     updated: jax.Array  # whether this microbatch applied an inner update
 
 
+class _Carry(NamedTuple):
+    """What the window's conditional updates in place where the window closes
+    and passes through where it stays open."""
+
+    # The accumulator, the inner state and, with `apply_params`, the params.
+    in_place: tuple[Any, Any, Any]
+    stats: Any  # the window statistics' state (`()` without them)
+    so_far: WindowTotals  # the window's running totals
+    counters: _Counters
+    reduction_state: Any
+
+
 class _Window(NamedTuple):
     """The window with this microbatch folded in, before it may close."""
 
@@ -1086,36 +1098,21 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             _checks.check_params_match(
                 params, state.acc_grads, self._reduction.device_axes
             )
-        extra_args = dict(extra_args)
-        # A line search's `grad=` is the gradient at the params: at the
-        # window's end, the window's mean (as `value=` is the window's loss).
-        with_grad = "grad" in extra_args
-        extra_args.pop("grad", None)
+        with_grad, raw_value, static_args, dynamic_args = _split_extra_args(extra_args)
 
         with jax.named_scope("masked_multistep/accumulate"):
             gate = self._gate(grads, state, params, count)
-            value = self._reduction.value(
-                extra_args.pop("value", None), gate.local_counts, gate.n
-            )
+            value = self._reduction.value(raw_value, gate.local_counts, gate.n)
             window = self._accumulate(state, grads, gate, value)
-            acc_grads, acc_count, acc_value, value_count, reduction_state, stats = (
-                window
-            )
             # The window's microbatches, this one included if it counts (one
             # that closes a full window is not one of its own).
             mini_step = jnp.where(
                 gate.counted, optax.safe_increment(state.mini_step), state.mini_step
             ).astype(jnp.int32)
             window_done, policy_state = self._close_now(
-                state, gate, mini_step, acc_grads, acc_count, stats
+                state, gate, mini_step, window.acc_grads, window.acc_count, window.stats
             )
 
-        static_args = {
-            key: v for key, v in extra_args.items() if not isinstance(v, jax.Array)
-        }
-        dynamic_args = {
-            key: v for key, v in extra_args.items() if isinstance(v, jax.Array)
-        }
         # The window's loss in the dtype of the microbatches' (floating: the
         # reduction's `value` refuses integer arrays and reads host ints as
         # floats).
@@ -1127,21 +1124,20 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             return jnp.where(totals.value_count > 0, totals.value, jnp.nan)
 
         so_far = WindowTotals(
-            acc_count, acc_value, value_count, num_invalid=jnp.zeros([], jnp.int32)
+            window.acc_count,
+            window.acc_value,
+            window.value_count,
+            num_invalid=jnp.zeros([], jnp.int32),
         )
         dynamic_args["value"] = window_value(so_far).astype(value_dtype)
-        # What the taken branch updates in place, and the other passes through:
-        # the accumulator, the inner state and, with `apply_params`, the params.
-        in_place = (
-            acc_grads,
-            state.inner_opt_state,
-            params if apply_params else (),
-        )
         read_only_params = () if apply_params else params
         # What the inner optimizer sees: the window's mean (with a deferred
         # reduction, the devices' running means combined).
         mean_avals = jax.eval_shape(
-            self._reduction.mean, acc_grads, acc_count, reduction_state
+            self._reduction.mean,
+            window.acc_grads,
+            window.acc_count,
+            window.reduction_state,
         )
         inner_operands = (mean_avals, state.inner_opt_state, params, dynamic_args)
         inner_update, needs_value = self._choose_inner_update(
@@ -1158,7 +1154,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # page-faulted afresh on every call on CPU). `apply_gradients` needs no
         # such output: it adds the updates to the params inside the conditional,
         # and between windows the params pass through untouched.
-        reuse_acc = not apply_params and _same_avals(updates_avals, acc_grads)
+        reuse_acc = not apply_params and _same_avals(updates_avals, window.acc_grads)
 
         def hold(in_place, mean, read_only_params, dynamic_args):
             # The output besides the state passed through: `update`'s zeros.
@@ -1179,19 +1175,18 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 return (acc_grads, new_inner, optax.apply_updates(params, updates)), ()
             return (acc_grads, new_inner, ()), updates
 
-        def close_window(window, read_only_params, dynamic_args):
+        def close_window(carry: _Carry, read_only_params, dynamic_args):
             # The window's global figures (with a deferred reduction that agrees
             # only at the window's end, a scalar all-reduce) and its mean: with
             # a deferred reduction, the one gradient-sized cross-device
             # reduction of the window.
-            in_place, stats, so_far, counters, reduction_state = window
-            acc_grads = in_place[0]
-            totals = self._reduction.close_totals(so_far, reduction_state)
+            acc_grads = carry.in_place[0]
+            totals = self._reduction.close_totals(carry.so_far, carry.reduction_state)
             has_tokens = totals.tokens > 0
             loss = window_value(totals)
             window_loss = loss.astype(value_dtype)
             dynamic_args = {**dynamic_args, "value": window_loss}
-            mean = self._reduction.mean(acc_grads, totals.tokens, reduction_state)
+            mean = self._reduction.mean(acc_grads, totals.tokens, carry.reduction_state)
             # ‖ḡ‖² for the statistics (`()` without them), read before the
             # inner optimizer overwrites the mean. (A window without tokens
             # has no mean: its norm is not used, nor differentiated.)
@@ -1209,7 +1204,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 updated,
                 run,
                 hold,
-                in_place,
+                carry.in_place,
                 None if same else mean,
                 read_only_params,
                 dynamic_args,
@@ -1217,36 +1212,41 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # The window's statistics (`()` without them), recorded only where
             # a window closes, not on every microbatch.
             stats = self._recorder.close(
-                stats,
+                carry.stats,
                 tokens=totals.tokens,
                 mean_sq_norm=mean_sq_norm,
                 loss=loss,
                 sums=totals.stats_sums,
             )
+            before = carry.counters
             counters = _Counters(
                 mini_step=jnp.zeros([], jnp.int32),
                 gradient_step=jnp.where(
                     updated,
-                    optax.safe_increment(counters.gradient_step),
-                    counters.gradient_step,
+                    optax.safe_increment(before.gradient_step),
+                    before.gradient_step,
                 ),
                 num_invalid_counts=_add_counts(
-                    counters.num_invalid_counts, totals.num_invalid
+                    before.num_invalid_counts, totals.num_invalid
                 ),
                 num_nonfinite_windows=jnp.where(
                     has_tokens & ~finite,
-                    optax.safe_increment(counters.num_nonfinite_windows),
-                    counters.num_nonfinite_windows,
+                    optax.safe_increment(before.num_nonfinite_windows),
+                    before.num_nonfinite_windows,
                 ),
                 updated=updated,
             )
             # The next window starts empty.
-            so_far = jax.tree.map(jnp.zeros_like, so_far)
-            reduction_state = self._reduction.reset(reduction_state)
-            return (in_place, stats, so_far, counters, reduction_state), out
+            return _Carry(
+                in_place,
+                stats,
+                jax.tree.map(jnp.zeros_like, carry.so_far),
+                counters,
+                self._reduction.reset(carry.reduction_state),
+            ), out
 
-        def keep_window(window, read_only_params, dynamic_args):
-            return hold(window[0], None, read_only_params, dynamic_args)
+        def keep_window(carry: _Carry, read_only_params, dynamic_args):
+            return hold(carry.in_place, None, read_only_params, dynamic_args)
 
         with jax.named_scope("masked_multistep/inner_update"):
             # The window's state, updated where it closes: in place, its
@@ -1263,33 +1263,45 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 # it closes, `close_window` sets whether the inner update ran.
                 updated=window_done,
             )
-            (in_place, stats, so_far, counters, reduction_state), out = in_place_cond(
+            carry, out = in_place_cond(
                 window_done,
                 close_window,
                 keep_window,
-                (in_place, window.stats, so_far, counters, reduction_state),
+                _Carry(
+                    # What the taken branch updates in place, and the other
+                    # passes through.
+                    in_place=(
+                        window.acc_grads,
+                        state.inner_opt_state,
+                        params if apply_params else (),
+                    ),
+                    stats=window.stats,
+                    so_far=so_far,
+                    counters=counters,
+                    reduction_state=window.reduction_state,
+                ),
                 read_only_params,
                 dynamic_args,
             )
-            acc_grads, inner_opt_state, new_params = in_place
+            acc_grads, inner_opt_state, new_params = carry.in_place
             out: Any = new_params if apply_params else out
             if reuse_acc:
                 out = jax.tree.map(
-                    lambda u: jnp.where(counters.updated, u, jnp.zeros_like(u)),
+                    lambda u: jnp.where(carry.counters.updated, u, jnp.zeros_like(u)),
                     acc_grads,
                 )
 
         return out, state._replace(
-            **counters._asdict(),
+            **carry.counters._asdict(),
             inner_opt_state=inner_opt_state,
             acc_grads=acc_grads,
-            acc_count=so_far.tokens,
-            acc_value=so_far.value,
-            value_count=so_far.value_count,
+            acc_count=carry.so_far.tokens,
+            acc_value=carry.so_far.value,
+            value_count=carry.so_far.value_count,
             skip_state=gate.skip_state,
-            stats=stats,
+            stats=carry.stats,
             policy_state=policy_state,
-            reduction_state=reduction_state,
+            reduction_state=carry.reduction_state,
         )
 
 
@@ -1311,6 +1323,23 @@ def _unflatten(tx: MaskedMultiSteps, children: Any) -> Any:
 
 
 jax.tree_util.register_pytree_node(MaskedMultiSteps, _flatten, _unflatten)
+
+
+def _split_extra_args(
+    extra_args: dict[str, Any],
+) -> tuple[bool, Any, dict[str, Any], dict[str, Any]]:
+    """``update``'s extra keyword arguments, sorted: whether a line search's
+    ``grad=`` was passed (the gradient at the params: at the window's end, the
+    window's mean, as ``value=`` is the window's loss), the microbatch's
+    ``value=``, and the rest for the inner optimizer, split into static ones
+    and arrays (which go through the window's conditional)."""
+    rest = dict(extra_args)
+    with_grad = "grad" in rest
+    rest.pop("grad", None)
+    value = rest.pop("value", None)
+    static_args = {k: v for k, v in rest.items() if not isinstance(v, jax.Array)}
+    dynamic_args = {k: v for k, v in rest.items() if isinstance(v, jax.Array)}
+    return with_grad, value, static_args, dynamic_args
 
 
 def states_in(tree: Any, types: type | tuple[type, ...]) -> list[Any]:
