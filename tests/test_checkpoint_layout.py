@@ -276,3 +276,26 @@ def test_from_state_0_1_takes_the_tokens_seen():
     assert int(mm.window_stats(state).tokens_seen) == 2**30 + 1
     assert int(state.policy_state) == 2**30 + 1  # the budget's tokens seen
     assert int(mm.window_stats(mm.from_state_0_1(old, template)).tokens_seen) == 0
+
+
+def test_0_1_integers_are_compared_with_both_ends_of_the_dtype():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    template = tx.init({"w": jnp.zeros(2)})
+    old = mm.state_0_1_target(template)
+    # Below int32's range: as int32 this would be 1, and pass the counters' check.
+    with pytest.raises(ValueError, match=r"do not fit it: -4294967295"):
+        mm.from_state_0_1({**old, "mini_step": np.int64(-(2**32) + 1)}, template)
+    # int32's largest value fits.
+    state = mm.from_state_0_1({**old, "gradient_step": np.int64(2**31 - 1)}, template)
+    assert int(state.gradient_step) == 2**31 - 1
+
+
+def test_0_1_a_leaf_of_the_same_size_but_another_shape_is_refused():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    template = tx.init({"w": jnp.zeros(2)})
+    old = {
+        **mm.state_0_1_target(template),
+        "acc_grads": {"w": np.zeros((1, 2), np.float32)},
+    }
+    with pytest.raises(ValueError, match=r"`restored\['acc_grads'\]` does not match"):
+        mm.from_state_0_1(old, template)

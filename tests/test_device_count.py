@@ -339,3 +339,167 @@ def test_a_train_state_moves_onto_a_template_with_another_tx():
     devices = set(jax.devices()[:3])
     for leaf in jax.tree.leaves(moved):
         assert leaf.sharding.device_set <= devices
+
+
+def _saved(n=8, stats=True, **fields):
+    """A state saved mid-window on ``n`` devices, with these per-device fields."""
+    state = _tx(n, stats).init({"w": jnp.zeros(H)})
+    rs = state.reduction_state
+    return state._replace(
+        mini_step=jnp.int32(1),
+        reduction_state=rs._replace(
+            **{k: jnp.asarray(v, getattr(rs, k).dtype) for k, v in fields.items()}
+        ),
+    )
+
+
+def test_old_devices_join_new_device_floor_d_times_new_over_old():
+    # 8 onto 3 (not the reshape that 8 onto 2 or 4 takes): devices 0-2, 3-5
+    # and 6-7, each group's means token-weighted; 3 onto 8: devices 0, 2, 5.
+    d = np.arange(8.0)
+    state = _tx(8, stats=False).init({"w": jnp.zeros(())})
+    saved = state._replace(
+        mini_step=jnp.int32(1),
+        acc_grads={"w": jnp.asarray(d)},
+        reduction_state=state.reduction_state._replace(counts=jnp.asarray(d + 1)),
+    )
+    moved = mm.from_device_count(saved, _tx(3, stats=False).init({"w": jnp.zeros(())}))
+    np.testing.assert_array_equal(moved.reduction_state.counts, [6, 15, 15])
+    want = [np.average(g, weights=g + 1) for g in (d[:3], d[3:6], d[6:])]
+    np.testing.assert_allclose(moved.acc_grads["w"], want, rtol=1e-6)
+    grown = mm.from_device_count(moved, _tx(8, stats=False).init({"w": jnp.zeros(())}))
+    np.testing.assert_array_equal(
+        grown.reduction_state.counts, [6, 0, 15, 0, 0, 15, 0, 0]
+    )
+
+
+def test_the_loss_moves_with_its_own_weights_not_the_token_counts():
+    # `value=` on some microbatches only: a device's loss weighs by the tokens
+    # behind its loss (value_counts), not by all its tokens. 2 tokens on each
+    # of 8 devices; only devices 0 and 7 saw a loss (1 and 5): the window's
+    # loss so far is 3, over 4 tokens.
+    params = {"w": jnp.zeros(H)}
+    saved = _saved(
+        counts=[2.0] * 8,
+        value_counts=[2, 0, 0, 0, 0, 0, 0, 2],
+        value=[1.0, 0, 0, 0, 0, 0, 0, 5.0],
+    )
+    local = mm.from_device_count(saved, _tx(LOCAL).init(params))
+    assert float(local.acc_value) == 3.0 and float(local.value_count) == 4.0
+    rs = mm.from_device_count(saved, _tx(3).init(params)).reduction_state
+    np.testing.assert_array_equal(rs.value_counts, [2, 0, 2])  # 0-2 | 3-5 | 6-7
+    np.testing.assert_allclose(rs.value, [1, 0, 5])
+    # From one device (16 tokens, 4 of them with a loss): the first device's.
+    rs = mm.from_device_count(local, _tx(3).init(params)).reduction_state
+    np.testing.assert_array_equal(rs.counts, [16, 0, 0])
+    np.testing.assert_array_equal(rs.value_counts, [4, 0, 0])
+
+
+def test_invalid_counts_are_kept_and_regrouped():
+    # The run's num_invalid_counts survives every move; the window's
+    # per-device invalid counts are regrouped, or added to it.
+    params = {"w": jnp.zeros(H)}
+    saved = _saved(counts=[2.0] * 8, invalid=[1, 0, 0, 0, 0, 0, 0, 2])
+    saved = saved._replace(num_invalid_counts=jnp.int32(5))
+    three = mm.from_device_count(saved, _tx(3).init(params))
+    assert int(three.num_invalid_counts) == 5
+    np.testing.assert_array_equal(three.reduction_state.invalid, [1, 0, 2])
+    local = mm.from_device_count(saved, _tx(LOCAL).init(params))
+    assert int(local.num_invalid_counts) == 8  # 5 + the window's 1 + 2
+    back = mm.from_device_count(local, _tx(3).init(params))
+    assert int(back.num_invalid_counts) == 8
+    np.testing.assert_array_equal(back.reduction_state.invalid, [0, 0, 0])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("sq_norms", -1.0),
+        ("sq_norms", np.inf),
+        ("microbatches", -1),
+        ("value_counts", -1.0),
+    ],
+)
+def test_every_per_device_tally_is_checked(field, value):
+    fields = {"counts": np.full(8, 2.0), field: np.r_[value, np.zeros(7)]}
+    with pytest.raises(ValueError, match=r"negative or not finite"):
+        mm.from_device_count(_saved(**fields), _tx(4).init({"w": jnp.zeros(H)}))
+
+
+def test_an_integer_total_that_no_longer_fits_one_device_without_a_reduction():
+    # From the synced layout (a skip function) onto a wrapper without a
+    # reduction: two devices' 2³⁰ tokens do not fit one int32 total.
+    params = {"w": jnp.zeros(H)}
+
+    def tx(n):
+        return mm.MaskedMultiSteps(
+            optax.sgd(1.0),
+            K,
+            count_dtype=jnp.int32,
+            reduction=None if n == LOCAL else mm.deferred(_mesh(n)),
+            should_skip_update_fn=optax.skip_not_finite,
+        )
+
+    saved = tx(2).init(params)
+    saved = saved._replace(
+        reduction_state=saved.reduction_state._replace(
+            counts=jnp.full(2, 2**30, jnp.int32)
+        )
+    )
+    with pytest.raises(ValueError, match=r"beyond the count dtype on one of the 1"):
+        mm.from_device_count(saved, tx(LOCAL).init(params))
+
+
+def test_leaves_outside_the_state_are_matched_by_path_not_position():
+    # A renamed param outside the wrapper state (as many leaves) is refused,
+    # not filled with another param's values.
+    restored = {
+        "params": {"a": jnp.zeros(2), "b": jnp.ones(3)},
+        "opt_state": _tx(8).init({"w": jnp.zeros(H)}),
+    }
+    template = {
+        "params": {"a": jnp.zeros(2), "c": jnp.zeros(3)},
+        "opt_state": _tx(3).init({"w": jnp.zeros(H)}),
+    }
+    with pytest.raises(ValueError, match=r"missing \[\"\['params'\]\['c'\]\"\]"):
+        mm.from_device_count(restored, template)
+
+
+def test_a_restored_train_state_step_moves_onto_the_new_devices():
+    # `step` restored as an array on the saved run's 8 devices (orbax, against
+    # the saved TrainState) moves too: a jitted step on 3 devices takes it.
+    params = {"w": jnp.zeros(H)}
+    saved = mm.TrainState.create(apply_fn=None, params=params, tx=_tx(8, stats=False))
+    saved = saved.replace(
+        step=jax.device_put(jnp.int32(1), NamedSharding(_mesh(8), P()))
+    )
+    new = mm.TrainState.create(apply_fn=None, params=params, tx=_tx(3, stats=False))
+    moved = mm.from_device_count(saved, new)
+    assert moved.step.sharding.device_set <= set(jax.devices()[:3])
+    mean, count, _ = _per_device(0, 3)
+    step = jax.jit(
+        lambda s: s.apply_gradients(
+            grads={"w": jnp.asarray(mean, jnp.float32)},
+            count=jnp.asarray(count, jnp.float32),
+        )
+    )
+    assert int(step(moved).step) == 2
+
+
+def test_an_inner_state_of_the_same_size_but_another_shape_is_refused():
+    # adam's moments of shape (1, H) for an (H,) param: compared by size only,
+    # they passed, and after a window the params were (1, H).
+    def tx(n):
+        return mm.MaskedMultiSteps(
+            optax.adam(0.1),
+            2,
+            reduction=None if n == LOCAL else mm.deferred(_mesh(n), "data"),
+        )
+
+    params = {"w": jnp.zeros(H)}
+    saved = tx(8).init(params)
+    adam, *rest = saved.inner_opt_state
+    adam = adam._replace(mu={"w": jnp.zeros((1, H))}, nu={"w": jnp.zeros((1, H))})
+    saved = saved._replace(inner_opt_state=(adam, *rest))
+    with pytest.raises(ValueError, match=r"`inner_opt_state` does not match"):
+        mm.from_device_count(saved, tx(LOCAL).init(params))

@@ -1,0 +1,52 @@
+"""The check at ``init`` that every process built the same wrapper and state,
+in one process: ``process_allgather`` returns another process's digests."""
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.experimental import multihost_utils
+
+import masked_multistep as mm
+from masked_multistep import _processes
+
+
+def _digests(monkeypatch, texts):
+    """What a process with ``texts`` contributes to the all-gather."""
+    sent = []
+    monkeypatch.setattr(
+        multihost_utils, "process_allgather", lambda x: sent.append(x) or x[None]
+    )
+    _processes.check_same_across_processes(texts, "init")
+    return sent[0]
+
+
+@pytest.mark.parametrize(
+    ("k", "params", "differs"),
+    [
+        (2, {"w": jnp.zeros(4)}, "state layout"),  # the same repr, another shape
+        (2, {"w": jnp.zeros(3, jnp.bfloat16)}, "state layout"),  # adam's moments: bf16
+        (3, {"w": jnp.zeros(3)}, "wrapper (its repr)"),  # the same layout, k
+    ],
+    ids=["shape", "dtype", "k"],
+)
+def test_init_check_names_what_differs(monkeypatch, k, params, differs):
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2)
+    mine = _processes.describe(tx, tx.init({"w": jnp.zeros(3)}))
+    other = mm.MaskedMultiSteps(optax.adam(0.1), k)
+    theirs = _digests(monkeypatch, _processes.describe(other, other.init(params)))
+    monkeypatch.setattr(
+        multihost_utils, "process_allgather", lambda x: np.stack([x, theirs])
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"process\(es\) \[1\] built a different {re.escape(differs)} than",
+    ):
+        _processes.check_same_across_processes(mine, "init")
+    # The same wrapper for the same params: no error.
+    monkeypatch.setattr(
+        multihost_utils, "process_allgather", lambda x: np.stack([x, x])
+    )
+    _processes.check_same_across_processes(mine, "init")
