@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from masked_multistep import _checks
+from masked_multistep import _checks, _running_mean
 from masked_multistep._reduction import (
     KnownTotals,
     WindowTotals,
@@ -296,12 +296,7 @@ class Deferred(KnownTotals):
                 f"device, shape ({self.size},), got shape {jnp.shape(value)}"
             )
         _checks.refuse_count_as_value(value)
-        value = jnp.asarray(value)
-        if value.dtype == jnp.bool_ or not (
-            jnp.issubdtype(value.dtype, jnp.integer)
-            or jnp.issubdtype(value.dtype, jnp.floating)
-        ):
-            raise TypeError(f"`value` must be a real number, got dtype {value.dtype}")
+        value = _checks.real_array(value, "`value`")
         return value.astype(jnp.promote_types(value.dtype, jnp.float32))
 
     def value(self, value: Any, local_counts: Any, total: jax.Array) -> Any:
@@ -388,13 +383,6 @@ class _LocalCounts(NamedTuple):
     invalid: jax.Array  # (D,) bool
 
 
-def _fits(totals: jax.Array, counts: jax.Array) -> jax.Array:
-    """Where ``totals + counts`` is representable in the totals' dtype."""
-    if jnp.issubdtype(totals.dtype, jnp.integer):
-        return counts <= jnp.iinfo(totals.dtype).max - totals
-    return jnp.isfinite(totals + counts)
-
-
 class DeferredPerWindow(Deferred):
     """:class:`Deferred` with no cross-device traffic between window ends.
 
@@ -477,7 +465,7 @@ class DeferredPerWindow(Deferred):
         del n
         counts, invalid = local_counts
         state = reduction_state
-        fits = _fits(state.counts, counts)
+        fits = _running_mean.fits(state.counts, counts)
         counts = jnp.where(fits, counts, jnp.zeros_like(counts))
         invalid = invalid | ~fits
         acc, new_counts = jax.vmap(running_mean_update)(
@@ -506,7 +494,7 @@ class DeferredPerWindow(Deferred):
         if value is None:
             return acc_value, value_count, reduction_state
         state = reduction_state
-        take = _fits(state.counts, local.counts)
+        take = _running_mean.fits(state.counts, local.counts)
         counts = jnp.where(take, local.counts, jnp.zeros_like(local.counts))
         values = jnp.broadcast_to(jnp.asarray(value, jnp.float32), (self.size,))
         new_value, new_counts = jax.vmap(running_mean_update)(

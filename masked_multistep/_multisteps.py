@@ -24,7 +24,7 @@ from masked_multistep import _checks, _processes, _stats, _windows
 from masked_multistep._branch import in_place_cond
 from masked_multistep._deferred import Deferred
 from masked_multistep._reduction import Local, WindowTotals
-from masked_multistep._running_mean import all_finite
+from masked_multistep._running_mean import all_finite, fits
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
 
@@ -526,18 +526,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         _checks.refuse_unknown_keywords(
             "MaskedMultiSteps", unknown, cls.__new__, _KEYWORD_HINTS
         )
-        if not (hasattr(opt, "init") and hasattr(opt, "update")):
-            hint = ""
-            if callable(opt):
-                name = getattr(opt, "__name__", type(opt).__name__)
-                hint = (
-                    f" {name!r}: call it to build the optimizer, e.g. "
-                    "MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
-                )
-            raise TypeError(
-                "`opt` must be an optax GradientTransformation, got "
-                f"{type(opt).__name__}{hint}"
-            )
+        _check_opt(opt)
         acc_dtype = _checks.check_accumulator_dtype(accumulator_dtype)
         cnt_dtype = _checks.check_count_dtype(count_dtype)
         policy = _windows.window_policy(
@@ -554,28 +543,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "`reduction` must be None or mm.deferred(mesh, axis_name), got "
                 f"{reduction!r} of type {type(reduction).__name__}"
             )
-        recorder = _stats.recorder(window_stats, stats_decay)
-        if policy.needs_stats:
-            if reduction is not None:
-                raise ValueError(
-                    "The norm test reads the window's mean gradient after every "
-                    "microbatch; with reduction=mm.deferred(...) that mean exists "
-                    "only at the window's end (forming it on every microbatch is "
-                    "the gradient-sized reduction the deferred mode saves). Use "
-                    "reduction=None with `norm_test`."
-                )
-            # The norm test decides on the window statistics' running figures.
-            recorder = recorder._replace(enabled=True)
-        # Compared in float32, the moving averages' precision:
-        # np.float32(0.9) is the default too.
-        if not recorder.enabled and np.float32(recorder.decay) != np.float32(
-            _DEFAULT_STATS_DECAY
-        ):
-            raise ValueError(
-                f"`stats_decay` ({stats_decay!r}) smooths the window statistics, "
-                "which are off: pass window_stats=True as well (or drop "
-                "`stats_decay`)"
-            )
+        recorder = _recorder_for(policy, reduction, window_stats, stats_decay)
 
         def init(params: optax.Params) -> MaskedMultiStepsState:
             return self._init(params)
@@ -937,15 +905,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             state.gradient_step,
             params,
         )
-        if jnp.issubdtype(self._count_dtype, jnp.integer):
-            fits = n <= jnp.iinfo(self._count_dtype).max - state.acc_count
-        else:
-            fits = jnp.isfinite(state.acc_count + n)
-        valid_count = count_ok & fits
+        room = fits(state.acc_count, n)
+        valid_count = count_ok & room
         # A window whose total cannot take this count is full: it closes on
         # this microbatch (which is dropped and counted as an invalid count),
         # or a token budget it cannot reach would hold it open for ever.
-        full = count_ok & ~fits
+        full = count_ok & ~room
         # A microbatch without tokens always counts toward its window: the skip
         # function's verdict on its meaningless (often 0/0) gradient is ignored,
         # and its state kept.
@@ -1366,6 +1331,57 @@ def _add_counts(counter: jax.Array, n: jax.Array) -> jax.Array:
     """``counter + n`` for int32 counters, saturating at the int32 maximum."""
     room = jnp.iinfo(jnp.int32).max - counter
     return (counter + jnp.minimum(n.astype(jnp.int32), room)).astype(jnp.int32)
+
+
+def _check_opt(opt: Any) -> None:
+    """``opt`` is an optax transformation, or a ``TypeError`` that says how to
+    build one from a factory passed by mistake (``optax.adam``)."""
+    if hasattr(opt, "init") and hasattr(opt, "update"):
+        return
+    hint = ""
+    if callable(opt):
+        name = getattr(opt, "__name__", type(opt).__name__)
+        hint = (
+            f" {name!r}: call it to build the optimizer, e.g. "
+            "MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
+        )
+    raise TypeError(
+        f"`opt` must be an optax GradientTransformation, got {type(opt).__name__}{hint}"
+    )
+
+
+def _recorder_for(
+    policy: _windows.WindowPolicy,
+    reduction: Deferred | None,
+    window_stats: Any,
+    stats_decay: Any,
+) -> _stats.Recorder:
+    """The window statistics' recorder for these settings: on with
+    ``window_stats``, and for a policy that reads them (the norm test, which
+    the deferred reduction cannot serve)."""
+    recorder = _stats.recorder(window_stats, stats_decay)
+    if policy.needs_stats:
+        if reduction is not None:
+            raise ValueError(
+                "The norm test reads the window's mean gradient after every "
+                "microbatch; with reduction=mm.deferred(...) that mean exists "
+                "only at the window's end (forming it on every microbatch is "
+                "the gradient-sized reduction the deferred mode saves). Use "
+                "reduction=None with `norm_test`."
+            )
+        # The norm test decides on the window statistics' running figures.
+        recorder = recorder._replace(enabled=True)
+    # Compared in float32, the moving averages' precision: np.float32(0.9) is
+    # the default too.
+    if not recorder.enabled and np.float32(recorder.decay) != np.float32(
+        _DEFAULT_STATS_DECAY
+    ):
+        raise ValueError(
+            f"`stats_decay` ({stats_decay!r}) smooths the window statistics, "
+            "which are off: pass window_stats=True as well (or drop "
+            "`stats_decay`)"
+        )
+    return recorder
 
 
 def _counts_needed_only_at_close(

@@ -50,6 +50,7 @@ from masked_multistep._checks import (
 __all__ = [
     "all_finite",
     "compute_dtype",
+    "fits",
     "running_mean_update",
     "safe_fraction",
     "sq_norm",
@@ -59,6 +60,14 @@ __all__ = [
 def compute_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
     """The dtype the update is computed in: at least float32."""
     return jnp.promote_types(dtype, jnp.float32)
+
+
+def fits(total: jax.Array, count: jax.Array) -> jax.Array:
+    """Where ``total + count`` is representable in ``total``'s dtype (an
+    integer total would wrap; a float one would be infinite)."""
+    if jnp.issubdtype(total.dtype, jnp.integer):
+        return count <= jnp.iinfo(total.dtype).max - total
+    return jnp.isfinite(total + count)
 
 
 def safe_fraction(num: jax.Array, den: jax.Array) -> jax.Array:

@@ -136,7 +136,7 @@ def test_microbatched_ignores_non_finite_and_negative_counts(count_dtype):
         (-1, r"must be non-negative, got -1"),
         (float("nan"), r"must be a finite non-negative number, got nan"),
         (float("inf"), r"must be a finite non-negative number, got inf"),
-        (1e39, r"is too large for count_dtype float32"),
+        (1e39, r"is too large for float32, the weights' dtype"),
     ],
 )
 def test_concrete_bad_counts_are_refused(bad, match):
