@@ -1315,3 +1315,96 @@ def test_bench_dp_counts_a_branch_once_per_window_and_refuses_a_loop(mesh):
     for body in (in_loop, in_branch_in_loop):
         with pytest.raises(ValueError, match="inside a loop"):
             dp_steps.reductions(spmd(body).lower(x).compile().as_text(), k=8)
+
+
+# From a mutation audit of _deferred.py: each kills a mutant the suite missed.
+
+
+@pytest.mark.parametrize("synced", [False, True], ids=["per-window", "synced"])
+def test_int32_device_counts_whose_low_halves_carry_sum_exactly(mesh, synced):
+    # Kills _deferred.py _exact_sums `hi = hi + (lo >> half)` -> `hi = hi`:
+    # 8 x 10000 = 80000 tokens, whose low 16-bit halves sum past 2**16, were
+    # 80000 mod 2**16 = 14464: the mean 5.5 times too large.
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        1,
+        count_dtype=jnp.int32,
+        reduction=mm.deferred(mesh, "data"),
+        should_skip_update_fn=optax.skip_not_finite if synced else None,
+        window_stats=True,
+    )
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    grads = {"w": jnp.arange(1.0, NDEV + 1)[:, None] * jnp.ones((NDEV, 2))}
+    counts = jnp.full(NDEV, 10000, jnp.int32)
+    updates, state = jax.jit(tx.update)(grads, state, params, count=counts)
+    np.testing.assert_allclose(updates["w"], -4.5, rtol=1e-6)  # mean of 1..8
+    assert int(mm.window_stats(state).tokens) == 80000
+
+
+def test_a_dropped_window_has_no_loss_even_where_its_loss_tokens_fit(mesh):
+    # Kills _deferred.py close_totals `value_total = where(kept, sums[2], 0)`
+    # -> `sums[2]`: the window's total overflows int32 and it is dropped, but
+    # value= came only with its last microbatch, whose tokens fit: its loss
+    # was reported (1.0) for a window that applied nothing.
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        3,
+        count_dtype=jnp.int32,
+        reduction=mm.deferred(mesh, "data"),
+        window_stats=True,
+    )
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    grads = {"w": jnp.ones((NDEV, 2))}
+    step = jax.jit(tx.apply_gradients)
+    for n in (2**27, 2**27):
+        params, state = step(grads, state, params, count=jnp.full(NDEV, n, jnp.int32))
+    params, state = jax.jit(tx.apply_gradients)(  # value= with the last one only
+        grads, state, params, count=jnp.full(NDEV, 2, jnp.int32), value=jnp.ones(NDEV)
+    )
+    stats = mm.window_stats(state)
+    assert int(state.gradient_step) == 0 and int(state.num_invalid_counts) == 1
+    assert int(stats.tokens) == 0 and np.isnan(float(stats.loss))
+
+
+def test_a_device_whose_own_float_total_overflows_drops_that_share_only(mesh):
+    # Kills three _deferred.py DeferredPerWindow mutants: `_fits` of a float
+    # total always True (the share is not counted invalid, and its stats and
+    # value are kept), `accumulate_value` taking every device's count (the
+    # dropped share's value=5 reaches the loss), and `device_shares` fed the
+    # counts before the overflow test (the dropped share counted in K).
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), 2, reduction=mm.deferred(mesh, "data"), window_stats=True
+    )
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    counts = jnp.asarray([3e38] + [1.0] * (NDEV - 1), jnp.float32)
+    grads = {"w": jnp.ones((NDEV, 2))}
+    _, state = jax.jit(tx.update)(grads, state, params, count=counts)  # no value=
+    value = jnp.asarray([5.0] + [1.0] * (NDEV - 1))
+    _, state = jax.jit(tx.update)(grads, state, params, count=counts, value=value)
+    stats = mm.window_stats(state)
+    assert int(state.num_invalid_counts) == 1  # device 0's second share
+    assert int(state.gradient_step) == 1
+    assert int(stats.microbatches) == 1 + 2 * (NDEV - 1)  # K: shares kept
+    assert float(stats.loss) == 1.0  # device 0's value came with its dropped share
+    np.testing.assert_allclose(float(stats.tokens), 3e38, rtol=1e-6)
+
+
+def test_a_window_whose_float_total_overflows_is_dropped_whole(mesh):
+    # Kills _deferred.py close_totals `total = where(kept, sums[0], 0)` ->
+    # `sums[0]`: every device's float32 count fits, their sum is inf; the
+    # window's tokens were inf and adam ran on a zero mean (n / inf).
+    tx = mm.MaskedMultiSteps(
+        optax.adam(0.1), 1, reduction=mm.deferred(mesh, "data"), window_stats=True
+    )
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    params, state = jax.jit(tx.apply_gradients)(
+        {"w": jnp.ones((NDEV, 2))}, state, params, count=jnp.full(NDEV, 3e38)
+    )
+    assert int(state.gradient_step) == 0 and int(state.num_invalid_counts) == 1
+    assert int(state.inner_opt_state[0].count) == 0
+    assert float(mm.window_stats(state).tokens) == 0.0
+    assert not np.asarray(params["w"]).any()

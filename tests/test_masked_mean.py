@@ -156,3 +156,32 @@ def test_booleans_average_under_a_boolean_mask_and_as_floats_under_weights():
     weights = jnp.array([0.5, 0.25, 0.25, 0.0])
     mean, count = mm.masked_mean(hit.astype(jnp.float32), weights)
     assert float(mean) == 0.75 and float(count) == 1.0
+
+
+def test_a_concrete_non_finite_weight_is_refused():
+    # Kills _masked_mean.py `if non_finite: raise` removed: a NaN or inf
+    # weight silently made the count NaN or inf (the microbatch dropped later).
+    for bad in (np.nan, np.inf):
+        with pytest.raises(ValueError, match=r"1 non-finite weight"):
+            mm.masked_mean(jnp.array([1.0, 2.0]), jnp.array([1.0, bad]))
+
+
+def test_an_integer_mask_counts_each_non_zero_entry_as_one_token():
+    # Kills _masked_mean.py `count = sum(mask != 0)` -> `sum(mask)`: entries
+    # of 2 counted twice (and a -1 entry would subtract a token).
+    mean, count = mm.masked_mean(jnp.array([1.0, 2.0, 6.0]), jnp.array([2, 0, -1]))
+    assert count.dtype == jnp.int32 and int(count) == 2
+    np.testing.assert_allclose(mean, 3.5)
+
+
+def test_weighted_mean_across_keeps_float64_under_x64():
+    # Kills _collectives.py weighted_sum_across: the weight nᵈ / N formed in
+    # float32 for float64 leaves (1/3 and 2/3 rounded: a mean off by 3e-8).
+    with jax.enable_x64(True):
+        values = jnp.array([1.0, 4.0], jnp.float64)
+        counts = jnp.array([1, 2], jnp.int32)
+        mean, _ = jax.vmap(
+            lambda g, n: mm.weighted_mean_across(g, n, "shards"), axis_name="shards"
+        )(values, counts)
+        assert mean.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(mean), 3.0, rtol=1e-14)

@@ -1015,3 +1015,161 @@ def test_tokens_seen_formats_as_a_number_with_a_spec_and_as_a_tuple_without():
     batched = jax.tree.map(lambda x: jnp.stack([x, x]), stats_total)
     assert f"{batched}" == str(batched)
     jax.jit(lambda t: f"{t}" and t.hi)(stats_total)
+
+
+def test_noise_scale_is_nan_where_the_true_gradient_estimate_is_exactly_zero():
+    # Kills _stats.py `resolved = ok & (true_sq > 0)` -> `>= 0` (B_simple = inf).
+    # tr Σ̂ = 4 / 1 = 4, |G|²̂ = 1 − 4 / 4 = 0 exactly: B_simple is undefined.
+    var, true_sq, b = mm.noise_scale_estimates(4.0, 2, 4, 1.0)
+    assert (float(var), float(true_sq)) == (4.0, 0.0)
+    assert np.isnan(float(b))
+    # The same through the wrapper: gradients 0 and 2 with one token each give
+    # ḡ = 1, S = 2, tr Σ̂ = 2, |G|²̂ = 1 − 2 / 2 = 0 exactly.
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    params = {"w": jnp.zeros([])}
+    state = tx.init(params)
+    for g in (0.0, 2.0):
+        _, state = tx.update({"w": jnp.float32(g)}, state, params, count=1)
+    stats = mm.window_stats(state)
+    assert float(stats.true_grad_sq_norm) == 0.0
+    assert np.isnan(float(stats.noise_scale))
+
+
+def test_a_non_finite_window_leaves_the_moving_averages_as_they_were():
+    # Kills _stats.py close_window_stats: the EMAs of tr Σ̂ and |G|²̂ decayed
+    # (`where(finite, ..., old)` -> always updated with 0) on a window without
+    # estimates, which reweights the windows before it against the ones after.
+    decay = 0.5
+    windows = [  # (gradients, counts) of windows of 2 microbatches
+        ([1.0, 3.0], [2, 2]),
+        ([np.inf, 1.0], [1, 1]),  # non-finite: recorded without estimates
+        ([0.5, 4.0], [3, 1]),
+    ]
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=decay)
+    params = {"w": jnp.zeros([])}
+    state = tx.init(params)
+    var_ema = true_ema = 0.0
+    for grads, counts in windows:
+        for g, n in zip(grads, counts, strict=True):
+            _, state = tx.update({"w": jnp.float32(g)}, state, params, count=n)
+        stats = mm.window_stats(state)
+        g = np.asarray(grads, np.float64)
+        n = np.asarray(counts, np.float64)
+        if np.all(np.isfinite(g)):
+            mean = np.sum(n * g) / n.sum()
+            var = np.sum(n * (g - mean) ** 2) / (len(g) - 1)
+            true_sq = mean**2 - var / n.sum()
+            var_ema = decay * var_ema + (1 - decay) * var
+            true_ema = decay * true_ema + (1 - decay) * true_sq
+        else:
+            assert np.isnan(float(stats.grad_var_trace))
+        np.testing.assert_allclose(
+            float(stats.smoothed_noise_scale), var_ema / true_ema, rtol=1e-5
+        )
+
+
+def test_the_window_counter_saturates_at_the_int32_maximum():
+    # Kills _stats.py `old.windows < iinfo(int32).max` -> always add 1 (wraps
+    # to -2**31), as num_invalid_counts and num_nonfinite_windows saturate.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1, window_stats=True)
+    top = jnp.int32(2**31 - 1)
+    state = tx.init(jnp.zeros(2))
+    stats = state.stats
+    state = state._replace(stats=stats._replace(last=stats.last._replace(windows=top)))
+    _, state = tx.update(jnp.ones(2), state, count=3)
+    assert int(mm.window_stats(state).windows) == 2**31 - 1
+    assert int(mm.window_stats(state).tokens) == 3
+
+
+def test_tokens_seen_is_exact_for_float64_counts_under_x64():
+    # Kills _stats.py _float32_pieces: a float64 count cut to its float32
+    # rounding alone (the remainder dropped): 2**24 + 1 tokens read as 2**24.
+    with jax.enable_x64(True):
+        tx = mm.MaskedMultiSteps(
+            optax.sgd(1.0), 1, window_stats=True, count_dtype=jnp.float64
+        )
+        state = tx.init(jnp.zeros(2))
+        for _ in range(3):
+            _, state = tx.update(jnp.ones(2), state, count=jnp.float64(2**24 + 1))
+        seen = mm.window_stats(state).tokens_seen
+        assert int(seen) == 3 * (2**24 + 1), seen
+
+
+def test_derivatives_of_the_statistics_match_their_closed_form():
+    # Kills _stats.py _taken_sq_norm_jvp `2 * sum(dots)` -> `sum(dots)`: the
+    # existing tests compare jax.grad with jax.jvp, both from the custom rule.
+    # Gradients θ·rᵢ with counts nᵢ: ‖ḡ‖² = θ² a and tr Σ̂ = θ² b, so their
+    # derivatives in θ are 2θ a and 2θ b.
+    rows = np.array([[1.0, 2.0, -1.0], [0.5, 0.0, 3.0]])
+    counts = np.array([2.0, 3.0])
+    mean = (counts[:, None] * rows).sum(0) / counts.sum()
+    a = float(mean @ mean)
+    b = float(np.sum(counts * np.sum((rows - mean) ** 2, axis=1)))  # K − 1 = 1
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    params = {"w": jnp.zeros(3)}
+
+    def stats(theta):
+        state = tx.init(params)
+        for r, n in zip(rows, counts, strict=True):
+            g = {"w": theta * jnp.asarray(r, jnp.float32)}
+            _, state = tx.update(g, state, params, count=jnp.float32(n))
+        return mm.window_stats(state)
+
+    def both(theta):
+        s = stats(theta)
+        return jnp.stack([s.grad_sq_norm, s.grad_var_trace])
+
+    theta = 1.5
+    grads = jax.jit(jax.jacrev(both))(theta)  # reverse mode, one compilation
+    np.testing.assert_allclose(grads, [2 * theta * a, 2 * theta * b], rtol=1e-5)
+
+
+def test_a_stats_decay_of_zero_is_accepted_and_smooths_nothing():
+    # Kills _stats.py recorder `if not 0 <= decay < 1` -> `0 < decay < 1`:
+    # the documented range [0, 1) includes 0 (no smoothing).
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=0.0)
+    params = {"w": jnp.zeros([])}
+    state = tx.init(params)
+    for g, n in [(1.0, 2), (3.0, 2), (0.5, 1), (4.0, 3)]:
+        _, state = tx.update({"w": jnp.float32(g)}, state, params, count=n)
+    stats = mm.window_stats(state)
+    assert np.isfinite(float(stats.noise_scale))
+    np.testing.assert_allclose(stats.smoothed_noise_scale, stats.noise_scale, rtol=1e-6)
+
+
+def test_microbatched_statistics_of_a_batch_without_tokens_have_no_loss():
+    # Kills _stats.py one_window_stats `loss=where(tokens > 0, loss, nan)` ->
+    # `loss`: an all-masked batch reported the masked mean's 0 as its loss.
+    def loss_fn(w, mb):
+        return mm.masked_mean((mb["x"] * w) ** 2, mb["mask"])
+
+    batch = {"x": jnp.ones((4, 3)), "mask": jnp.zeros((4, 3), bool)}
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 2, with_stats=True)
+    (loss, count), _, stats = grad_fn(jnp.float32(1.0), batch)
+    assert int(count) == 0 and int(stats.tokens) == 0
+    assert np.isnan(float(stats.loss))
+
+
+def test_deferred_statistics_of_complex_gradients_use_their_modulus():
+    # Kills _stats.py _sq_norms (per-device rows) `square(abs(x))` ->
+    # `square(real(x))`: each device's nᵈ‖gᵈ‖² lost the imaginary parts.
+    ndev = len(jax.devices())
+    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1), 1, window_stats=True, reduction=mm.deferred(mesh, "data")
+    )
+    rng = np.random.default_rng(0)
+    g = (rng.normal(size=(ndev, 3)) + 1j * rng.normal(size=(ndev, 3))).astype(
+        np.complex64
+    )
+    n = np.arange(1, ndev + 1, dtype=np.float32)
+    params = {"w": jnp.zeros(3, jnp.complex64)}
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)(
+        {"w": jnp.asarray(g)}, state, params, count=jnp.asarray(n)
+    )
+    stats = mm.window_stats(state)
+    g64, n64 = g.astype(np.complex128), n.astype(np.float64)
+    mean = (n64[:, None] * g64).sum(0) / n64.sum()
+    s = np.sum(n64 * np.sum(np.abs(g64 - mean) ** 2, axis=1))
+    np.testing.assert_allclose(float(stats.grad_var_trace), s / (ndev - 1), rtol=1e-5)

@@ -941,3 +941,68 @@ def test_a_custom_policy_whose_closes_is_not_a_boolean_scalar_is_named(
         match=f"policy P's `closes` must return a boolean scalar, got dtype {got}",
     ):
         tx.update(jnp.ones(2), tx.init(p), p, count=jnp.float32(2))
+
+
+def _norm_scalars(microbatches, tokens, counted, sq, var):
+    return mm.WindowScalars(
+        jnp.int32(microbatches),
+        jnp.float32(tokens),
+        jnp.int32(0),
+        counted=jnp.int32(counted),
+        grad_sq_norm=jnp.float32(sq),
+        grad_var_trace=jnp.float32(var),
+    )
+
+
+def test_norm_test_waits_for_min_tokens_before_it_is_consulted():
+    # Kills _windows.py norm_test: `if min_tokens > 0: started &= reached(...)`
+    # dropped (the test consulted on a window below its minimum budget).
+    # tr Σ̂ = 1 <= 0.5² · N · ‖ḡ‖² = 0.25 · 16 · 1 = 4: the test passes.
+    policy = mm.norm_test(0.5, min_tokens=32, max_microbatches=64)
+    assert not bool(policy.closes((), _norm_scalars(3, 16, 3, 1.0, 1.0)))  # 16 < 32
+    assert not bool(policy.closes((), _norm_scalars(3, 31, 3, 1.0, 1.0)))
+    assert bool(policy.closes((), _norm_scalars(3, 32, 3, 1.0, 1.0)))  # reached
+    # The same through the wrapper: microbatches of 8 tokens that agree closely
+    # pass the test from K = 2 on, but the window holds until 32 tokens.
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), norm_test=mm.norm_test(0.5, min_tokens=32, max_microbatches=64)
+    )
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    closed_at = []
+    for i in range(8):
+        g = jnp.array([1.0, 1.0 + 0.01 * (i % 2)])
+        _, state = tx.update(g, state, params, count=8)
+        if int(state.mini_step) == 0:
+            closed_at.append(i + 1)
+    assert closed_at == [4, 8], closed_at
+
+
+def test_the_smallest_fixed_token_budget_is_the_one_checked_for_reach():
+    # Kills _windows.py any_of: `maximum` the largest of the policies' fixed
+    # token budgets instead of the smallest, which refused a norm test's
+    # unreachable max_tokens although tokens_per_window closes every window.
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        tokens_per_window=100,
+        norm_test=mm.norm_test(0.5, max_tokens=2**31),
+        count_dtype=jnp.int32,
+    )
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    _, state = tx.update(jnp.ones(2), state, params, count=jnp.int32(100))
+    assert int(state.gradient_step) == 1
+
+
+def test_a_token_budget_of_exactly_the_largest_total_is_accepted():
+    # Kills _windows.py check_reachable `budget > top` -> `>=`: a window total
+    # can reach its dtype's largest value, so a budget of it is reachable.
+    mm.MaskedMultiSteps(
+        optax.sgd(1.0), 4, tokens_per_window=2**31 - 1, count_dtype=jnp.int32
+    )
+    mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        4,
+        norm_test=mm.norm_test(0.5, max_tokens=2**31 - 1),
+        count_dtype=jnp.int32,
+    )
