@@ -750,3 +750,61 @@ def test_the_state_counters_saturate_at_the_int32_maximum():
     counts = jnp.full(n, -1, jnp.int32)  # n invalid counts in one window
     _, s = jax.jit(tx.update)(jnp.ones((n, 2)), s, count=counts)
     assert int(s.num_invalid_counts) == 2**31 - 1
+
+
+# An inner optimizer whose value= is optional still gets the window's loss.
+def _records_optional_value():
+    def init(params):
+        del params
+        return jnp.float32(-1.0)
+
+    def update(updates, state, params=None, *, value=None, **extra):
+        del state, params, extra
+        seen = jnp.float32(-2.0) if value is None else jnp.asarray(value, jnp.float32)
+        return updates, seen
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def test_inner_with_optional_value_gets_the_window_mean_value():
+    tx = mm.MaskedMultiSteps(_records_optional_value(), 2)
+    p = jnp.zeros(2)
+    state = tx.init(p)
+    step = jax.jit(tx.update)
+    _, state = step(jnp.ones(2), state, p, count=jnp.float32(1), value=jnp.float32(2.0))
+    _, state = step(jnp.ones(2), state, p, count=jnp.float32(3), value=jnp.float32(6.0))
+    assert bool(mm.has_updated(state))
+    # (1 * 2 + 3 * 6) / 4 = 5
+    assert float(state.inner_opt_state) == 5.0
+
+
+# The window's loss reaches the inner optimizer in the losses' dtype.
+def _scales_by_value():
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, value, **extra):
+        del params, extra
+        assert value.dtype == jnp.bfloat16, value.dtype
+        return jax.tree.map(lambda u: u * value, updates), state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def test_inner_sees_the_window_loss_in_the_microbatch_loss_dtype():
+    tx = mm.MaskedMultiSteps(_scales_by_value(), 2)
+    p = jnp.zeros(2, jnp.bfloat16)
+    state = tx.init(p)
+    step = jax.jit(tx.update)
+    for n, v in [(1, 2.0), (3, 6.0)]:
+        updates, state = step(
+            jnp.ones(2, jnp.bfloat16),
+            state,
+            p,
+            count=jnp.float32(n),
+            value=jnp.bfloat16(v),
+        )
+    assert bool(mm.has_updated(state))
+    assert updates.dtype == jnp.bfloat16
+    assert jnp.allclose(updates.astype(jnp.float32), 5.0)

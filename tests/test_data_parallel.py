@@ -1317,14 +1317,11 @@ def test_bench_dp_counts_a_branch_once_per_window_and_refuses_a_loop(mesh):
             dp_steps.reductions(spmd(body).lower(x).compile().as_text(), k=8)
 
 
-# From a mutation audit of _deferred.py: each kills a mutant the suite missed.
-
-
 @pytest.mark.parametrize("synced", [False, True], ids=["per-window", "synced"])
 def test_int32_device_counts_whose_low_halves_carry_sum_exactly(mesh, synced):
-    # Kills _deferred.py _exact_sums `hi = hi + (lo >> half)` -> `hi = hi`:
-    # 8 x 10000 = 80000 tokens, whose low 16-bit halves sum past 2**16, were
-    # 80000 mod 2**16 = 14464: the mean 5.5 times too large.
+    # int32 counts are summed exactly across devices in two halves: 8 x 10000
+    # = 80000 tokens, whose low 16-bit halves carry past 2**16 (without the
+    # carry, 80000 mod 2**16 = 14464: a mean 5.5 times too large).
     tx = mm.MaskedMultiSteps(
         optax.sgd(1.0),
         1,
@@ -1343,10 +1340,9 @@ def test_int32_device_counts_whose_low_halves_carry_sum_exactly(mesh, synced):
 
 
 def test_a_dropped_window_has_no_loss_even_where_its_loss_tokens_fit(mesh):
-    # Kills _deferred.py close_totals `value_total = where(kept, sums[2], 0)`
-    # -> `sums[2]`: the window's total overflows int32 and it is dropped, but
-    # value= came only with its last microbatch, whose tokens fit: its loss
-    # was reported (1.0) for a window that applied nothing.
+    # The window's total overflows int32 and it is dropped whole: value= came
+    # only with its last microbatch, whose tokens fit, and still the window
+    # reports no loss (it applied nothing).
     tx = mm.MaskedMultiSteps(
         optax.sgd(1.0),
         3,
@@ -1369,11 +1365,9 @@ def test_a_dropped_window_has_no_loss_even_where_its_loss_tokens_fit(mesh):
 
 
 def test_a_device_whose_own_float_total_overflows_drops_that_share_only(mesh):
-    # Kills three _deferred.py DeferredPerWindow mutants: `_fits` of a float
-    # total always True (the share is not counted invalid, and its stats and
-    # value are kept), `accumulate_value` taking every device's count (the
-    # dropped share's value=5 reaches the loss), and `device_shares` fed the
-    # counts before the overflow test (the dropped share counted in K).
+    # Device 0's float32 total cannot take its second count (3e38 + 3e38 is
+    # inf): that share alone is dropped, counted invalid, and adds neither its
+    # value=5 to the loss nor a microbatch to K.
     tx = mm.MaskedMultiSteps(
         optax.sgd(1.0), 2, reduction=mm.deferred(mesh, "data"), window_stats=True
     )
@@ -1393,9 +1387,8 @@ def test_a_device_whose_own_float_total_overflows_drops_that_share_only(mesh):
 
 
 def test_a_window_whose_float_total_overflows_is_dropped_whole(mesh):
-    # Kills _deferred.py close_totals `total = where(kept, sums[0], 0)` ->
-    # `sums[0]`: every device's float32 count fits, their sum is inf; the
-    # window's tokens were inf and adam ran on a zero mean (n / inf).
+    # Every device's float32 count fits, their sum is inf: the window is
+    # dropped (no tokens, no update), not stepped on a zero mean (n / inf).
     tx = mm.MaskedMultiSteps(
         optax.adam(0.1), 1, reduction=mm.deferred(mesh, "data"), window_stats=True
     )

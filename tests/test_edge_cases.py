@@ -473,3 +473,28 @@ def test_zero_updates_have_the_emitted_dtype_and_structure():
     for z, e in zip(jax.tree.leaves(zeros), jax.tree.leaves(emitted)):
         assert z.dtype == e.dtype and z.shape == e.shape
         np.testing.assert_array_equal(z, 0)
+
+
+# A window without tokens is not a non-finite window, even where the
+# accumulator's scratch still holds the NaN of the window before.
+def test_an_empty_window_after_a_nonfinite_one_is_not_counted_as_nonfinite():
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2)
+    p = jnp.zeros(3)
+    step = jax.jit(tx.update)
+    state = tx.init(p)
+    for g in (jnp.full(3, jnp.nan), jnp.ones(3)):
+        _, state = step(g, state, p, count=jnp.float32(2))
+    assert int(state.num_nonfinite_windows) == 1
+    assert int(state.gradient_step) == 0
+    # A window of two empty microbatches (their 0/0 means are NaN).
+    for _ in range(2):
+        updates, state = step(jnp.full(3, jnp.nan), state, p, count=jnp.float32(0))
+    assert int(state.num_nonfinite_windows) == 1
+    assert int(state.gradient_step) == 0
+    assert not bool(mm.has_updated(state))
+    assert float(jnp.abs(updates).max()) == 0.0
+    # And an empty window on a fresh state.
+    state = tx.init(p)
+    for _ in range(2):
+        _, state = step(jnp.ones(3), state, p, count=jnp.float32(0))
+    assert int(state.num_nonfinite_windows) == 0

@@ -159,24 +159,24 @@ def test_booleans_average_under_a_boolean_mask_and_as_floats_under_weights():
 
 
 def test_a_concrete_non_finite_weight_is_refused():
-    # Kills _masked_mean.py `if non_finite: raise` removed: a NaN or inf
-    # weight silently made the count NaN or inf (the microbatch dropped later).
+    # A concrete NaN or inf weight is refused, not turned into a NaN or inf
+    # count (the microbatch would be dropped later, silently).
     for bad in (np.nan, np.inf):
         with pytest.raises(ValueError, match=r"1 non-finite weight"):
             mm.masked_mean(jnp.array([1.0, 2.0]), jnp.array([1.0, bad]))
 
 
 def test_an_integer_mask_counts_each_non_zero_entry_as_one_token():
-    # Kills _masked_mean.py `count = sum(mask != 0)` -> `sum(mask)`: entries
-    # of 2 counted twice (and a -1 entry would subtract a token).
+    # Every non-zero entry of an integer mask is one token (not 2 for a 2,
+    # nor -1 for a -1).
     mean, count = mm.masked_mean(jnp.array([1.0, 2.0, 6.0]), jnp.array([2, 0, -1]))
     assert count.dtype == jnp.int32 and int(count) == 2
     np.testing.assert_allclose(mean, 3.5)
 
 
 def test_weighted_mean_across_keeps_float64_under_x64():
-    # Kills _collectives.py weighted_sum_across: the weight nᵈ / N formed in
-    # float32 for float64 leaves (1/3 and 2/3 rounded: a mean off by 3e-8).
+    # The weights nᵈ / N of float64 leaves are float64 (1/3 and 2/3 rounded
+    # to float32 would put the mean 3e-8 off).
     with jax.enable_x64(True):
         values = jnp.array([1.0, 4.0], jnp.float64)
         counts = jnp.array([1, 2], jnp.int32)

@@ -1018,7 +1018,7 @@ def test_tokens_seen_formats_as_a_number_with_a_spec_and_as_a_tuple_without():
 
 
 def test_noise_scale_is_nan_where_the_true_gradient_estimate_is_exactly_zero():
-    # Kills _stats.py `resolved = ok & (true_sq > 0)` -> `>= 0` (B_simple = inf).
+    # B_simple is NaN, not inf, where |G|²̂ is exactly 0.
     # tr Σ̂ = 4 / 1 = 4, |G|²̂ = 1 − 4 / 4 = 0 exactly: B_simple is undefined.
     var, true_sq, b = mm.noise_scale_estimates(4.0, 2, 4, 1.0)
     assert (float(var), float(true_sq)) == (4.0, 0.0)
@@ -1036,9 +1036,9 @@ def test_noise_scale_is_nan_where_the_true_gradient_estimate_is_exactly_zero():
 
 
 def test_a_non_finite_window_leaves_the_moving_averages_as_they_were():
-    # Kills _stats.py close_window_stats: the EMAs of tr Σ̂ and |G|²̂ decayed
-    # (`where(finite, ..., old)` -> always updated with 0) on a window without
-    # estimates, which reweights the windows before it against the ones after.
+    # The moving averages of tr Σ̂ and |G|²̂ skip a window without estimates
+    # (decaying them there would reweight the windows before it against the
+    # ones after), checked against a float64 model.
     decay = 0.5
     windows = [  # (gradients, counts) of windows of 2 microbatches
         ([1.0, 3.0], [2, 2]),
@@ -1069,8 +1069,8 @@ def test_a_non_finite_window_leaves_the_moving_averages_as_they_were():
 
 
 def test_the_window_counter_saturates_at_the_int32_maximum():
-    # Kills _stats.py `old.windows < iinfo(int32).max` -> always add 1 (wraps
-    # to -2**31), as num_invalid_counts and num_nonfinite_windows saturate.
+    # The window counter saturates (does not wrap to -2**31), as
+    # num_invalid_counts and num_nonfinite_windows do.
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1, window_stats=True)
     top = jnp.int32(2**31 - 1)
     state = tx.init(jnp.zeros(2))
@@ -1082,8 +1082,8 @@ def test_the_window_counter_saturates_at_the_int32_maximum():
 
 
 def test_tokens_seen_is_exact_for_float64_counts_under_x64():
-    # Kills _stats.py _float32_pieces: a float64 count cut to its float32
-    # rounding alone (the remainder dropped): 2**24 + 1 tokens read as 2**24.
+    # A float64 count is added whole (its float32 rounding and the rest):
+    # 2**24 + 1 tokens are not read as 2**24.
     with jax.enable_x64(True):
         tx = mm.MaskedMultiSteps(
             optax.sgd(1.0), 1, window_stats=True, count_dtype=jnp.float64
@@ -1096,10 +1096,10 @@ def test_tokens_seen_is_exact_for_float64_counts_under_x64():
 
 
 def test_derivatives_of_the_statistics_match_their_closed_form():
-    # Kills _stats.py _taken_sq_norm_jvp `2 * sum(dots)` -> `sum(dots)`: the
-    # existing tests compare jax.grad with jax.jvp, both from the custom rule.
-    # Gradients θ·rᵢ with counts nᵢ: ‖ḡ‖² = θ² a and tr Σ̂ = θ² b, so their
-    # derivatives in θ are 2θ a and 2θ b.
+    # Against the closed form (the other derivative tests compare reverse
+    # with forward mode, both from the same custom rule). Gradients θ·rᵢ with
+    # counts nᵢ: ‖ḡ‖² = θ² a and tr Σ̂ = θ² b, so their derivatives in θ are
+    # 2θ a and 2θ b.
     rows = np.array([[1.0, 2.0, -1.0], [0.5, 0.0, 3.0]])
     counts = np.array([2.0, 3.0])
     mean = (counts[:, None] * rows).sum(0) / counts.sum()
@@ -1125,8 +1125,7 @@ def test_derivatives_of_the_statistics_match_their_closed_form():
 
 
 def test_a_stats_decay_of_zero_is_accepted_and_smooths_nothing():
-    # Kills _stats.py recorder `if not 0 <= decay < 1` -> `0 < decay < 1`:
-    # the documented range [0, 1) includes 0 (no smoothing).
+    # The documented range [0, 1) includes 0: no smoothing.
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True, stats_decay=0.0)
     params = {"w": jnp.zeros([])}
     state = tx.init(params)
@@ -1138,8 +1137,7 @@ def test_a_stats_decay_of_zero_is_accepted_and_smooths_nothing():
 
 
 def test_microbatched_statistics_of_a_batch_without_tokens_have_no_loss():
-    # Kills _stats.py one_window_stats `loss=where(tokens > 0, loss, nan)` ->
-    # `loss`: an all-masked batch reported the masked mean's 0 as its loss.
+    # An all-masked batch has no loss (NaN), not the masked mean's 0.
     def loss_fn(w, mb):
         return mm.masked_mean((mb["x"] * w) ** 2, mb["mask"])
 
@@ -1151,8 +1149,7 @@ def test_microbatched_statistics_of_a_batch_without_tokens_have_no_loss():
 
 
 def test_deferred_statistics_of_complex_gradients_use_their_modulus():
-    # Kills _stats.py _sq_norms (per-device rows) `square(abs(x))` ->
-    # `square(real(x))`: each device's nᵈ‖gᵈ‖² lost the imaginary parts.
+    # Each device's nᵈ‖gᵈ‖² counts the imaginary parts too.
     ndev = len(jax.devices())
     mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     tx = mm.MaskedMultiSteps(

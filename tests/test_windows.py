@@ -955,8 +955,7 @@ def _norm_scalars(microbatches, tokens, counted, sq, var):
 
 
 def test_norm_test_waits_for_min_tokens_before_it_is_consulted():
-    # Kills _windows.py norm_test: `if min_tokens > 0: started &= reached(...)`
-    # dropped (the test consulted on a window below its minimum budget).
+    # The test is not consulted on a window below its minimum budget.
     # tr Σ̂ = 1 <= 0.5² · N · ‖ḡ‖² = 0.25 · 16 · 1 = 4: the test passes.
     policy = mm.norm_test(0.5, min_tokens=32, max_microbatches=64)
     assert not bool(policy.closes((), _norm_scalars(3, 16, 3, 1.0, 1.0)))  # 16 < 32
@@ -979,9 +978,9 @@ def test_norm_test_waits_for_min_tokens_before_it_is_consulted():
 
 
 def test_the_smallest_fixed_token_budget_is_the_one_checked_for_reach():
-    # Kills _windows.py any_of: `maximum` the largest of the policies' fixed
-    # token budgets instead of the smallest, which refused a norm test's
-    # unreachable max_tokens although tokens_per_window closes every window.
+    # The smallest of the policies' fixed token budgets is checked for
+    # reach: the norm test's unreachable max_tokens is no reason to refuse
+    # when tokens_per_window closes every window.
     tx = mm.MaskedMultiSteps(
         optax.sgd(1.0),
         tokens_per_window=100,
@@ -995,8 +994,8 @@ def test_the_smallest_fixed_token_budget_is_the_one_checked_for_reach():
 
 
 def test_a_token_budget_of_exactly_the_largest_total_is_accepted():
-    # Kills _windows.py check_reachable `budget > top` -> `>=`: a window total
-    # can reach its dtype's largest value, so a budget of it is reachable.
+    # A window total can reach its dtype's largest value, so a budget of it
+    # is reachable.
     mm.MaskedMultiSteps(
         optax.sgd(1.0), 4, tokens_per_window=2**31 - 1, count_dtype=jnp.int32
     )
@@ -1006,3 +1005,39 @@ def test_a_token_budget_of_exactly_the_largest_total_is_accepted():
         norm_test=mm.norm_test(0.5, max_tokens=2**31 - 1),
         count_dtype=jnp.int32,
     )
+
+
+# A skipped microbatch (NaN gradient under skip_not_finite, or an invalid
+# count under jit) does not close the window, even where the policy, asked
+# now, would close it.
+def _closes_once_a_microbatch_counted():
+    # Closes on any microbatch once one counted microbatch was seen (its state
+    # counts the microbatches kept), so the verdict on a skipped microbatch
+    # after the first one is True.
+    return mm.WindowPolicy(
+        lambda: jnp.int32(0),
+        lambda ps, s: ps >= 1,
+        lambda ps, s, closed: jnp.where(closed, 0, ps + 1),
+    )
+
+
+def test_a_skipped_microbatch_does_not_close_the_window():
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        tokens_per_window=_closes_once_a_microbatch_counted(),
+        should_skip_update_fn=optax.skip_not_finite,
+    )
+    p = jnp.zeros(2)
+    step = jax.jit(tx.update)
+    _, state = step(jnp.full(2, 1.0), tx.init(p), p, count=jnp.float32(1))
+    assert int(state.gradient_step) == 0
+    for grads, count in [(jnp.full(2, jnp.nan), 3.0), (jnp.full(2, 9.0), -1.0)]:
+        updates, after = step(grads, state, p, count=jnp.float32(count))
+        assert int(after.gradient_step) == 0
+        assert not bool(mm.has_updated(after))
+        assert int(after.mini_step) == 1
+        assert float(jnp.abs(updates).max()) == 0.0
+    # The next counted microbatch closes it, with the mean of the two kept.
+    updates, state = step(jnp.full(2, 4.0), state, p, count=jnp.float32(3))
+    assert int(state.gradient_step) == 1
+    assert jnp.allclose(updates, -(1.0 * 1 + 4.0 * 3) / 4)
