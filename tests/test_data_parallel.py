@@ -1205,11 +1205,9 @@ def test_the_wrapper_picks_the_deferred_variant_from_its_rules(mesh):
     assert (int(state.gradient_step), int(state.num_nonfinite_windows)) == (1, 0)
 
 
-def test_a_window_whose_combined_total_overflows_is_dropped_whole(mesh):
-    """Every device's int32 total fits, their sum does not: known only when the
-    window closes (no device sees the others' counts sooner), so the window is
-    dropped whole, its statistics included (they kept its microbatches and loss
-    beside 0 tokens)."""
+def _int32_window_of_3(mesh):
+    """A deferred wrapper with int32 counts and statistics, windows of 3, its
+    params, fresh state and every device's gradient of ones."""
     tx = mm.MaskedMultiSteps(
         optax.sgd(1.0),
         3,
@@ -1218,8 +1216,15 @@ def test_a_window_whose_combined_total_overflows_is_dropped_whole(mesh):
         window_stats=True,
     )
     params = {"w": jnp.zeros(2)}
-    state = tx.init(params)
-    grads = {"w": jnp.ones((NDEV, 2))}
+    return tx, params, tx.init(params), {"w": jnp.ones((NDEV, 2))}
+
+
+def test_a_window_whose_combined_total_overflows_is_dropped_whole(mesh):
+    """Every device's int32 total fits, their sum does not: known only when the
+    window closes (no device sees the others' counts sooner), so the window is
+    dropped whole, its statistics included (they kept its microbatches and loss
+    beside 0 tokens)."""
+    tx, params, state, grads = _int32_window_of_3(mesh)
     for n in (2**27, 2**27, 2):
         count = jnp.full(NDEV, n, jnp.int32)
         params, state = tx.apply_gradients(
@@ -1343,16 +1348,7 @@ def test_a_dropped_window_has_no_loss_even_where_its_loss_tokens_fit(mesh):
     # The window's total overflows int32 and it is dropped whole: value= came
     # only with its last microbatch, whose tokens fit, and still the window
     # reports no loss (it applied nothing).
-    tx = mm.MaskedMultiSteps(
-        optax.sgd(1.0),
-        3,
-        count_dtype=jnp.int32,
-        reduction=mm.deferred(mesh, "data"),
-        window_stats=True,
-    )
-    params = {"w": jnp.zeros(2)}
-    state = tx.init(params)
-    grads = {"w": jnp.ones((NDEV, 2))}
+    tx, params, state, grads = _int32_window_of_3(mesh)
     step = jax.jit(tx.apply_gradients)
     for n in (2**27, 2**27):
         params, state = step(grads, state, params, count=jnp.full(NDEV, n, jnp.int32))

@@ -144,6 +144,17 @@ k_values = st.one_of(
 )
 
 
+def _norm_scalars(microbatches, tokens, counted, sq, var):
+    return mm.WindowScalars(
+        jnp.int32(microbatches),
+        jnp.float32(tokens),
+        jnp.int32(0),
+        counted=jnp.int32(counted),
+        grad_sq_norm=jnp.float32(sq),
+        grad_var_trace=jnp.float32(var),
+    )
+
+
 @settings(max_examples=25, deadline=None)
 @given(counts=counts_st, table=st.lists(k_values, min_size=1, max_size=4))
 def test_microbatch_window_schedule_matches_model(counts, table):
@@ -387,14 +398,7 @@ def test_norm_test_matches_model(
             (max_tokens is not None and reached(tokens, max_tokens))
             or (max_mb is not None and mb >= max_mb)
         )
-        s = w.WindowScalars(
-            jnp.int32(mb),
-            jnp.float32(tokens),
-            jnp.int32(0),
-            counted=jnp.int32(k),
-            grad_sq_norm=jnp.float32(sq),
-            grad_var_trace=jnp.float32(var),
-        )
+        s = _norm_scalars(mb, tokens, k, sq, var)
         assert bool(closes_fn((), s)) == expected, (i, tokens, k, sq, var)
         if expected:
             start = i + 1
@@ -941,17 +945,6 @@ def test_a_custom_policy_whose_closes_is_not_a_boolean_scalar_is_named(
         match=f"policy P's `closes` must return a boolean scalar, got dtype {got}",
     ):
         tx.update(jnp.ones(2), tx.init(p), p, count=jnp.float32(2))
-
-
-def _norm_scalars(microbatches, tokens, counted, sq, var):
-    return mm.WindowScalars(
-        jnp.int32(microbatches),
-        jnp.float32(tokens),
-        jnp.int32(0),
-        counted=jnp.int32(counted),
-        grad_sq_norm=jnp.float32(sq),
-        grad_var_trace=jnp.float32(var),
-    )
 
 
 def test_norm_test_waits_for_min_tokens_before_it_is_consulted():
