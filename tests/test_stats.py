@@ -53,6 +53,11 @@ def _microbatch_means(rng, g_true, sigma_diag, counts):
     return np.asarray(out, np.float32)
 
 
+def _data_mesh(ndev):
+    """A mesh of the first ``ndev`` devices along the axis "data"."""
+    return jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
 def test_estimators_are_unbiased_with_unequal_counts_and_empty_microbatches():
     rng = np.random.default_rng(0)
     d, windows = 8, 3000
@@ -294,7 +299,7 @@ def test_reverse_mode_derivatives_skip_an_empty_device_with_nan_gradients():
     from jax.sharding import PartitionSpec as P
 
     ndev = len(jax.devices())
-    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = _data_mesh(ndev)
     tx = mm.MaskedMultiSteps(
         optax.sgd(0.1), 2, window_stats=True, reduction=mm.deferred(mesh, "data")
     )
@@ -316,7 +321,7 @@ def test_reverse_mode_derivatives_skip_an_empty_device_with_nan_gradients():
 def test_deferred_statistics_with_no_parameters():
     """An empty tree (``tx.init({})``) accumulates the devices' counts alone."""
     ndev = len(jax.devices())
-    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = _data_mesh(ndev)
     tx = mm.MaskedMultiSteps(
         optax.sgd(0.1), 2, window_stats=True, reduction=mm.deferred(mesh, "data")
     )
@@ -859,7 +864,7 @@ def test_deferred_reduction_counts_each_devices_share_as_a_small_batch():
     from jax.sharding import PartitionSpec as P
 
     ndev, rows, width = len(jax.devices()), 2, 4
-    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = _data_mesh(ndev)
     data = NamedSharding(mesh, P("data"))
     rng = np.random.default_rng(6)
 
@@ -1151,7 +1156,7 @@ def test_microbatched_statistics_of_a_batch_without_tokens_have_no_loss():
 def test_deferred_statistics_of_complex_gradients_use_their_modulus():
     # Each device's nᵈ‖gᵈ‖² counts the imaginary parts too.
     ndev = len(jax.devices())
-    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = _data_mesh(ndev)
     tx = mm.MaskedMultiSteps(
         optax.sgd(0.1), 1, window_stats=True, reduction=mm.deferred(mesh, "data")
     )
