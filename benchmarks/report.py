@@ -48,8 +48,10 @@ def times(result: dict[str, Any]) -> str:
     for name in names:
         line = [name]
         for w, k in keys:
-            r = cell[(name, w, k)]
-            line.append(f"{r['x_floor']:.2f} ({r['ms_per_microbatch']:.1f})")
+            r = cell.get((name, w, k))  # none for the norm test at k = 1
+            line.append(
+                f"{r['x_floor']:.2f} ({r['ms_per_microbatch']:.1f})" if r else "—"
+            )
         body.append(line)
     return _table(header, body)
 

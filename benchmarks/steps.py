@@ -166,11 +166,14 @@ def masked_multisteps_stats(workload: Workload, k: int) -> Competitor:
     )
 
 
-def masked_multisteps_norm_test(workload: Workload, k: int) -> Competitor:
+def masked_multisteps_norm_test(workload: Workload, k: int) -> Competitor | None:
     """The plain optax loop with windows closed by the norm test, held at ``k``
     microbatches (the minimum and the maximum both ``k``) so
     that the inner optimizer runs as often as in the other rows: what the
-    test's per-microbatch figures cost."""
+    test's per-microbatch figures cost. None for ``k < 2``: the test decides
+    on two microbatches or more, so a window of one never consults it."""
+    if k < 2:
+        return None
     policy = mm.norm_test(0.5, min_microbatches=k, max_microbatches=k)
     tx = mm.MaskedMultiSteps(optax.adam(LEARNING_RATE), norm_test=policy)
     return _optax_loop(

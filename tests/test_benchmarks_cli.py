@@ -163,3 +163,31 @@ def test_gpu_session_script_parses_and_its_flags_are_bench_pys():
     for args in lists:
         parsed = bench.parse_args(args)
         assert parsed.widths and parsed.ks and parsed.repeats, args
+
+
+def test_every_window_competitor_builds_at_k_1_or_sits_it_out(capsys):
+    # `make bench` and `make bench-quick` time k = 1: the norm test, which
+    # decides on two microbatches or more, has no window of one (it raised,
+    # and the benchmark stopped); its cell reads "—".
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench
+        import report
+        import steps
+    finally:
+        sys.path.pop(0)
+    workload = steps.Workload(width=8)
+    made = {make.__name__: make(workload, 1) for make in steps.WINDOW_COMPETITORS}
+    assert made.pop("masked_multisteps_norm_test") is None
+    assert all(comp is not None for comp in made.values()), made
+    assert steps.masked_multisteps_norm_test(workload, 2) is not None
+    rows = [
+        {"competitor": name, "width": 8, "k": k, "x_floor": 1.0}
+        for name, k in [("floor", 1), ("floor", 2), ("norm test", 2)]
+    ]
+    bench.print_summary(rows)
+    assert capsys.readouterr().out.splitlines()[-1].split() == [
+        "norm", "test", "—", "1.00"
+    ]  # fmt: skip
+    result = {"windows": [{**r, "ms_per_microbatch": 0.5} for r in rows]}
+    assert "| norm test | — | 1.00 (0.5) |" in report.times(result)
