@@ -729,9 +729,7 @@ def close_window_stats(
             noise_scale=scale,
             smoothed_noise_scale=smoothed.astype(_F32),
             tokens_seen=add_tokens(old.tokens_seen, n),
-            windows=jnp.where(
-                old.windows < jnp.iinfo(jnp.int32).max, old.windows + 1, old.windows
-            ),
+            windows=optax.safe_increment(old.windows),
         )
         return WindowStatsState(
             weighted_sq_norms=jnp.zeros([], _F32),
