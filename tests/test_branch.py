@@ -326,3 +326,59 @@ def test_reverse_mode_through_vmap_with_examples_in_different_branches(monkeypat
     np.testing.assert_allclose(got, want, rtol=1e-6)
     _, tangent = jax.jvp(lambda lr: loss(0.7, lr), (0.1,), (1.0,))
     np.testing.assert_allclose(tangent, want[1], rtol=1e-5)
+
+
+def test_a_branch_not_taken_passes_no_nan_from_its_derivative(form):
+    # The update branch takes sqrt of the state, whose derivative at 0 is
+    # infinite; where it is not taken the state passes through with derivative
+    # 1, in reverse mode and forward mode alike.
+    def f(x, pred):
+        def step(state, g):
+            return jnp.sqrt(state) * g, jnp.float32(0)
+
+        def hold(state, g):
+            return jnp.float32(0)
+
+        y, _ = _branch.in_place_cond(pred, step, hold, x, x)
+        return jnp.sum(y)
+
+    x = jnp.array([0.0, 4.0])
+    g = jax.jit(jax.grad(f))(x, jnp.bool_(False))
+    np.testing.assert_array_equal(g, np.ones(2))
+    _, t = jax.jvp(functools.partial(f, pred=jnp.bool_(False)), (x,), (jnp.ones(2),))
+    assert float(t) == 2.0
+
+
+def test_the_held_branchs_output_has_its_derivatives(form):
+    # What the branch that holds the state returns besides it may depend on
+    # the operands; where it is the branch taken, its derivative is theirs.
+    def f(x, pred):
+        def step(state, g):
+            return state, jnp.float32(0)
+
+        def hold(state, g):
+            return 3.0 * jnp.sum(g)
+
+        _, extra = _branch.in_place_cond(pred, step, hold, x, 2.0 * x)
+        return extra
+
+    x = jnp.array([1.0, 2.0])
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(x, jnp.bool_(False)), [6.0, 6.0])
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(x, jnp.bool_(True)), [0.0, 0.0])
+    _, t = jax.jvp(functools.partial(f, pred=jnp.bool_(False)), (x,), (jnp.ones(2),))
+    assert float(t) == 12.0
+
+
+def test_a_numeric_predicate_picks_a_branch_as_its_truth_value(form):
+    # An integer predicate is true where it is not zero, as in `lax.cond`.
+    def step(state, g):
+        return state - g, jnp.int32(1)
+
+    def hold(state, g):
+        return jnp.int32(0)
+
+    f = jax.jit(lambda pred: _branch.in_place_cond(pred, step, hold, jnp.ones(2), 1.0))
+    for pred, want, extra in ((jnp.int32(2), 0.0, 1), (jnp.int32(0), 1.0, 0)):
+        x, e = f(pred)
+        np.testing.assert_array_equal(x, [want, want])
+        assert int(e) == extra

@@ -299,3 +299,31 @@ def test_0_1_a_leaf_of_the_same_size_but_another_shape_is_refused():
     }
     with pytest.raises(ValueError, match=r"`restored\['acc_grads'\]` does not match"):
         mm.from_state_0_1(old, template)
+
+
+def test_a_0_1_state_of_params_on_no_particular_device_stays_uncommitted():
+    # Params left where jax puts them: tx.init's state is uncommitted, and so
+    # is a 0.1 state read back with flax.serialization (numpy leaves) and
+    # converted, so that the step compiled for the one runs the other.
+    params = {"w": jnp.arange(4.0)}
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 3)
+    template = tx.init(params)
+    old = {
+        **mm.state_0_1_target(template),
+        "mini_step": jnp.int32(1),
+        "acc_count": jnp.int32(3),
+        "acc_grads": {"w": jnp.arange(4.0) / 10},
+    }
+    restored = serialization.from_bytes(
+        mm.state_0_1_target(template), serialization.to_bytes(old)
+    )
+    state = mm.from_state_0_1(restored, template)
+    for got, want in zip(
+        jax.tree.leaves(state), jax.tree.leaves(template), strict=True
+    ):
+        assert not got._committed and not want._committed
+    step = jax.jit(lambda p, s: tx.apply_gradients(p, s, p, count=1))
+    step(params, template)
+    compiled = step._cache_size()
+    step(params, state)
+    assert step._cache_size() == compiled

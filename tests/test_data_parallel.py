@@ -1397,3 +1397,35 @@ def test_a_window_whose_float_total_overflows_is_dropped_whole(mesh):
     assert int(state.inner_opt_state[0].count) == 0
     assert float(mm.window_stats(state).tokens) == 0.0
     assert not np.asarray(params["w"]).any()
+
+
+def test_several_mesh_axes_count_every_device_of_them():
+    # Data parallel over both axes of a 2 x 4 mesh: 8 devices, named as a
+    # tuple or a list, each device its own gradient and its own running mean.
+    grid = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AUTO, AUTO))
+    params = _params()
+    batch = jax.device_put(
+        _batch(NDEV * ROWS, seed=7), NamedSharding(grid, P(("data", "model")))
+    )
+    for axes in (("data", "model"), ["data", "model"]):
+        (_, count), grads = jax.jit(mm.per_device_value_and_grad(_loss, grid, axes))(
+            params, batch
+        )
+        assert count.shape == (NDEV,)
+        assert grads["w1"].shape == (NDEV, *params["w1"].shape)
+        tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, reduction=mm.deferred(grid, axes))
+        state = tx.init(jax.device_put(params, NamedSharding(grid, P())))
+        assert state.acc_grads["w1"].shape == (NDEV, *params["w1"].shape)
+
+
+def test_axis_names_that_are_empty_or_repeated_are_refused(mesh):
+    for build in (
+        lambda axes: mm.per_device_value_and_grad(_loss, mesh, axes),
+        lambda axes: mm.data_parallel_value_and_grad(_loss, mesh, axes),
+        lambda axes: mm.deferred(mesh, axes),
+    ):
+        with pytest.raises(ValueError, match=r"must name at least one mesh axis"):
+            build(())
+        twice = r"names an axis twice: \('data', 'data'\)"
+        with pytest.raises(ValueError, match=twice):
+            build(("data", "data"))

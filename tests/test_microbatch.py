@@ -571,3 +571,19 @@ def test_an_integer_params_leaf_is_named_with_the_nnx_recipe_only_for_nnx():
         TypeError, match=r"params\['n'\]\S*\. An NNX module .*nnx\.split"
     ):
         grad_fn(state, jnp.ones(4))
+
+
+def test_an_integer_leaf_of_an_nnx_state_of_plain_arrays_is_named_with_the_recipe():
+    # An nnx.State holds NNX state even where its leaves are plain arrays
+    # (nnx.State(nnx.to_pure_dict(state))): the integer leaf's error names the
+    # split recipe.
+    nnx = pytest.importorskip("flax.nnx")
+    grad_fn = mm.microbatched_value_and_grad(
+        lambda p, mb: mm.masked_mean(p["w"] * mb, jnp.ones_like(mb, bool)), 2
+    )
+    state = nnx.State({"w": jnp.float32(1.0), "n": jnp.int32(1)})
+    with pytest.raises(
+        TypeError,
+        match=r"got dtype int32 at params\['n'\]\. An NNX module .*nnx\.split",
+    ):
+        grad_fn(state, jnp.ones(4))

@@ -439,3 +439,53 @@ def test_tied_weights_are_refused_and_the_split_recipe_gives_their_whole_gradien
     chex.assert_trees_all_close(
         grads["a"]["kernel"][...], want.a.kernel[...], rtol=1e-5, atol=1e-6
     )
+
+
+def test_a_module_inside_params_is_told_it_may_go_in_whole():
+    # microbatched_value_and_grad carries a module's other state when the
+    # module itself is `params`: the error says so. data_parallel_value_and_grad
+    # does not carry it, and offers only the split recipe.
+    model = _WithBatchNorm(nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"pass the module itself as `params`"):
+        mm.microbatched_value_and_grad(lambda p, mb: _bn_loss(p["model"], mb), K)(
+            {"model": model}, _batch()
+        )
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    with pytest.raises(TypeError, match=r"whole: pass `params` from `graphdef") as err:
+        mm.data_parallel_value_and_grad(_bn_loss, mesh)(model, _batch())
+    assert "module itself" not in str(err.value)
+
+
+def test_a_state_split_off_whole_with_rng_streams_is_refused_by_variable():
+    # `nnx.split(model)` keeps the RNG streams beside the parameters: each is
+    # named as a variable that is not a parameter, with the recipe.
+    model = _WithRngs(nnx.Rngs(0, dropout=1))
+    graphdef, everything = nnx.split(model)
+
+    def whole_state_loss(state, batch):
+        return _bn_loss(nnx.merge(graphdef, state, copy=True), batch)
+
+    with pytest.raises(
+        TypeError,
+        match=r"^`params` holds variables that are not parameters \(RngCount at "
+        r"params\['dropout'\]\['rngs'\]\['count'\], RngKey at "
+        r"params\['dropout'\]\['rngs'\]\['key'\]\): pass `params` from `graphdef, "
+        r"params, rest = nnx.split\(model, nnx.Param",
+    ):
+        mm.microbatched_value_and_grad(whole_state_loss, K)(everything, _batch())
+
+
+class _FillsCache(nnx.Module):
+    def __init__(self):
+        self.hidden = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        self.cache = nnx.Cache(None)  # no value until the first call
+
+    def __call__(self, x):
+        y = self.hidden(x)
+        self.cache.set_value(jnp.mean(y, axis=(0, 1)))
+        return y
+
+
+def test_a_variable_that_gets_its_first_value_in_loss_fn_is_named_with_both_layouts():
+    with pytest.raises(TypeError, match=r"changed \.cache \(None -> float32\[2\]\)"):
+        mm.microbatched_value_and_grad(_bn_loss, K)(_FillsCache(), _batch())

@@ -1034,3 +1034,29 @@ def test_a_skipped_microbatch_does_not_close_the_window():
     updates, state = step(jnp.full(2, 4.0), state, p, count=jnp.float32(3))
     assert int(state.gradient_step) == 1
     assert jnp.allclose(updates, -(1.0 * 1 + 4.0 * 3) / 4)
+
+
+def test_tokens_schedule_keeps_a_fractional_tokens_per_step():
+    # A measured mean tokens per window is rarely a whole number: 2.5 tokens
+    # per step puts step 4 at 10 tokens, not at 8.
+    sched = mm.tokens_schedule(lambda t: t, 2.5)
+    assert float(sched(4)) == 10.0
+    assert float(jax.jit(sched)(jnp.int32(3))) == 7.5
+    assert float(mm.tokens_schedule(lambda t: t, 0.75)(8)) == 6.0
+
+
+def test_tokens_schedule_accepts_the_ends_of_float32s_range():
+    # The smallest normal float32 and the largest are rates float32 holds;
+    # only what lies beyond them is refused.
+    f32 = np.finfo(np.float32)
+    assert float(mm.tokens_schedule(lambda t: t, float(f32.tiny))(1)) == f32.tiny
+    assert float(mm.tokens_schedule(lambda t: t, float(f32.max))(1)) == f32.max
+    with pytest.raises(ValueError, match="`tokens_per_step` .*float32 holds"):
+        mm.tokens_schedule(lambda t: t, float(f32.tiny) / 2)
+
+
+def test_tokens_schedule_returns_an_array_for_a_schedule_returning_a_number():
+    # An optax.Schedule returns an array, whatever the wrapped function returns.
+    lr = mm.tokens_schedule(lambda t: 0.1, 256)(3)
+    assert isinstance(lr, jax.Array) and lr.shape == ()
+    np.testing.assert_allclose(lr, 0.1)
