@@ -1429,3 +1429,29 @@ def test_axis_names_that_are_empty_or_repeated_are_refused(mesh):
         twice = r"names an axis twice: \('data', 'data'\)"
         with pytest.raises(ValueError, match=twice):
             build(("data", "data"))
+
+
+def test_deferred_skipped_microbatch_leaves_the_window_as_it_was(mesh):
+    """A microbatch the skip function rejects changes nothing mid-window: not
+    the devices' running means, nor their token totals, nor the global one,
+    though every device holds tokens and a finite gradient but one."""
+    params = {"w": jnp.zeros(3)}
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        K,
+        reduction=mm.deferred(mesh, "data"),
+        should_skip_update_fn=optax.skip_not_finite,
+    )
+    step = jax.jit(lambda g, s, c: tx.update(g, s, params, count=c)[1])
+    counts = jnp.arange(1.0, NDEV + 1)
+    grads = {"w": jnp.arange(3.0 * NDEV).reshape(NDEV, 3)}
+    before = step(grads, tx.init(params), counts)
+    assert int(before.mini_step) == 1 and np.asarray(before.acc_grads["w"]).any()
+    bad = {"w": (grads["w"] + 5.0).at[3, 1].set(jnp.nan)}
+    after = step(bad, before, 2 * counts)
+    assert not bool(before.skip_state["should_skip"])
+    assert bool(after.skip_state["should_skip"])
+    chex.assert_trees_all_equal(
+        (after.acc_grads, after.acc_count, after.reduction_state, after.mini_step),
+        (before.acc_grads, before.acc_count, before.reduction_state, before.mini_step),
+    )
