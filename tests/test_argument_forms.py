@@ -240,3 +240,24 @@ def test_the_masked_mean_pair_as_count_is_named_and_other_tuples_are_not():
 def test_a_broadcast_mask_counts_the_non_finite_weights_it_was_given():
     with pytest.raises(ValueError, match=r"`mask` holds 1 non-finite weight"):
         mm.masked_mean(jnp.ones(4), jnp.float32(jnp.nan))
+
+
+@pytest.mark.parametrize(
+    "flag", [jnp.array(1), np.array(0), jnp.float32(0.5), np.float64(1.0)], ids=repr
+)
+def test_a_scalar_number_array_is_not_a_flag(flag):
+    # A 0-d array is a flag only with dtype bool: 1, 0 or 0.5 in an array are
+    # refused as a plain 1 is, not read through their truth value.
+    with pytest.raises(TypeError, match="`window_stats` must be a bool, got"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, window_stats=flag)
+    with pytest.raises(TypeError, match="`has_aux` must be a bool, got"):
+        mm.microbatched_value_and_grad(_loss_fn, num_microbatches=2, has_aux=flag)
+
+
+def test_a_negative_python_int_value_beyond_float64_keeps_its_sign():
+    # Below float64's range the loss is -inf, as such a float is, not +inf.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1, window_stats=True)
+    _, state = tx.update(
+        {"w": jnp.ones(3)}, tx.init(PARAMS), PARAMS, count=1, value=-(10**400)
+    )
+    assert float(mm.window_stats(state).loss) == float("-inf")

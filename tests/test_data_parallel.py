@@ -1455,3 +1455,16 @@ def test_deferred_skipped_microbatch_leaves_the_window_as_it_was(mesh):
         (after.acc_grads, after.acc_count, after.reduction_state, after.mini_step),
         (before.acc_grads, before.acc_count, before.reduction_state, before.mini_step),
     )
+
+
+@pytest.mark.parametrize("flag", [True, np.True_], ids=repr)
+def test_deferred_bool_count_is_a_type_error_whatever_its_kind(mesh, flag):
+    # numpy's bool is refused as a bool, like Python's: the wrong kind
+    # (TypeError), not a per-device array of the wrong shape (ValueError).
+    tx = _tx(mm.deferred(mesh, "data"))
+    params = _params()
+    per_device = jax.tree.map(lambda p: jnp.stack([p] * NDEV), params)
+    with pytest.raises(
+        TypeError, match=r"`count` \(every device's .* got a bool \(True\)"
+    ):
+        tx.update(per_device, tx.init(params), params, count=flag)

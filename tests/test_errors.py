@@ -666,3 +666,30 @@ def test_a_policy_sees_a_full_windows_own_microbatches_when_it_closes():
         _, state = update(GRADS, state, PARAMS, count=jnp.int32(2**30))
     assert bool(tx.has_updated(state)) and int(state.num_invalid_counts) == 1
     assert int(state.policy_state) == 1
+
+
+def test_a_complex_accumulator_dtype_is_a_value_error():
+    # The accumulator holds real gradients' running mean: a complex one is a
+    # dtype setting that cannot serve, refused when the wrapper is built.
+    with pytest.raises(
+        ValueError,
+        match="`accumulator_dtype` must be a floating dtype or None, got complex64",
+    ):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype=jnp.complex64)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_complex_gradient_for_a_real_parameter_is_named_as_the_gradient(jit):
+    # The error names the gradient and the accumulator it cannot go into, not
+    # `value` (the keyword of the microbatch's loss).
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    p = {"w": jnp.zeros(2)}
+    grads = {"w": jnp.ones(2, jnp.complex64)}
+    match = (
+        r"^The gradient at \['w'\] is complex \(complex64\), but the state's "
+        r"accumulator is float32"
+    )
+    for step in (tx.update, tx.apply_gradients):
+        run = jax.jit(step) if jit else step
+        with pytest.raises(TypeError, match=match):
+            run(grads, tx.init(p), p, count=1)

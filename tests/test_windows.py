@@ -1060,3 +1060,11 @@ def test_tokens_schedule_returns_an_array_for_a_schedule_returning_a_number():
     lr = mm.tokens_schedule(lambda t: 0.1, 256)(3)
     assert isinstance(lr, jax.Array) and lr.shape == ()
     np.testing.assert_allclose(lr, 0.1)
+
+
+def test_the_int32_maximum_is_a_valid_number_of_microbatches():
+    # The state counts microbatches in int32: 2**31 - 1 is the largest number
+    # it holds, taken wherever microbatches are counted (2**31 is refused).
+    w.norm_test(0.5, min_microbatches=INT32_MAX, max_tokens=100)
+    w.norm_test(0.5, max_microbatches=INT32_MAX)
+    mm.microbatched_value_and_grad(lambda p, mb: (jnp.sum(p * mb), 1.0), INT32_MAX)
