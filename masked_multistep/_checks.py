@@ -100,8 +100,16 @@ def check_count_dtype(count_dtype: Any) -> jnp.dtype:
     if dtype.itemsize == 8 and not _x64():
         raise ValueError(
             f"`count_dtype={dtype}` needs `jax.config.update('jax_enable_x64', True)`"
+            f"{_python_type_hint(count_dtype)}"
         )
     return dtype
+
+
+def _python_type_hint(dtype: Any) -> str:
+    """Says what a Python type given as a dtype means (``float`` is float64)."""
+    if dtype in (int, float):
+        return f" (`{dtype.__name__}` is {dtype.__name__}64)"
+    return ""
 
 
 def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
@@ -122,11 +130,10 @@ def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
     if dtype.itemsize == 8 and not _x64():
         # Without x64 the arrays would be float32, and every update would then
         # refuse the state that `init` built as another wrapper's.
-        hint = " (`float` is float64)" if accumulator_dtype is float else ""
         raise ValueError(
             f"`accumulator_dtype={dtype}` needs "
             "`jax.config.update('jax_enable_x64', True)` (without it, jax "
-            f"computes in float32){hint}"
+            f"computes in float32){_python_type_hint(accumulator_dtype)}"
         )
     return dtype
 
@@ -324,7 +331,12 @@ def returned_flag(x: Any, what: str) -> jax.Array:
     """``x``, what a user's function returned, as a boolean scalar, or an
     error naming ``what`` (``TypeError`` for another dtype, ``ValueError`` for
     another shape)."""
-    flag = jnp.asarray(x)
+    try:
+        flag = jnp.asarray(x)
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            f"{what} must return a boolean scalar, got {type(x).__name__} {x!r:.60}"
+        ) from err
     got = f"got dtype {flag.dtype} and shape {flag.shape}"
     if flag.dtype != jnp.bool_:
         raise TypeError(f"{what} must return a boolean scalar, {got}")
@@ -341,9 +353,11 @@ def real_array(x: Any, what: str, *, scalar: bool = False) -> jax.Array:
         raise TypeError(f"{what} must be a real {noun}, got a bool ({x})")
     try:
         arr = jnp.asarray(x)
-    except (TypeError, ValueError, OverflowError) as err:
+    except OverflowError as err:  # a Python int beyond int64: a value too large
+        raise ValueError(f"{what} holds a number too large, got {x!r:.60}") from err
+    except (TypeError, ValueError) as err:
         raise TypeError(
-            f"{what} must be a real {noun}, got {x!r} of type {type(x).__name__}"
+            f"{what} must be a real {noun}, got {x!r:.60} of type {type(x).__name__}"
         ) from err
     if _kind(arr.dtype) not in ("int", "float"):
         raise TypeError(f"{what} must be a real {noun}, got dtype {arr.dtype}")
@@ -440,12 +454,14 @@ def _paired_with_state(
     ]
 
 
-def check_grads_match(grads: Any, acc_grads: Any) -> None:
-    """The gradients have the structure and shapes of the accumulator."""
+def check_grads_match(grads: Any, acc_grads: Any, *, per_device: bool) -> None:
+    """The gradients have the structure and shapes of the accumulator (whose
+    leaves lead with the device axis where ``per_device``: a deferred
+    reduction's); a shape one axis off gets the hint that applies."""
     for where, g, a in _paired_with_state(grads, acc_grads, "gradients"):
         if jnp.shape(g) != jnp.shape(a):
             hint = ""
-            if jnp.shape(g)[1:] == jnp.shape(a):
+            if not per_device and jnp.shape(g)[1:] == jnp.shape(a):
                 hint = (
                     ": one per device? mm.per_device_value_and_grad's gradients "
                     "go to a MaskedMultiSteps built with "
@@ -453,7 +469,7 @@ def check_grads_match(grads: Any, acc_grads: Any) -> None:
                     "gradients are not taken: pass the microbatch's mean "
                     "gradient and its token count.)"
                 )
-            elif jnp.shape(a)[1:] == jnp.shape(g):
+            elif per_device and jnp.shape(a)[1:] == jnp.shape(g):
                 hint = (
                     ": the state keeps one running mean per device "
                     "(reduction=mm.deferred), so it takes every device's own "

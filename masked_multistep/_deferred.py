@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -259,7 +260,7 @@ class Deferred(KnownTotals):
                 "axis: train on unboxed params and gradients (nn.unbox), and "
                 "keep the boxes for placement (README, 'Data parallel at scale')"
             )
-        _checks.check_grads_match(grads, acc_grads)
+        _checks.check_grads_match(grads, acc_grads, per_device=True)
 
     def to_count(
         self, count: Any, count_dtype: Any
@@ -288,12 +289,12 @@ class Deferred(KnownTotals):
     def _device_values(self, value: Any) -> Any:
         """``value=`` checked: ``None``, a scalar, or one real value per device
         (shape ``(D,)``, as float32)."""
-        if value is None or jnp.shape(value) == ():
+        if value is None or np.shape(value) == ():
             return _checks.check_value(value)
-        if jnp.shape(value) != (self.size,):
+        if np.shape(value) != (self.size,):
             raise ValueError(
                 f"With reduction={self!r}, `value` is a scalar or one value per "
-                f"device, shape ({self.size},), got shape {jnp.shape(value)}"
+                f"device, shape ({self.size},), got shape {np.shape(value)}"
             )
         _checks.refuse_count_as_value(value)
         value = _checks.real_array(value, "`value`")

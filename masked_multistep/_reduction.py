@@ -244,7 +244,7 @@ class Local(KnownTotals):
         return place_uncommitted(state, jax.sharding.SingleDeviceSharding(place))
 
     def check_grads(self, grads: Any, acc_grads: Any) -> None:
-        _checks.check_grads_match(grads, acc_grads)
+        _checks.check_grads_match(grads, acc_grads, per_device=False)
 
     def to_count(self, count: Any, count_dtype: Any) -> tuple[Any, Any, None]:
         n, ok = _checks.to_count(count, count_dtype)

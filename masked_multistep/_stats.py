@@ -729,7 +729,7 @@ def close_window_stats(
             noise_scale=scale,
             smoothed_noise_scale=smoothed.astype(_F32),
             tokens_seen=add_tokens(old.tokens_seen, n),
-            windows=optax.safe_increment(old.windows),
+            windows=cast(jax.Array, optax.safe_increment(old.windows)),
         )
         return WindowStatsState(
             weighted_sq_norms=jnp.zeros([], _F32),

@@ -885,6 +885,12 @@ def test_deferred_bad_input(mesh):
         tx.update(per_device, state, params, count=counts > 2)
     with pytest.raises(ValueError, match=r"`value` is a scalar or one value per"):
         tx.update(per_device, state, params, count=counts, value=jnp.ones(3))
+    # Per-device values as a list: not numbers is the wrong kind; a Python int
+    # too large for any array, a wrong value.
+    with pytest.raises(TypeError, match=r"`value` must be a real number, got \["):
+        tx.update(per_device, state, params, count=counts, value=[None] * NDEV)
+    with pytest.raises(ValueError, match=r"`value` holds a number too large, got"):
+        tx.update(per_device, state, params, count=counts, value=[10**400] * NDEV)
     with pytest.raises(TypeError, match=r"`reduction` must be None or mm.deferred"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, reduction="deferred")
     # One gradient for all devices, where a parameter's leading size is the

@@ -93,6 +93,16 @@ def test_count_dtypes_that_cannot_hold_counts_are_refused(dtype):
 def test_64_bit_count_dtypes_need_x64():
     with pytest.raises(ValueError, match="jax_enable_x64"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=jnp.float64)
+    # Python's own types are 64-bit dtypes: the error says so.
+    for python_type, dtype in ((int, "int64"), (float, "float64")):
+        with pytest.raises(
+            ValueError,
+            match=rf"^`count_dtype={dtype}` needs .*\(`{python_type.__name__}` is "
+            rf"{dtype}\)$",
+        ):
+            mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=python_type)
+    with pytest.raises(ValueError, match=r"float32\) \(`float` is float64\)$"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype=float)
 
 
 def test_k_too_large_for_the_state_is_refused_in_the_constructor():
@@ -423,19 +433,20 @@ def test_mismatched_trees_are_clear(tx):
 @pytest.mark.parametrize(
     "should_skip, error, got",
     [
-        (jnp.zeros(2, bool), ValueError, r"bool and shape \(2,\)"),
-        (jnp.int32(0), TypeError, r"int32 and shape \(\)"),
-        (jnp.zeros(2), TypeError, r"float32 and shape \(2,\)"),
+        (jnp.zeros(2, bool), ValueError, r"dtype bool and shape \(2,\)"),
+        (jnp.int32(0), TypeError, r"dtype int32 and shape \(\)"),
+        (jnp.zeros(2), TypeError, r"dtype float32 and shape \(2,\)"),
+        (None, TypeError, "NoneType None$"),
+        ("yes", TypeError, "str 'yes'$"),
     ],
-    ids=["shape", "int", "float vector"],
+    ids=["shape", "int", "float vector", "None", "str"],
 )
 def test_bad_skip_function_output_is_clear(should_skip, error, got):
     tx = mm.MaskedMultiSteps(
         optax.sgd(1.0), 2, should_skip_update_fn=lambda u, s, p: (should_skip, ())
     )
     with pytest.raises(
-        error,
-        match=f"`should_skip_update_fn` must return a boolean scalar, got dtype {got}",
+        error, match=f"`should_skip_update_fn` must return a boolean scalar, got {got}"
     ):
         tx.update(GRADS, tx.init(PARAMS), PARAMS, count=1)
 
@@ -693,3 +704,20 @@ def test_a_complex_gradient_for_a_real_parameter_is_named_as_the_gradient(jit):
         run = jax.jit(step) if jit else step
         with pytest.raises(TypeError, match=match):
             run(grads, tx.init(p), p, count=1)
+
+
+@pytest.mark.parametrize(
+    "param, grad", [((3,), ()), ((1, 3), (3,))], ids=["scalar", "leading-1"]
+)
+def test_a_shape_one_axis_short_on_a_plain_wrapper_is_not_blamed_on_devices(
+    param, grad
+):
+    # Without a deferred reduction the state keeps one running mean for all
+    # devices: a gradient one axis short is only the wrong shape.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    p = {"w": jnp.zeros(param)}
+    with pytest.raises(ValueError) as err:
+        tx.update({"w": jnp.ones(grad)}, tx.init(p), p, count=1)
+    assert str(err.value) == (
+        f"The gradient at ['w'] has shape {grad}, but the state expects {param}"
+    )
