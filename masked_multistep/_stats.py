@@ -302,7 +302,11 @@ class WindowStats(NamedTuple):
         ``tr Σ̂`` and ``|G|²̂`` over windows (NaN until a window has a finite
         estimate, or while the averaged ``|G|²̂ <= 0``).
       tokens_seen: the tokens of all completed windows, a :class:`TokenTotal`.
-      windows: the number of completed windows (int32, saturating).
+      windows: the number of completed windows (int32, saturating), with an
+        inner update or without one: a window of empty microbatches, a
+        non-finite one, or one a deferred reduction dropped (its combined
+        total beyond ``count_dtype``) counts too, its ``tokens`` and
+        ``microbatches`` 0 for the two without tokens.
     """
 
     tokens: jax.Array
