@@ -6,6 +6,7 @@ empty list ran the defaults); ``report.py`` and ``bench_dp.py --markdown``
 failed with a ``KeyError`` on the other script's result.
 """
 
+import importlib
 import json
 import subprocess
 import sys
@@ -23,6 +24,16 @@ def run(script, *args):
         text=True,
         timeout=120,
     )
+
+
+def _import_benchmarks(*names):
+    """The scripts under benchmarks/ by module name (they import each other
+    by name, as when run from that folder)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return [importlib.import_module(name) for name in names]
+    finally:
+        sys.path.pop(0)
 
 
 # bench_dp.py parses its flags before importing jax; bench.py (which imports it
@@ -77,11 +88,7 @@ def test_each_result_is_rendered_by_its_own_script(tmp_path):
 
 
 def test_bench_compile_times_every_competitor_and_counts_its_kernels(capsys):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_compile
-    finally:
-        sys.path.pop(0)
+    (bench_compile,) = _import_benchmarks("bench_compile")
     rows = bench_compile.main(["--leaves", "4", "--repeats", "1"])
     by_name = {row["competitor"]: row for row in rows}
     assert set(by_name) == set(bench_compile.competitors())
@@ -113,12 +120,7 @@ def test_bench_gpu_program_without_the_cuda_plugin_says_what_to_install():
 def test_bench_gpu_programs_flax_steps_train_like_the_plain_loop():
     # bench_gpu_program.py only compiles its steps (for a GPU, where CI has
     # none): here they run on the CPU, through two windows of 3 microbatches.
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_gpu_program
-        import steps
-    finally:
-        sys.path.pop(0)
+    bench_gpu_program, steps = _import_benchmarks("bench_gpu_program", "steps")
     import jax
     import numpy as np
 
@@ -149,11 +151,7 @@ def test_gpu_session_script_parses_and_its_flags_are_bench_pys():
     argument list it passes is accepted."""
     script = BENCHMARKS / "gpu_session.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    (bench,) = _import_benchmarks("bench")
     lists = [
         line.split("=(", 1)[1].rstrip(")").split()
         for line in script.read_text().splitlines()
@@ -169,13 +167,7 @@ def test_every_window_competitor_builds_at_k_1_or_sits_it_out(capsys):
     # `make bench` and `make bench-quick` time k = 1: the norm test, which
     # decides on two microbatches or more, has no window of one (it raised,
     # and the benchmark stopped); its cell reads "—".
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench
-        import report
-        import steps
-    finally:
-        sys.path.pop(0)
+    bench, report, steps = _import_benchmarks("bench", "report", "steps")
     workload = steps.Workload(width=8)
     made = {make.__name__: make(workload, 1) for make in steps.WINDOW_COMPETITORS}
     assert made.pop("masked_multisteps_norm_test") is None
@@ -191,3 +183,188 @@ def test_every_window_competitor_builds_at_k_1_or_sits_it_out(capsys):
     ]  # fmt: skip
     result = {"windows": [{**r, "ms_per_microbatch": 0.5} for r in rows]}
     assert "| norm test | — | 1.00 (0.5) |" in report.times(result)
+
+
+def test_ratios_are_medians_of_the_ratios_within_rounds():
+    (bench,) = _import_benchmarks("bench")
+    # Per round 2, 5, 2: the median ratio is 2 (the ratio of the medians, 3,
+    # would let one slow round of the reference move it).
+    assert bench.median_ratio([2.0, 10.0, 6.0], [1.0, 2.0, 3.0]) == 2.0
+
+
+def test_window_rows_divide_by_k_and_take_each_ratio_against_its_reference(
+    monkeypatch,
+):
+    bench, steps = _import_benchmarks("bench", "steps")
+
+    class Timed:
+        def __init__(self, comp, params, batches, cache):
+            self.comp, self.compile_s, self.memory = comp, 0.0, {"temp_bytes": 0}
+
+    # Seconds per window of k = 2 microbatches, three rounds.
+    windows = {"floor": [0.002, 0.004, 0.006], bench.REFERENCE: [0.008, 0.008, 0.012]}
+
+    def interleave(runners, repeats):
+        assert repeats == 3
+        return {name: windows.get(name, [0.004, 0.008, 0.012]) for name in runners}
+
+    monkeypatch.setattr(bench, "Runner", Timed)
+    monkeypatch.setattr(bench, "interleave", interleave)
+    rows = {r["competitor"]: r for r in bench.bench_windows(8, [2], 3)}
+    assert set(rows) >= {"floor", "adam", bench.REFERENCE, "MaskedMultiSteps update"}
+    floor, masked = rows["floor"], rows["MaskedMultiSteps update"]
+    assert floor["ms_per_microbatch"] == pytest.approx(2.0)  # 4 ms / 2
+    assert floor["ms_per_microbatch_min"] == pytest.approx(1.0)
+    assert masked["ms_per_microbatch"] == pytest.approx(4.0)
+    assert floor["x_floor"] == pytest.approx(1.0)
+    assert masked["x_floor"] == pytest.approx(2.0)
+    assert floor["x_optax_multisteps"] == pytest.approx(0.5)  # 0.25, 0.5, 0.5
+    assert masked["x_optax_multisteps"] == pytest.approx(1.0)  # 0.5, 1, 1
+    assert rows[bench.REFERENCE]["x_optax_multisteps"] == pytest.approx(1.0)
+    stats = rows["MaskedMultiSteps update+stats"]
+    assert stats["baseline"] == "MaskedMultiSteps update"
+    assert stats["x_without_stats"] == pytest.approx(1.0)
+
+
+def _bench_result():
+    # x optax.MultiSteps at k = 1 and k = 4; scratch and state bytes (P = 1000).
+    x_optax = {1: [0.9, 0.95, 1.0], 4: [0.25, 0.5, 1.0]}
+    names = ["floor", "adam", "optax.MultiSteps"]
+    memory = {
+        "floor": (250, 1000),
+        "adam": (500, 2000),
+        "optax.MultiSteps": (1500, 3000),
+    }
+    rows = [
+        {
+            "width": 64,
+            "k": k,
+            "competitor": name,
+            "ms_per_microbatch": 1.0,
+            "x_floor": 1.0,
+            "x_optax_multisteps": ratio,
+            "temp_bytes": memory[name][0],
+            "param_bytes": 1000,
+            "state_bytes": memory[name][1],
+        }
+        for k, ratios in x_optax.items()
+        for name, ratio in zip(names, ratios, strict=True)
+    ]
+    machine = dict.fromkeys(["cpu", "cores", "usable_cores", "backend", "jax"], "x")
+    machine |= dict.fromkeys(["jaxlib", "optax", "flax", "python"], "x")
+    return {
+        "date": "today",
+        "machine": machine,
+        "load_average_before": [1.0],
+        "load_average_after": [1.0],
+        "config": {"widths": [64], "ks": [1, 4], "repeats": 3},
+        "windows": rows,
+        "memory_checks": [],
+        "microbatching": [
+            {
+                "variant": "value_and_grad (full batch)",
+                "ms_per_batch": 2.0,
+                "x_full_batch": 1.0,
+                "temp_bytes": 1 << 20,
+            }
+        ],
+    }
+
+
+def test_report_renders_a_bench_result_at_the_largest_k(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(_bench_result()))
+    proc = run("report.py", path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "| x optax.MultiSteps, k=4 | 64² |" in out
+    assert "| floor | 0.25 |" in out and "| adam | 0.50 |" in out
+    # Scratch memory as a multiple of P and of adam's, and the state over P.
+    assert "| floor | 0.25 (0.50) | 1.00 |" in out
+    assert "| optax.MultiSteps | 1.50 (3.00) | 3.00 |" in out
+    assert "| value_and_grad (full batch) | 2.0 | 1.00 | 1.0 |" in out
+
+
+def test_memory_checks_say_whether_the_state_adds_up(capsys):
+    (bench,) = _import_benchmarks("bench")
+    check = {"width": 8, "k": 4, "temp_bytes": {"adam": 100, "floor": 50}}
+    check |= {"inner_state_bytes": 20, "accumulator_bytes": 10, "scalar_bytes": 3}
+    bench.print_memory_checks([{**check, "state_bytes": 33}])
+    bench.print_memory_checks([{**check, "state_bytes": 34}])
+    lines = capsys.readouterr().out.splitlines()
+    assert "adam 1.00, floor 0.50" in lines[0]
+    assert lines[1].endswith("(ok)") and lines[3].endswith("(MISMATCH)")
+
+
+def _dp_result():
+    k, width = 8, 1024
+    times = {
+        "per-microbatch reduction": [40.0, 40.0, 40.0],
+        "deferred": [10.0, 12.0, 14.0],
+        "one reduction, by hand": [9.0, 9.0, 9.0],
+        "floor": [8.0, 8.0, 8.0],
+    }
+    reductions = {"per-microbatch reduction": (8, 128 << 20), "deferred": (1, 16 << 20)}
+    rows = [
+        {
+            "width": width,
+            "k": k,
+            "competitor": name,
+            "layers": 4,
+            "num_params": 4 * width * width,
+            "ms_per_microbatch": sorted(ts)[1],
+            "ms_per_microbatch_all": ts,
+            "x_per_microbatch": sorted(ts)[1] / 40.0,
+            "reductions_per_window": reductions.get(name, (1, 16 << 20))[0],
+            "bytes_per_window": reductions.get(name, (1, 16 << 20))[1],
+        }
+        for name, ts in times.items()
+    ]
+    allreduce = [
+        {
+            "width": width,
+            "k": k,
+            "param_bytes": 16 << 20,
+            "ms": 16.0,
+            "ms_all": [16.0] * 3,
+        }
+    ]
+    return {
+        "windows": rows,
+        "allreduce": allreduce,
+        "load_average_after": [1.0],
+        "elapsed_s": 1.0,
+    }
+
+
+def test_bench_dp_markdown_puts_each_modes_reductions_in_its_row(capsys):
+    (bench_dp,) = _import_benchmarks("bench_dp")
+    bench_dp.markdown(_dp_result())
+    out = capsys.readouterr().out
+    assert "| per-microbatch reduction | 40.0 (1.00) |" in out
+    assert "| reductions / MiB per window, per-microbatch | 8 / 128 |" in out
+    assert "| reductions / MiB per window, deferred | 1 / 16 |" in out
+
+
+def test_bench_dp_bound_amortizes_one_all_reduce_over_the_window(capsys):
+    (bench_dp,) = _import_benchmarks("bench_dp")
+    bench_dp.report(_dp_result())
+    out = capsys.readouterr().out
+    # Bound 8 + 1.1 x 16 / 8 = 10.2 ms: deferred 10, 12, 14 -> median 1.176;
+    # by hand 9 -> 0.882.
+    assert "width 1024, k=8 : deferred 1.176, by hand 0.882" in out
+    assert "deferred  12.00, by hand   9.00 ms/mb: 1.33x" in out
+
+
+def test_bench_dp_model_of_a_ring_all_reduce_and_the_deferred_speed_up(capsys):
+    (bench_dp,) = _import_benchmarks("bench_dp")
+    # 2 (N - 1) / N of the bytes at 25 Gb/s: 2 x 7/8 x 4 GB / 3.125 GB/s.
+    assert bench_dp.ring_allreduce_s(4e9, 8, 25) == pytest.approx(2.24)
+    k, params = 8, 4 * 1024 * 1024
+    bench_dp.model({"k": k, "ms_per_microbatch": 10.0, "num_params": params})
+    t_c = 10e-3 / params * 1e9  # the 1B model's compute per microbatch
+    t_ar = 2.24  # 1B float32 params (4 GB), 25 Gb/s, 8 hosts
+    speed_up = k * (t_c + t_ar) / (k * t_c + t_ar)
+    lines = capsys.readouterr().out.splitlines()
+    line = next(s for s in lines if s.split()[:3] == ["1B", "25", "8"])
+    assert line.endswith(f"{speed_up:>7.2f}x") and speed_up > 1

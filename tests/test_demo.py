@@ -270,21 +270,166 @@ def test_python_m_demo_without_tqdm_names_the_extra(tmp_path):
     assert not out.exists()
 
 
-def test_nothing_compiles_while_the_progress_bar_runs():
+@pytest.fixture(scope="module")
+def short_training():
+    """``train_all`` on a configuration of its own (so that its step functions
+    compile here): the compiles counted when the progress bar starts and ends,
+    every :func:`mm.window_stats` the demo read, and the results."""
     from _helpers import backend_compiles
 
+    import masked_multistep as mm
     from masked_multistep.demo import train
 
-    seen = {}
-    # A configuration of its own, so that its step functions compile here.
+    seen, read, window_stats = {}, [], mm.window_stats
+
+    def recorded(state):
+        read.append(window_stats(state))
+        return read[-1]
+
     config = train.Config(steps=2, microbatches=3, batch_size=12, heldout_size=24)
-    with backend_compiles() as compiles:
+    with pytest.MonkeyPatch.context() as patch, backend_compiles() as compiles:
+        patch.setattr(mm, "window_stats", recorded)
 
         def progress(n):
             seen["at_start"] = len(compiles)
             yield from range(n)
             seen["at_end"] = len(compiles)
 
-        train.train_all(config, progress=progress)
+        results = train.train_all(config, progress=progress)
+    return seen, read, results
+
+
+def test_nothing_compiles_while_the_progress_bar_runs(short_training):
+    seen, _, _ = short_training
     assert seen["at_start"] > 0  # the step functions compiled before the bar
     assert seen["at_end"] == seen["at_start"]  # and nothing while it ran
+
+
+def test_the_reported_noise_scale_is_the_smoothed_one(short_training):
+    _, read, results = short_training
+    masked = results["masked_multisteps"].noise_scale
+    # One figure per step, read after the step's window closed: the moving
+    # averages' ratio, which the table calls "(smoothed)", not the last window's.
+    assert len(read) == 2
+    np.testing.assert_array_equal(
+        masked, [float(stats.smoothed_noise_scale) for stats in read]
+    )
+    assert results["full_batch"].noise_scale is None
+
+
+def _run_result(train, grad_rel_error, train_loss, noise_scale=None):
+    return train.RunResult(
+        train_loss=np.asarray(train_loss, np.float64),
+        grad_rel_error=np.asarray(grad_rel_error, np.float64),
+        heldout_loss=1.5,
+        noise_scale=None if noise_scale is None else np.asarray(noise_scale),
+    )
+
+
+def test_summary_takes_mean_and_max_over_steps_and_the_loss_of_the_last_10():
+    from masked_multistep.demo import report, train
+
+    steps = 12
+    config = train.Config(steps=steps)
+    errors = np.linspace(0.1, 1.2, steps)  # mean 0.65, max 1.2
+    losses = np.arange(steps, dtype=np.float64)  # the last 10: 2..11, mean 6.5
+    results = {
+        name: _run_result(
+            train,
+            errors,
+            losses,
+            np.full(steps, 40.0) if name == "masked_multisteps" else None,
+        )
+        for name in report.RUNS
+    }
+    summary = report.summarize(config, results, np.array([1, 2, 3, 4]), 10.0)
+    assert summary["final_train_loss_steps"] == 10
+    for run in summary["runs"].values():
+        assert run["grad_rel_error_mean"] == pytest.approx(0.65)
+        assert run["grad_rel_error_max"] == pytest.approx(1.2)
+        assert run["final_train_loss"] == pytest.approx(6.5)
+    assert summary["runs"]["masked_multisteps"]["final_noise_scale"] == 40.0
+
+
+def test_the_table_prints_each_runs_mean_and_max_error_in_their_columns():
+    from masked_multistep.demo import report
+
+    summary = {
+        "config": {"steps": 5, "batch_size": 8, "microbatches": 2, "skew": 0.0},
+        "tokens_per_microbatch_first_batch": [3, 5],
+        "mean_tokens_per_batch": 8.0,
+        "runs": {
+            name: {
+                "grad_rel_error_mean": 0.25,
+                "grad_rel_error_max": 0.75,
+                "final_train_loss": 1.0,
+                "heldout_loss": 1.0,
+                "final_noise_scale": float("nan"),
+            }
+            for name in report.RUNS
+        },
+    }
+    text = report.format_table(summary)
+    row = next(s for s in text.splitlines() if s.startswith("optax.MultiSteps"))
+    assert row.split()[1:3] == ["2.50e-01", "7.50e-01"]
+    # Windows of 2 microbatches can estimate the noise scale: an undefined one
+    # is put down to the gradient not being resolved, not to the window size.
+    flat = " ".join(text.split())
+    assert "undefined at the last step: the windows did not resolve" in flat
+    assert "needs 2 or more microbatches" not in flat
+
+
+def test_relative_error_is_the_distance_over_the_references_norm():
+    from masked_multistep.demo.train import relative_error
+
+    g_ref = {"a": np.array([3.0, 0.0], np.float32), "b": np.array([[4.0]], np.float32)}
+    g = {"a": np.array([3.0, 2.0], np.float32), "b": np.array([[4.0]], np.float32)}
+    # ‖g − g_ref‖ = 2, ‖g_ref‖ = 5 (not ‖g‖ = √29, nor the squared ratio 0.16).
+    assert relative_error(g, g_ref) == pytest.approx(0.4)
+    assert relative_error(g_ref, g_ref) == 0.0
+
+
+def test_every_flag_reaches_the_training(monkeypatch, tmp_path):
+    from masked_multistep.demo import train
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(config, progress=range):
+        seen.append(config)
+        raise Stop  # before any training
+
+    monkeypatch.setattr(train, "train_all", stop)
+    argv = ["--steps", "2", "--microbatches", "3", "--batch-size", "9"]
+    argv += ["--skew", "0.25", "--seed", "7", "--out", str(tmp_path / "out")]
+    with pytest.raises(Stop):
+        main(argv)
+    assert seen == [
+        train.Config(steps=2, microbatches=3, batch_size=9, skew=0.25, seed=7)
+    ]
+
+
+def test_intermediate_skew_is_partly_sorted():
+    # --skew 0.5 lies between the two layouts: the microbatches' lengths rise
+    # on the whole, but the batch is not sorted.
+    lengths = np.random.default_rng(0).permutation(64)
+    order = arrange(np.random.default_rng(1), lengths, 0.5)
+    assert sorted(order) == list(range(64))
+    assert not np.all(np.diff(lengths[order]) >= 0)
+    assert 0.5 < np.corrcoef(np.arange(64), lengths[order])[0, 1] < 0.99
+
+
+def test_sequence_lengths_cover_each_topics_whole_range():
+    from masked_multistep.demo.data import PAD, sample_sequences
+
+    corpus = make_corpus(np.random.default_rng(0), seq_len=12)
+    tokens, lengths = sample_sequences(np.random.default_rng(1), corpus, 4000)
+    assert tokens.shape == (4000, 13)
+    np.testing.assert_array_equal((tokens != PAD).sum(axis=-1), lengths)
+    seen = {(int(t), int(n)) for t, n in zip(tokens[:, 0], lengths, strict=True)}
+    for marker, (low, high) in zip(corpus.markers, corpus.length_ranges, strict=True):
+        topic = sorted(n for t, n in seen if t == marker)
+        # Inclusive at both ends: the long topics fill all seq_len + 1 tokens.
+        assert topic == list(range(low, high + 1)), (marker, topic)

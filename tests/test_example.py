@@ -231,14 +231,26 @@ TINY = [
 ]
 
 
-@pytest.mark.slow
-def test_a_window_without_tokens_logs_no_loss_and_no_rate(tmp_path):
-    # Sequences of 2 tokens: some windows hold none. Such a window applies no
-    # update; it logged "loss 0.0000" and the previous update's rate.
-    args = train_lm.parse_args([*TINY, "--windows", "12", "--out", str(tmp_path)])
+@pytest.fixture(scope="module")
+def twelve_tiny_windows(tmp_path_factory):
+    """12 windows of sequences of 2 tokens (some windows hold none), a
+    checkpoint every 5 windows, and a --stop-after past the run's end."""
+    out = tmp_path_factory.mktemp("twelve")
+    flags = [*TINY, "--windows", "12", "--checkpoint-every", "5"]
     lines = []
-    result = train_lm.train(args, print_fn=lines.append)
-    history = records(tmp_path)
+    result = train_lm.train(
+        train_lm.parse_args([*flags, "--stop-after", "100", "--out", str(out)]),
+        print_fn=lines.append,
+    )
+    return out, lines, result
+
+
+@pytest.mark.slow
+def test_a_window_without_tokens_logs_no_loss_and_no_rate(twelve_tiny_windows):
+    # Such a window applies no update; it logged "loss 0.0000" and the
+    # previous update's rate.
+    out, lines, result = twelve_tiny_windows
+    history = records(out)
     empty = [r for r in history if r["tokens"] == 0]
     assert empty, "the seed gives windows without tokens"
     assert all(r["loss"] is None and r["learning_rate"] is None for r in empty)
@@ -247,6 +259,20 @@ def test_a_window_without_tokens_logs_no_loss_and_no_rate(tmp_path):
     )
     assert int(result.optimizer.opt_state.gradient_step[...]) == 12 - len(empty)
     assert sum("loss    n/a" in s and "(no update)" in s for s in lines) == len(empty)
+
+
+@pytest.mark.slow
+def test_checkpoints_fall_every_n_windows_and_a_late_stop_after_ends_the_run(
+    twelve_tiny_windows,
+):
+    # A checkpoint after windows 5 and 10 and at the end; a --stop-after past
+    # the last microbatch stops where the run ends, with its held-out loss.
+    out, lines, result = twelve_tiny_windows
+    ckpts = out / "checkpoints"
+    assert sorted(int(p.name) for p in ckpts.iterdir()) == [5, 10, 12]
+    assert result.microbatches_done == 12 and result.heldout_loss is not None
+    assert [r["window"] for r in records(out)] == list(range(1, 13))
+    assert not any(s.startswith("stopped after") for s in lines)
 
 
 @pytest.mark.slow
@@ -298,3 +324,36 @@ def test_resume_skips_an_unreadable_checkpoint(tmp_path):
         match="no readable checkpoint in .*\\ncheckpoint 4: FileNotFoundError",
     ):
         train_lm.train(train_lm.parse_args([*flags, "--resume"]), lines.append)
+
+
+def _small_config_and_corpus():
+    from masked_multistep.demo.data import make_corpus
+
+    args = train_lm.parse_args(SMALL)
+    config = train_lm.Config(**{k: getattr(args, k) for k in vars(train_lm.Config())})
+    corpus = make_corpus(
+        np.random.default_rng([config.seed, 0]),
+        vocab_size=config.vocab_size,
+        seq_len=config.seq_len,
+    )
+    return config, corpus
+
+
+def test_a_windows_microbatches_run_from_short_to_long_and_cover_its_batch():
+    config, corpus = _small_config_and_corpus()
+    batch = train_lm.window_batch(corpus, config, 0)
+    parts = [train_lm.microbatch(batch, i, K) for i in range(K)]
+    for whole, *pieces in zip(batch, *parts, strict=True):
+        np.testing.assert_array_equal(np.concatenate(pieces), whole)
+    # --skew 1 (the default): the first microbatch holds the short sequences.
+    tokens = [int(part.mask.sum()) for part in parts]
+    assert tokens == sorted(tokens) and tokens[0] < tokens[-1]
+
+
+def test_every_window_draws_a_batch_of_its_own_and_the_same_one_again_on_resume():
+    config, corpus = _small_config_and_corpus()
+    first, again, second = (
+        train_lm.window_batch(corpus, config, w).inputs for w in (0, 0, 1)
+    )
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, second)
