@@ -292,8 +292,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if not 0.0 <= args.skew <= 1.0:
         parser.error(f"--skew must be between 0 and 1, got {args.skew}")
-    if args.seed < 0:
-        parser.error(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed < 2**32:  # jax.random.key keeps a seed's low 32 bits
+        parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
     if args.vocab_size < 8:
         parser.error(f"--vocab-size must be >= 8, got {args.vocab_size}")
     # Written so that NaN fails too (every comparison with it is false).

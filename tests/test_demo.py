@@ -111,8 +111,9 @@ def test_the_footer_follows_the_run():
         (["--out", "TMP/file"], "--out must be a directory"),
         # Said before the training, not when the results are written after it.
         (["--out", "TMP/file/sub"], "cannot be created: "),
-        (["--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
-        (["--seed", str(2**63)], "--seed must be in [0, 2**63)"),
+        (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+        # A larger seed would initialise the model as its low 32 bits do.
+        (["--seed", str(2**32)], "--seed must be in [0, 2**32), got 4294967296"),
     ],
 )
 def test_bad_flags_exit_with_a_message(argv, message, capsys, tmp_path):

@@ -195,7 +195,8 @@ def test_data_parallel_matches_one_device_and_resumes_bit_identically(
         (["--learning-rate", "nan"], "--learning-rate must be > 0 and finite, got nan"),
         (["--weight-decay", "nan"], "--weight-decay must be >= 0 and finite, got nan"),
         (["--clip-norm", "nan"], "--clip-norm must be > 0, got nan"),
-        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+        (["--seed", str(2**32)], "--seed must be in [0, 2**32), got 4294967296"),
         (["--devices", "0"], "--devices must be >= 1, got 0"),
         (["--devices", "3"], "sequence(s) (--batch-size / --microbatches) must split"),
         # The split is checked first: it is the one to fix on any machine.

@@ -67,8 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if not 0.0 <= args.skew <= 1.0:
         parser.error(f"--skew must be between 0 and 1, got {args.skew}")
-    if not 0 <= args.seed < 2**63:
-        parser.error(f"--seed must be in [0, 2**63), got {args.seed}")
+    if not 0 <= args.seed < 2**32:  # jax.random.key keeps a seed's low 32 bits
+        parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out must be a directory, got the file {args.out!r}")
     problem = _unwritable(args.out)
