@@ -368,3 +368,15 @@ def test_bench_dp_model_of_a_ring_all_reduce_and_the_deferred_speed_up(capsys):
     lines = capsys.readouterr().out.splitlines()
     line = next(s for s in lines if s.split()[:3] == ["1B", "25", "8"])
     assert line.endswith(f"{speed_up:>7.2f}x") and speed_up > 1
+
+
+def test_a_step_compiled_once_reports_that_compile_time_at_every_k():
+    # The floor's step does not depend on k: it compiles once, and the row of
+    # every k records that compile's time (a cache hit's lookup was ~0 s).
+    bench, steps = _import_benchmarks("bench", "steps")
+    workload = steps.Workload(width=8)
+    batches, cache = [workload.batch(0)], {}
+    first = bench.Runner(steps.floor(workload, 1), workload.params(), batches, cache)
+    again = bench.Runner(steps.floor(workload, 4), workload.params(), batches, cache)
+    assert again.compiled is first.compiled
+    assert again.compile_s == first.compile_s > 0.0
