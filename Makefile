@@ -38,7 +38,14 @@ $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP): $(VENV)/.installed-%: setup.cfg pyproject.
 	$(BIN)/python -c 'import pip, sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
 		|| $(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$*]"
+	# uv installs the same pinned set several times faster than pip; where uv
+	# cannot be installed (no wheel for the platform), pip does it.
+	if $(BIN)/python -m pip install -q -c constraints.txt uv; then \
+		$(BIN)/python -m uv pip install -q --python $(BIN)/python \
+			-c constraints.txt -e ".[$*]"; \
+	else \
+		$(BIN)/python -m pip install -q -c constraints.txt -e ".[$*]"; \
+	fi
 	touch $@
 
 test: $(STAMP)
