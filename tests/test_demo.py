@@ -67,24 +67,31 @@ def test_demo_outputs_show_masked_equals_full_batch(tmp_path, capsys):
     assert "Length-sorted" in printed  # the default skew sorts by length
 
 
+def _summary(steps, run):
+    """A demo summary of ``steps`` steps, every run's figures ``run``."""
+    from masked_multistep.demo import report
+
+    return {
+        "config": {"steps": steps, "batch_size": 8, "microbatches": 2, "skew": 0.0},
+        "tokens_per_microbatch_first_batch": [3, 5],
+        "mean_tokens_per_batch": 8.0,
+        "runs": {name: dict(run) for name in report.RUNS},
+    }
+
+
 def test_the_footer_follows_the_run():
     from masked_multistep.demo import report
 
-    summary = {
-        "config": {"steps": 1, "batch_size": 8, "microbatches": 2, "skew": 0.0},
-        "tokens_per_microbatch_first_batch": [3, 5],
-        "mean_tokens_per_batch": 8.0,
-        "runs": {
-            name: {
-                "grad_rel_error_mean": 0.0,
-                "grad_rel_error_max": 0.0,
-                "final_train_loss": 1.0,
-                "heldout_loss": 1.0,
-                "final_noise_scale": 10.0,
-            }
-            for name in report.RUNS
+    summary = _summary(
+        1,
+        {
+            "grad_rel_error_mean": 0.0,
+            "grad_rel_error_max": 0.0,
+            "final_train_loss": 1.0,
+            "heldout_loss": 1.0,
+            "final_noise_scale": 10.0,
         },
-    }
+    )
     summary["runs"]["optax_multisteps"].update(
         grad_rel_error_mean=0.524, heldout_loss=1.25
     )
@@ -355,21 +362,16 @@ def test_summary_takes_mean_and_max_over_steps_and_the_loss_of_the_last_10():
 def test_the_table_prints_each_runs_mean_and_max_error_in_their_columns():
     from masked_multistep.demo import report
 
-    summary = {
-        "config": {"steps": 5, "batch_size": 8, "microbatches": 2, "skew": 0.0},
-        "tokens_per_microbatch_first_batch": [3, 5],
-        "mean_tokens_per_batch": 8.0,
-        "runs": {
-            name: {
-                "grad_rel_error_mean": 0.25,
-                "grad_rel_error_max": 0.75,
-                "final_train_loss": 1.0,
-                "heldout_loss": 1.0,
-                "final_noise_scale": float("nan"),
-            }
-            for name in report.RUNS
+    summary = _summary(
+        5,
+        {
+            "grad_rel_error_mean": 0.25,
+            "grad_rel_error_max": 0.75,
+            "final_train_loss": 1.0,
+            "heldout_loss": 1.0,
+            "final_noise_scale": float("nan"),
         },
-    }
+    )
     text = report.format_table(summary)
     row = next(s for s in text.splitlines() if s.startswith("optax.MultiSteps"))
     assert row.split()[1:3] == ["2.50e-01", "7.50e-01"]

@@ -296,6 +296,15 @@ def test_module_with_batch_stats_passed_whole_updates_them_microbatch_by_microba
     nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param).update(model, got[1])
 
 
+def _merged_loss(graphdef):
+    """``_bn_loss`` of the module merged from ``graphdef`` and a whole state."""
+
+    def loss(state, batch):
+        return _bn_loss(nnx.merge(graphdef, state, copy=True), batch)
+
+    return loss
+
+
 def test_module_with_batch_stats_is_refused_where_its_state_cannot_be_carried():
     # BatchStat is float: without the check its mean and var would come back
     # as "gradients", which nnx.Optimizer(wrt=nnx.Param) takes silently, and
@@ -317,9 +326,7 @@ def test_module_with_batch_stats_is_refused_where_its_state_cannot_be_carried():
         mm.data_parallel_value_and_grad(_bn_loss, mesh)(model, batch)
     # So is a state split off whole, with the batch statistics in it.
     graphdef, everything = nnx.split(model)
-
-    def whole_state_loss(state, batch):
-        return _bn_loss(nnx.merge(graphdef, state, copy=True), batch)
+    whole_state_loss = _merged_loss(graphdef)
 
     with pytest.raises(
         TypeError,
@@ -461,9 +468,7 @@ def test_a_state_split_off_whole_with_rng_streams_is_refused_by_variable():
     # named as a variable that is not a parameter, with the recipe.
     model = _WithRngs(nnx.Rngs(0, dropout=1))
     graphdef, everything = nnx.split(model)
-
-    def whole_state_loss(state, batch):
-        return _bn_loss(nnx.merge(graphdef, state, copy=True), batch)
+    whole_state_loss = _merged_loss(graphdef)
 
     with pytest.raises(
         TypeError,
