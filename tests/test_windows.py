@@ -921,12 +921,13 @@ def test_a_skipped_microbatch_leaves_a_custom_policys_state_as_it_was():
         (
             lambda s: s.microbatches >= jnp.array([3]),
             ValueError,
-            "bool and shape \\(1,\\)",
+            "dtype bool and shape \\(1,\\)",
         ),
-        (lambda s: s.tokens, TypeError, "float32 and shape \\(\\)"),
-        (lambda s: jnp.int32(1), TypeError, "int32 and shape \\(\\)"),
+        (lambda s: s.tokens, TypeError, "dtype float32 and shape \\(\\)"),
+        (lambda s: jnp.int32(1), TypeError, "dtype int32 and shape \\(\\)"),
+        (lambda s: None, TypeError, "NoneType None$"),
     ],
-    ids=["shape", "dtype", "int"],
+    ids=["shape", "dtype", "int", "None"],
 )
 @pytest.mark.parametrize("alone", [True, False], ids=["alone", "with k"])
 def test_a_custom_policy_whose_closes_is_not_a_boolean_scalar_is_named(
@@ -942,7 +943,7 @@ def test_a_custom_policy_whose_closes_is_not_a_boolean_scalar_is_named(
     p = jnp.zeros(2)
     with pytest.raises(
         error,
-        match=f"policy P's `closes` must return a boolean scalar, got dtype {got}",
+        match=f"policy P's `closes` must return a boolean scalar, got {got}",
     ):
         tx.update(jnp.ones(2), tx.init(p), p, count=jnp.float32(2))
 
