@@ -327,3 +327,124 @@ def test_a_0_1_state_of_params_on_no_particular_device_stays_uncommitted():
     compiled = step._cache_size()
     step(params, state)
     assert step._cache_size() == compiled
+
+
+def test_the_0_1_fields_are_the_ones_a_0_1_checkpoint_holds():
+    # The 0.1 layout as 0.1 wrote it, spelt out (not derived from
+    # mm.STATE_0_1_FIELDS): its target must take exactly these fields.
+    fields_0_1 = (
+        "mini_step",
+        "gradient_step",
+        "inner_opt_state",
+        "acc_grads",
+        "acc_count",
+        "acc_value",
+        "updated",
+        "num_invalid_counts",
+        "skip_state",
+    )
+    assert mm.STATE_0_1_FIELDS == fields_0_1
+    written_by_0_1 = collections.namedtuple("MaskedMultiStepsState", fields_0_1)
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    template = tx.init({"w": jnp.zeros(2)})
+    old = {name: getattr(template, name) for name in fields_0_1}
+    old.update(
+        mini_step=jnp.int32(1),
+        acc_count=jnp.int32(4),
+        acc_grads={"w": jnp.full(2, 3.0)},
+        num_invalid_counts=jnp.int32(2),
+    )
+    data = serialization.to_bytes(written_by_0_1(**old))
+    restored = serialization.from_bytes(mm.state_0_1_target(template), data)
+    state = mm.from_state_0_1(restored, template)
+    assert int(state.num_invalid_counts) == 2 and int(state.mini_step) == 1
+    np.testing.assert_array_equal(state.acc_grads["w"], [3.0, 3.0])
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["no_skip", "skip_not_finite"])
+@pytest.mark.parametrize("window_stats", [False, True])
+def test_a_0_1_state_mid_window_converts_to_the_state_it_was(window_stats, skip):
+    # One microbatch pending, no `value=` passed (acc_value stays 0): every
+    # field, the value weight, the statistics and what should_skip_update_fn
+    # returned last (a non-finite microbatch, skipped) included, comes back
+    # as the current layout holds it.
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        every_k_schedule=3,
+        window_stats=window_stats,
+        should_skip_update_fn=optax.skip_not_finite if skip else None,
+    )
+    params = {"w": jnp.zeros(2)}
+    grads = GRADS[:1] + ([(np.nan, 2)] if skip else [])
+    _, state = _run(tx, params, tx.init(params), grads)
+    assert float(state.acc_value) == 0.0 and float(state.value_count) == 0.0
+    converted = mm.from_state_0_1(_as_0_1(state), tx.init(params))
+    assert jax.tree.structure(converted) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(converted), jax.tree.leaves(state), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_0_1_window_without_values_gives_the_next_values_their_own_mean():
+    # 0.1 counted a window's tokens whether or not `value=` was passed: a
+    # pending window that passed none holds no value weight, and the value
+    # mean of the window it ends in is that of the values passed after.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2, window_stats=True)
+    params = jnp.zeros(2)
+    template = tx.init(params)
+    old = {
+        **mm.state_0_1_target(template),
+        "mini_step": jnp.int32(1),
+        "acc_count": jnp.int32(6),
+        "acc_grads": jnp.array([1.0, -2.0]),
+    }
+    state = mm.from_state_0_1(old, template)
+    assert float(state.value_count) == 0.0
+    _, state = tx.update(
+        jnp.zeros(2), state, params, count=jnp.int32(2), value=jnp.float32(3.0)
+    )
+    assert int(mm.window_stats(state).tokens) == 8
+    assert float(mm.window_stats(state).loss) == 3.0
+
+
+@pytest.mark.parametrize("total, ok", [(3.0, True), (0.5, False)])
+def test_an_abstract_template_gives_a_target_in_the_0_1_count_dtype(
+    tmp_path, total, ok
+):
+    # The orbax restore of the module docstring, with the abstract template
+    # (`ocp.utils.to_shape_dtype_struct`) and params on a mesh: the token
+    # total is read in the 0.1 count dtype, where the template's sits, so a
+    # fractional total is refused instead of truncated to 0.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    params = {"w": jax.device_put(jnp.arange(16.0).reshape(8, 2), sharded)}
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2, count_dtype=jnp.int32)
+    template = tx.init(params)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    for like in (template, abstract):
+        target = mm.state_0_1_target(like, count_dtype=jnp.float32)
+        assert target["acc_count"].dtype == jnp.float32
+        assert target["acc_count"].sharding == template.acc_count.sharding
+    fields = {name: getattr(template, name) for name in mm.STATE_0_1_FIELDS}
+    fields.update(mini_step=jnp.int32(1), acc_count=jnp.float32(total))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", {"opt_state": State01(**fields)})
+    checkpointer.wait_until_finished()
+    target = {"opt_state": mm.state_0_1_target(abstract, count_dtype=jnp.float32)}
+    restored = checkpointer.restore(tmp_path / "ckpt", target)
+    checkpointer.close()
+    if not ok:
+        with pytest.raises(ValueError, match=r"is fractional \(0.5\)"):
+            mm.from_state_0_1(restored["opt_state"], template)
+        return
+    state = mm.from_state_0_1(restored["opt_state"], template)
+    assert state.acc_count.dtype == jnp.int32 and int(state.acc_count) == 3
+
+
+@pytest.mark.parametrize("name", ["mini_step", "gradient_step", "num_invalid_counts"])
+def test_a_0_1_step_counter_of_minus_one_is_refused(name):
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=3)
+    template = tx.init({"w": jnp.zeros(2)})
+    old = {**mm.state_0_1_target(template), name: jnp.int32(-1)}
+    with pytest.raises(ValueError, match=rf"`restored\['{name}'\]` must be .* got -1"):
+        mm.from_state_0_1(old, template)

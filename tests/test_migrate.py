@@ -351,3 +351,45 @@ def test_tokens_seen_continues_a_token_budget_warmup_and_the_statistics():
         mm.from_optax_multisteps(old_state, tx, p_old, tokens_seen=2.5)
     with pytest.raises(TypeError, match=r"`tokens_seen` must be a whole number"):
         mm.from_optax_multisteps(old_state, tx, p_old, tokens_seen="32")
+
+
+def test_the_skip_state_carries_over():
+    # What should_skip_update_fn returned last (here: a non-finite microbatch,
+    # skipped) is the optax.MultiSteps state's, not a fresh one.
+    params = {"w": jnp.ones(2)}
+    old = optax.MultiSteps(
+        optax.adam(0.1), every_k_schedule=3, should_skip_update_fn=optax.skip_not_finite
+    )
+    old_state = old.init(params)
+    for g in (1.0, np.nan):
+        _, old_state = old.update({"w": jnp.full(2, g)}, old_state, params)
+    assert int(old_state.skip_state["num_not_finite"]) == 2
+    tx = mm.MaskedMultiSteps(
+        optax.adam(0.1), every_k_schedule=3, should_skip_update_fn=optax.skip_not_finite
+    )
+    state = mm.from_optax_multisteps(old_state, tx, params, acc_count=4)
+    assert_equal(state.skip_state, old_state.skip_state)
+
+
+def test_the_accumulator_keeps_the_wrappers_accumulator_dtype():
+    # optax.MultiSteps accumulates float32 gradients in float32; a wrapper
+    # that accumulates in bfloat16 gets its mean in bfloat16, and its next
+    # step runs the program a step from tx.init runs.
+    params = {"w": jnp.zeros(2)}
+    old = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=3)
+    old_state = old.init(params)
+    for g in (1.0, 3.0):
+        _, old_state = old.update({"w": jnp.full(2, g)}, old_state, params)
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), every_k_schedule=3, accumulator_dtype=jnp.bfloat16
+    )
+    state = mm.from_optax_multisteps(old_state, tx, params, acc_count=8)
+    assert state.acc_grads["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(state.acc_grads["w"].astype(jnp.float32), [2.0, 2.0])
+    grads = {"w": jnp.full(2, 6.0)}
+    step = jax.jit(lambda s: tx.apply_gradients(grads, s, params, count=4))
+    step(tx.init(params))
+    compiled = step._cache_size()
+    new_params, _ = step(state)
+    assert step._cache_size() == compiled
+    np.testing.assert_allclose(new_params["w"], -(8 * 2.0 + 4 * 6.0) / 12, rtol=1e-2)

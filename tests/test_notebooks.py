@@ -4,6 +4,7 @@ import base64
 import importlib.util
 import pathlib
 import re
+import sys
 
 import nbformat
 import pytest
@@ -85,3 +86,115 @@ def test_readme_figure_is_the_stored_notebooks_figure():
     assert (NOTEBOOK_DIR / "05_token_windows.png").read_bytes() == pngs[0]
     readme = (NOTEBOOK_DIR.parent / "README.md").read_text()
     assert "](notebooks/05_token_windows.png)" in readme
+
+
+class _Kernel:
+    """Stands for ``nbclient.NotebookClient``: "runs" each code cell as a
+    kernel reports it (its own execution counts, timestamps in the cell
+    metadata, its language_info in the notebook metadata); the interpreter
+    probe prints ``python``."""
+
+    def __init__(self, nb, python, **kwargs):
+        self.nb, self.python = nb, python
+
+    def execute(self, env=None):
+        self.nb.metadata["language_info"] = {"name": "python", "version": "0.0"}
+        code = [c for c in self.nb.cells if c.cell_type == "code"]
+        for n, cell in enumerate(code, start=7):
+            cell.metadata["execution"] = {"iopub.status.idle": "2000-01-01T00:00:0"}
+            cell.execution_count = n
+            if "sys.executable" in cell.source:
+                out = nbformat.v4.new_output("stream", name="stdout", text=self.python)
+            else:
+                out = nbformat.v4.new_output(
+                    "execute_result", data={"text/plain": "1"}, execution_count=n
+                )
+            cell.outputs = [out]
+        return self.nb
+
+
+def _notebook(path, *cells):
+    kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": kernelspec})
+    nb.cells = list(cells)
+    nbformat.write(nb, path)
+    return nb
+
+
+def _png_cell(data: bytes):
+    cell = nbformat.v4.new_code_cell("show(fig)", execution_count=1)
+    png = base64.b64encode(data).decode()
+    cell.outputs = [nbformat.v4.new_output("display_data", data={"image/png": png})]
+    return cell
+
+
+def test_execute_stores_the_cells_as_written_numbered_from_one(tmp_path, monkeypatch):
+    executor = _load_executor()
+    path = tmp_path / "01_x.ipynb"
+    stored = _notebook(
+        path,
+        nbformat.v4.new_markdown_cell("# title"),
+        nbformat.v4.new_code_cell("a = 1"),
+        nbformat.v4.new_markdown_cell("text"),
+        nbformat.v4.new_code_cell("a + 1"),
+    )
+    monkeypatch.setattr(
+        executor.nbclient,
+        "NotebookClient",
+        lambda nb, **kwargs: _Kernel(nb, sys.executable, **kwargs),
+    )
+    nb = executor.execute(path)
+    # The interpreter probe is gone; the cells are the stored ones.
+    assert [c.source for c in nb.cells] == [c.source for c in stored.cells]
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == [1, 2]
+    assert [c.outputs[0]["execution_count"] for c in code] == [1, 2]
+    # Nothing that changes from run to run: no timestamps, the stored metadata.
+    assert all("execution" not in c.metadata for c in nb.cells)
+    assert nb.metadata == stored.metadata
+
+
+def test_execute_refuses_a_kernel_of_another_interpreter(tmp_path, monkeypatch):
+    executor = _load_executor()
+    path = tmp_path / "01_x.ipynb"
+    _notebook(path, nbformat.v4.new_code_cell("a = 1"))
+    monkeypatch.setattr(
+        executor.nbclient,
+        "NotebookClient",
+        lambda nb, **kwargs: _Kernel(nb, "/usr/bin/python0", **kwargs),
+    )
+    with pytest.raises(RuntimeError, match="/usr/bin/python0"):
+        executor.execute(path)
+
+
+def test_main_stores_the_executed_notebook_and_its_figure(tmp_path, monkeypatch):
+    executor = _load_executor()
+    with_figure, without = tmp_path / "01_a.ipynb", tmp_path / "02_b.ipynb"
+    for path in (with_figure, without):
+        _notebook(path, nbformat.v4.new_code_cell("show(fig)"))
+    figure = with_figure.with_suffix(".png")
+    figure.write_bytes(b"an old figure")
+
+    def execute(path):
+        nb = nbformat.read(path, as_version=4)
+        nb.cells = [_png_cell(b"the figure of " + path.name.encode())]
+        return nb
+
+    monkeypatch.setattr(executor, "execute", execute)
+    assert executor.main([str(with_figure), str(without)]) == 0
+    for path in (with_figure, without):
+        (cell,) = nbformat.read(path, as_version=4).cells
+        assert cell.execution_count == 1 and cell.outputs, path
+    assert figure.read_bytes() == b"the figure of 01_a.ipynb"
+    assert not without.with_suffix(".png").exists()
+
+
+def test_a_figure_file_is_refused_for_a_notebook_of_two_figures(tmp_path):
+    executor = _load_executor()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [_png_cell(b"first"), _png_cell(b"second")]
+    figure = tmp_path / "05_x.png"
+    figure.write_bytes(b"as stored")
+    with pytest.raises(RuntimeError, match="needs one figure in its notebook, got 2"):
+        executor.store_figure(nb, figure)
+    assert figure.read_bytes() == b"as stored"

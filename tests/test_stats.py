@@ -1175,3 +1175,32 @@ def test_deferred_statistics_of_complex_gradients_use_their_modulus():
     mean = (n64[:, None] * g64).sum(0) / n64.sum()
     s = np.sum(n64 * np.sum(np.abs(g64 - mean) ** 2, axis=1))
     np.testing.assert_allclose(float(stats.grad_var_trace), s / (ndev - 1), rtol=1e-5)
+
+
+def test_window_stats_errors_say_where_to_look():
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+    # An optax.MultiSteps state: the error names the conversion.
+    old = optax.MultiSteps(optax.sgd(0.1), 2)
+    with pytest.raises(ValueError, match=r"found 0 in a MultiStepsState: .*from_optax"):
+        mm.window_stats(old.init(params))
+    with pytest.raises(ValueError, match=r"convert it with `mm.from_optax_multisteps"):
+        mm.has_updated(optax.chain(optax.clip(1.0), old).init(params))
+    # Two wrappers inside a train state: the hint points into its opt_state.
+    pytest.importorskip("flax")
+    from flax.training import train_state
+
+    per_leaf = {
+        name: mm.MaskedMultiSteps(
+            optax.sgd(0.1), 2, window_stats=True
+        ).gradient_transformation()
+        for name in params
+    }
+    tx = optax.multi_transform(per_leaf, {name: name for name in params})
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+    with pytest.raises(
+        ValueError,
+        match=r"found 2 in a TrainState: .*`state\.opt_state\.inner_states\['name'\]`",
+    ):
+        mm.window_stats(state)
+    stats = mm.window_stats(state.opt_state.inner_states["a"])
+    assert int(stats.windows) == 0

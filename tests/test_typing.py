@@ -13,11 +13,12 @@ that the same line fails at run time.
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import subprocess
 import sys
 import textwrap
-from typing import assert_type
+from typing import Any, assert_type
 
 import jax
 import jax.numpy as jnp
@@ -363,3 +364,79 @@ def test_typecheck_reports_errors_in_readme_blocks_at_readme_lines(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "README.md:11:" in result.stdout, result.stdout
     assert "(2 README blocks), 1 errors" in result.stdout, result.stdout
+
+
+def _load_typecheck() -> Any:
+    spec = importlib.util.spec_from_file_location("typecheck", TYPECHECK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_typecheck_fails_on_a_readme_without_python_blocks(tmp_path, capsys):
+    # A README whose examples moved to another fence (or file) must not pass
+    # as "nothing to check".
+    readme = tmp_path / "README.md"
+    readme.write_text("# title\n\n```bash\npip install masked-multistep\n```\n")
+    typecheck = _load_typecheck()
+    assert typecheck.main(["--readme", str(readme)]) == 1
+    assert "no ```python blocks" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_typecheck_fails_on_a_warning_in_a_readme_block(tmp_path):
+    # An unused comparison (a `==` meant as an assert) is a warning in
+    # pyright's standard mode; warnings fail the check too, at the README line.
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        textwrap.dedent(
+            """\
+            # title
+
+            ```python
+            x = 1
+            ```
+
+            ```python
+            y = 2
+            y == 3
+            ```
+            """
+        )
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(TYPECHECK),
+            "--readme",
+            str(readme),
+            "masked_multistep/_masked_mean.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "README.md:9:1: warning:" in result.stdout, result.stdout
+    assert "0 errors, 1 warnings" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_typecheck_fails_when_pyright_gives_no_report(
+    tmp_path, monkeypatch, capsys, exit_code
+):
+    # pyright that crashes (prints no JSON report), whatever its exit status:
+    # the check fails and shows what it printed.
+    fake = tmp_path / "pyright"
+    fake.write_text(
+        f"#!{sys.executable}\nimport sys\n"
+        f"print('node: crashed')\nsys.exit({exit_code})\n"
+    )
+    fake.chmod(0o755)
+    readme = tmp_path / "README.md"
+    readme.write_text("```python\nx = 1\n```\n")
+    typecheck = _load_typecheck()
+    monkeypatch.setattr(typecheck, "_pyright", lambda: str(fake))
+    assert typecheck.main(["--readme", str(readme)]) == (exit_code or 1)
+    assert "node: crashed" in capsys.readouterr().err
