@@ -385,28 +385,6 @@ def test_a_0_1_state_mid_window_converts_to_the_state_it_was(window_stats, skip)
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_0_1_window_without_values_gives_the_next_values_their_own_mean():
-    # 0.1 counted a window's tokens whether or not `value=` was passed: a
-    # pending window that passed none holds no value weight, and the value
-    # mean of the window it ends in is that of the values passed after.
-    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2, window_stats=True)
-    params = jnp.zeros(2)
-    template = tx.init(params)
-    old = {
-        **mm.state_0_1_target(template),
-        "mini_step": jnp.int32(1),
-        "acc_count": jnp.int32(6),
-        "acc_grads": jnp.array([1.0, -2.0]),
-    }
-    state = mm.from_state_0_1(old, template)
-    assert float(state.value_count) == 0.0
-    _, state = tx.update(
-        jnp.zeros(2), state, params, count=jnp.int32(2), value=jnp.float32(3.0)
-    )
-    assert int(mm.window_stats(state).tokens) == 8
-    assert float(mm.window_stats(state).loss) == 3.0
-
-
 @pytest.mark.parametrize("total, ok", [(3.0, True), (0.5, False)])
 def test_an_abstract_template_gives_a_target_in_the_0_1_count_dtype(
     tmp_path, total, ok

@@ -836,7 +836,9 @@ def test_repr_and_copies_keep_the_statistics_options():
 
 def test_a_0_1_checkpoint_mid_window_keeps_the_statistics_unbiased():
     """0.1 kept no statistics: the pending window's mean counts as one
-    microbatch of its tokens."""
+    microbatch of its tokens. 0.1 counted a window's tokens whether or not
+    `value=` was passed: the pending window holds no value weight, and the
+    window's loss is the mean of the values passed after."""
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
     params = jnp.zeros(2)
     template = tx.init(params)
@@ -847,10 +849,14 @@ def test_a_0_1_checkpoint_mid_window_keeps_the_statistics_unbiased():
         "acc_grads": jnp.array([1.0, -2.0]),
     }
     state = mm.from_state_0_1(old, template)
-    _, state = tx.update(jnp.array([3.0, 0.0]), state, params, count=jnp.int32(2))
+    assert float(state.value_count) == 0.0
+    _, state = tx.update(
+        jnp.array([3.0, 0.0]), state, params, count=jnp.int32(2), value=jnp.float32(3)
+    )
     stats = mm.window_stats(state)
     ref = _one_window(jnp.array([[1.0, -2.0], [3.0, 0.0]]), jnp.array([6, 2]))
     assert int(stats.microbatches) == 2 and int(stats.tokens) == 8
+    assert float(stats.loss) == 3.0
     for name in ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm"):
         np.testing.assert_allclose(getattr(stats, name), getattr(ref, name), rtol=1e-6)
 

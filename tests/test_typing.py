@@ -327,6 +327,22 @@ def test_token_total_value_is_a_float64_scalar_or_array():
     assert isinstance(value, np.float64)
 
 
+def _typecheck_readme(readme: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    """tools/typecheck.py on ``readme``'s python blocks (and one small module)."""
+    return subprocess.run(
+        [
+            sys.executable,
+            str(TYPECHECK),
+            "--readme",
+            str(readme),
+            "masked_multistep/_masked_mean.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.mark.slow
 def test_typecheck_reports_errors_in_readme_blocks_at_readme_lines(tmp_path):
     # The checker can fail: a README with a type error in its second block.
@@ -349,18 +365,7 @@ def test_typecheck_reports_errors_in_readme_blocks_at_readme_lines(tmp_path):
             """
         )
     )
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(TYPECHECK),
-            "--readme",
-            str(readme),
-            "masked_multistep/_masked_mean.py",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _typecheck_readme(readme)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "README.md:11:" in result.stdout, result.stdout
     assert "(2 README blocks), 1 errors" in result.stdout, result.stdout
@@ -405,18 +410,7 @@ def test_typecheck_fails_on_a_warning_in_a_readme_block(tmp_path):
             """
         )
     )
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(TYPECHECK),
-            "--readme",
-            str(readme),
-            "masked_multistep/_masked_mean.py",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _typecheck_readme(readme)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "README.md:9:1: warning:" in result.stdout, result.stdout
     assert "0 errors, 1 warnings" in result.stdout, result.stdout
