@@ -216,6 +216,17 @@ def test_a_0_1_state_of_sharded_params_read_with_flax_serialization():
     jax.jit(lambda s: tx.apply_gradients(params, s, params, count=1))(state)
 
 
+def _saved_and_restored(tmp_path, fields, target):
+    """The 0.1 state ``fields`` saved with orbax (under ``opt_state``) and
+    restored against ``target``."""
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", {"opt_state": State01(**fields)})
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "ckpt", {"opt_state": target})
+    checkpointer.close()
+    return restored["opt_state"]
+
+
 @pytest.mark.parametrize("total, ok", [(3.0, True), (0.5, False)])
 def test_orbax_restores_a_float_0_1_total_in_its_own_dtype(tmp_path, total, ok):
     # A 0.1 run that counted in float32, continued with int32 counts: orbax
@@ -231,21 +242,17 @@ def test_orbax_restores_a_float_0_1_total_in_its_own_dtype(tmp_path, total, ok):
         acc_count=jnp.float32(total),
         acc_grads={"w": jnp.full(2, 4.0)},
     )
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp_path / "ckpt", {"opt_state": State01(**fields)})
-    checkpointer.wait_until_finished()
     assert mm.state_0_1_target(template)["acc_count"].dtype == jnp.int32
-    target = {"opt_state": mm.state_0_1_target(template, count_dtype=jnp.float32)}
-    assert target["opt_state"]["acc_count"].dtype == jnp.float32
-    restored = checkpointer.restore(
-        tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    target = mm.state_0_1_target(template, count_dtype=jnp.float32)
+    assert target["acc_count"].dtype == jnp.float32
+    restored = _saved_and_restored(
+        tmp_path, fields, jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
     )
-    checkpointer.close()
     if not ok:
         with pytest.raises(ValueError, match=r"is fractional \(0.5\)"):
-            mm.from_state_0_1(restored["opt_state"], template)
+            mm.from_state_0_1(restored, template)
         return
-    state = mm.from_state_0_1(restored["opt_state"], template)
+    state = mm.from_state_0_1(restored, template)
     assert state.acc_count.dtype == jnp.int32 and int(state.acc_count) == 3
     assert state.acc_count.sharding == template.acc_count.sharding
     updates, _ = tx.update({"w": jnp.zeros(2)}, state, params, count=jnp.int32(1))
@@ -405,17 +412,13 @@ def test_an_abstract_template_gives_a_target_in_the_0_1_count_dtype(
         assert target["acc_count"].sharding == template.acc_count.sharding
     fields = {name: getattr(template, name) for name in mm.STATE_0_1_FIELDS}
     fields.update(mini_step=jnp.int32(1), acc_count=jnp.float32(total))
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp_path / "ckpt", {"opt_state": State01(**fields)})
-    checkpointer.wait_until_finished()
-    target = {"opt_state": mm.state_0_1_target(abstract, count_dtype=jnp.float32)}
-    restored = checkpointer.restore(tmp_path / "ckpt", target)
-    checkpointer.close()
+    target = mm.state_0_1_target(abstract, count_dtype=jnp.float32)
+    restored = _saved_and_restored(tmp_path, fields, target)
     if not ok:
         with pytest.raises(ValueError, match=r"is fractional \(0.5\)"):
-            mm.from_state_0_1(restored["opt_state"], template)
+            mm.from_state_0_1(restored, template)
         return
-    state = mm.from_state_0_1(restored["opt_state"], template)
+    state = mm.from_state_0_1(restored, template)
     assert state.acc_count.dtype == jnp.int32 and int(state.acc_count) == 3
 
 
