@@ -23,6 +23,28 @@ def _varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))  # the older jax spelling
 
 
+def reduced_leaf(
+    tree: Any, count: Any, names: frozenset | None = None
+) -> tuple[str, list[Hashable]] | None:
+    """The first leaf of ``tree`` that is the same on every shard of an axis
+    (of ``names``, or any) over which ``count`` differs, as ``(where, axes)``,
+    ``where`` spelt ``tree[...]``; ``None`` if there is none (always, outside
+    ``shard_map``). Such a leaf was already reduced over the shards while the
+    count is still each shard's own."""
+    if not isinstance(count, jax.Array):
+        return None  # a host number is the same on every shard
+    count_varies = _varying_axes(count)
+    if names is not None:
+        count_varies &= names
+    if not count_varies:
+        return None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if invariant := count_varies - _varying_axes(leaf):
+            # Axis names are any hashables: sorted by their text.
+            return f"tree{jax.tree_util.keystr(path)}", sorted(invariant, key=str)
+    return None
+
+
 def weighted_mean_across(
     tree: Any,
     count: jax.typing.ArrayLike,
@@ -97,27 +119,24 @@ def weighted_mean_across(
     """
     count = count_weight(count, "`count` (this shard's token count)")
     names = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
-    count_varies = names & _varying_axes(count)
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        where = f"tree{jax.tree_util.keystr(path)}"
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
             raise TypeError(
                 "`tree` leaves must be floating (or complex), got dtype "
-                f"{jnp.result_type(leaf)} at {where}"
+                f"{jnp.result_type(leaf)} at tree{jax.tree_util.keystr(path)}"
             )
-        if invariant := count_varies - _varying_axes(leaf):
-            # Inside shard_map, the gradient of a replicated (invariant) input is
-            # already summed over the shards; weighting that sum again is wrong.
-            # (Axis names are any hashables: sorted by their text.)
-            axes = sorted(invariant, key=str)
-            raise ValueError(
-                f"{where} is the same on every shard of {axes} while "
-                "`count` differs: it is already reduced. Inside shard_map the "
-                "gradient with respect to a replicated input is summed over the "
-                "shards automatically; differentiate with respect to "
-                f"`jax.lax.pcast(params, {axes[0]!r}, to='varying')` "
-                "to get this shard's own gradient."
-            )
+    if reduced := reduced_leaf(tree, count, frozenset(names)):
+        # Inside shard_map, the gradient of a replicated (invariant) input is
+        # already summed over the shards; weighting that sum again is wrong.
+        where, axes = reduced
+        raise ValueError(
+            f"{where} is the same on every shard of {axes} while "
+            "`count` differs: it is already reduced. Inside shard_map the "
+            "gradient with respect to a replicated input is summed over the "
+            "shards automatically; differentiate with respect to "
+            f"`jax.lax.pcast(params, {axes[0]!r}, to='varying')` "
+            "to get this shard's own gradient."
+        )
     with jax.named_scope("masked_multistep/weighted_mean_across"):
         # `count_weight` zeroed a traced negative or non-finite count; a shard
         # with no tokens is left out of the mean and of its derivatives (with

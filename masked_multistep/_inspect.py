@@ -7,7 +7,11 @@ from typing import Any
 import jax
 import optax
 
-from masked_multistep._multisteps import MaskedMultiStepsState, states_in
+from masked_multistep._multisteps import (
+    MaskedMultiStepsState,
+    has_field_named,
+    states_in,
+)
 from masked_multistep._stats import WindowStats, WindowStatsState
 
 __all__ = ["find_state", "window_stats", "has_updated"]
@@ -17,16 +21,6 @@ def _is_variable(x: Any) -> bool:
     # flax NNX variables (``optimizer.opt_state``'s leaves) hold their array
     # behind ``get_value``; flax is optional, so no isinstance check.
     return not isinstance(x, jax.Array) and callable(getattr(x, "get_value", None))
-
-
-def _has_field_named(tree: Any, name: str) -> bool:
-    """Whether a key on some path of ``tree`` is ``name`` (a dict key or an
-    attribute)."""
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        for key in path:
-            if getattr(key, "key", getattr(key, "name", None)) == name:
-                return True
-    return False
 
 
 def find_state(opt_state: Any) -> MaskedMultiStepsState:
@@ -73,7 +67,7 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
                 ": it holds an optax.MultiStepsState; convert it with "
                 "`mm.from_optax_multisteps(state, tx, params, acc_count=...)`"
             )
-        elif _has_field_named(opt_state, "acc_grads"):
+        elif has_field_named(opt_state, "acc_grads"):
             hint = (
                 ": it holds the state's fields by name only, as a checkpoint "
                 "restored without a template, or `nnx.state(optimizer)`, gives "

@@ -350,11 +350,15 @@ def _check_output(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
         )
     if not jax.tree_util.treedef_is_leaf(jax.tree.structure(count)):
         # A container (its repr would show tracers): described by structure.
-        hint = (
-            "; if it is (count, aux), pass has_aux=True"
-            if not has_aux and isinstance(count, (tuple, list)) and len(count) == 2
-            else ""
-        )
+        if has_aux:
+            hint = "; with has_aux=True the second element is (count, aux), count first"
+        elif isinstance(count, (tuple, list)) and len(count) == 2:
+            hint = "; if it is (count, aux), pass has_aux=True"
+        else:
+            hint = (
+                "; `loss_fn` returns (mean_loss, count), and with has_aux=True "
+                "(mean_loss, (count, aux)) to return metrics too"
+            )
         raise TypeError(
             "The count returned by `loss_fn` must be a real scalar (the "
             f"microbatch's token count), got {_describe(count)}{hint}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, Never, TypeVar
 
@@ -22,6 +23,7 @@ from optax import tree as otu
 
 from masked_multistep import _checks, _processes, _stats, _windows
 from masked_multistep._branch import in_place_cond
+from masked_multistep._collectives import reduced_leaf
 from masked_multistep._deferred import Deferred
 from masked_multistep._reduction import Local, WindowTotals
 from masked_multistep._running_mean import all_finite, fits
@@ -838,7 +840,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             )
         )
 
-    def _check_state(self, state: Any) -> None:
+    def _check_state(self, state: Any, params: Any) -> None:
         """Refuses a state that this wrapper's ``init`` did not build.
 
         The fields that the settings shape (window statistics, the window rule's
@@ -852,9 +854,21 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "start from `tx.init(params)`"
             )
         if not isinstance(state, MaskedMultiStepsState):
+            hint = ""
+            if isinstance(params, MaskedMultiStepsState):
+                hint = (
+                    ": `params` is the wrapper's state, so the two are swapped; "
+                    "the order is (grads, state, params)"
+                )
+            elif has_field_named(state, "acc_grads"):
+                hint = (
+                    ": it holds the state's fields by name only, as a checkpoint "
+                    "restored without a template gives them; restore against "
+                    "`tx.init(params)` (the target)"
+                )
             raise TypeError(
                 "`state` must be the MaskedMultiStepsState that this wrapper's "
-                f"`init` returned, got {type(state).__name__}"
+                f"`init` returned, got {type(state).__name__}{hint}"
             )
         got = _layout((state.stats, state.policy_state, state.reduction_state))
         if got != self._settings_layout:
@@ -900,6 +914,20 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     def _gate(self, grads, state, params, count) -> _Gate:
         """Whether this microbatch counts, and with how many tokens."""
         n, count_ok, local_counts = self._reduction.to_count(count, self._count_dtype)
+        if reduced := reduced_leaf(grads, count):
+            # Inside shard_map: gradients averaged over the shards (pmean) with
+            # each shard's own count; every shard would weigh its window's
+            # microbatches differently, and the replicas drift apart.
+            where, axes = reduced
+            raise ValueError(
+                f"`count` differs between the shards of {axes} while "
+                f"grads{where[4:]} is the same on every shard (already reduced): "
+                "each shard would weigh the window's microbatches by its own "
+                "tokens. Pass the gradients' token-weighted mean and the total "
+                f"count over the shards, `grads, count = mm.weighted_mean_across("
+                f"grads, count, {axes[0]!r})` of each shard's own gradient "
+                "and count"
+            )
         should_skip, skip_state = self._skip_verdict(
             self._reduction.skip_view(grads, local_counts, n),
             state.gradient_step,
@@ -1057,7 +1085,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ``(new_params, state)``.
         """
         _checks.check_extra_args(extra_args, count)
-        self._check_state(state)
+        self._check_state(state, params)
         self._reduction.check_grads(grads, state.acc_grads)
         if apply_params:
             _checks.check_params_match(
@@ -1108,6 +1136,20 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         inner_update, needs_value = self._choose_inner_update(
             grads, static_args, inner_operands, value is not None, with_grad
         )
+        if needs_value and value is None:
+            # Without the wrapper, such an optimizer refuses the call; with it,
+            # a window in which no call passes a value is held, so a loop that
+            # never passes one would never update the params.
+            warnings.warn(
+                "The inner optimizer needs `value=` (e.g. reduce_on_plateau, "
+                "polyak_sgd), and this call passes none: a window in which no "
+                "microbatch passes `value=` is held, not applied (counted in "
+                "`state.num_nonfinite_windows`); one that other microbatches "
+                "pass a value in gets their token-weighted mean. Pass each "
+                "microbatch's mean loss, `count=count, value=loss`",
+                UserWarning,
+                stacklevel=2,
+            )
         updates_avals, _ = jax.eval_shape(inner_update, *inner_operands)
         # Once the inner optimizer has read the window's mean, the mean is dead
         # (`acc_count` resets; the next counted microbatch overwrites it). So in
@@ -1313,6 +1355,16 @@ def states_in(tree: Any, types: type | tuple[type, ...]) -> list[Any]:
     return [x for _, x in _checks.instances_in(tree, types)]
 
 
+def has_field_named(tree: Any, name: str) -> bool:
+    """Whether a key on some path of ``tree`` is ``name`` (a dict key or an
+    attribute)."""
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        for key in path:
+            if getattr(key, "key", getattr(key, "name", None)) == name:
+                return True
+    return False
+
+
 def _refuse_nested_accumulation(inner_opt_state: Any) -> None:
     """Refuses an accumulator anywhere in the inner optimizer (bare or in a
     chain): the outer wrapper would hand it each window's mean as one
@@ -1323,7 +1375,9 @@ def _refuse_nested_accumulation(inner_opt_state: Any) -> None:
             "`opt` must be the optimizer to run once per window, but it holds "
             f"an accumulator ({type(found[0]).__name__}): accumulating inside "
             "an accumulator weighs its windows equally. Use one MaskedMultiSteps "
-            "with the whole window (every_k_schedule=k_outer * k_inner)"
+            "with the whole window (every_k_schedule=k_outer * k_inner); to "
+            "replace an optax.MultiSteps `old`, wrap the optimizer inside it, "
+            "`mm.MaskedMultiSteps(old.inner_opt, k)`"
         )
 
 

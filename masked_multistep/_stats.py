@@ -147,8 +147,11 @@ class TokenTotal(NamedTuple):
     count dtype, far beyond the ``2**24`` of one float32 or the ``2**31`` of an
     int32. ``float(total)`` (or :meth:`value`) gives it as a Python float, exact
     for integer totals below ``2**53``; ``int(total)`` and format specs
-    (``f"{total:,.0f}"``) work as on that float. Under ``jit``, ``hi + lo`` is
-    the total rounded to float32.
+    (``f"{total:,.0f}"``) work as on that float. NumPy and jax take it as the
+    one number it stands for, not as the pair: ``np.asarray(total)`` is that
+    float64, and ``jnp.asarray(total)`` (so a jax.numpy function or an optax
+    schedule of the tokens seen) is ``hi + lo``, the total rounded to float32,
+    also under ``jit``.
 
     Attributes:
       hi: float32, the leading part.
@@ -160,6 +163,8 @@ class TokenTotal(NamedTuple):
       ...                   jnp.int32(2**24 + 1))
       >>> print(int(seen), f"{seen:,.0f}", float(seen.hi + seen.lo))
       16777217 16,777,217 16777216.0
+      >>> print(np.asarray(seen), jnp.asarray(seen))
+      16777217.0 16777216.0
     """
 
     hi: jax.Array
@@ -183,6 +188,13 @@ class TokenTotal(NamedTuple):
 
     def __int__(self) -> int:
         return int(float(self))
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        # The total, not the pair (as a tuple, it would read as [hi, lo]).
+        return np.asarray(self.value(), dtype)
+
+    def __jax_array__(self) -> jax.Array:
+        return self.hi + self.lo
 
     def __format__(self, format_spec: str) -> str:
         # A spec formats the number; none, the tuple (as `str`, also under

@@ -209,15 +209,24 @@ class TrainState(_flax_train_state.TrainState):
                 ["value"]
                 if unknown[0] in LOSS_KEYWORDS
                 else difflib.get_close_matches(
-                    unknown[0], ["count", "value", "extra_args"], n=1, cutoff=0.8
+                    unknown[0],
+                    ["count", "value", "extra_args", *field_names],
+                    n=1,
+                    cutoff=0.8,
                 )
             )
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            # A misspelling gets its likely fix; another name, how to add it.
+            hint = (
+                f" Did you mean {close[0]!r}?"
+                if close
+                else " A field of your own needs a subclass, e.g. `class "
+                f"State(mm.TrainState): {unknown[0]}: Any = None`."
+            )
             raise TypeError(
                 f"{type(self).__name__}.apply_gradients got unexpected keyword "
                 f"argument(s) {', '.join(map(repr, unknown))}: not a field of "
                 f"{type(self).__name__} (fields: {', '.join(field_names)}).{hint} "
-                "Pass arguments for the optimizer as `extra_args={...}`."
+                "Arguments for the optimizer go in `extra_args={...}`."
             )
         if count is None:
             raise TypeError(

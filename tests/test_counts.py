@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -572,6 +573,7 @@ def test_value_must_be_a_real_scalar(value, error, match, jit):
         _run(tx, jit=jit)(_grads(1.0), tx.init(PARAMS), PARAMS, count=1.0, value=value)
 
 
+@pytest.mark.filterwarnings("ignore:The inner optimizer needs `value=`")
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_microbatches_without_value_do_not_dilute_the_window_loss(jit):
     tx = mm.MaskedMultiSteps(_ValueRecorder(), 4)
@@ -589,6 +591,7 @@ def test_microbatches_without_value_do_not_dilute_the_window_loss(jit):
     np.testing.assert_allclose(state.inner_opt_state["value"], 3.5, rtol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:The inner optimizer needs `value=`")
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_inner_that_needs_value_gets_the_window_value_when_the_last_call_has_none(jit):
     tx = mm.MaskedMultiSteps(_ValueRecorder(), 3)
@@ -615,6 +618,7 @@ def test_inner_that_needs_value_gets_the_window_value_when_the_last_call_has_non
     np.testing.assert_allclose(state.inner_opt_state["value"], 2.0)
 
 
+@pytest.mark.filterwarnings("ignore:The inner optimizer needs `value=`")
 def test_reduce_on_plateau_gets_the_window_loss_when_the_last_call_has_none():
     inner = optax.chain(
         optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0, factor=0.5)
@@ -627,6 +631,30 @@ def test_reduce_on_plateau_gets_the_window_loss_when_the_last_call_has_none():
     _, state = tx.update(_grads(1.0), state, PARAMS, count=jnp.int32(3))
     assert int(state.gradient_step) == 1
     np.testing.assert_allclose(state.inner_opt_state[1].best_value, 3.0)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "inner",
+    [
+        optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau()),
+        optax.polyak_sgd(),
+    ],
+    ids=["reduce_on_plateau", "polyak_sgd"],
+)
+def test_inner_that_needs_value_warns_when_a_call_passes_none(inner, jit):
+    # Without the wrapper such an optimizer refuses a call without `value=`
+    # (TypeError); with it, a window in which no call passed one is held, so a
+    # loop that never passes `value=` would never update the params.
+    tx = mm.MaskedMultiSteps(inner, 2)
+    update = _run(tx, jit=jit)
+    state = tx.init(PARAMS)
+    with pytest.warns(UserWarning, match=r"^The inner optimizer needs `value=`"):
+        _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(1))
+    # With a value, nothing to say.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        update(_grads(1.0), state, PARAMS, count=jnp.int32(1), value=jnp.float32(1))
 
 
 # Window schedules.

@@ -556,6 +556,7 @@ def test_train_state_deferred_equals_single_device(mesh, window_stats):
         assert np.isfinite(last.grad_var_trace) and last.grad_var_trace > 0
 
 
+@pytest.mark.filterwarnings("ignore:The inner optimizer needs `value=`")
 def test_train_state_refuses_params_a_deferred_gradient_would_reshape(mesh):
     # A multi_transform branch without the wrapper got the per-device (D, ...)
     # gradients, and optax.apply_updates broadcast its params to (D, ...):
@@ -1131,6 +1132,7 @@ def test_deferred_nonfinite_window_never_reaches_the_inner_optimizer(mesh):
     assert all(np.isfinite(u).all() and u.any() for u in jax.tree.leaves(updates))
 
 
+@pytest.mark.filterwarnings("ignore:The inner optimizer needs `value=`")
 def test_deferred_per_window_loss_is_the_windows_token_weighted_mean(mesh):
     """Agreeing only at the window's end, the loss handed to the inner
     optimizer is Σ nᵢᵈ vᵢᵈ / Σ nᵢᵈ over every device and microbatch that passed

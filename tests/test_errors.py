@@ -478,6 +478,22 @@ def test_flax_stock_train_state_points_to_mm_train_state():
         state.apply_gradients(grads=GRADS)
 
 
+@pytest.mark.parametrize("method", ["update", "apply_gradients"])
+def test_a_state_of_fields_by_name_or_swapped_with_params_says_so(tx, method):
+    # A checkpoint restored without a target comes back as a dict of the
+    # state's fields; the error says to restore against `tx.init(params)`.
+    step = getattr(tx, method)
+    state = tx.init(PARAMS)
+    with pytest.raises(TypeError, match=r"got dict: .*without a template.*tx\.init"):
+        step(GRADS, state._asdict(), PARAMS, count=1)
+    # The state and the params passed in each other's place.
+    with pytest.raises(TypeError, match=r"got dict: `params` is .* swapped"):
+        step(GRADS, PARAMS, state, count=1)
+    # Anything else is named, without a guess.
+    with pytest.raises(TypeError, match=r"returned, got dict$"):
+        step(GRADS, {"w": 1}, PARAMS, count=1)
+
+
 def test_a_state_from_another_optimizer_or_settings_is_refused():
     params, grads = {"w": jnp.zeros(2)}, {"w": jnp.ones(2)}
     tx = mm.MaskedMultiSteps(optax.adam(0.1), 2)
@@ -547,9 +563,13 @@ def test_a_missing_count_names_the_nnx_call(tx):
 def test_an_accumulator_inside_the_wrapper_is_refused(inner):
     # Nested, the outer wrapper would weigh the inner one's windows equally,
     # over k_outer * k_inner microbatches (silently, through a chain).
+    # Switching by wrapping an existing optax.MultiSteps: the error names the
+    # optimizer inside it.
     tx = mm.MaskedMultiSteps(inner(), 2)
     with pytest.raises(
-        TypeError, match=r"`opt` .*holds an accumulator .*k_outer \* k_inner"
+        TypeError,
+        match=r"`opt` .*holds an accumulator .*k_outer \* k_inner.*"
+        r"MaskedMultiSteps\(old\.inner_opt, k\)",
     ):
         tx.init(PARAMS)
 

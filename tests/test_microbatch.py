@@ -439,6 +439,20 @@ _RETURN_MISTAKES = {
         "token count), got a tuple of 2: (int32[], dict); if it is (count, aux), "
         "pass has_aux=True",
     ),
+    "metrics without a count": (
+        lambda w, mb: (_mean(w, mb)[0], {"acc": w}),
+        False,
+        "The count returned by `loss_fn` must be a real scalar (the microbatch's "
+        "token count), got a dict; `loss_fn` returns (mean_loss, count), and "
+        "with has_aux=True (mean_loss, (count, aux)) to return metrics too",
+    ),
+    "has_aux, aux before the count": (
+        lambda w, mb: (_mean(w, mb)[0], ({"acc": w}, _mean(w, mb)[1])),
+        True,
+        "The count returned by `loss_fn` must be a real scalar (the microbatch's "
+        "token count), got a dict; with has_aux=True the second element is "
+        "(count, aux), count first",
+    ),
     "has_aux on a plain count": (
         _mean,
         True,

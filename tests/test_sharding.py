@@ -276,6 +276,43 @@ def test_weighted_mean_across_of_shard_gradients_equals_full_batch(mesh8):
         run(False)
 
 
+def test_a_count_that_differs_between_shards_is_refused_by_name(mesh8):
+    # Inside shard_map, gradients averaged with pmean are the same on every
+    # shard while a count taken from the shard's own rows is not: every shard's
+    # window would weigh the microbatches by its own tokens. The error names
+    # `count` and the token-weighted reduction that gives the shards one total.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    params = jnp.zeros(3)
+    counts = jnp.arange(1.0, 9.0)
+
+    def run(body):
+        step = jax.shard_map(
+            body, mesh=mesh8, in_specs=(P(), P(), P("x")), out_specs=P()
+        )
+        return jax.jit(step)(params, tx.init(params), counts)
+
+    def pmean_and_own_count(params, state, counts):
+        grads = jax.lax.pmean(jnp.ones(3) * counts[0], "x")
+        return tx.update(grads, state, params, count=counts[0])
+
+    with pytest.raises(
+        ValueError,
+        match=r"^`count` differs between the shards of \['x'\] while grads is the "
+        r"same on every shard .*mm\.weighted_mean_across\(grads, count, 'x'\)",
+    ):
+        run(pmean_and_own_count)
+
+    def weighted(params, state, counts):
+        grads = jnp.ones(3) * counts[0]  # this shard's own gradient
+        grads, total = mm.weighted_mean_across(grads, counts[0], "x")
+        return tx.update(grads, state, params, count=total)
+
+    _, state = run(weighted)
+    # Σ nᵈ·nᵈ / Σ nᵈ over n = 1..8: 204 / 36.
+    np.testing.assert_allclose(state.acc_grads, np.full(3, 204 / 36), rtol=1e-6)
+    assert float(state.acc_count) == 36
+
+
 def test_orbax_restore_on_the_mesh_continues(mesh, tmp_path):
     # The README's recipe: restore against a template from tx.init. Its scalars
     # were left on one device, orbax restored them there, and the step met them

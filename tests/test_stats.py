@@ -1028,6 +1028,30 @@ def test_tokens_seen_formats_as_a_number_with_a_spec_and_as_a_tuple_without():
     jax.jit(lambda t: f"{t}" and t.hi)(stats_total)
 
 
+def test_tokens_seen_is_one_number_to_numpy_and_jax():
+    # As a tuple, the pair would read as [hi, lo] (a metric logger's silent
+    # 2-vector); numpy gets the exact float64 total, jax hi + lo in float32.
+    total = mm.TokenTotal(jnp.float32(2.0**24), jnp.float32(1.0))
+    assert np.asarray(total).shape == () and np.asarray(total) == 2.0**24 + 1
+    assert np.asarray(total).dtype == np.float64
+    assert np.asarray(total, np.int64) == 2**24 + 1
+    assert jnp.asarray(total).shape == () and jnp.asarray(total) == 2.0**24
+    # A schedule in tokens takes it, also under jit, and batched totals stay
+    # one number per run.
+    lr = optax.linear_schedule(0.0, 1.0, 2**25)
+    assert float(jax.jit(lambda t: lr(jnp.asarray(t)))(total)) == 0.5
+    ramp = jnp.interp(total, jnp.array([0.0, 2.0**25]), jnp.array([0.0, 2.0]))
+    assert float(ramp) == 1.0
+    batched = jax.tree.map(lambda x: jnp.stack([x, 2 * x]), total)
+    np.testing.assert_array_equal(np.asarray(batched), [2.0**24 + 1, 2.0**25 + 2])
+    assert jnp.asarray(batched).shape == (2,)
+    # What window_stats returns, through the wrapper.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1, window_stats=True)
+    params = jnp.zeros(2)
+    _, state = tx.update(jnp.ones(2), tx.init(params), params, count=jnp.int32(5))
+    assert np.asarray(mm.window_stats(state).tokens_seen) == 5.0
+
+
 def test_noise_scale_is_nan_where_the_true_gradient_estimate_is_exactly_zero():
     # B_simple is NaN, not inf, where |G|²̂ is exactly 0.
     # tr Σ̂ = 4 / 1 = 4, |G|²̂ = 1 − 4 / 4 = 0 exactly: B_simple is undefined.

@@ -52,9 +52,24 @@ def test_a_misspelt_field_is_a_type_error_naming_it(jit):
     with pytest.raises(
         TypeError,
         match=r"unexpected keyword argument\(s\) 'batch_stat': not a field of "
-        r"_StateWithStats \(fields: .*batch_stats",
+        r"_StateWithStats \(fields: .*batch_stats\)\. Did you mean 'batch_stats'\? "
+        r"Arguments for the optimizer go in `extra_args",
     ):
         (jax.jit(step) if jit else step)(state)
+
+
+def test_a_keyword_for_a_field_it_lacks_says_how_to_add_the_field():
+    # flax's own TrainState has no batch_stats: a subclass declares it.
+    state = mm.TrainState.create(
+        apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(1.0)
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"'batch_stats': not a field of TrainState \(fields: .*\)\. A field "
+        r"of your own needs a subclass, e\.g\. `class State\(mm\.TrainState\): "
+        r"batch_stats: Any = None`\. Arguments for the optimizer go in `extra_args",
+    ):
+        state.apply_gradients(grads={"w": jnp.ones(2)}, count=1, batch_stats={})
 
 
 def test_several_unknown_keywords_are_all_named():
