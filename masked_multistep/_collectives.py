@@ -27,10 +27,10 @@ def reduced_leaf(
     tree: Any, count: Any, names: frozenset | None = None
 ) -> tuple[str, list[Hashable]] | None:
     """The first leaf of ``tree`` that is the same on every shard of an axis
-    (of ``names``, or any) over which ``count`` differs, as ``(where, axes)``,
-    ``where`` spelt ``tree[...]``; ``None`` if there is none (always, outside
-    ``shard_map``). Such a leaf was already reduced over the shards while the
-    count is still each shard's own."""
+    (of ``names``, or any) over which ``count`` differs, as ``(path, axes)``,
+    ``path`` spelt by ``keystr`` (``"['w']"``, or ``""`` for a bare leaf);
+    ``None`` if there is none (always, outside ``shard_map``). Such a leaf was
+    already reduced over the shards while the count is still each shard's own."""
     if not isinstance(count, jax.Array):
         return None  # a host number is the same on every shard
     count_varies = _varying_axes(count)
@@ -41,7 +41,7 @@ def reduced_leaf(
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if invariant := count_varies - _varying_axes(leaf):
             # Axis names are any hashables: sorted by their text.
-            return f"tree{jax.tree_util.keystr(path)}", sorted(invariant, key=str)
+            return jax.tree_util.keystr(path), sorted(invariant, key=str)
     return None
 
 
@@ -128,9 +128,9 @@ def weighted_mean_across(
     if reduced := reduced_leaf(tree, count, frozenset(names)):
         # Inside shard_map, the gradient of a replicated (invariant) input is
         # already summed over the shards; weighting that sum again is wrong.
-        where, axes = reduced
+        path, axes = reduced
         raise ValueError(
-            f"{where} is the same on every shard of {axes} while "
+            f"tree{path} is the same on every shard of {axes} while "
             "`count` differs: it is already reduced. Inside shard_map the "
             "gradient with respect to a replicated input is summed over the "
             "shards automatically; differentiate with respect to "

@@ -918,10 +918,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # Inside shard_map: gradients averaged over the shards (pmean) with
             # each shard's own count; every shard would weigh its window's
             # microbatches differently, and the replicas drift apart.
-            where, axes = reduced
+            path, axes = reduced
             raise ValueError(
                 f"`count` differs between the shards of {axes} while "
-                f"grads{where[4:]} is the same on every shard (already reduced): "
+                f"grads{path} is the same on every shard (already reduced): "
                 "each shard would weigh the window's microbatches by its own "
                 "tokens. Pass the gradients' token-weighted mean and the total "
                 f"count over the shards, `grads, count = mm.weighted_mean_across("

@@ -149,9 +149,9 @@ class TokenTotal(NamedTuple):
     for integer totals below ``2**53``; ``int(total)`` and format specs
     (``f"{total:,.0f}"``) work as on that float. NumPy and jax take it as the
     one number it stands for, not as the pair: ``np.asarray(total)`` is that
-    float64, and ``jnp.asarray(total)`` (so a jax.numpy function or an optax
-    schedule of the tokens seen) is ``hi + lo``, the total rounded to float32,
-    also under ``jit``.
+    float64, and ``jnp.asarray(total)`` is ``hi + lo``, the total rounded to
+    float32, also under ``jit``; jax.numpy functions take it so, and an optax
+    schedule of the tokens seen takes ``jnp.asarray(total)``.
 
     Attributes:
       hi: float32, the leading part.
