@@ -1039,6 +1039,24 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             updates, new_inner = self._opt.update(
                 mean_grads, inner_state, params, **static_args, **dynamic_args
             )
+            if jax.tree.structure(new_inner) != jax.tree.structure(inner_state):
+                # The window's conditional carries one state through both
+                # branches (optax.monitor's measurements appear on update).
+                before, after = (
+                    {
+                        jax.tree_util.keystr(p)
+                        for p, _ in jax.tree_util.tree_flatten_with_path(x)[0]
+                    }
+                    for x in (inner_state, new_inner)
+                )
+                changed = sorted(before ^ after)[:3] or ["its containers"]
+                raise ValueError(
+                    "The inner optimizer's state changes structure on `update` "
+                    f"(at {', '.join(changed)}): the wrapper holds it between "
+                    "windows, so `init` must build it as `update` returns it "
+                    "(optax.monitor's does not; nor does it run under "
+                    "jax.lax.scan)"
+                )
             # The inner state keeps its dtypes (as in optax.MultiSteps).
             return updates, otu.cast_like(new_inner, inner_state)
 
@@ -1369,7 +1387,10 @@ def _refuse_nested_accumulation(inner_opt_state: Any) -> None:
     """Refuses an accumulator anywhere in the inner optimizer (bare or in a
     chain): the outer wrapper would hand it each window's mean as one
     microbatch, and it would weigh the windows equally."""
-    found = states_in(inner_opt_state, (MaskedMultiStepsState, optax.MultiStepsState))
+    found = states_in(
+        inner_opt_state,
+        (MaskedMultiStepsState, optax.MultiStepsState, optax.ApplyEvery),
+    )
     if found:
         raise TypeError(
             "`opt` must be the optimizer to run once per window, but it holds "

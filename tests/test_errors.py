@@ -557,8 +557,16 @@ def test_a_missing_count_names_the_nnx_call(tx):
         lambda: mm.MaskedMultiSteps(optax.sgd(1.0), 2),
         lambda: optax.chain(optax.identity(), optax.MultiSteps(optax.sgd(1.0), 2)),
         lambda: optax.chain(optax.scale(1.0), mm.MaskedMultiSteps(optax.sgd(1.0), 2)),
+        # optax.apply_every sums k windows with equal weight, and applies them.
+        lambda: optax.chain(optax.sgd(1.0), optax.apply_every(2)),
     ],
-    ids=["optax.MultiSteps", "MaskedMultiSteps", "chained", "chained mm"],
+    ids=[
+        "optax.MultiSteps",
+        "MaskedMultiSteps",
+        "chained",
+        "chained mm",
+        "apply_every",
+    ],
 )
 def test_an_accumulator_inside_the_wrapper_is_refused(inner):
     # Nested, the outer wrapper would weigh the inner one's windows equally,
@@ -572,6 +580,23 @@ def test_an_accumulator_inside_the_wrapper_is_refused(inner):
         r"MaskedMultiSteps\(old\.inner_opt, k\)",
     ):
         tx.init(PARAMS)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_inner_state_that_changes_structure_on_update_is_named(jit):
+    # optax.monitor's state is {} after init and holds its measurements after
+    # update: a state the wrapper cannot carry through a window unchanged.
+    inner = optax.chain(
+        optax.sgd(1.0), optax.monitor({"norm": lambda u: optax.tree.norm(u)})
+    )
+    tx = mm.MaskedMultiSteps(inner, 1)
+    update = jax.jit(tx.update) if jit else tx.update
+    with pytest.raises(
+        ValueError,
+        match=r"^The inner optimizer's state changes structure on `update` \(at "
+        r"\[1\]\.measurements\['norm'\]\)",
+    ):
+        update(GRADS, tx.init(PARAMS), PARAMS, count=1)
 
 
 def test_the_wrapper_survives_tree_map():

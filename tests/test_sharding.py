@@ -348,3 +348,40 @@ def test_orbax_restore_on_the_mesh_continues(mesh, tmp_path):
         resumed = step(*resumed, mb)
     assert int(state.gradient_step) == WINDOWS
     chex.assert_trees_all_equal((params, state), resumed)
+
+
+@pytest.mark.parametrize("where", ["one device", "mesh"])
+def test_inner_state_with_a_typed_key_is_placed_with_the_params(mesh, mesh8, where):
+    # optax.noisy_sgd keeps a typed PRNG key (key<fry>) in its state. On params
+    # committed to a device or a mesh, init places the state's scalars where a
+    # step returns them; the key goes there too, and the window's update draws
+    # the same noise as the bare optimizer on the window's token-mean gradient.
+    sharding = (
+        jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        if where == "one device"
+        else NamedSharding(mesh, P())
+    )
+    params = jax.device_put({"w": jnp.arange(4.0)}, sharding)
+    inner = optax.noisy_sgd(0.1, eta=0.5, key=0)
+    tx = mm.MaskedMultiSteps(inner, every_k_schedule=2)
+    state = tx.init(params)
+    key = state.inner_opt_state[0].rng_key
+    assert jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    assert key.sharding.is_equivalent_to(state.gradient_step.sharding, key.ndim)
+
+    step = jax.jit(tx.apply_gradients)
+    for g, n in [(1.0, 1), (3.0, 3)]:
+        params, state = step({"w": jnp.full(4, g)}, state, params, count=jnp.int32(n))
+
+    ref_params = jax.device_put({"w": jnp.arange(4.0)}, sharding)
+    ref_updates, _ = inner.update(
+        {"w": jnp.full(4, 2.5)}, inner.init(ref_params), ref_params
+    )
+    np.testing.assert_allclose(
+        params["w"], optax.apply_updates(ref_params, ref_updates)["w"], rtol=1e-6
+    )
+    # The deferred reduction places the state the same way.
+    deferred = mm.MaskedMultiSteps(inner, 2, reduction=mm.deferred(mesh8, "x"))
+    replicated = jax.device_put({"w": jnp.arange(4.0)}, NamedSharding(mesh8, P()))
+    key = deferred.init(replicated).inner_opt_state[0].rng_key
+    assert key.sharding.is_equivalent_to(NamedSharding(mesh8, P()), key.ndim)
