@@ -14,6 +14,9 @@ that closes a window or on the one between window ends, and the bytes they
 read and write (``benchmarks/bench_gpu_program.py``).
 
 ``backend_compiles()`` records the backend compilations that run inside its block.
+
+``assert_bit_identical(a, b)`` asserts two pytrees equal leaf by leaf: the same
+structure, dtypes and values (NaN where the other is NaN).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import re
 from collections.abc import Iterable, Iterator
 
 import jax
+import numpy as np
 
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 _OP = re.compile(
@@ -277,3 +281,12 @@ def backend_compiles() -> Iterator[list[str]]:
         yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def assert_bit_identical(a, b) -> None:
+    """``a`` and ``b`` have the same tree structure and, leaf by leaf, the same
+    dtype and values (NaN where the other is NaN)."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True), (x, y)

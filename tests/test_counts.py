@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_bit_identical
 
 import masked_multistep as mm
 
@@ -25,15 +26,6 @@ PARAMS = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones(2)}
 
 def _grads(scale):
     return jax.tree.map(lambda p: jnp.full(p.shape, scale, p.dtype), PARAMS)
-
-
-def _assert_bit_identical(a, b):
-    def check(x, y):
-        x, y = jnp.asarray(x), jnp.asarray(y)
-        assert x.dtype == y.dtype
-        np.testing.assert_array_equal(x, y)
-
-    jax.tree.map(check, a, b)
 
 
 def _run(tx, *, jit):
@@ -173,7 +165,7 @@ def test_invalid_counts_raise_eagerly_and_are_counted_skips_under_jit(count):
         tx.update(_grads(100.0), state, PARAMS, count=count)
     updates, after = jax.jit(tx.update)(_grads(100.0), state, PARAMS, count=count)
     assert int(after.num_invalid_counts) == 1
-    _assert_bit_identical(
+    assert_bit_identical(
         (after.acc_grads, after.acc_count, after.mini_step, after.gradient_step),
         (state.acc_grads, state.acc_count, state.mini_step, state.gradient_step),
     )
@@ -387,7 +379,7 @@ def test_empty_nan_microbatch_counts_toward_its_window_whatever_the_skip_fn(jit)
     _, state = update(_grads(1.0), state, PARAMS, count=jnp.float32(2))
     _, after = update(_grads(jnp.nan), state, PARAMS, count=jnp.float32(0))
     assert int(after.mini_step) == int(state.mini_step) + 1
-    _assert_bit_identical(
+    assert_bit_identical(
         (after.acc_grads, after.acc_count, after.skip_state, after.num_invalid_counts),
         (state.acc_grads, state.acc_count, state.skip_state, state.num_invalid_counts),
     )

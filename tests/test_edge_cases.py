@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_bit_identical
 
 import masked_multistep as mm
 
@@ -16,21 +17,6 @@ PARAMS = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones(2)}
 
 def _grads(scale):
     return jax.tree.map(lambda p: jnp.full(p.shape, scale, p.dtype), PARAMS)
-
-
-def _assert_bit_identical(a, b):
-    jax.tree.map(
-        lambda x, y: (
-            np.testing.assert_array_equal(x, y),
-            _assert_same_dtype(x, y),
-        ),
-        a,
-        b,
-    )
-
-
-def _assert_same_dtype(x, y):
-    assert jnp.asarray(x).dtype == jnp.asarray(y).dtype
 
 
 @pytest.fixture
@@ -43,8 +29,8 @@ def test_zero_count_with_nan_gradient_changes_nothing_but_mini_step(adam_tx):
     state = adam_tx.init(PARAMS)
     _, state = update(_grads(2.0), state, PARAMS, count=jnp.int32(5))
     _, after = update(_grads(jnp.nan), state, PARAMS, count=jnp.int32(0))
-    _assert_bit_identical(after.acc_grads, state.acc_grads)
-    _assert_bit_identical(after.acc_count, state.acc_count)
+    assert_bit_identical(after.acc_grads, state.acc_grads)
+    assert_bit_identical(after.acc_count, state.acc_count)
     assert int(after.mini_step) == int(state.mini_step) + 1
     # ...and the window still ends on schedule, with the one real microbatch.
     updates, after = update(_grads(jnp.inf), after, PARAMS, count=jnp.int32(0))
@@ -62,7 +48,7 @@ def test_all_zero_window_applies_nothing_and_next_window_is_clean(adam_tx):
     assert not bool(adam_tx.has_updated(state))
     for u in jax.tree.leaves(updates):
         np.testing.assert_array_equal(u, 0)
-    _assert_bit_identical(state.inner_opt_state, state0.inner_opt_state)
+    assert_bit_identical(state.inner_opt_state, state0.inner_opt_state)
     assert int(state.gradient_step) == 0
     assert int(state.mini_step) == 0 and int(state.acc_count) == 0
 
@@ -88,7 +74,7 @@ def test_nonfinite_window_is_not_handed_to_the_inner_optimizer(bad):
     assert int(state.acc_count) == 0
     for u in jax.tree.leaves(updates):
         np.testing.assert_array_equal(u, 0.0)
-    _assert_bit_identical(state.inner_opt_state, inner_before)
+    assert_bit_identical(state.inner_opt_state, inner_before)
     # The run goes on: the next window is clean and applied.
     _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(1))
     updates, state = update(_grads(4.0), state, PARAMS, count=jnp.int32(3))
@@ -178,8 +164,8 @@ def test_skipped_microbatch_is_as_if_it_never_happened(skip_fn):
     _, state = update(_grads(1.0), state, PARAMS, count=jnp.int32(1))
     bad = _grads(jnp.inf if skip_fn is optax.skip_not_finite else 1e6)
     updates, skipped = update(bad, state, PARAMS, count=jnp.int32(5))
-    _assert_bit_identical(skipped.acc_grads, state.acc_grads)
-    _assert_bit_identical(
+    assert_bit_identical(skipped.acc_grads, state.acc_grads)
+    assert_bit_identical(
         (skipped.acc_count, skipped.mini_step, skipped.gradient_step),
         (state.acc_count, state.mini_step, state.gradient_step),
     )
@@ -453,13 +439,13 @@ def test_apply_gradients_matches_update_then_apply():
         u, s1 = tx.update(_grads(i - 2.0), s1, p1, count=jnp.int32(n))
         p1 = optax.apply_updates(p1, u)
         p2, s2 = tx.apply_gradients(_grads(i - 2.0), s2, p2, count=jnp.int32(n))
-        _assert_bit_identical(p1, p2)
-        _assert_bit_identical(s1._replace(acc_grads=()), s2._replace(acc_grads=()))
+        assert_bit_identical(p1, p2)
+        assert_bit_identical(s1._replace(acc_grads=()), s2._replace(acc_grads=()))
         if int(s1.acc_count) > 0:  # the running mean, where it means something
-            _assert_bit_identical(s1.acc_grads, s2.acc_grads)
+            assert_bit_identical(s1.acc_grads, s2.acc_grads)
         elif bool(s1.updated):
             # `update` wrote the inner update into the dead accumulator's buffer.
-            _assert_bit_identical(s1.acc_grads, u)
+            assert_bit_identical(s1.acc_grads, u)
 
 
 def test_zero_updates_have_the_emitted_dtype_and_structure():

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_bit_identical
 from _recording import records_value
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -71,13 +72,6 @@ def _setup(name, fused):
     else:
         step = jax.jit(lambda p, s, g, n, v: tx.update(g, s, p, count=n, value=v))
     return tx, params, step, deferred
-
-
-def _assert_bit_identical(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True)
 
 
 _BAD = [math.nan, math.inf, -math.inf, 1e30]
@@ -158,14 +152,14 @@ def test_empty_microbatches_leave_the_state_as_if_they_were_never_passed(name, f
             if not real_one:
                 assert not bool(state.updated)
                 if fused:
-                    _assert_bit_identical(out, previous)
+                    assert_bit_identical(out, previous)
                 else:
                     assert not np.any(np.asarray(out))
             previous = out
         kept = [x for x, r in zip(padded, is_real, strict=True) if r]
         for (out_a, state_a), (out_b, state_b) in zip(plain, kept, strict=True):
-            _assert_bit_identical(out_a, out_b)
-            _assert_bit_identical(
+            assert_bit_identical(out_a, out_b)
+            assert_bit_identical(
                 state_a._replace(mini_step=0), state_b._replace(mini_step=0)
             )
             assert int(state_b.mini_step) >= int(state_a.mini_step)
@@ -219,4 +213,4 @@ def test_a_device_without_tokens_is_ignored_whatever_it_holds(synced, seed, int_
         runs.append(trace)
     assert int(runs[0][-1][1].gradient_step) >= 1
     for other in runs[1:]:
-        _assert_bit_identical(runs[0], other)
+        assert_bit_identical(runs[0], other)
