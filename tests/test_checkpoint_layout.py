@@ -227,6 +227,20 @@ def _saved_and_restored(tmp_path, fields, target):
     return restored["opt_state"]
 
 
+def _restored_and_converted(tmp_path, fields, target, template, ok):
+    """The 0.1 state ``fields`` (a token total of 3, or 0.5 where not ``ok``)
+    restored against ``target`` and converted against ``template``: the int32
+    state, or ``None`` where the fractional total was refused."""
+    restored = _saved_and_restored(tmp_path, fields, target)
+    if not ok:
+        with pytest.raises(ValueError, match=r"is fractional \(0.5\)"):
+            mm.from_state_0_1(restored, template)
+        return None
+    state = mm.from_state_0_1(restored, template)
+    assert state.acc_count.dtype == jnp.int32 and int(state.acc_count) == 3
+    return state
+
+
 @pytest.mark.parametrize("total, ok", [(3.0, True), (0.5, False)])
 def test_orbax_restores_a_float_0_1_total_in_its_own_dtype(tmp_path, total, ok):
     # A 0.1 run that counted in float32, continued with int32 counts: orbax
@@ -245,15 +259,15 @@ def test_orbax_restores_a_float_0_1_total_in_its_own_dtype(tmp_path, total, ok):
     assert mm.state_0_1_target(template)["acc_count"].dtype == jnp.int32
     target = mm.state_0_1_target(template, count_dtype=jnp.float32)
     assert target["acc_count"].dtype == jnp.float32
-    restored = _saved_and_restored(
-        tmp_path, fields, jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    state = _restored_and_converted(
+        tmp_path,
+        fields,
+        jax.tree.map(ocp.utils.to_shape_dtype_struct, target),
+        template,
+        ok,
     )
-    if not ok:
-        with pytest.raises(ValueError, match=r"is fractional \(0.5\)"):
-            mm.from_state_0_1(restored, template)
+    if state is None:
         return
-    state = mm.from_state_0_1(restored, template)
-    assert state.acc_count.dtype == jnp.int32 and int(state.acc_count) == 3
     assert state.acc_count.sharding == template.acc_count.sharding
     updates, _ = tx.update({"w": jnp.zeros(2)}, state, params, count=jnp.int32(1))
     np.testing.assert_allclose(updates["w"], -(3 * 4.0) / 4)
@@ -413,13 +427,7 @@ def test_an_abstract_template_gives_a_target_in_the_0_1_count_dtype(
     fields = {name: getattr(template, name) for name in mm.STATE_0_1_FIELDS}
     fields.update(mini_step=jnp.int32(1), acc_count=jnp.float32(total))
     target = mm.state_0_1_target(abstract, count_dtype=jnp.float32)
-    restored = _saved_and_restored(tmp_path, fields, target)
-    if not ok:
-        with pytest.raises(ValueError, match=r"is fractional \(0.5\)"):
-            mm.from_state_0_1(restored, template)
-        return
-    state = mm.from_state_0_1(restored, template)
-    assert state.acc_count.dtype == jnp.int32 and int(state.acc_count) == 3
+    _restored_and_converted(tmp_path, fields, target, template, ok)
 
 
 @pytest.mark.parametrize("name", ["mini_step", "gradient_step", "num_invalid_counts"])

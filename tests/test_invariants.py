@@ -56,9 +56,10 @@ K = 6  # microbatches per window
 W = 3  # width of the parameter vector
 
 
-def _window_runner(tx, params):
-    """``jit(vmap(run))``: each row a run of ``tx.update`` from ``tx.init``
-    over its microbatches; the last updates and the final state."""
+def _window_runner(tx, params, in_axes=0):
+    """``jit(vmap(run, in_axes))``: each row a run of ``tx.update`` from
+    ``tx.init`` over its microbatches ``(grads, counts, values)``; every
+    microbatch's updates and the final state."""
 
     def run(grads, counts, values):
         def body(state, x):
@@ -69,7 +70,7 @@ def _window_runner(tx, params):
         state, updates = jax.lax.scan(body, tx.init(params), (grads, counts, values))
         return updates, state
 
-    return jax.jit(jax.vmap(run))
+    return jax.jit(jax.vmap(run, in_axes=in_axes))
 
 
 @functools.cache
@@ -197,16 +198,7 @@ def _scaled_runner(count_dtype):
         window_stats=True,
         count_dtype=count_dtype,
     )
-
-    def run(grads, counts, values):
-        def body(state, x):
-            g, n, v = x
-            updates, state = tx.update(g, state, params, count=n, value=v)
-            return state, updates
-
-        return jax.lax.scan(body, tx.init(params), (grads, counts, values))
-
-    return jax.jit(jax.vmap(run, in_axes=(None, 0, None)))
+    return _window_runner(tx, params, in_axes=(None, 0, None))
 
 
 @pytest.mark.parametrize("count_dtype", [jnp.float32, jnp.int32])
@@ -224,7 +216,7 @@ def test_scaling_every_count_by_an_integer_leaves_the_updates_bit_identical(
     grads = _nan_where_empty(rng.normal(size=(9, W)).astype(np.float32), counts)
     values = rng.normal(size=9).astype(np.float32)
     n = np.stack([counts, c * counts]).astype(np.dtype(count_dtype))
-    state, updates = _scaled_runner(count_dtype)(grads, n, values)
+    updates, state = _scaled_runner(count_dtype)(grads, n, values)
     np.testing.assert_array_equal(updates[0], updates[1])
     for leaf in jax.tree.leaves(state.inner_opt_state):  # adam's moments, the loss
         np.testing.assert_array_equal(leaf[0], leaf[1])
