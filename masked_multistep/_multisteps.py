@@ -973,8 +973,14 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             gate.n,
             gate.local_counts,
         )
+        for_norms = grads
         if self._recorder.enabled:
-            grads = _stats.materialized_on_gpu(grads)
+            # The statistics and the running mean both read the gradients:
+            # one conversion to their precision serves both (and sums the
+            # derivatives that flow back through them before rounding).
+            narrow = _stats.materialized_on_gpu(grads)
+            grads = _stats.in_compute_precision(narrow)
+            for_norms = _stats.for_squared_norms(grads, narrow)
         acc_grads, acc_count, reduction_state = self._reduction.accumulate(
             state.acc_grads,
             state.acc_count,
@@ -985,7 +991,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
         stats = state.stats
         if not self._reduction.keeps_stats:
-            stats = self._recorder.accumulate(stats, grads, gate.n, gate.local_counts)
+            stats = self._recorder.accumulate(
+                stats, for_norms, gate.n, gate.local_counts
+            )
         return _Window(
             acc_grads, acc_count, acc_value, value_count, reduction_state, stats
         )

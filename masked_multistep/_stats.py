@@ -112,7 +112,7 @@ from masked_multistep._checks import (
     host_int_to_float,
     real_array,
 )
-from masked_multistep._running_mean import sq_norm
+from masked_multistep._running_mean import compute_dtype, sq_norm
 
 __all__ = [
     "TokenTotal",
@@ -120,6 +120,8 @@ __all__ = [
     "WindowStatsState",
     "add_tokens",
     "init_window_stats",
+    "in_compute_precision",
+    "for_squared_norms",
     "materialized_on_gpu",
     "accumulate_window_stats",
     "accumulate_window_stats_per_device",
@@ -452,6 +454,11 @@ def _taken_sq_norm_jvp(rows, primals, tangents):
             return jnp.zeros(out.shape, out.dtype)
         keep = jnp.reshape(take, take.shape + (1,) * (g.ndim - take.ndim))
         g = jnp.where(keep & jnp.isfinite(g), g, jnp.zeros_like(g))
+        # In the precision of the value (at least float32), as `_sq_norms`
+        # computes it: a float16 product g·dg overflows at |g·dg| > 65504, and
+        # a bfloat16 one is rounded to 8 bits before the sum.
+        dtype = compute_dtype(jnp.result_type(g, dg))
+        g, dg = g.astype(dtype), dg.astype(dtype)
         prod = jnp.conj(g) * dg if jnp.iscomplexobj(g) else g * dg
         axes = tuple(range(1, g.ndim)) if rows else None
         return jnp.sum(jnp.real(prod), axis=axes).astype(out.dtype)
@@ -935,6 +942,67 @@ def materialized_on_gpu(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
+def in_compute_precision(tree: Any) -> Any:
+    """``tree`` with each floating (or complex) leaf in at least float32, the
+    precision the running mean and the squared norms compute in; other leaves
+    as they are.
+
+    For a gradient that both read: converted once, the derivatives that flow
+    back to a bfloat16 or float16 gradient from the two are summed in float32
+    before they are rounded to its dtype, as one float32 computation of both
+    would sum them (rounded apart, the large opposite terms of ``S`` cancel
+    in the gradient's precision).
+    """
+
+    def leaf(x: Any) -> Any:
+        dtype = jnp.result_type(x)
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return jnp.asarray(x).astype(compute_dtype(dtype))
+        return x
+
+    return jax.tree.map(leaf, tree)
+
+
+def _converted_apart(wide: jax.Array, narrow: jax.Array) -> jax.Array:
+    del wide
+    barrier = jax.lax.optimization_barrier
+    narrow = jax.lax.platform_dependent(narrow, cpu=barrier, default=lambda x: x)
+    return narrow.astype(compute_dtype(narrow.dtype))
+
+
+@jax.custom_jvp
+def _norm_view_leaf(wide: jax.Array, narrow: jax.Array) -> jax.Array:
+    return _converted_apart(wide, narrow)
+
+
+@_norm_view_leaf.defjvp
+def _norm_view_leaf_jvp(primals, tangents):
+    wide, narrow = primals
+    return _converted_apart(wide, narrow), tangents[0]
+
+
+def for_squared_norms(wide: Any, narrow: Any) -> Any:
+    """``wide`` (``in_compute_precision(narrow)``), for the statistics' squared
+    norms to read while the accumulation reads ``wide`` itself.
+
+    Its value is ``wide``'s, converted again from ``narrow`` where that is
+    bfloat16 or float16: XLA:CPU fuses a bfloat16 conversion into a reduction,
+    but one read by both the accumulation pass and a reduction is written to a
+    float32 buffer of its own (twice the gradient's bytes). Behind an
+    ``optimization_barrier`` on CPU the reduction converts its own copy (a
+    float16 one XLA:CPU converts through a buffer either way). Its derivative
+    is ``wide``'s, so the derivatives that flow back through the statistics and
+    the running mean still meet in float32.
+    """
+
+    def leaf(w: Any, x: Any) -> Any:
+        if jnp.result_type(w) == jnp.result_type(x):
+            return w
+        return _norm_view_leaf(w, x)
+
+    return jax.tree.map(leaf, wide, narrow)
+
+
 def with_window_stats(
     accumulator: optax.microbatching.Accumulator,
     grads_and_weight: Callable[[Any], tuple[Any, jax.Array]],
@@ -966,7 +1034,7 @@ def with_window_stats(
 
     def update(carry, value, index):
         inner, stats = carry
-        value = materialized_on_gpu(value)
+        value = in_compute_precision(materialized_on_gpu(value))
         grads, weight = grads_and_weight(value)
         stats = accumulate_window_stats(stats, grads, weight)
         return accumulator.update(inner, value, index), stats

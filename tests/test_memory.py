@@ -183,6 +183,31 @@ def test_window_statistics_need_no_extra_scratch_memory(loop):
     assert plain <= stats <= plain + STATS_SCALAR_SLACK, (stats, plain)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_window_statistics_of_low_precision_gradients_scratch_memory(dtype):
+    """The squared norms of bfloat16 gradients are summed in float32 without a
+    float32 copy of the gradients beside the accumulation's (twice the
+    gradients' bytes). XLA:CPU converts float16 for a reduction only through a
+    float32 buffer, so float16 gradients take that one copy at most."""
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), PARAMS)
+
+    def temp(tx):
+        def step(carry, grads, count):
+            params, opt_state = carry
+            updates, opt_state = tx.update(grads, opt_state, params, count=count)
+            return optax.apply_updates(params, updates), opt_state
+
+        carry = (params, jax.eval_shape(tx.init, params))
+        count = jax.ShapeDtypeStruct((), jnp.int32)
+        compiled = jax.jit(step, donate_argnums=0).lower(carry, params, count)
+        return compiled.compile().memory_analysis().temp_size_in_bytes
+
+    plain = temp(mm.MaskedMultiSteps(_adam(), K))
+    stats = temp(mm.MaskedMultiSteps(_adam(), K, window_stats=True))
+    copy = 0 if dtype == jnp.bfloat16 else PARAM_BYTES  # float32 PARAMS' bytes
+    assert plain <= stats <= plain + copy + STATS_SCALAR_SLACK, (stats, plain)
+
+
 def test_window_statistics_keep_only_scalars_in_the_state():
     tx = mm.MaskedMultiSteps(_adam(), K, window_stats=True)
     stats = jax.eval_shape(tx.init, PARAMS).stats

@@ -1234,3 +1234,85 @@ def test_window_stats_errors_say_where_to_look():
         mm.window_stats(state)
     stats = mm.window_stats(state.opt_state.inner_states["a"])
     assert int(stats.windows) == 0
+
+
+# Gradients of a few hundred: every n·‖gᵢ‖² term is far beyond float16's
+# range per element product g·dg, and S is a small difference of large sums.
+_LOW_PRECISION_ROWS = np.array([[300.0, 200, 310], [290, 250, 330], [280, 260, 300]])
+_LOW_PRECISION_COUNTS = np.array([1.0, 2.0, 3.0])
+
+
+def _closed_form_sq_norm_and_var(rows, counts):
+    """‖ḡ‖² and tr Σ̂ of the window in float64 (for gradients θ·rᵢ at θ = 1;
+    their derivatives in θ there are twice these)."""
+    mean = (counts[:, None] * rows).sum(0) / counts.sum()
+    spread = np.sum(counts * np.sum((rows - mean) ** 2, axis=1))
+    return float(mean @ mean), float(spread / (len(counts) - 1))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_derivatives_of_the_statistics_of_low_precision_gradients(dtype):
+    # The statistics are computed in float32 from bfloat16 or float16
+    # gradients, and so are their derivatives: forward and reverse mode agree
+    # with the closed form (the values above are exact in both dtypes).
+    a, b = _closed_form_sq_norm_and_var(_LOW_PRECISION_ROWS, _LOW_PRECISION_COUNTS)
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 3, window_stats=True)
+    params = {"w": jnp.zeros(3, dtype)}
+
+    def both(theta):
+        state = tx.init(params)
+        for r, n in zip(_LOW_PRECISION_ROWS, _LOW_PRECISION_COUNTS, strict=True):
+            g = {"w": (theta * jnp.asarray(r, jnp.float32)).astype(dtype)}
+            _, state = tx.update(g, state, params, count=jnp.float32(n))
+        s = mm.window_stats(state)
+        return jnp.stack([s.grad_sq_norm, s.grad_var_trace])
+
+    value, forward = jax.jit(lambda t: jax.jvp(both, (t,), (1.0,)))(1.0)
+    reverse = jax.jit(jax.jacrev(both))(1.0)
+    np.testing.assert_allclose(value, [a, b], rtol=1e-4)
+    np.testing.assert_allclose(forward, [2 * a, 2 * b], rtol=1e-4)
+    np.testing.assert_allclose(reverse, [2 * a, 2 * b], rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_microbatched_statistics_derivatives_of_low_precision_gradients(dtype):
+    # The same through mm.microbatched_value_and_grad(with_stats=True).
+    a, b = _closed_form_sq_norm_and_var(_LOW_PRECISION_ROWS, _LOW_PRECISION_COUNTS)
+    batch = {
+        "x": jnp.asarray(_LOW_PRECISION_ROWS, jnp.float32),
+        "n": jnp.asarray(_LOW_PRECISION_COUNTS, jnp.float32),
+    }
+    params = jnp.zeros(3, dtype)
+
+    def both(theta):
+        def loss_fn(w, mb):
+            return jnp.sum((theta * mb["x"][0]).astype(dtype) * w), mb["n"][0]
+
+        grad_fn = mm.microbatched_value_and_grad(loss_fn, 3, with_stats=True)
+        _, _, s = grad_fn(params, batch)
+        return jnp.stack([s.grad_sq_norm, s.grad_var_trace])
+
+    _, forward = jax.jit(lambda t: jax.jvp(both, (t,), (1.0,)))(1.0)
+    reverse = jax.jit(jax.jacrev(both))(1.0)
+    np.testing.assert_allclose(forward, [2 * a, 2 * b], rtol=1e-4)
+    np.testing.assert_allclose(reverse, [2 * a, 2 * b], rtol=1e-3)
+
+
+def test_derivative_of_the_squared_norm_of_a_float16_accumulator_is_finite():
+    # ‖ḡ‖² read from a float16 accumulator (mean of a few hundred): its
+    # tangent is formed in float32, not as a float16 product that overflows.
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1), 3, window_stats=True, accumulator_dtype=jnp.float16
+    )
+    params = {"w": jnp.zeros(3)}
+
+    def sq_norm(theta):
+        state = tx.init(params)
+        for r, n in zip(_LOW_PRECISION_ROWS, _LOW_PRECISION_COUNTS, strict=True):
+            g = {"w": theta * jnp.asarray(r, jnp.float32)}
+            _, state = tx.update(g, state, params, count=jnp.float32(n))
+        return mm.window_stats(state).grad_sq_norm
+
+    value, tangent = jax.jit(lambda t: jax.jvp(sq_norm, (t,), (1.0,)))(1.0)
+    assert np.isfinite(float(tangent)), tangent
+    np.testing.assert_allclose(tangent, 2 * value, rtol=1e-6)
