@@ -244,7 +244,11 @@ class Deferred(KnownTotals):
                 raise ValueError(
                     f"`state` holds running means for {jnp.shape(a)[0]} devices, "
                     f"but reduction={self!r} has {self.size}: use the state that "
-                    "this wrapper's `init` returned (on this mesh)"
+                    "this wrapper's `init` returned (on this mesh), or, for a "
+                    "checkpoint saved on another number of devices, restore it "
+                    "against `mm.device_count_target(template, saved_devices)` "
+                    "and convert it with `mm.from_device_count(restored, "
+                    "template)`"
                 )
         # Gradients boxed with the params' flax names: the accumulator's lead
         # with the device axis. Looked into only when the structures differ,

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from _helpers import backend_compiles
+from flax import serialization
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -503,3 +504,20 @@ def test_an_inner_state_of_the_same_size_but_another_shape_is_refused():
     saved = saved._replace(inner_opt_state=(adam, *rest))
     with pytest.raises(ValueError, match=r"`inner_opt_state` does not match"):
         mm.from_device_count(saved, tx(LOCAL).init(params))
+
+
+def test_a_state_of_another_device_count_points_to_the_conversion():
+    # flax.serialization keeps the saved shapes: a state of 8 devices restored
+    # against a 4-device template reaches `update`, whose error says how to
+    # continue it on 4.
+    params = {"w": jnp.zeros(H)}
+    tx = _tx(4)
+    template = tx.init(params)
+    restored = serialization.from_bytes(
+        template, serialization.to_bytes(_tx(8).init(params))
+    )
+    grads = {"w": jnp.zeros((4, H))}
+    with pytest.raises(
+        ValueError, match=r"running means for 8 devices.*mm\.from_device_count"
+    ):
+        tx.update(grads, restored, params, count=jnp.ones(4))
