@@ -29,6 +29,7 @@ from masked_multistep._multisteps import (
     MaskedMultiStepsState,
     states_in,
 )
+from masked_multistep._reduction import Local
 
 try:
     from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
@@ -116,6 +117,12 @@ class TrainState(_flax_train_state.TrainState):
                 "one, e.g. mm.MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
             )
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        # `step` placed where `apply_gradients` returns it (replicated on the
+        # params' mesh, or on their one device), as `tx.init` places its own
+        # scalars: flax's Python int 0 would make the first step's inputs
+        # differ from every later step's, and a jitted step compile twice.
+        step = jnp.asarray(state.step, jnp.int32)
+        state = state.replace(step=Local().place(step, params))
         if states_in(state.opt_state, optax.MultiStepsState):
             raise TypeError(_OPTAX_MULTISTEPS)
         found = instances_in(state.opt_state, MaskedMultiStepsState)

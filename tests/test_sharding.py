@@ -385,3 +385,29 @@ def test_inner_state_with_a_typed_key_is_placed_with_the_params(mesh, mesh8, whe
     replicated = jax.device_put({"w": jnp.arange(4.0)}, NamedSharding(mesh8, P()))
     key = deferred.init(replicated).inner_opt_state[0].rng_key
     assert key.sharding.is_equivalent_to(NamedSharding(mesh8, P()), key.ndim)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "replicated"])
+def test_train_state_step_compiles_once_on_a_mesh(mesh, layout):
+    # `create` places `step` as `apply_gradients` returns it (replicated on the
+    # params' mesh), as `tx.init` places its own scalars: the first call's
+    # state is laid out as every later one's, so the step compiles once, not
+    # again on its second call.
+    specs = PARAM_SPECS if layout == "fsdp" else {"w1": P(), "w2": P()}
+    params = jax.device_put(
+        _params(), {k: NamedSharding(mesh, s) for k, s in specs.items()}
+    )
+    state = mm.TrainState.create(
+        apply_fn=None, params=params, tx=mm.MaskedMultiSteps(optax.adam(1e-2), 2)
+    )
+
+    @jax.jit
+    def step(state, grads):
+        return state.apply_gradients(grads=grads, count=jnp.int32(3))
+
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+    with backend_compiles() as compiles:
+        for _ in range(4):
+            state = step(state, grads)
+    assert len(compiles) == 1, compiles
+    assert int(state.step) == 4 and int(state.gradient_step) == 2
