@@ -1130,28 +1130,36 @@ def test_tokens_seen_is_exact_for_float64_counts_under_x64():
         assert int(seen) == 3 * (2**24 + 1), seen
 
 
+def _closed_form_sq_norm_and_var(rows, counts):
+    """‖ḡ‖² and tr Σ̂ of one window of gradients rᵢ with counts nᵢ, in float64
+    (for gradients θ·rᵢ they are θ² times these, their derivatives in θ 2θ
+    times)."""
+    mean = (counts[:, None] * rows).sum(0) / counts.sum()
+    spread = np.sum(counts * np.sum((rows - mean) ** 2, axis=1))
+    return float(mean @ mean), float(spread / (len(counts) - 1))
+
+
+def _scaled_window_stats(tx, rows, counts, theta, dtype=jnp.float32):
+    """``mm.window_stats`` after one window of gradients θ·rᵢ (computed in
+    float32, then cast to ``dtype``) with counts nᵢ."""
+    params = {"w": jnp.zeros(rows.shape[1], dtype)}
+    state = tx.init(params)
+    for r, n in zip(rows, counts, strict=True):
+        g = {"w": (theta * jnp.asarray(r, jnp.float32)).astype(dtype)}
+        _, state = tx.update(g, state, params, count=jnp.float32(n))
+    return mm.window_stats(state)
+
+
 def test_derivatives_of_the_statistics_match_their_closed_form():
     # Against the closed form (the other derivative tests compare reverse
-    # with forward mode, both from the same custom rule). Gradients θ·rᵢ with
-    # counts nᵢ: ‖ḡ‖² = θ² a and tr Σ̂ = θ² b, so their derivatives in θ are
-    # 2θ a and 2θ b.
+    # with forward mode, both from the same custom rule).
     rows = np.array([[1.0, 2.0, -1.0], [0.5, 0.0, 3.0]])
     counts = np.array([2.0, 3.0])
-    mean = (counts[:, None] * rows).sum(0) / counts.sum()
-    a = float(mean @ mean)
-    b = float(np.sum(counts * np.sum((rows - mean) ** 2, axis=1)))  # K − 1 = 1
+    a, b = _closed_form_sq_norm_and_var(rows, counts)
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
-    params = {"w": jnp.zeros(3)}
-
-    def stats(theta):
-        state = tx.init(params)
-        for r, n in zip(rows, counts, strict=True):
-            g = {"w": theta * jnp.asarray(r, jnp.float32)}
-            _, state = tx.update(g, state, params, count=jnp.float32(n))
-        return mm.window_stats(state)
 
     def both(theta):
-        s = stats(theta)
+        s = _scaled_window_stats(tx, rows, counts, theta)
         return jnp.stack([s.grad_sq_norm, s.grad_var_trace])
 
     theta = 1.5
@@ -1242,14 +1250,6 @@ _LOW_PRECISION_ROWS = np.array([[300.0, 200, 310], [290, 250, 330], [280, 260, 3
 _LOW_PRECISION_COUNTS = np.array([1.0, 2.0, 3.0])
 
 
-def _closed_form_sq_norm_and_var(rows, counts):
-    """‖ḡ‖² and tr Σ̂ of the window in float64 (for gradients θ·rᵢ at θ = 1;
-    their derivatives in θ there are twice these)."""
-    mean = (counts[:, None] * rows).sum(0) / counts.sum()
-    spread = np.sum(counts * np.sum((rows - mean) ** 2, axis=1))
-    return float(mean @ mean), float(spread / (len(counts) - 1))
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_derivatives_of_the_statistics_of_low_precision_gradients(dtype):
     # The statistics are computed in float32 from bfloat16 or float16
@@ -1257,14 +1257,11 @@ def test_derivatives_of_the_statistics_of_low_precision_gradients(dtype):
     # with the closed form (the values above are exact in both dtypes).
     a, b = _closed_form_sq_norm_and_var(_LOW_PRECISION_ROWS, _LOW_PRECISION_COUNTS)
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 3, window_stats=True)
-    params = {"w": jnp.zeros(3, dtype)}
 
     def both(theta):
-        state = tx.init(params)
-        for r, n in zip(_LOW_PRECISION_ROWS, _LOW_PRECISION_COUNTS, strict=True):
-            g = {"w": (theta * jnp.asarray(r, jnp.float32)).astype(dtype)}
-            _, state = tx.update(g, state, params, count=jnp.float32(n))
-        s = mm.window_stats(state)
+        s = _scaled_window_stats(
+            tx, _LOW_PRECISION_ROWS, _LOW_PRECISION_COUNTS, theta, dtype
+        )
         return jnp.stack([s.grad_sq_norm, s.grad_var_trace])
 
     value, forward = jax.jit(lambda t: jax.jvp(both, (t,), (1.0,)))(1.0)
@@ -1304,14 +1301,11 @@ def test_derivative_of_the_squared_norm_of_a_float16_accumulator_is_finite():
     tx = mm.MaskedMultiSteps(
         optax.sgd(0.1), 3, window_stats=True, accumulator_dtype=jnp.float16
     )
-    params = {"w": jnp.zeros(3)}
 
     def sq_norm(theta):
-        state = tx.init(params)
-        for r, n in zip(_LOW_PRECISION_ROWS, _LOW_PRECISION_COUNTS, strict=True):
-            g = {"w": theta * jnp.asarray(r, jnp.float32)}
-            _, state = tx.update(g, state, params, count=jnp.float32(n))
-        return mm.window_stats(state).grad_sq_norm
+        return _scaled_window_stats(
+            tx, _LOW_PRECISION_ROWS, _LOW_PRECISION_COUNTS, theta
+        ).grad_sq_norm
 
     value, tangent = jax.jit(lambda t: jax.jvp(sq_norm, (t,), (1.0,)))(1.0)
     assert np.isfinite(float(tangent)), tangent
