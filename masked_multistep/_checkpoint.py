@@ -11,14 +11,14 @@ state against :func:`state_0_1_target` and convert it with
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from masked_multistep import _stats
+from masked_multistep import _by_name, _stats
 from masked_multistep._checks import check_count_dtype, nested_hint, to_count
 from masked_multistep._multisteps import MaskedMultiStepsState
 from masked_multistep._reduction import placed_like
@@ -39,15 +39,72 @@ STATE_0_1_FIELDS = (
 )
 
 
+# The statistics' NamedTuples, rebuilt from a state held by name by their
+# field names (a token budget's state is a TokenTotal too).
+_STATS_KINDS = (_stats.TokenTotal, _stats.WindowStats, _stats.WindowStatsState)
+
+
 def _check_template(template: Any) -> None:
     if not isinstance(template, MaskedMultiStepsState):
         hint = nested_hint(
             template, MaskedMultiStepsState, "that element (the wrapper's own state)"
         )
         raise TypeError(
-            "`template` must be a MaskedMultiStepsState (from `tx.init(params)`), "
+            "`template` must be a MaskedMultiStepsState (from `tx.init(params)`, "
+            "or an NNX optimizer's `nnx.state(optimizer)['opt_state']`), "
             f"got {type(template).__name__}{hint}"
         )
+
+
+def _boxed(x: Any) -> bool:
+    """Whether ``x``, in a state held by name, holds one array (an NNX
+    variable, or the array itself)."""
+    return not isinstance(x, Mapping) and len(jax.tree.leaves(x)) == 1
+
+
+def _plain(node: Any, kinds: tuple[Any, ...] = ()) -> Any:
+    """A field held by name as a bare state holds it: arrays out of their NNX
+    variables, mappings as ``dict``\\ s, or as the one of the NamedTuples
+    ``kinds`` whose fields they hold."""
+    if _boxed(node):
+        return _by_name.array(node)
+    if not isinstance(node, Mapping):
+        return node
+    items = {key: _plain(value, kinds) for key, value in node.items()}
+    return next(
+        (kind(**items) for kind in kinds if set(items) == set(kind._fields)), items
+    )
+
+
+def _bare(state: Any) -> MaskedMultiStepsState:
+    """The wrapper's state held by name as a bare one (the fields it leaves
+    out are the empty ones)."""
+    return MaskedMultiStepsState(
+        **{
+            name: _plain(
+                _by_name.get(state, name),
+                _STATS_KINDS if name in ("stats", "policy_state") else (),
+            )
+            for name in MaskedMultiStepsState._fields
+        }
+    )
+
+
+def _named(state: Any, template: Any) -> Any:
+    """The bare ``state`` (or a ``dict`` of its fields) held by name as
+    ``template`` holds it: in its mappings and NNX variables."""
+
+    def boxed(path: tuple[Any, ...], field: Any) -> Any:
+        value = state
+        for key in path:
+            value = (
+                value[key.key]
+                if isinstance(value, Mapping)
+                else getattr(value, key.key)
+            )
+        return _by_name.like(field, value)
+
+    return jax.tree_util.tree_map_with_path(boxed, template, is_leaf=_boxed)
 
 
 def check_matches(what: str, got: Any, want: Any, hint: str) -> None:
@@ -119,14 +176,26 @@ def _acc_count(acc_count: Any, count_dtype: Any) -> jax.Array:
     return count
 
 
+@overload
 def state_0_1_target(
     template: MaskedMultiStepsState, *, count_dtype: jax.typing.DTypeLike | None = None
-) -> dict[str, Any]:
+) -> dict[str, Any]: ...
+@overload
+def state_0_1_target(
+    template: Any, *, count_dtype: jax.typing.DTypeLike | None = None
+) -> Any: ...
+def state_0_1_target(
+    template: Any, *, count_dtype: jax.typing.DTypeLike | None = None
+) -> Any:
     """The tree to restore a version 0.1 wrapper state into.
 
     Args:
       template: a state of the current layout, ``tx.init(params)`` (or its
-        abstract form), for the same inner optimizer and parameters.
+        abstract form), for the same inner optimizer and parameters; or, for
+        an ``nnx.Optimizer``, ``nnx.state(optimizer)["opt_state"]`` (or its
+        abstract form): the result is then an ``nnx.State`` of the 0.1 fields
+        it holds (its empty ones left out, as in a 0.1 checkpoint of it), to
+        put in place of ``"opt_state"`` in the restore target.
       count_dtype: the ``count_dtype`` the 0.1 run counted tokens in (0.1's
         default was ``int32``), where it differs from the template's. Orbax
         casts each restored leaf to the target's dtype: a fractional float
@@ -149,6 +218,10 @@ def state_0_1_target(
       >>> tuple(target) == mm.STATE_0_1_FIELDS
       True
     """
+    if _by_name.is_named(template):
+        fields = {k: v for k, v in template.items() if k in STATE_0_1_FIELDS}
+        target = state_0_1_target(_bare(template), count_dtype=count_dtype)
+        return _named(target, type(template)(fields))
     _check_template(template)
     target = {name: getattr(template, name) for name in STATE_0_1_FIELDS}
     if count_dtype is not None:
@@ -163,12 +236,26 @@ def state_0_1_target(
     return target
 
 
+@overload
 def from_state_0_1(
     restored: Mapping[str, Any],
     template: MaskedMultiStepsState,
     *,
     tokens_seen: jax.typing.ArrayLike | None = None,
-) -> MaskedMultiStepsState:
+) -> MaskedMultiStepsState: ...
+@overload
+def from_state_0_1(
+    restored: Mapping[str, Any],
+    template: Any,
+    *,
+    tokens_seen: jax.typing.ArrayLike | None = None,
+) -> Any: ...
+def from_state_0_1(
+    restored: Mapping[str, Any],
+    template: Any,
+    *,
+    tokens_seen: jax.typing.ArrayLike | None = None,
+) -> Any:
     """A version 0.1 wrapper state, restored as a ``dict``, in the current layout.
 
     The fields 0.1 had keep their restored values (the pending window included),
@@ -185,13 +272,19 @@ def from_state_0_1(
       restored: the restored 0.1 state: a mapping with exactly the keys of
         :data:`STATE_0_1_FIELDS`, e.g. restored against
         :func:`state_0_1_target` (or a NamedTuple of those fields).
-      template: ``tx.init(params)`` for the same inner optimizer and parameters.
+      template: ``tx.init(params)`` for the same inner optimizer and parameters;
+        or, for an ``nnx.Optimizer``, ``nnx.state(optimizer)["opt_state"]``,
+        with ``restored`` the ``"opt_state"`` restored against
+        :func:`state_0_1_target` of it: the result is then an ``nnx.State``
+        like it, to put in place of ``"opt_state"`` in the restored optimizer
+        state before ``nnx.update(optimizer, ...)``.
       tokens_seen: the tokens of all windows the 0.1 run completed (0.1 kept
         no such count), for a token budget that is a function of the tokens
         seen and the statistics' ``tokens_seen``; ``None``: 0.
 
     Returns:
-      A :class:`MaskedMultiStepsState` that continues the 0.1 run.
+      A :class:`MaskedMultiStepsState` that continues the 0.1 run (held by
+      name as ``template`` is, for an NNX one).
 
     Raises:
       TypeError: if ``template`` is not a concrete state (``tx.init(params)``,
@@ -221,6 +314,14 @@ def from_state_0_1(
       >>> print(updates["w"])  # (3·2 + 1·6) / 4
       -3.0
     """
+    if _by_name.is_named(template):
+        if isinstance(restored, Mapping):
+            # The 0.1 fields the template leaves out are empty, as they were
+            # in the 0.1 checkpoint of it.
+            empty = {name: () for name in STATE_0_1_FIELDS if name not in template}
+            restored = {**empty, **{k: _plain(v) for k, v in restored.items()}}
+        state = from_state_0_1(restored, _bare(template), tokens_seen=tokens_seen)
+        return _named(state, template)
     _check_template(template)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(template)):
         raise TypeError(

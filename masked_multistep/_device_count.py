@@ -38,6 +38,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from masked_multistep._by_name import array as _array
+from masked_multistep._by_name import get as _get
+from masked_multistep._by_name import is_named
+from masked_multistep._by_name import like as _like
 from masked_multistep._checkpoint import check_matches, like_template
 from masked_multistep._checks import check_microbatches
 from masked_multistep._deferred import _exact_sums
@@ -46,9 +50,6 @@ from masked_multistep._reduction import _from_host, mean_over_devices, placed_li
 
 __all__ = ["device_count_target", "from_device_count"]
 
-# The fields that identify the wrapper's state where it is held by name
-# (``nnx.state(optimizer)``, which leaves out empty fields).
-_NAMED = frozenset(("mini_step", "gradient_step", "acc_count", "acc_grads"))
 # The layouts of a window: one device (no reduction), a deferred reduction
 # whose devices agree on every microbatch's count, or only at the window's end.
 _LOCAL, _SYNCED, _WINDOW = "local", "synced", "per-window"
@@ -84,9 +85,7 @@ _DEVICE_DTYPES = {
 
 
 def _is_state(x: Any) -> bool:
-    if isinstance(x, MaskedMultiStepsState):
-        return True
-    return isinstance(x, Mapping) and _NAMED <= set(x.keys())
+    return isinstance(x, MaskedMultiStepsState) or is_named(x)
 
 
 def _state_path(tree: Any, what: str) -> tuple[Any, ...]:
@@ -357,30 +356,11 @@ def _fields(node: Any) -> tuple[str, ...]:
     return getattr(node, "_fields", ())
 
 
-def _get(node: Any, name: str) -> Any:
-    """A field of the wrapper's state, bare or as ``nnx.state`` holds it (which
-    leaves out an empty field)."""
-    if isinstance(node, Mapping):
-        return node.get(name, ())
-    return getattr(node, name)
-
-
 def _with(node: Any, **fields: Any) -> Any:
     if isinstance(node, Mapping):  # a dict, or flax's nnx.State
         kind: Any = type(node)
         return kind({**node, **fields})
     return node._replace(**fields)
-
-
-def _array(field: Any) -> Any:
-    """The one array of a scalar field (an NNX variable holds it inside)."""
-    (leaf,) = jax.tree.leaves(field)
-    return leaf
-
-
-def _like(field: Any, value: Any) -> Any:
-    """``value`` in the template ``field``'s container (an NNX variable)."""
-    return jax.tree.unflatten(jax.tree.structure(field), [value])
 
 
 def _layout(node: Any) -> str:

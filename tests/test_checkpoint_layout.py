@@ -13,7 +13,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from flax import serialization
+from _helpers import assert_bit_identical
+from flax import nnx, serialization
 
 import masked_multistep as mm
 
@@ -437,3 +438,90 @@ def test_a_0_1_step_counter_of_minus_one_is_refused(name):
     old = {**mm.state_0_1_target(template), name: jnp.int32(-1)}
     with pytest.raises(ValueError, match=rf"`restored\['{name}'\]` must be .* got -1"):
         mm.from_state_0_1(old, template)
+
+
+def _nnx_optimizer(window_stats):
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    tx = mm.MaskedMultiSteps(
+        optax.adam(0.1),
+        # Windows of 8 tokens until 8 are seen, then of 4.
+        tokens_per_window=lambda seen: jnp.where(seen < 8, 8.0, 4.0),
+        window_stats=window_stats,
+    )
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@nnx.jit
+def _nnx_step(model, optimizer, g, n):
+    grads = jax.tree.map(lambda p: jnp.full_like(p, g), nnx.state(model, nnx.Param))
+    optimizer.update(model, grads, count=n, value=2 * g)
+
+
+def _nnx_run(model, optimizer, grads):
+    for g, n in grads:
+        _nnx_step(model, optimizer, jnp.float32(g), jnp.int32(n))
+
+
+@pytest.mark.parametrize("window_stats", [False, True])
+def test_a_0_1_nnx_optimizer_checkpoint_converts_and_continues(tmp_path, window_stats):
+    # An nnx.Optimizer's checkpoint holds `nnx.state(optimizer)`: in 0.1 its
+    # `opt_state` held the 0.1 fields by name (the empty `skip_state` left
+    # out), each array in an NNX variable, the token total in int32.
+    model, optimizer = _nnx_optimizer(window_stats)
+    _nnx_run(model, optimizer, GRADS[:4])  # a window of 8 tokens, then 3 pending
+    state = nnx.state(optimizer)
+    old = {k: v for k, v in state["opt_state"].items() if k in mm.STATE_0_1_FIELDS}
+    old["acc_count"] = jax.tree.map(lambda x: x.astype(jnp.int32), old["acc_count"])
+    saved = nnx.State({**state, "opt_state": nnx.State(old)})
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(
+        tmp_path / "ckpt", {"model": nnx.state(model), "optimizer": saved}
+    )
+    checkpointer.wait_until_finished()
+
+    resumed_model, resumed = _nnx_optimizer(window_stats)
+    template = nnx.state(resumed)
+    target = mm.state_0_1_target(template["opt_state"], count_dtype=jnp.int32)
+    assert sorted(target) == sorted(old)
+    restored = checkpointer.restore(
+        tmp_path / "ckpt",
+        jax.tree.map(
+            ocp.utils.to_shape_dtype_struct,
+            {
+                "model": nnx.state(resumed_model),
+                "optimizer": nnx.State({**template, "opt_state": target}),
+            },
+        ),
+    )
+    checkpointer.close()
+    # The tokens of the window completed before the checkpoint: the budget
+    # continues from them.
+    converted = mm.from_state_0_1(
+        restored["optimizer"]["opt_state"], template["opt_state"], tokens_seen=8
+    )
+    assert jax.tree.structure(converted) == jax.tree.structure(template["opt_state"])
+    nnx.update(resumed_model, restored["model"])
+    nnx.update(resumed, nnx.State({**restored["optimizer"], "opt_state": converted}))
+    assert int(resumed.opt_state.mini_step[...]) == 1
+    assert float(resumed.opt_state.acc_count[...]) == 3.0
+
+    # The rest of the run is the uninterrupted one. 0.1 kept no statistics:
+    # the window that was pending counts its one microbatch, and the moving
+    # averages start afresh.
+    for step in (GRADS[4:5], GRADS[5:]):  # a window of 3 + 1 tokens, one of 4
+        _nnx_run(model, optimizer, step)
+        _nnx_run(resumed_model, resumed, step)
+        assert bool(mm.has_updated(resumed.opt_state))
+        if window_stats:
+            got = mm.window_stats(resumed.opt_state)
+            want = mm.window_stats(optimizer.opt_state)
+            for name in ("tokens", "microbatches", "loss", "grad_sq_norm"):
+                assert_bit_identical(getattr(got, name), getattr(want, name))
+            for name in ("grad_var_trace", "noise_scale", "tokens_seen"):
+                assert_bit_identical(getattr(got, name), getattr(want, name))
+        assert_bit_identical(nnx.state(resumed_model), nnx.state(model))
+    got, want = nnx.state(resumed), nnx.state(optimizer)
+    if window_stats:
+        got["opt_state"].pop("stats")
+        want["opt_state"].pop("stats")
+    assert_bit_identical(got, want)
