@@ -14,13 +14,19 @@ from masked_multistep._running_mean import compute_dtype, safe_fraction
 __all__ = ["weighted_mean_across", "weighted_sum_across"]
 
 
-def _varying_axes(x: Any) -> frozenset:
-    """The manual mesh axes over which ``x`` differs (empty outside shard_map)."""
-    aval = jax.typeof(x)
+def varying_axes_of_type(aval: Any) -> frozenset:
+    """The manual mesh axes over which a value of type ``aval`` (``jax.typeof``
+    of it, or a ``jax.ShapeDtypeStruct`` from ``jax.eval_shape``) differs:
+    empty outside shard_map."""
     manual = getattr(aval, "manual_axis_type", None)
     if manual is not None:
         return frozenset(manual.varying)
     return frozenset(getattr(aval, "vma", ()))  # the older jax spelling
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes over which ``x`` differs (empty outside shard_map)."""
+    return varying_axes_of_type(jax.typeof(x))
 
 
 def reduced_leaf(
@@ -33,13 +39,13 @@ def reduced_leaf(
     already reduced over the shards while the count is still each shard's own."""
     if not isinstance(count, jax.Array):
         return None  # a host number is the same on every shard
-    count_varies = _varying_axes(count)
+    count_varies = varying_axes(count)
     if names is not None:
         count_varies &= names
     if not count_varies:
         return None
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if invariant := count_varies - _varying_axes(leaf):
+        if invariant := count_varies - varying_axes(leaf):
             # Axis names are any hashables: sorted by their text.
             return jax.tree_util.keystr(path), sorted(invariant, key=str)
     return None

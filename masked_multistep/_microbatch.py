@@ -39,6 +39,7 @@ from masked_multistep._checks import (
     count_weight,
     refuse_unknown_keywords,
 )
+from masked_multistep._collectives import varying_axes, varying_axes_of_type
 from masked_multistep._running_mean import compute_dtype, running_mean_update
 
 __all__ = ["microbatched_value_and_grad"]
@@ -405,6 +406,24 @@ def _check_params(params: Any, whole_ok: bool = False) -> None:
                 f"variables to differentiate, got dtype {dtype} at "
                 f"params{jax.tree_util.keystr(path)}{hint}"
             )
+
+
+def _vary_like(tree: Any, types: Any) -> Any:
+    """``tree`` with each leaf made varying over the manual mesh axes over
+    which the matching leaf of ``types`` varies.
+
+    Inside ``jax.shard_map`` (with its replication check on), a loop's
+    carry must keep its type: zeros built from shapes are the same on every
+    shard, while the values folded into them (a shard's own gradients) vary.
+    """
+
+    def leaf(x: Any, t: Any) -> Any:
+        missing = varying_axes_of_type(t) - varying_axes(x)
+        if not missing:
+            return x
+        return jax.lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
+
+    return jax.tree.map(leaf, tree, types)
 
 
 def _raw_key_shape() -> tuple[int, ...]:
@@ -986,6 +1005,14 @@ def _grad_fn(
                 return accumulator.update(carry, value, j), rest
 
             carry = (accumulator.init(shapes), rest)
+            if any(
+                varying_axes_of_type(t) for t in jax.tree.leaves((shapes, rest_after))
+            ):
+                # Inside shard_map: the carry starts as varying as one
+                # microbatch leaves it.
+                carry = _vary_like(
+                    carry, jax.eval_shape(functools.partial(body, 0), carry)
+                )
             carry, rest = jax.lax.fori_loop(0, k, body, carry)
             out = accumulator.finalize(carry)
             if module is not None:

@@ -1476,3 +1476,38 @@ def test_deferred_bool_count_is_a_type_error_whatever_its_kind(mesh, flag):
         TypeError, match=r"`count` \(every device's .* got a bool \(True\)"
     ):
         tx.update(per_device, tx.init(params), params, count=flag)
+
+
+@pytest.mark.parametrize("with_stats", [False, True])
+def test_microbatched_value_and_grad_inside_shard_map_with_the_replication_check(
+    mesh, with_stats
+):
+    """Inside a user's `jax.shard_map` (check_vma on, the params pcast to
+    varying as the README's shard_map recipe does), each shard's in-jit loop
+    runs on its own rows, and `weighted_mean_across` gives the full batch."""
+    batch = _batch(NDEV * ROWS * K, seed=7, empty_device=2, empty_microbatch=1)
+    grad_fn = mm.microbatched_value_and_grad(
+        _loss_aux,
+        K,
+        has_aux=True,
+        aux_reduction=AUX_REDUCTION,
+        with_stats=with_stats,
+    )
+
+    def shard_grads(params, rows):
+        params = jax.lax.pcast(params, "data", to="varying")
+        (loss, (count, aux)), grads = grad_fn(params, rows)[:2]
+        grads, total = mm.weighted_mean_across(grads, count, "data")
+        loss, _ = mm.weighted_mean_across(loss, count, "data")
+        return (loss, total), grads, jax.lax.psum(aux["rows"], "data")
+
+    step = jax.jit(
+        jax.shard_map(shard_grads, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    )
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    (loss, count), grads, rows = step(_params(), sharded)
+
+    (f_loss, (f_count, f_aux)), f_grads = _full_batch(_loss_aux, batch, True)
+    assert int(count) == int(f_count)
+    assert int(rows) == int(f_aux["rows"])
+    chex.assert_trees_all_close((loss, grads), (f_loss, f_grads), **TOL)
