@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import optax
@@ -17,10 +17,20 @@ from masked_multistep._stats import WindowStats, WindowStatsState
 __all__ = ["find_state", "window_stats", "has_updated"]
 
 
+_T = TypeVar("_T")
+
+
 def _is_variable(x: Any) -> bool:
     # flax NNX variables (``optimizer.opt_state``'s leaves) hold their array
     # behind ``get_value``; flax is optional, so no isinstance check.
     return not isinstance(x, jax.Array) and callable(getattr(x, "get_value", None))
+
+
+def unboxed(tree: _T) -> _T:
+    """``tree`` with each NNX variable replaced by the array it holds."""
+    return jax.tree.map(
+        lambda x: x.get_value() if _is_variable(x) else x, tree, is_leaf=_is_variable
+    )
 
 
 def find_state(opt_state: Any) -> MaskedMultiStepsState:
@@ -78,11 +88,7 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
             "`opt_state` must hold exactly one MaskedMultiStepsState, found "
             f"{len(found)} in a {type(holder).__name__}{hint}"
         )
-    return jax.tree.map(
-        lambda x: x.get_value() if _is_variable(x) else x,
-        found[0],
-        is_leaf=_is_variable,
-    )
+    return unboxed(found[0])
 
 
 def has_updated(opt_state: Any) -> jax.Array:

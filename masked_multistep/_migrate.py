@@ -18,6 +18,7 @@ from masked_multistep._checks import (
     to_count,
 )
 from masked_multistep._deferred import Deferred
+from masked_multistep._inspect import unboxed
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 from masked_multistep._reduction import placed_like
 from masked_multistep._stats import token_total, with_tokens_seen
@@ -162,7 +163,8 @@ def from_optax_multisteps(
     ``optax.MultiStepsState`` (and chain ``tx.gradient_transformation()``).
 
     Args:
-      state: an ``optax.MultiStepsState``, with arrays as leaves.
+      state: an ``optax.MultiStepsState``, with arrays as leaves (or NNX
+        variables holding them: an ``nnx.Optimizer``'s ``opt_state``).
       tx: the :class:`MaskedMultiSteps` to continue with.
       params: the current params (for ``tx.init``: structure, dtypes, shardings).
       acc_count: the number of tokens (or total weight) behind the gradients
@@ -224,6 +226,10 @@ def from_optax_multisteps(
             f"`tx` must be a masked_multistep.MaskedMultiSteps, got {type(tx).__name__}"
         )
     use_grad_mean = check_flag(use_grad_mean, "`use_grad_mean`")
+    # An NNX optimizer keeps its state in variables (`optimizer.opt_state`),
+    # and `nnx.state(model, nnx.Param)` holds the params in variables of
+    # another type: their arrays are what converts.
+    state, params = unboxed(state), unboxed(params)
     mini_step = _step_counter(state.mini_step, "state.mini_step")
     gradient_step = _step_counter(state.gradient_step, "state.gradient_step")
     count = _check_acc_count(acc_count, mini_step)

@@ -110,3 +110,49 @@ def test_sharding_metadata_carries_to_the_accumulator():
         assert not bool(state.updated[...])
         assert acc.get_value().sharding.spec == P(None, "d")
         assert int(state.acc_count[...]) == 2 * T
+
+
+def test_an_optax_multisteps_optimizer_switches_mid_window():
+    # nnx.Optimizer with optax.MultiSteps, half a window in: its `opt_state`
+    # (variables) and the model's params (variables) convert as they are, and
+    # a new nnx.Optimizer continues as MaskedMultiSteps would have from the
+    # start with 16 tokens per earlier microbatch.
+    def grads_of(model, i):
+        rng = np.random.default_rng(i)
+        grads = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(
+            grads,
+            {
+                "kernel": jnp.asarray(rng.normal(size=(D_IN, D_OUT)), jnp.float32),
+                "bias": jnp.asarray(rng.normal(size=D_OUT), jnp.float32),
+            },
+        )
+        return grads
+
+    model = nnx.Linear(D_IN, D_OUT, rngs=nnx.Rngs(0))
+    reference = nnx.clone(model)
+    old = nnx.Optimizer(
+        model, optax.MultiSteps(optax.adam(1e-2), every_k_schedule=4), wrt=nnx.Param
+    )
+    for i in range(6):
+        old.update(model, grads_of(model, i))
+
+    tx = mm.MaskedMultiSteps(optax.adam(1e-2), every_k_schedule=4)
+    converted = mm.from_optax_multisteps(
+        old.opt_state, tx, nnx.state(model, nnx.Param), acc_count=2 * 16
+    )
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    nnx.update(optimizer.opt_state, nnx.state(converted))
+    optimizer.step[...] = old.step[...]
+    counts = [3, 40, 16, 2, 9, 30]
+    for i, n in zip(range(6, 12), counts, strict=True):
+        optimizer.update(model, grads_of(model, i), count=jnp.array(n))
+
+    ref_optimizer = nnx.Optimizer(reference, tx, wrt=nnx.Param)
+    for i, n in enumerate([16] * 6 + counts):
+        ref_optimizer.update(reference, grads_of(reference, i), count=jnp.array(n))
+    chex.assert_trees_all_close(
+        params_of(model), params_of(reference), rtol=1e-6, atol=1e-7
+    )
+    assert int(optimizer.opt_state.gradient_step[...]) == 3
+    assert int(optimizer.step[...]) == 12
