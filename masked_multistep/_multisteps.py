@@ -975,9 +975,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
         for_norms = grads
         if self._recorder.enabled:
-            # The statistics and the running mean both read the gradients:
-            # one conversion to their precision serves both (and sums the
-            # derivatives that flow back through them before rounding).
+            # The running mean reads the gradients in its precision (at least
+            # float32); the squared norms the same values, converted apart
+            # (no float32 copy written between the two), whose derivatives
+            # meet the running mean's in float32 before they are rounded.
             narrow = _stats.materialized_on_gpu(grads)
             grads = _stats.in_compute_precision(narrow)
             for_norms = _stats.for_squared_norms(grads, narrow)
