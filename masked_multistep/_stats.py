@@ -963,8 +963,7 @@ def in_compute_precision(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
-def _converted_apart(wide: jax.Array, narrow: jax.Array) -> jax.Array:
-    del wide
+def _converted_apart(narrow: jax.Array) -> jax.Array:
     barrier = jax.lax.optimization_barrier
     narrow = jax.lax.platform_dependent(narrow, cpu=barrier, default=lambda x: x)
     return narrow.astype(compute_dtype(narrow.dtype))
@@ -972,13 +971,14 @@ def _converted_apart(wide: jax.Array, narrow: jax.Array) -> jax.Array:
 
 @jax.custom_jvp
 def _norm_view_leaf(wide: jax.Array, narrow: jax.Array) -> jax.Array:
-    return _converted_apart(wide, narrow)
+    del wide  # only its derivative is taken (below)
+    return _converted_apart(narrow)
 
 
 @_norm_view_leaf.defjvp
 def _norm_view_leaf_jvp(primals, tangents):
-    wide, narrow = primals
-    return _converted_apart(wide, narrow), tangents[0]
+    _, narrow = primals
+    return _converted_apart(narrow), tangents[0]
 
 
 def for_squared_norms(wide: Any, narrow: Any) -> Any:
