@@ -14,9 +14,15 @@ from typing import Any
 
 import jax
 
+from masked_multistep._multisteps import MaskedMultiStepsState
+from masked_multistep._stats import TokenTotal, WindowStats, WindowStatsState
+
 # The fields that identify the wrapper's state where it is held by name
 # (``nnx.state(optimizer)``, which leaves out empty fields).
 NAMED = frozenset(("mini_step", "gradient_step", "acc_count", "acc_grads"))
+# The statistics' NamedTuples, rebuilt from a state held by name by their
+# field names (a token budget's state is a TokenTotal too).
+_STATS_KINDS = (TokenTotal, WindowStats, WindowStatsState)
 
 
 def is_named(x: Any) -> bool:
@@ -41,3 +47,54 @@ def array(field: Any) -> Any:
 def like(field: Any, value: Any) -> Any:
     """``value`` in the template ``field``'s container (an NNX variable)."""
     return jax.tree.unflatten(jax.tree.structure(field), [value])
+
+
+def boxed(x: Any) -> bool:
+    """Whether ``x``, in a state held by name, holds one array (an NNX
+    variable, or the array itself)."""
+    return not isinstance(x, Mapping) and len(jax.tree.leaves(x)) == 1
+
+
+def plain(node: Any, kinds: tuple[Any, ...] = ()) -> Any:
+    """A field held by name as a bare state holds it: arrays out of their NNX
+    variables, mappings as ``dict``\\ s, or as the one of the NamedTuples
+    ``kinds`` whose fields they hold."""
+    if boxed(node):
+        return array(node)
+    if not isinstance(node, Mapping):
+        return node
+    items = {key: plain(value, kinds) for key, value in node.items()}
+    return next(
+        (kind(**items) for kind in kinds if set(items) == set(kind._fields)), items
+    )
+
+
+def bare(state: Any) -> MaskedMultiStepsState:
+    """The wrapper's state held by name as a bare one (the fields it leaves
+    out are the empty ones)."""
+    return MaskedMultiStepsState(
+        **{
+            name: plain(
+                get(state, name),
+                _STATS_KINDS if name in ("stats", "policy_state") else (),
+            )
+            for name in MaskedMultiStepsState._fields
+        }
+    )
+
+
+def named(state: Any, template: Any) -> Any:
+    """The bare ``state`` (or a ``dict`` of its fields) held by name as
+    ``template`` holds it: in its mappings and NNX variables."""
+
+    def field_of(path: tuple[Any, ...], field: Any) -> Any:
+        value = state
+        for key in path:
+            value = (
+                value[key.key]
+                if isinstance(value, Mapping)
+                else getattr(value, key.key)
+            )
+        return like(field, value)
+
+    return jax.tree_util.tree_map_with_path(field_of, template, is_leaf=boxed)

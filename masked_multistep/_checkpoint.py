@@ -39,11 +39,6 @@ STATE_0_1_FIELDS = (
 )
 
 
-# The statistics' NamedTuples, rebuilt from a state held by name by their
-# field names (a token budget's state is a TokenTotal too).
-_STATS_KINDS = (_stats.TokenTotal, _stats.WindowStats, _stats.WindowStatsState)
-
-
 def _check_template(template: Any) -> None:
     if not isinstance(template, MaskedMultiStepsState):
         hint = nested_hint(
@@ -54,57 +49,6 @@ def _check_template(template: Any) -> None:
             "or an NNX optimizer's `nnx.state(optimizer)['opt_state']`), "
             f"got {type(template).__name__}{hint}"
         )
-
-
-def _boxed(x: Any) -> bool:
-    """Whether ``x``, in a state held by name, holds one array (an NNX
-    variable, or the array itself)."""
-    return not isinstance(x, Mapping) and len(jax.tree.leaves(x)) == 1
-
-
-def _plain(node: Any, kinds: tuple[Any, ...] = ()) -> Any:
-    """A field held by name as a bare state holds it: arrays out of their NNX
-    variables, mappings as ``dict``\\ s, or as the one of the NamedTuples
-    ``kinds`` whose fields they hold."""
-    if _boxed(node):
-        return _by_name.array(node)
-    if not isinstance(node, Mapping):
-        return node
-    items = {key: _plain(value, kinds) for key, value in node.items()}
-    return next(
-        (kind(**items) for kind in kinds if set(items) == set(kind._fields)), items
-    )
-
-
-def _bare(state: Any) -> MaskedMultiStepsState:
-    """The wrapper's state held by name as a bare one (the fields it leaves
-    out are the empty ones)."""
-    return MaskedMultiStepsState(
-        **{
-            name: _plain(
-                _by_name.get(state, name),
-                _STATS_KINDS if name in ("stats", "policy_state") else (),
-            )
-            for name in MaskedMultiStepsState._fields
-        }
-    )
-
-
-def _named(state: Any, template: Any) -> Any:
-    """The bare ``state`` (or a ``dict`` of its fields) held by name as
-    ``template`` holds it: in its mappings and NNX variables."""
-
-    def boxed(path: tuple[Any, ...], field: Any) -> Any:
-        value = state
-        for key in path:
-            value = (
-                value[key.key]
-                if isinstance(value, Mapping)
-                else getattr(value, key.key)
-            )
-        return _by_name.like(field, value)
-
-    return jax.tree_util.tree_map_with_path(boxed, template, is_leaf=_boxed)
 
 
 def check_matches(what: str, got: Any, want: Any, hint: str) -> None:
@@ -220,8 +164,8 @@ def state_0_1_target(
     """
     if _by_name.is_named(template):
         fields = {k: v for k, v in template.items() if k in STATE_0_1_FIELDS}
-        target = state_0_1_target(_bare(template), count_dtype=count_dtype)
-        return _named(target, type(template)(fields))
+        target = state_0_1_target(_by_name.bare(template), count_dtype=count_dtype)
+        return _by_name.named(target, type(template)(fields))
     _check_template(template)
     target = {name: getattr(template, name) for name in STATE_0_1_FIELDS}
     if count_dtype is not None:
@@ -319,9 +263,11 @@ def from_state_0_1(
             # The 0.1 fields the template leaves out are empty, as they were
             # in the 0.1 checkpoint of it.
             empty = {name: () for name in STATE_0_1_FIELDS if name not in template}
-            restored = {**empty, **{k: _plain(v) for k, v in restored.items()}}
-        state = from_state_0_1(restored, _bare(template), tokens_seen=tokens_seen)
-        return _named(state, template)
+            restored = {**empty, **{k: _by_name.plain(v) for k, v in restored.items()}}
+        state = from_state_0_1(
+            restored, _by_name.bare(template), tokens_seen=tokens_seen
+        )
+        return _by_name.named(state, template)
     _check_template(template)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(template)):
         raise TypeError(
