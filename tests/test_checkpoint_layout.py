@@ -515,9 +515,10 @@ def test_a_0_1_nnx_optimizer_checkpoint_converts_and_continues(tmp_path, window_
         if window_stats:
             got = mm.window_stats(resumed.opt_state)
             want = mm.window_stats(optimizer.opt_state)
-            for name in ("tokens", "microbatches", "loss", "grad_sq_norm"):
-                assert_bit_identical(getattr(got, name), getattr(want, name))
-            for name in ("grad_var_trace", "noise_scale", "tokens_seen"):
+            for name in (
+                *("tokens", "microbatches", "loss", "grad_sq_norm"),
+                *("grad_var_trace", "noise_scale", "tokens_seen"),
+            ):
                 assert_bit_identical(getattr(got, name), getattr(want, name))
         assert_bit_identical(nnx.state(resumed_model), nnx.state(model))
     got, want = nnx.state(resumed), nnx.state(optimizer)
