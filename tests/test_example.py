@@ -300,7 +300,9 @@ def test_a_diverged_run_logs_null_not_nan(tmp_path):
 
 @pytest.mark.slow
 def test_resume_skips_an_unreadable_checkpoint(tmp_path):
-    flags = [*TINY, "--windows", "4", "--checkpoint-every", "1", "--out", str(tmp_path)]
+    # The twelve tiny windows' settings (the same compiled steps), stopped early.
+    flags = [*TINY, "--windows", "12", "--checkpoint-every", "1"]
+    flags += ["--out", str(tmp_path)]
     first = train_lm.train(train_lm.parse_args([*flags, "--stop-after", "3"]), print)
     ckpts = tmp_path / "checkpoints"
     assert sorted(int(p.name) for p in ckpts.iterdir()) == [1, 2, 3]
@@ -308,7 +310,9 @@ def test_resume_skips_an_unreadable_checkpoint(tmp_path):
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"window": 4, "lo')  # so was the log line being written
     lines = []
-    again = train_lm.train(train_lm.parse_args([*flags, "--resume"]), lines.append)
+    again = train_lm.train(
+        train_lm.parse_args([*flags, "--resume", "--stop-after", "4"]), lines.append
+    )
     assert [r["window"] for r in records(tmp_path)] == [1, 2, 3, 4]
     assert lines[0].startswith("--resume: cannot read checkpoint 3: FileNotFoundError")
     assert lines[1:3] == [
