@@ -10,7 +10,6 @@ derivatives and ``vmap`` work through it, and that its compiled program updates
 the state in place (no parameter-sized copies).
 """
 
-import functools
 import gc
 import re
 
@@ -38,6 +37,12 @@ def form(request, monkeypatch):
 
 def _loop_on_cpu(monkeypatch):
     monkeypatch.setattr(_branch, "FORM", "loop")
+
+
+def _jvp_with_traced_pred(f, pred, primals, tangents):
+    """``jax.jvp`` of ``f(*primals, pred)`` with ``pred`` a tracer (under jit):
+    the conditional's form runs, not the eager call's branch of its own."""
+    return jax.jit(lambda p: jax.jvp(lambda *a: f(*a, p), primals, tangents))(pred)
 
 
 def test_both_forms_compute_the_taken_branch(form):
@@ -84,7 +89,9 @@ def test_derivatives_go_through_in_both_forms_also_for_closed_over_values(form):
         g = jax.jit(jax.grad(f, argnums=(0, 1)))(x, 3.0, jnp.bool_(pred))
         np.testing.assert_allclose(g[0], dx)
         np.testing.assert_allclose(g[1], dlr)
-        _, t = jax.jvp(functools.partial(f, x, pred=jnp.bool_(pred)), (3.0,), (1.0,))
+        _, t = _jvp_with_traced_pred(
+            lambda lr, p: f(x, lr, p), jnp.bool_(pred), (3.0,), (1.0,)
+        )
         np.testing.assert_allclose(t, dlr)
 
 
@@ -345,7 +352,7 @@ def test_a_branch_not_taken_passes_no_nan_from_its_derivative(form):
     x = jnp.array([0.0, 4.0])
     g = jax.jit(jax.grad(f))(x, jnp.bool_(False))
     np.testing.assert_array_equal(g, np.ones(2))
-    _, t = jax.jvp(functools.partial(f, pred=jnp.bool_(False)), (x,), (jnp.ones(2),))
+    _, t = _jvp_with_traced_pred(f, jnp.bool_(False), (x,), (jnp.ones(2),))
     assert float(t) == 2.0
 
 
@@ -365,7 +372,7 @@ def test_the_held_branchs_output_has_its_derivatives(form):
     x = jnp.array([1.0, 2.0])
     np.testing.assert_allclose(jax.jit(jax.grad(f))(x, jnp.bool_(False)), [6.0, 6.0])
     np.testing.assert_allclose(jax.jit(jax.grad(f))(x, jnp.bool_(True)), [0.0, 0.0])
-    _, t = jax.jvp(functools.partial(f, pred=jnp.bool_(False)), (x,), (jnp.ones(2),))
+    _, t = _jvp_with_traced_pred(f, jnp.bool_(False), (x,), (jnp.ones(2),))
     assert float(t) == 12.0
 
 
@@ -382,3 +389,62 @@ def test_a_numeric_predicate_picks_a_branch_as_its_truth_value(form):
         x, e = f(pred)
         np.testing.assert_array_equal(x, [want, want])
         assert int(e) == extra
+
+
+def test_an_eager_call_runs_only_the_taken_branch(form):
+    # Outside any trace the predicate is known: the other branch is not even
+    # traced (a conditional would trace and compile both, on every call).
+    def never(*args):
+        raise AssertionError("the branch not taken ran")
+
+    def step(state, g):
+        return state - g, jnp.int32(1)
+
+    state = jnp.ones(2)
+    x, e = _branch.in_place_cond(jnp.bool_(True), step, never, state, 1.0)
+    np.testing.assert_array_equal(x, [0.0, 0.0])
+    assert int(e) == 1
+    x, e = _branch.in_place_cond(jnp.int32(0), never, lambda s, g: 7, state, 1.0)
+    assert x is state and e == 7
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(every_k_schedule=3),
+        dict(
+            every_k_schedule=3,
+            should_skip_update_fn=optax.skip_not_finite,
+            window_stats=True,
+        ),
+        dict(tokens_per_window=300),
+    ],
+    ids=["k", "skip, stats", "token budget"],
+)
+@pytest.mark.parametrize("apply_params", [False, True], ids=["update", "apply"])
+def test_eager_steps_compile_nothing_once_both_branches_ran(config, apply_params):
+    # An eager `update` compiled the window's conditional on every call (0.2-0.5
+    # s a microbatch, as `optax.MultiSteps` does); now its operations compile
+    # once, and a window of eager steps after the first compiles nothing.
+    from _helpers import backend_compiles
+
+    tx = _tx(**config)
+    grads = jax.tree.map(lambda p: 0.01 * p, _params())
+    counts = [jnp.int32(n) for n in (120, 0, 190, 90, 130, 100)]
+
+    def window(params, state):
+        for n in counts:
+            if apply_params:
+                params, state = tx.apply_gradients(grads, state, params, count=n)
+            else:
+                updates, state = tx.update(grads, state, params, count=n)
+                params = optax.apply_updates(params, updates)
+        return params, state
+
+    params = _params()
+    params, state = window(params, tx.init(params))
+    assert int(state.gradient_step) == 2
+    with backend_compiles() as compiles:
+        params, state = window(params, state)
+    assert compiles == []
+    assert int(state.gradient_step) == 4
