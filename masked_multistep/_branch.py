@@ -60,8 +60,10 @@ def concrete_bool(pred: Any) -> bool | None:
     into a program of their own on every such call (its branches are new
     closures each time), some 0.2 s per microbatch, where running the taken
     branch's operations one by one reuses their compiled kernels. Under
-    ``jit``, ``vmap`` or a derivative the predicate is a tracer, and the
-    conditional stays.
+    ``jit`` or ``vmap``, or where it depends on what a derivative is taken
+    with respect to, the predicate is a tracer, and the conditional stays (an
+    eager derivative whose windows the counts decide goes through the taken
+    branch alone, as the conditional's would).
 
     Example:
       >>> import jax, jax.numpy as jnp
