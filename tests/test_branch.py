@@ -450,19 +450,18 @@ def test_eager_steps_compile_nothing_once_both_branches_ran(config, apply_params
     assert int(state.gradient_step) == 4
 
 
-def test_eager_derivatives_and_vmap_through_steps_equal_the_jitted_ones():
+def test_an_eager_derivative_through_steps_equals_the_jitted_one():
     # Eagerly the counts decide each window's branch on the host: a derivative
     # goes through the taken branch alone, as the conditional's does under jit.
-    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2, window_stats=True)
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1, momentum=0.9), 2)
     w0 = jnp.array([1.0, -2.0, 3.0])
 
     def train(scale):
         state, w = tx.init(w0), w0
         for i, n in enumerate([3, 0, 2, 5]):
             w, state = tx.apply_gradients(scale * w * (i + 1), state, w, count=n)
-        return jnp.sum(w**2) + mm.window_stats(state).grad_sq_norm
+        return jnp.sum(w**2)
 
-    for transform in (jax.grad, jax.vmap):
-        x = jnp.float32(0.7) if transform is jax.grad else jnp.array([0.5, 0.7])
-        eager, jitted = transform(train)(x), jax.jit(transform(train))(x)
-        np.testing.assert_allclose(eager, jitted, rtol=1e-6)
+    x = jnp.float32(0.7)
+    eager, jitted = jax.grad(train)(x), jax.jit(jax.grad(train))(x)
+    np.testing.assert_allclose(eager, jitted, rtol=1e-6)
