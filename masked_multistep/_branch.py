@@ -37,7 +37,7 @@ import jax.core
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-__all__ = ["concrete_bool", "in_place_cond"]
+__all__ = ["concrete_bool", "cond", "in_place_cond"]
 
 S = TypeVar("S")
 
@@ -79,6 +79,21 @@ def concrete_bool(pred: Any) -> bool | None:
     return bool(pred)
 
 
+def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
+    """``lax.cond``, but a predicate known outside any trace runs its branch
+    alone (:func:`concrete_bool`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> cond(jnp.bool_(False), lambda x: x + 1, lambda x: x - 1, jnp.int32(0))
+      Array(-1, dtype=int32)
+    """
+    taken = concrete_bool(pred)
+    if taken is None:
+        return jax.lax.cond(pred, true_fn, false_fn, *operands)
+    return (true_fn if taken else false_fn)(*operands)
+
+
 def in_place_cond(
     pred: jax.Array,
     true_fn: Callable[..., tuple[S, Any]],
@@ -105,13 +120,8 @@ def in_place_cond(
     """
     pred = jnp.asarray(pred, jnp.bool_)
     args = (state, *operands)
-    taken = concrete_bool(pred)
-    if taken is not None:
-        return true_fn(*args) if taken else (state, false_fn(*args))
-    if not _loop_form():
-        return jax.lax.cond(
-            pred, lambda a: true_fn(*a), lambda a: (a[0], false_fn(*a)), args
-        )
+    if not _loop_form() or concrete_bool(pred) is not None:
+        return cond(pred, lambda a: true_fn(*a), lambda a: (a[0], false_fn(*a)), args)
     # Every value the branches close over (tracers of enclosing transformations
     # included, integer ones too) becomes an argument of the custom_jvp, so that
     # its rule differentiates with respect to them and no trace leaks into it.

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_multistep._branch import concrete_bool
+from masked_multistep._branch import cond
 from masked_multistep._checks import (
     check_flag,
     host_int_to_float,
@@ -134,10 +134,7 @@ def all_finite(tree: Any, reduced: Any = ()) -> jax.Array:
     def elementwise(leaves):
         return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
-    known = concrete_bool(quick)  # outside any trace: no conditional to compile
-    if known is not None:
-        return jnp.ones([], jnp.bool_) if known else elementwise(leaves)
-    return jax.lax.cond(quick, lambda _: jnp.ones([], jnp.bool_), elementwise, leaves)
+    return cond(quick, lambda _: jnp.ones([], jnp.bool_), elementwise, leaves)
 
 
 def _host_int(x: Any, dtype: Any, name: str, dtype_text: str) -> Any:
