@@ -96,18 +96,18 @@ def sq_norm(x: jax.Array) -> jax.Array:
 def all_finite(tree: Any, reduced: Any = ()) -> jax.Array:
     """Whether every element of every leaf of ``tree`` is finite (exact).
 
-    A sum of floats is finite only if every term is: an inf or NaN term makes
-    it inf or NaN. So one plain reduction per leaf settles the usual case, and
-    the elementwise test runs only where a sum is not finite (a non-finite
-    element, or finite elements whose sum overflows). XLA:CPU sums an array
-    several times faster than it tests each element (0.7 against 4.2 ms on
-    4 × 2048² float32, one core).
+    ``x - x`` is 0 for every finite ``x`` and NaN for an inf or NaN, and a sum
+    of zeros cannot overflow: one reduction per leaf, ``Σ (x − x)``, is finite
+    exactly when every element is, with no conditional around it (XLA keeps
+    ``x - x`` for floats: its simplifier folds it only for integers, as IEEE
+    arithmetic requires). On 4 × 2048² float32 (XLA:CPU, two cores) it takes
+    3.6 ms, a test of each element 9 ms, and a plain sum 2.6 ms.
 
     Args:
       tree: a pytree of arrays.
       reduced: optionally, a scalar already reduced from every element of
         ``tree`` by sums of finite terms (e.g. its squared norm); where it is
-        finite the leaves' sums are skipped.
+        finite the leaves are not read again.
 
     Returns:
       A boolean scalar.
@@ -126,15 +126,15 @@ def all_finite(tree: Any, reduced: Any = ()) -> jax.Array:
     ]
     if not leaves:
         return jnp.ones([], jnp.bool_)
+
+    def sums_of_zeros(leaves):
+        return jnp.isfinite(sum(jnp.sum(x - x) for x in leaves))
+
     if isinstance(reduced, tuple):
-        quick = jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x)) for x in leaves]))
-    else:
-        quick = jnp.isfinite(reduced)
-
-    def elementwise(leaves):
-        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-    return cond(quick, lambda _: jnp.ones([], jnp.bool_), elementwise, leaves)
+        return sums_of_zeros(leaves)
+    return cond(
+        jnp.isfinite(reduced), lambda _: jnp.ones([], jnp.bool_), sums_of_zeros, leaves
+    )
 
 
 def _host_int(x: Any, dtype: Any, name: str, dtype_text: str) -> Any:

@@ -123,6 +123,43 @@ def test_finiteness_test_under_vmap_takes_each_window_on_its_own():
         np.testing.assert_array_equal(u[2], -2.0)
 
 
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64]
+)
+def test_the_finiteness_test_is_exact_for_every_float_dtype(dtype):
+    # Largest finite values (whose sums overflow) pass; one inf, -inf or NaN
+    # anywhere fails, in any leaf, under jit as eagerly.
+    from masked_multistep._running_mean import all_finite
+
+    big = jnp.full((5, 3), jnp.finfo(dtype).max, dtype)
+    tree = {"a": big, "b": -big[0], "n": jnp.arange(3)}  # an integer leaf aside
+    check = jax.jit(all_finite)
+    assert bool(check(tree)) and bool(all_finite(tree))
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        for key in ("a", "b"):
+            spoilt = {**tree, key: tree[key].at[(1,) * tree[key].ndim].set(bad)}
+            assert not bool(check(spoilt)), (bad, key)
+            assert not bool(all_finite(spoilt)), (bad, key)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        spoilt = {**tree, "b": tree["b"].at[0].set(complex(0, np.inf))}
+        assert not bool(check(spoilt))
+
+
+def test_the_finiteness_test_adds_no_conditional_to_the_step():
+    # The window's conditional and, inside it, the one that applies or holds
+    # the window: nothing else (an elementwise fallback behind a conditional of
+    # its own doubled the kernels per leaf at compile time).
+    tx = mm.MaskedMultiSteps(optax.adam(1e-3), 4)
+    state = tx.init(PARAMS)
+    hlo = (
+        jax.jit(functools.partial(tx.update, count=jnp.int32(3)))
+        .lower(_grads(1.0), state, PARAMS)
+        .compile()
+        .as_text()
+    )
+    assert hlo.count(" conditional(") == 2
+
+
 def test_nonfinite_gradient_spoils_its_window_only():
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
     update = jax.jit(tx.update)
