@@ -35,9 +35,10 @@ from typing import Any, Literal, TypeVar
 import jax
 import jax.core
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-__all__ = ["concrete_bool", "cond", "in_place_cond"]
+__all__ = ["concrete_bool", "cond", "eager_key", "in_place_cond"]
 
 S = TypeVar("S")
 
@@ -77,6 +78,42 @@ def concrete_bool(pred: Any) -> bool | None:
     if isinstance(pred, jax.Array) and not pred.is_fully_addressable:
         return None  # spans other processes: not readable here alone
     return bool(pred)
+
+
+def eager_key(*parts: Any) -> Any:
+    """A hashable key of ``parts`` by their abstract values (structure, shapes,
+    dtypes, weak types, shardings; a number or string by value), or None where
+    a part is traced (under ``jit``, ``vmap``, a derivative or ``shard_map``,
+    where what is computed from it can depend on the trace's context) or is
+    any other object (which could change between calls under the same key).
+
+    What an eager step derives from its arguments' abstract values alone (the
+    window's ``jax.eval_shape`` calls, which trace the inner optimizer) can be
+    remembered under this key instead of traced again on every call.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> eager_key({"w": jnp.ones(2)}, 3) == eager_key({"w": jnp.zeros(2)}, 3)
+      True
+      >>> jax.jit(lambda x: print(eager_key(x)))(jnp.ones(2))
+      None
+    """
+    leaves, treedef = jax.tree.flatten(parts)
+    key = []
+    for x in leaves:
+        if isinstance(x, jax.core.Tracer):
+            return None
+        if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+            key.append(jax.typeof(x))
+        elif isinstance(x, (bool, int, float, complex, str, bytes)):
+            key.append((type(x), x))
+        else:
+            return None
+    try:
+        hash(treedef)  # a custom node's auxiliary data may not be hashable
+    except TypeError:
+        return None
+    return treedef, tuple(key)
 
 
 def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:

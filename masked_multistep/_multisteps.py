@@ -22,7 +22,7 @@ import optax
 from optax import tree as otu
 
 from masked_multistep import _checks, _processes, _stats, _windows
-from masked_multistep._branch import in_place_cond
+from masked_multistep._branch import eager_key, in_place_cond
 from masked_multistep._collectives import reduced_leaf
 from masked_multistep._deferred import Deferred
 from masked_multistep._reduction import Local, WindowTotals
@@ -1071,11 +1071,25 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
         return inner_update
 
-    def _choose_inner_update(
-        self, grads, static_args, inner_operands, has_value: bool, with_grad: bool
-    ):
-        """The inner update to run at the window's end, and whether the inner
-        optimizer needs ``value=``.
+    @functools.cached_property
+    def _eager_shapes(self) -> dict[Any, tuple[bool, Any]]:
+        """:meth:`_window_shapes` of eager steps, by :func:`eager_key`."""
+        return {}
+
+    def _window_shapes(
+        self,
+        grads,
+        static_args,
+        window: _Window,
+        inner_state,
+        params,
+        dynamic_args,
+        *,
+        has_value: bool,
+        with_grad: bool,
+    ) -> tuple[bool, Any]:
+        """Whether the inner optimizer needs ``value=``, and the shapes of the
+        updates it returns at the window's end (abstract evaluation).
 
         Statically: an inner optimizer that runs without ``value=`` gets none
         unless this call passes one (a choice between the two at run time would
@@ -1084,22 +1098,42 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         mean, and a window without one (no microbatch passed a value, or its
         mean is not finite) is held like a non-finite mean: a NaN loss would
         make polyak_sgd's step NaN and every window a plateau.
+
+        The answer depends on the arguments' abstract values only: an eager
+        step (no part traced) remembers it, instead of tracing the inner
+        optimizer again on every call (most of such a step's time).
         """
-        run_with_value = self._inner_update(
-            grads, static_args, with_value=True, with_grad=with_grad
+        parts = (grads, static_args, window, inner_state, params, dynamic_args)
+        key = eager_key(*parts, has_value, with_grad)
+        if key is not None and key in self._eager_shapes:
+            return self._eager_shapes[key]
+        # What the inner optimizer sees: the window's mean (with a deferred
+        # reduction, the devices' running means combined).
+        mean = jax.eval_shape(
+            self._reduction.mean,
+            window.acc_grads,
+            window.acc_count,
+            window.reduction_state,
         )
-        run_without_value = self._inner_update(
-            grads, static_args, with_value=False, with_grad=with_grad
-        )
+        operands = (mean, inner_state, params, dynamic_args)
+
+        def shapes(with_value: bool) -> Any:
+            inner_update = self._inner_update(
+                grads, static_args, with_value=with_value, with_grad=with_grad
+            )
+            return jax.eval_shape(inner_update, *operands)[0]
+
         try:
-            jax.eval_shape(run_without_value, *inner_operands)
+            updates, needs_value = shapes(with_value=False), False
         except TypeError:
-            needs_value = True
-        else:
-            needs_value = False
+            updates, needs_value = None, True
         if has_value or needs_value:
-            return run_with_value, needs_value
-        return run_without_value, needs_value
+            updates = shapes(with_value=True)
+        if key is not None:
+            if len(self._eager_shapes) >= 16:  # the oldest goes
+                del self._eager_shapes[next(iter(self._eager_shapes))]
+            self._eager_shapes[key] = (needs_value, updates)
+        return needs_value, updates
 
     def _step(self, grads, state, params, count, extra_args, *, apply_params):
         """Shared body of :meth:`update` and :meth:`apply_gradients`.
@@ -1151,17 +1185,21 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
         dynamic_args["value"] = window_value(so_far).astype(value_dtype)
         read_only_params = () if apply_params else params
-        # What the inner optimizer sees: the window's mean (with a deferred
-        # reduction, the devices' running means combined).
-        mean_avals = jax.eval_shape(
-            self._reduction.mean,
-            window.acc_grads,
-            window.acc_count,
-            window.reduction_state,
+        needs_value, updates_avals = self._window_shapes(
+            grads,
+            static_args,
+            window,
+            state.inner_opt_state,
+            params,
+            dynamic_args,
+            has_value=value is not None,
+            with_grad=with_grad,
         )
-        inner_operands = (mean_avals, state.inner_opt_state, params, dynamic_args)
-        inner_update, needs_value = self._choose_inner_update(
-            grads, static_args, inner_operands, value is not None, with_grad
+        inner_update = self._inner_update(
+            grads,
+            static_args,
+            with_value=value is not None or needs_value,
+            with_grad=with_grad,
         )
         if needs_value and value is None:
             # Without the wrapper, such an optimizer refuses the call; with it,
@@ -1177,7 +1215,6 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 UserWarning,
                 stacklevel=2,
             )
-        updates_avals, _ = jax.eval_shape(inner_update, *inner_operands)
         # Once the inner optimizer has read the window's mean, the mean is dead
         # (`acc_count` resets; the next counted microbatch overwrites it). So in
         # `update` the updates take the accumulator's buffer when they fit it,

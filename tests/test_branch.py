@@ -450,6 +450,103 @@ def test_eager_steps_compile_nothing_once_both_branches_ran(config, apply_params
     assert int(state.gradient_step) == 4
 
 
+def test_eager_key_tells_apart_what_abstract_evaluation_sees():
+    key = _branch.eager_key
+    base = key({"w": jnp.ones(2)}, 3, "a")
+    assert base == key({"w": jnp.zeros(2)}, 3, "a")  # values aside
+    assert base == key({"w": np.zeros(2, np.float32)}, 3, "a")
+    for other in [
+        key({"w": jnp.ones(3)}, 3, "a"),  # shape
+        key({"w": jnp.ones(2, jnp.bfloat16)}, 3, "a"),  # dtype
+        key({"v": jnp.ones(2)}, 3, "a"),  # structure
+        key([jnp.ones(2)], 3, "a"),
+        key({"w": jnp.ones(2)}, 4, "a"),  # a number or string by value
+        key({"w": jnp.ones(2)}, 3.0, "a"),  # and by type
+        key({"w": jnp.ones(2)}, True, "a"),
+        key({"w": jnp.ones(2)}, 3, "b"),
+    ]:
+        assert other is not None and other != base
+    assert key(jnp.asarray(1.0)) != key(jnp.float32(1.0))  # weak type
+    assert key({"w": jnp.ones(2)}, object()) is None  # could change unseen
+    assert key(lambda x: x) is None
+    seen = []  # traced: None
+    jax.jit(lambda x: seen.append(key(x)) or x)(jnp.ones(2))
+    jax.vmap(lambda x: seen.append(key(x)) or x)(jnp.ones((2, 3)))
+    jax.grad(lambda x: seen.append(key(x)) or x)(1.0)
+    assert seen == [None, None, None]
+
+
+def _counting(opt):
+    """``opt`` whose ``update`` notes each call: traced (True) or run (False)."""
+    calls = []
+
+    def update(updates, state, params=None, **extra_args):
+        leaf = jax.tree.leaves(updates)[0]
+        calls.append(isinstance(leaf, jax.core.Tracer))
+        return opt.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(opt.init, update), calls
+
+
+@pytest.mark.parametrize("apply_params", [False, True], ids=["update", "apply"])
+def test_eager_steps_trace_the_inner_optimizer_once(apply_params):
+    # Which updates the inner optimizer returns (their shapes) is known from the
+    # arguments' shapes: an eager step traced it twice on every call to find
+    # out (most of such a step's time); now once, for the first call of a kind.
+    inner, calls = _counting(optax.adam(1e-2))
+    tx = mm.MaskedMultiSteps(inner, 3)
+    params = _params()
+    grads = jax.tree.map(lambda p: 0.01 * p, params)
+    state = tx.init(params)
+    for n in [120, 0, 190, 90, 130, 100]:
+        if apply_params:
+            params, state = tx.apply_gradients(grads, state, params, count=n)
+        else:
+            _, state = tx.update(grads, state, params, count=n)
+    assert int(state.gradient_step) == 2
+    assert calls.count(True) == 1  # the first call's abstract evaluation
+    assert calls.count(False) == 2  # each window's end, run
+
+
+def test_eager_steps_of_other_shapes_or_arguments_are_traced_for_their_own():
+    # One wrapper, two models of different shapes and dtypes stepped eagerly
+    # in turn, and an inner optimizer that needs `value=` (passed in some
+    # calls, not in others): each call gets the shapes of its own kind, and
+    # the run equals the jitted one.
+    tx = mm.MaskedMultiSteps(
+        optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1)), 2
+    )
+    models = [
+        {"w": jnp.arange(3.0)},
+        {"w": jnp.ones((2, 2), jnp.bfloat16), "b": jnp.zeros(2)},
+    ]
+
+    def run(update):
+        states = [tx.init(p) for p in models]
+        params = list(models)
+        for i in range(8):
+            for j, p in enumerate(params):
+                grads = jax.tree.map(lambda x, s=i + j: (x + s).astype(x.dtype), p)
+                extra = {"value": jnp.float32(1.0 + i)} if i % 3 else {}
+                updates, states[j] = update(
+                    grads, states[j], p, count=jnp.int32(i + 1), **extra
+                )
+                params[j] = optax.apply_updates(p, updates)
+        return params, states
+
+    with pytest.warns(UserWarning, match="needs `value=`"):
+        eager = run(tx.update)
+    with pytest.warns(UserWarning, match="needs `value=`"):
+        jitted = run(jax.jit(tx.update))
+    for e, j in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
+        assert e.dtype == j.dtype and e.shape == j.shape
+        rtol = 1e-2 if e.dtype == jnp.bfloat16 else 1e-6
+        np.testing.assert_allclose(np.float32(e), np.float32(j), rtol=rtol)
+    assert [int(s.gradient_step) for s in eager[1]] == [
+        int(s.gradient_step) for s in jitted[1]
+    ]
+
+
 def test_an_eager_derivative_through_steps_equals_the_jitted_one():
     # Eagerly the counts decide each window's branch on the host: a derivative
     # goes through the taken branch alone, as the conditional's does under jit.
