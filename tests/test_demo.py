@@ -1,5 +1,7 @@
 """The demo runs end to end and its numbers make the package's point."""
 
+import contextlib
+import io
 import json
 import os
 
@@ -10,13 +12,47 @@ from masked_multistep.demo import main
 from masked_multistep.demo.data import arrange, make_batches, make_corpus
 
 
-def test_demo_outputs_show_masked_equals_full_batch(tmp_path, capsys):
+def _run_demo(out):
+    """``main`` as ``make demo`` runs it but shorter: its exit status, what it
+    printed (words, not lines: the notes under the table wrap where their
+    numbers fall), the compiles counted when the progress bar starts and ends,
+    and every :func:`mm.window_stats` the demo read."""
+    import tqdm
+    from _helpers import backend_compiles
+
+    import masked_multistep as mm
+
+    seen, read = {}, []
+    window_stats, bar = mm.window_stats, tqdm.tqdm
+
+    def recorded(state):
+        read.append(window_stats(state))
+        return read[-1]
+
+    printed = io.StringIO()
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        backend_compiles() as compiles,
+        contextlib.redirect_stdout(printed),
+    ):
+        patch.setattr(mm, "window_stats", recorded)
+
+        def progress(iterable, **kwargs):
+            seen["at_start"] = len(compiles)
+            yield from bar(iterable, **kwargs)
+            seen["at_end"] = len(compiles)
+
+        patch.setattr(tqdm, "tqdm", progress)
+        status = main(["--steps", "3", "--microbatches", "4", "--out", str(out)])
+    return status, " ".join(printed.getvalue().split()), seen, read
+
+
+def test_demo_outputs_show_masked_equals_full_batch(tmp_path):
+    # One run of the demo serves every check below.
     out = tmp_path / "out"
-    status = main(["--steps", "3", "--microbatches", "4", "--out", str(out)])
+    status, printed, seen, read = _run_demo(out)
     assert status == 0
 
-    # Words, not lines: the notes under the table wrap where their numbers fall.
-    printed = " ".join(capsys.readouterr().out.split())
     assert "mm.MaskedMultiSteps" in printed and "optax.MultiSteps" in printed
     assert str(out / "summary.json") in printed
 
@@ -65,6 +101,18 @@ def test_demo_outputs_show_masked_equals_full_batch(tmp_path, capsys):
     for run in runs.values():
         assert run["final_train_loss"] == pytest.approx(np.mean(run["train_loss"]))
     assert "Length-sorted" in printed  # the default skew sorts by length
+
+    # The step functions compiled before the progress bar, nothing while it ran.
+    assert seen["at_start"] > 0
+    assert seen["at_end"] == seen["at_start"]
+    # The reported noise scale is the smoothed one: one figure per step, read
+    # after the step's window closed (the moving averages' ratio, which the
+    # table calls "(smoothed)", not the last window's).
+    assert len(read) == 3
+    np.testing.assert_array_equal(
+        noise, [float(stats.smoothed_noise_scale) for stats in read]
+    )
+    assert "noise_scale" not in runs["full_batch"]
 
 
 def _summary(steps, run):
@@ -276,53 +324,6 @@ def test_python_m_demo_without_tqdm_names_the_extra(tmp_path):
     )
     assert '`pip install -e ".[demo]"`' in proc.stderr and "`make demo`" in proc.stderr
     assert not out.exists()
-
-
-@pytest.fixture(scope="module")
-def short_training():
-    """``train_all`` on a configuration of its own (so that its step functions
-    compile here): the compiles counted when the progress bar starts and ends,
-    every :func:`mm.window_stats` the demo read, and the results."""
-    from _helpers import backend_compiles
-
-    import masked_multistep as mm
-    from masked_multistep.demo import train
-
-    seen, read, window_stats = {}, [], mm.window_stats
-
-    def recorded(state):
-        read.append(window_stats(state))
-        return read[-1]
-
-    config = train.Config(steps=2, microbatches=3, batch_size=12, heldout_size=24)
-    with pytest.MonkeyPatch.context() as patch, backend_compiles() as compiles:
-        patch.setattr(mm, "window_stats", recorded)
-
-        def progress(n):
-            seen["at_start"] = len(compiles)
-            yield from range(n)
-            seen["at_end"] = len(compiles)
-
-        results = train.train_all(config, progress=progress)
-    return seen, read, results
-
-
-def test_nothing_compiles_while_the_progress_bar_runs(short_training):
-    seen, _, _ = short_training
-    assert seen["at_start"] > 0  # the step functions compiled before the bar
-    assert seen["at_end"] == seen["at_start"]  # and nothing while it ran
-
-
-def test_the_reported_noise_scale_is_the_smoothed_one(short_training):
-    _, read, results = short_training
-    masked = results["masked_multisteps"].noise_scale
-    # One figure per step, read after the step's window closed: the moving
-    # averages' ratio, which the table calls "(smoothed)", not the last window's.
-    assert len(read) == 2
-    np.testing.assert_array_equal(
-        masked, [float(stats.smoothed_noise_scale) for stats in read]
-    )
-    assert results["full_batch"].noise_scale is None
 
 
 def _run_result(train, grad_rel_error, train_loss, noise_scale=None):
