@@ -157,6 +157,21 @@ def _no_skip(updates, gradient_step, params):
     return jnp.zeros([], jnp.bool_), ()
 
 
+def _zeros_placed_like(avals: Any, like: Any) -> Any:
+    """Zeros of ``avals``, each placed as the leaf of ``like`` in its place
+    where the two trees match (an eager step's zeros would otherwise land on
+    the default device, not the gradients'; under ``jit`` the same program)."""
+    if jax.tree.structure(avals) != jax.tree.structure(like):
+        return otu.zeros_like(avals)
+
+    def zeros(aval: Any, x: Any) -> jax.Array:
+        if jnp.shape(x) != aval.shape:
+            return jnp.zeros(aval.shape, aval.dtype)
+        return jnp.zeros_like(x, dtype=aval.dtype)
+
+    return jax.tree.map(zeros, avals, like)
+
+
 def _same_buffers(a: Any, b: Any) -> bool:
     """Whether two trees hold the very same arrays (traced values), leaf by leaf."""
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
@@ -1232,7 +1247,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             del in_place, mean, read_only_params, dynamic_args
             if reuse_acc or apply_params:
                 return ()
-            return otu.zeros_like(updates_avals)
+            return _zeros_placed_like(updates_avals, grads)
 
         def run(in_place, mean, read_only_params, dynamic_args):
             acc_grads, inner_state, own_params = in_place
@@ -1291,7 +1306,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             )
             before = carry.counters
             counters = _Counters(
-                mini_step=jnp.zeros([], jnp.int32),
+                mini_step=jnp.zeros_like(before.mini_step),
                 gradient_step=jnp.where(
                     updated,
                     optax.safe_increment(before.gradient_step),

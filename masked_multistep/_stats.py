@@ -754,9 +754,11 @@ def close_window_stats(
             tokens_seen=add_tokens(old.tokens_seen, n),
             windows=cast(jax.Array, optax.safe_increment(old.windows)),
         )
+        # The next window starts empty (zeros placed as the sums they
+        # replace: an eager step would put fresh ones on the default device).
         return WindowStatsState(
-            weighted_sq_norms=jnp.zeros([], _F32),
-            microbatches=jnp.zeros([], jnp.int32),
+            weighted_sq_norms=jnp.zeros_like(state.weighted_sq_norms),
+            microbatches=jnp.zeros_like(state.microbatches),
             ema_grad_var_trace=ema_var,
             ema_true_grad_sq_norm=ema_true,
             ema_weight=ema_weight,

@@ -476,6 +476,40 @@ def test_eager_key_tells_apart_what_abstract_evaluation_sees():
     assert seen == [None, None, None]
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(every_k_schedule=2),
+        dict(every_k_schedule=2, window_stats=True),
+        dict(every_k_schedule=4, norm_test=mm.norm_test(0.5, min_microbatches=2)),
+    ],
+    ids=["k", "stats", "norm test"],
+)
+@pytest.mark.parametrize("apply_params", [False, True], ids=["update", "apply"])
+def test_eager_steps_keep_everything_on_the_arrays_device(config, apply_params):
+    # A jitted step's outputs sit where its inputs do; an eager one's fresh
+    # zeros (the updates between windows, the counters and sums a window's end
+    # resets) landed on the default device. bfloat16 params: `update` cannot
+    # hand back the accumulator's buffer, so its zeros are fresh ones.
+    device = jax.devices()[3]
+    tx = mm.MaskedMultiSteps(optax.adam(1e-2), **config)
+    params = jax.device_put(
+        {"w": jnp.arange(3.0, dtype=jnp.bfloat16), "b": jnp.ones((2, 2))}, device
+    )
+    state = tx.init(params)
+    for i, n in enumerate([3, 0, 2, 4, 1, 5]):
+        grads = jax.tree.map(lambda p, s=i - 2: (s * p).astype(p.dtype), params)
+        count = jax.device_put(jnp.int32(n), device)
+        if apply_params:
+            params, state = out = tx.apply_gradients(grads, state, params, count=count)
+        else:
+            updates, state = out = tx.update(grads, state, params, count=count)
+            params = optax.apply_updates(params, updates)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+            assert leaf.devices() == {device}, (i, jax.tree_util.keystr(path))
+    assert int(state.gradient_step) >= 2
+
+
 def _counting(opt):
     """``opt`` whose ``update`` notes each call: traced (True) or run (False)."""
     calls = []
