@@ -104,7 +104,10 @@ def eager_key(*parts: Any) -> Any:
         if isinstance(x, jax.core.Tracer):
             return None
         if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-            key.append(jax.typeof(x))
+            try:
+                key.append(jax.typeof(x))
+            except TypeError:  # no jax type (a numpy string or object)
+                return None
         elif isinstance(x, (bool, int, float, complex, str, bytes)):
             key.append((type(x), x))
         else:

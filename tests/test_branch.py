@@ -469,6 +469,7 @@ def test_eager_key_tells_apart_what_abstract_evaluation_sees():
     assert key(jnp.asarray(1.0)) != key(jnp.float32(1.0))  # weak type
     assert key({"w": jnp.ones(2)}, object()) is None  # could change unseen
     assert key(lambda x: x) is None
+    assert key(np.array(["a"], object)) is None and key(np.str_("a")) is None
     seen = []  # traced: None
     jax.jit(lambda x: seen.append(key(x)) or x)(jnp.ones(2))
     jax.vmap(lambda x: seen.append(key(x)) or x)(jnp.ones((2, 3)))
