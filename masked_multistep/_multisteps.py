@@ -357,7 +357,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         dtype cannot serve, or ``stats_decay`` is outside ``[0, 1)`` or, other
         than the default, given with the statistics off. ``init`` raises
         ``TypeError`` if ``opt`` holds an accumulator of its own (another
-        ``MaskedMultiSteps`` or an ``optax.MultiSteps``).
+        ``MaskedMultiSteps``, an ``optax.MultiSteps`` or ``optax.apply_every``).
 
     Examples:
       Three microbatches with 1, 1 and 2 tokens; the window's update is the
@@ -431,7 +431,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         toward the token budget, and never closes a window (unless its count
         does not fit the window's total, which closes the full window).
       * The count contract (accepted types, precision, what happens under
-        ``jit``) is in ``masked_multistep._checks``: any real scalar, converted
+        ``jit``; the README's "The count contract"): any real scalar, converted
         by value, exact to 2²⁴ tokens per window in the default float32; a bad
         concrete count raises ``ValueError``; under ``jit`` it is skipped and
         counted in ``state.num_invalid_counts``.

@@ -297,7 +297,8 @@ def with_tokens_seen(tree: Any, seen: TokenTotal) -> Any:
 
 
 class WindowStats(NamedTuple):
-    """Statistics of the last completed window (see the module docstring).
+    """Statistics of the last completed window (the estimators are explained in
+    the README's "Window statistics and the critical batch size").
 
     Attributes:
       tokens: ``N``, the window's token total (the count dtype).
