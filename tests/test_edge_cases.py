@@ -148,7 +148,7 @@ def test_the_finiteness_test_is_exact_for_every_float_dtype(dtype):
 def test_the_finiteness_test_adds_no_conditional_to_the_step():
     # The window's conditional and, inside it, the one that applies or holds
     # the window: nothing else (an elementwise fallback behind a conditional of
-    # its own doubled the kernels per leaf at compile time).
+    # its own added a kernel per leaf, compiled though rarely run).
     tx = mm.MaskedMultiSteps(optax.adam(1e-3), 4)
     state = tx.init(PARAMS)
     hlo = (
