@@ -748,6 +748,18 @@ def test_returned_budgets_beyond_the_totals_range_close_at_its_largest_value():
     for budget in (float("inf"), np.float64(np.inf), np.float32(np.inf)):
         assert bool(w._tokens_reached(top, w._sanitize_budget(budget)))
         assert not bool(w._tokens_reached(top - 1, w._sanitize_budget(budget)))
+    # A wider integer budget (x64) is clipped before the cast: 2**32 cast to
+    # int32 is 0, which every total reaches.
+    with jax.enable_x64(True):
+        for budget in (jnp.int64(2**32), jnp.int64(2**40), jnp.uint32(2**32 - 1)):
+            budget = w._sanitize_budget(budget)
+            assert bool(w._tokens_reached(top, budget))
+            assert not bool(w._tokens_reached(top - 1, budget))
+            assert not bool(w._tokens_reached(jnp.int32(5), budget))
+    # A Python number past float32's range: its largest finite value.
+    for budget in (10**39, 1e39):
+        assert bool(w._tokens_reached(jnp.float32(F32_MAX), budget))
+        assert not bool(w._tokens_reached(jnp.float32(1e38), budget))
     tx = mm.MaskedMultiSteps(
         optax.sgd(1.0), 3, tokens_per_window=lambda seen: np.inf, count_dtype=jnp.int32
     )
