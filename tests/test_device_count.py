@@ -267,6 +267,11 @@ def test_bad_input_is_refused_by_name():
         mm.from_device_count(renamed, template)
     with pytest.raises(TypeError, match=r"eagerly"):
         jax.jit(mm.from_device_count)(saved, template)
+    # An abstract template without shardings cannot say where the arrays go.
+    with pytest.raises(TypeError, match=r"`template`'s arrays must say where they"):
+        mm.from_device_count(saved, jax.eval_shape(_tx(4).init, params))
+    with pytest.raises(ValueError, match=r"elsewhere than the template"):
+        mm.from_device_count(saved, (template,))
 
 
 def test_an_integer_total_that_no_longer_fits_is_refused():
