@@ -488,6 +488,12 @@ _RETURN_MISTAKES = {
         "microbatch's mean loss), got a float32[8] array; reduce it with "
         "`mm.masked_mean(values, mask)`, which returns (mean_loss, count)",
     ),
+    "no loss": (
+        lambda w, mb: (None, _mean(w, mb)[1]),
+        False,
+        "The loss returned by `loss_fn` must be a floating scalar (the "
+        "microbatch's mean loss), got None",
+    ),
 }
 
 

@@ -95,3 +95,6 @@ def test_rng_errors():
     # inside jax.random.fold_in.
     with pytest.raises(TypeError, match=r"`rng` must be .*raw keys of shape \(2,\)"):
         grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)}, rng=jnp.zeros(4, jnp.uint32))
+    # A seed passed as a string is named, not jax's conversion error.
+    with pytest.raises(TypeError, match=r"`rng` must be a PRNG key .*got str"):
+        grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)}, rng="0")
