@@ -172,6 +172,20 @@ def _zeros_placed_like(avals: Any, like: Any) -> Any:
     return jax.tree.map(zeros, avals, like)
 
 
+def _cast_like(tree: Any, other: Any) -> Any:
+    """``optax.tree.cast_like``, but for typed PRNG keys (in
+    ``optax.noisy_sgd``'s state), which are kept as they are: a concrete key
+    array has no ``astype`` (an eager step failed on it)."""
+
+    def cast(t: Any, o: Any) -> Any:
+        dtype = getattr(o, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            return t
+        return otu.cast_like(t, o)
+
+    return jax.tree.map(cast, tree, other)
+
+
 def _same_buffers(a: Any, b: Any) -> bool:
     """Whether two trees hold the very same arrays (traced values), leaf by leaf."""
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
@@ -963,7 +977,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # `init` built the skip state from the params, whose dtypes the
             # gradients need not share (optax.skip_large_updates' norm): it
             # keeps the dtypes it was built with (a no-op where they agree).
-            skip_state = otu.cast_like(skip_state, state.skip_state)
+            skip_state = _cast_like(skip_state, state.skip_state)
         if not _same_avals(skip_state, state.skip_state):
             raise ValueError(
                 "`state.skip_state` is not what `should_skip_update_fn` returns: "
@@ -1082,7 +1096,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                     "jax.lax.scan)"
                 )
             # The inner state keeps its dtypes (as in optax.MultiSteps).
-            return updates, otu.cast_like(new_inner, inner_state)
+            return updates, _cast_like(new_inner, inner_state)
 
         return inner_update
 

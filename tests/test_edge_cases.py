@@ -521,3 +521,40 @@ def test_an_empty_window_after_a_nonfinite_one_is_not_counted_as_nonfinite():
     for _ in range(2):
         _, state = step(jnp.ones(3), state, p, count=jnp.float32(0))
     assert int(state.num_nonfinite_windows) == 0
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize(
+    "make_inner",
+    [
+        lambda: optax.noisy_sgd(0.1, key=0),
+        lambda: optax.chain(optax.add_noise(0.01, 0.55, key=1), optax.sgd(0.1)),
+    ],
+    ids=["noisy_sgd", "add_noise"],
+)
+def test_an_inner_state_with_a_typed_prng_key_updates_with_and_without_jit(
+    make_inner, jit
+):
+    # The inner state holds a typed PRNG key (key<fry>), which has no `astype`
+    # outside jit; the window's update equals the inner optimizer's own step
+    # on the token-mean gradient, and its key advances once per window.
+    tx = mm.MaskedMultiSteps(make_inner(), 3)
+    update = jax.jit(tx.update) if jit else tx.update
+    state = tx.init(PARAMS)
+    for scale, n in [(1.0, 1), (jnp.nan, 0), (3.0, 3)]:
+        updates, state = update(_grads(scale), state, PARAMS, count=jnp.int32(n))
+    inner = make_inner()
+    expected, inner_state = inner.update(_grads(2.5), inner.init(PARAMS), PARAMS)
+    assert int(state.gradient_step) == 1
+    chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+    for got, want in zip(
+        jax.tree.leaves(state.inner_opt_state),
+        jax.tree.leaves(inner_state),
+        strict=True,
+    ):
+        if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+            np.testing.assert_array_equal(
+                jax.random.key_data(got), jax.random.key_data(want)
+            )
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-6)
