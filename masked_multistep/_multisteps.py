@@ -157,19 +157,24 @@ def _no_skip(updates, gradient_step, params):
     return jnp.zeros([], jnp.bool_), ()
 
 
-def _zeros_placed_like(avals: Any, like: Any) -> Any:
-    """Zeros of ``avals``, each placed as the leaf of ``like`` in its place
-    where the two trees match (an eager step's zeros would otherwise land on
-    the default device, not the gradients'; under ``jit`` the same program)."""
-    if jax.tree.structure(avals) != jax.tree.structure(like):
+def _zeros_placed_like(avals: Any, *likes: Any) -> Any:
+    """Zeros of ``avals``, each placed as the leaf in its place of the first
+    of ``likes`` whose tree matches and whose leaf there has its shape (an
+    eager step's zeros would otherwise land on the default device, not the
+    gradients' or, where those carry a device axis, the params'; under
+    ``jit`` the same program)."""
+    structure = jax.tree.structure(avals)
+    likes = tuple(t for t in likes if jax.tree.structure(t) == structure)
+    if not likes:
         return otu.zeros_like(avals)
 
-    def zeros(aval: Any, x: Any) -> jax.Array:
-        if jnp.shape(x) != aval.shape:
-            return jnp.zeros(aval.shape, aval.dtype)
-        return jnp.zeros_like(x, dtype=aval.dtype)
+    def zeros(aval: Any, *xs: Any) -> jax.Array:
+        for x in xs:
+            if jnp.shape(x) == aval.shape:
+                return jnp.zeros_like(x, dtype=aval.dtype)
+        return jnp.zeros(aval.shape, aval.dtype)
 
-    return jax.tree.map(zeros, avals, like)
+    return jax.tree.map(zeros, avals, *likes)
 
 
 def _cast_like(tree: Any, other: Any) -> Any:
@@ -1257,11 +1262,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         reuse_acc = not apply_params and _same_avals(updates_avals, window.acc_grads)
 
         def hold(in_place, mean, read_only_params, dynamic_args):
-            # The output besides the state passed through: `update`'s zeros.
-            del in_place, mean, read_only_params, dynamic_args
+            # The output besides the state passed through: `update`'s zeros,
+            # placed as the gradients are (or, where those carry a device
+            # axis, as the params are).
+            del in_place, mean, dynamic_args
             if reuse_acc or apply_params:
                 return ()
-            return _zeros_placed_like(updates_avals, grads)
+            return _zeros_placed_like(updates_avals, grads, read_only_params)
 
         def run(in_place, mean, read_only_params, dynamic_args):
             acc_grads, inner_state, own_params = in_place

@@ -597,3 +597,39 @@ def test_an_eager_derivative_through_steps_equals_the_jitted_one():
     x = jnp.float32(0.7)
     eager, jitted = jax.grad(train)(x), jax.jit(jax.grad(train))(x)
     np.testing.assert_allclose(eager, jitted, rtol=1e-6)
+
+
+def test_eager_deferred_updates_between_windows_lie_where_the_params_do():
+    # With a deferred reduction the gradients carry a leading device axis, so
+    # the updates (the params' shape) cannot be placed like them: between
+    # windows an eager `update`'s zeros are placed like the params
+    # (replicated on the mesh), where a jitted step returns them, not on the
+    # default device alone.
+    mesh = jax.make_mesh(
+        (4,),
+        ("data",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=jax.devices()[:4],
+    )
+    replicated = NamedSharding(mesh, P())
+    per_device = NamedSharding(mesh, P("data"))
+    tx = mm.MaskedMultiSteps(optax.adam(1e-2), 2, reduction=mm.deferred(mesh, "data"))
+    params = jax.device_put(
+        {"w": jnp.arange(3.0), "b": jnp.ones(2, jnp.bfloat16)}, replicated
+    )
+    state = tx.init(params)
+    for i, counts in enumerate([[1, 2, 0, 1], [3, 0, 1, 1], [2, 2, 2, 2]]):
+        grads = jax.device_put(
+            jax.tree.map(lambda p, s=i + 1: jnp.stack([s * p] * 4), params),
+            per_device,
+        )
+        count = jax.device_put(jnp.array(counts, jnp.int32), per_device)
+        updates, state = tx.update(grads, state, params, count=count)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
+            assert leaf.sharding.is_equivalent_to(replicated, leaf.ndim), (
+                i,
+                jax.tree_util.keystr(path),
+                leaf.sharding,
+            )
+        params = optax.apply_updates(params, updates)
+    assert int(state.gradient_step) == 1
