@@ -623,7 +623,8 @@ def microbatched_value_and_grad(
     its own; the README's section on in-jit microbatching has a recipe for
     linen's batch statistics.) The means are kept in at least float32 and returned
     in the dtypes ``loss_fn`` and its gradient have. Use it inside ``jit``; one
-    call is one compiled loop, with no host round trips.
+    call is one compiled loop, with no host round trips (outside ``jit`` the
+    loop is traced and compiled again on every call).
 
     Semantics:
       * Microbatch ``j`` is ``batch[j::k]`` (rows ``j, j + k, j + 2k, …`` of every
