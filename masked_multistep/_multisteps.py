@@ -184,7 +184,7 @@ def _cast_like(tree: Any, other: Any) -> Any:
 
     def cast(t: Any, o: Any) -> Any:
         dtype = getattr(o, "dtype", None)
-        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
             return t
         return otu.cast_like(t, o)
 
