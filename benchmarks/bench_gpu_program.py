@@ -108,8 +108,12 @@ def gpu_sharding() -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def program(make: Any, workload: steps.Workload, k: int, sharding: Any) -> dict:
+def program(make: Any, workload: steps.Workload, k: int, sharding: Any) -> dict | None:
+    """The program's figures, or None for a step with no window of ``k``
+    microbatches (the norm test at k = 1, as in ``bench.py``)."""
     comp = make(workload, k)
+    if comp is None:
+        return None
     spec = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
     )
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sharding = gpu_sharding()
     workload = steps.Workload(args.width)
     competitors = COMPETITORS + (FLAX_COMPETITORS if steps.has_train_state() else ())
-    rows = [program(make, workload, args.k, sharding) for make in competitors]
+    made = (program(make, workload, args.k, sharding) for make in competitors)
+    rows = [row for row in made if row is not None]
     mib = 2.0**20
     print(
         f"Compiled for {sharding.mesh.devices.flat[0].device_kind} (deviceless), "

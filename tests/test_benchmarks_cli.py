@@ -380,3 +380,26 @@ def test_a_step_compiled_once_reports_that_compile_time_at_every_k():
     again = bench.Runner(steps.floor(workload, 4), workload.params(), batches, cache)
     assert again.compiled is first.compiled
     assert again.compile_s == first.compile_s > 0.0
+
+
+def test_bench_gpu_program_at_k_1_leaves_out_the_norm_test(monkeypatch):
+    # The norm test has no window of one microbatch (bench.py sits it out at
+    # k = 1); bench_gpu_program.py compiles the other steps. The GPU target is
+    # replaced by one CPU device so that this runs without jax's CUDA plugin.
+    bench_gpu_program, steps = _import_benchmarks("bench_gpu_program", "steps")
+    import jax
+    import numpy as np
+
+    from masked_multistep import _branch
+
+    monkeypatch.setattr(_branch, "FORM", _branch.FORM)  # main() sets the form
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    cpu = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    monkeypatch.setattr(bench_gpu_program, "gpu_sharding", lambda: cpu)
+    rows = bench_gpu_program.main(["--width", "8", "--k", "1"])
+    names = [row["name"] for row in rows]
+    assert names[0] == "floor"
+    assert "MaskedMultiSteps update+norm test" not in names
+    assert "MaskedMultiSteps update" in names and "optax.MultiSteps" in names
+    for row in rows:  # a window of one: every microbatch closes it
+        assert row["per_microbatch"] == row["closing"]
