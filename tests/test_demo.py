@@ -65,8 +65,10 @@ def test_demo_outputs_show_masked_equals_full_batch(tmp_path):
     assert summary["config"]["steps"] == 3
     for run in runs.values():
         assert len(run["train_loss"]) == len(run["grad_rel_error"]) == 3
-    assert runs["full_batch"]["grad_rel_error_max"] < 1e-6
-    assert runs["masked_multisteps"]["grad_rel_error_max"] < 1e-5
+    # The reference measures its own gradient: exactly 0. The token-weighted
+    # gradient is off by float32 rounding only, under 1e-6 as the README says.
+    assert runs["full_batch"]["grad_rel_error_max"] == 0.0
+    assert runs["masked_multisteps"]["grad_rel_error_max"] < 1e-6
     assert runs["optax_multisteps"]["grad_rel_error_mean"] > 0.2
     # Same initialisation: the first loss is the same for all three runs.
     first = {name: run["train_loss"][0] for name, run in runs.items()}
