@@ -386,7 +386,7 @@ def test_bench_gpu_program_at_k_1_leaves_out_the_norm_test(monkeypatch):
     # The norm test has no window of one microbatch (bench.py sits it out at
     # k = 1); bench_gpu_program.py compiles the other steps. The GPU target is
     # replaced by one CPU device so that this runs without jax's CUDA plugin.
-    bench_gpu_program, steps = _import_benchmarks("bench_gpu_program", "steps")
+    (bench_gpu_program,) = _import_benchmarks("bench_gpu_program")
     import jax
     import numpy as np
 
