@@ -36,7 +36,6 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 __all__ = ["concrete_bool", "cond", "eager_key", "in_place_cond"]
 
@@ -176,8 +175,7 @@ def _closure_converted(fn: Callable[..., Any], args: tuple) -> tuple[Callable, l
     out_tree = jax.tree.structure(out_shape)
 
     def converted(consts: list, *args: Any) -> Any:
-        with_consts = ClosedJaxpr(closed.jaxpr, consts)
-        flat = jaxpr_as_fun(with_consts)(*jax.tree.leaves(args))
+        flat = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(args))
         return jax.tree.unflatten(out_tree, flat)
 
     return converted, list(closed.consts)
