@@ -424,8 +424,14 @@ def _sq_norms(tree: Any, rows: bool, shape: tuple[int, ...]) -> jax.Array:
     return sum(per_row, jnp.zeros(shape, _F32))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _taken_sq_norm(tree: Any, take: jax.Array, rows: bool = False) -> jax.Array:
+    """:func:`_taken_sq_norm_custom`, typed (jax 0.11 annotates a
+    ``custom_jvp``'s result as unknown to type checkers)."""
+    return cast(jax.Array, _taken_sq_norm_custom(tree, take, rows))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _taken_sq_norm_custom(tree: Any, take: jax.Array, rows: bool = False) -> jax.Array:
     """``tree_sq_norm(tree)`` (with ``rows``: each leading-axis row's, and
     ``take`` of shape ``(D,)``), whose derivative ignores skipped and
     non-finite gradients.
@@ -443,7 +449,7 @@ def _taken_sq_norm(tree: Any, take: jax.Array, rows: bool = False) -> jax.Array:
     return _sq_norms(tree, rows, jnp.shape(take))
 
 
-@_taken_sq_norm.defjvp
+@_taken_sq_norm_custom.defjvp
 def _taken_sq_norm_jvp(rows, primals, tangents):
     tree, take = primals
     d_tree, _ = tangents
