@@ -29,6 +29,7 @@ taken branch alone, in neither form (``concrete_bool``).
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -37,7 +38,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["concrete_bool", "cond", "eager_key", "in_place_cond"]
+__all__ = ["EagerMemo", "concrete_bool", "cond", "eager_key", "in_place_cond"]
 
 S = TypeVar("S")
 
@@ -116,6 +117,43 @@ def eager_key(*parts: Any) -> Any:
     except TypeError:
         return None
     return treedef, tuple(key)
+
+
+class EagerMemo:
+    """What eager steps derived from their arguments' abstract values, under
+    :func:`eager_key`'s keys: the newest ``size`` entries (the oldest goes).
+
+    Threads stepping one wrapper at once share it: each read and each write
+    holds a lock, so one thread's eviction never fails another's lookup.
+
+    Example:
+      >>> memo = EagerMemo(size=1)
+      >>> memo.put("a", 1); memo.put("b", 2)
+      >>> memo.get("a"), memo.get("b"), memo.get(None)
+      (None, 2, None)
+    """
+
+    def __init__(self, size: int = 16):
+        self._size = size
+        self._entries: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        """The value put under ``key``, or None (also for a None key)."""
+        if key is None:
+            return None
+        with self._lock:
+            return self._entries.get(key)
+
+    def put(self, key: Any, value: Any) -> None:
+        """Remembers ``value`` under ``key`` (a None key: nothing)."""
+        if key is None:
+            return
+        with self._lock:
+            self._entries.pop(key, None)
+            while len(self._entries) >= self._size:
+                del self._entries[next(iter(self._entries))]
+            self._entries[key] = value
 
 
 def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:

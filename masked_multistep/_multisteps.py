@@ -22,7 +22,7 @@ import optax
 from optax import tree as otu
 
 from masked_multistep import _checks, _processes, _stats, _windows
-from masked_multistep._branch import eager_key, in_place_cond
+from masked_multistep._branch import EagerMemo, eager_key, in_place_cond
 from masked_multistep._collectives import reduced_leaf
 from masked_multistep._deferred import Deferred
 from masked_multistep._reduction import Local, WindowTotals
@@ -522,6 +522,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         _count_dtype: jnp.dtype
         _reduction: Local | Deferred
         _recorder: _stats.Recorder
+        _eager_shapes: EagerMemo
         _config: tuple[tuple[Any, ...], dict[str, Any]]
 
     def __new__(
@@ -618,6 +619,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 reduction = reduction._per_window(stats=recorder.enabled)
         self._reduction = Local() if reduction is None else reduction
         self._recorder = recorder
+        # :meth:`_window_shapes` of eager steps, by :func:`eager_key`.
+        self._eager_shapes = EagerMemo(size=16)
         self._config = (
             (opt, every_k_schedule),
             {
@@ -1105,11 +1108,6 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
         return inner_update
 
-    @functools.cached_property
-    def _eager_shapes(self) -> dict[Any, tuple[bool, Any]]:
-        """:meth:`_window_shapes` of eager steps, by :func:`eager_key`."""
-        return {}
-
     def _window_shapes(
         self,
         grads,
@@ -1139,8 +1137,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         """
         parts = (grads, static_args, window, inner_state, params, dynamic_args)
         key = eager_key(*parts, has_value, with_grad)
-        if key is not None and key in self._eager_shapes:
-            return self._eager_shapes[key]
+        known = self._eager_shapes.get(key)
+        if known is not None:
+            return known
         # What the inner optimizer sees: the window's mean (with a deferred
         # reduction, the devices' running means combined).
         mean = jax.eval_shape(
@@ -1163,10 +1162,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             updates, needs_value = None, True
         if has_value or needs_value:
             updates = shapes(with_value=True)
-        if key is not None:
-            if len(self._eager_shapes) >= 16:  # the oldest goes
-                del self._eager_shapes[next(iter(self._eager_shapes))]
-            self._eager_shapes[key] = (needs_value, updates)
+        self._eager_shapes.put(key, (needs_value, updates))
         return needs_value, updates
 
     def _step(self, grads, state, params, count, extra_args, *, apply_params):

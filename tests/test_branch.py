@@ -12,6 +12,8 @@ the state in place (no parameter-sized copies).
 
 import gc
 import re
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -475,6 +477,45 @@ def test_eager_key_tells_apart_what_abstract_evaluation_sees():
     jax.vmap(lambda x: seen.append(key(x)) or x)(jnp.ones((2, 3)))
     jax.grad(lambda x: seen.append(key(x)) or x)(1.0)
     assert seen == [None, None, None]
+
+
+def test_eager_memo_keeps_the_newest_entries_and_serves_threads_at_once():
+    memo = _branch.EagerMemo(size=3)
+    for key in "abcd":
+        memo.put(key, key.upper())
+    assert [memo.get(k) for k in "abcd"] == [None, "B", "C", "D"]
+    memo.put("b", "B2")  # written again: the newest
+    memo.put("e", "E")
+    assert [memo.get(k) for k in "bcde"] == ["B2", None, "D", "E"]
+    memo.put(None, "x")  # a step with traced parts remembers nothing
+    assert memo.get(None) is None
+
+    # Threads stepping one wrapper eagerly share its memo: unlocked, one
+    # thread's eviction between another's lookup and read (or two evicting
+    # the same oldest entry) raised KeyError within a fraction of a second.
+    memo, errors = _branch.EagerMemo(size=16), []
+
+    def hammer(offset):
+        try:
+            for i in range(50_000):
+                key = (7 * i + offset) % 40
+                if memo.get(key) not in (None, -key):
+                    raise AssertionError(f"{key} holds another key's value")
+                memo.put(key, -key)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as it can
+    try:
+        threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
 
 
 @pytest.mark.parametrize(
