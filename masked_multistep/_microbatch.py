@@ -701,7 +701,10 @@ def microbatched_value_and_grad(
         the stream where the previous one left it, and the running batch
         statistics end where ``k`` calls of the module one after the other
         leave them (under ``jax.jit``, return the module from the step, as
-        for ``nnx.Optimizer.update``; ``nnx.jit`` writes it back itself). A
+        for ``nnx.Optimizer.update``; ``nnx.jit`` writes it back itself),
+        except that a microbatch without tokens (all padding) leaves every
+        variable but the RNG streams as it found them (a masked
+        ``BatchNorm``'s statistics of no rows are ``0/0``). A
         ``loss_fn`` that adds variables to the module (``sow``) or changes a
         variable's dtype is an error: return such values as ``aux``. Only the
         variables are carried: a change ``loss_fn`` makes to the module's
@@ -1002,8 +1005,12 @@ def _grad_fn(
 
             def body(j, carry):
                 carry, rest = carry
-                value, rest = per_microbatch(params, microbatch(j), key(j), rest)
-                return accumulator.update(carry, value, j), rest
+                value, after = per_microbatch(params, microbatch(j), key(j), rest)
+                if module is not None:
+                    # A microbatch without tokens leaves the module's state as
+                    # it was (its RNG streams aside), as it leaves the means.
+                    after = module.held_without_tokens(value[1], after, rest)
+                return accumulator.update(carry, value, j), after
 
             carry = (accumulator.init(shapes), rest)
             if any(

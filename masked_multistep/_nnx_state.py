@@ -141,7 +141,8 @@ class ModuleState(NamedTuple):
     the rest (RNG streams' counters, running batch statistics, any other
     variable) is threaded through the microbatches in order, each
     microbatch's ``loss_fn`` call seeing what the previous one wrote, as ``k``
-    calls of the module one after the other would, and written back into the
+    calls of the module one after the other would (but for a microbatch
+    without tokens: :meth:`held_without_tokens`), and written back into the
     module at the end.
     """
 
@@ -172,6 +173,31 @@ class ModuleState(NamedTuple):
         """The rest of ``module``'s state after a ``loss_fn`` call."""
         nnx = sys.modules["flax.nnx"]
         return nnx.split(module, nnx.Param, ...)[2]
+
+    def held_without_tokens(self, count: Any, after: Any, before: Any) -> Any:
+        """The state ``after`` one microbatch's ``loss_fn`` call; where that
+        microbatch holds no tokens (``count`` not a positive, finite number),
+        every variable but the RNG streams' keeps its value from ``before``.
+
+        Such a microbatch's rows are all padding: what a layer would learn
+        from them is noise, or NaN (a masked ``BatchNorm``'s ``0/0`` batch
+        statistics, which its running averages would carry from then on), as
+        its gradient is for the accumulation, which leaves it out. RNG
+        streams advance as usual, so each microbatch's draws stay those of
+        its place in the stream.
+        """
+        nnx = sys.modules["flax.nnx"]
+        count = jax.lax.stop_gradient(count)
+        has_tokens = (count > 0) & jnp.isfinite(count)
+
+        def held(new: Any, old: Any) -> Any:
+            if isinstance(new, nnx.RngState):
+                return new
+            return jax.tree.map(lambda a, b: jnp.where(has_tokens, a, b), new, old)
+
+        return jax.tree.map(
+            held, after, before, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
 
     def check_kept(self, after: Any) -> None:
         """Refuses a ``loss_fn`` that changes the state's layout (``sow``

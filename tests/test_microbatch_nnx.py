@@ -4,7 +4,8 @@ A module whose state is only `nnx.Param` goes in place of `params` (NNX
 modules are pytrees; the gradients come back as a module). A module that also
 holds RNG streams or batch statistics goes in whole too: its parameters are
 differentiated and the rest of its state is carried from one microbatch to the
-next and written back, as k calls one after the other would leave it. Any
+next and written back, as k calls one after the other would leave it (a
+microbatch without tokens leaving all but the RNG streams as they were). Any
 module also goes through `nnx.split(model, nnx.Param, ...)`, whose parameters
 (an `nnx.State`) are differentiated while `loss_fn` rebuilds the module with
 `nnx.merge`. All match `nnx.value_and_grad`, and an `nnx.Optimizer` takes the
@@ -157,11 +158,16 @@ def test_module_in_place_of_params_with_dropout_per_microbatch():
 def _looped(loss_fn, model, batch):
     """k calls of ``nnx.value_and_grad`` one after the other on the
     microbatches (rows j, j + k, ...), the module's state carried between
-    them: ``((loss, count), grads)`` token-weighted in float64."""
+    them, except that a microbatch without tokens leaves every variable but
+    the RNG streams' as it was: ``((loss, count), grads)`` token-weighted in
+    float64."""
     losses, counts, grads = [], [], []
     for j in range(K):
         microbatch = jax.tree.map(lambda x, j=j: x[j::K], batch)
+        before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Not(nnx.RngState)))
         (loss, count), g = nnx.value_and_grad(loss_fn, has_aux=True)(model, microbatch)
+        if not count:
+            nnx.update(model, before)
         losses.append(float(loss))
         counts.append(float(count))
         grads.append(nnx.to_pure_dict(g))
@@ -294,6 +300,59 @@ def test_module_with_batch_stats_passed_whole_updates_them_microbatch_by_microba
     # nnx.Optimizer takes them.
     assert not nnx.to_flat_state(nnx.state(got[1], nnx.Not(nnx.Param)))
     nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param).update(model, got[1])
+
+
+class _WithMaskedBatchNorm(nnx.Module):
+    """Batch statistics of the real tokens only, and a dropout stream."""
+
+    def __init__(self, rngs):
+        # No bias before the normalisation: its gradient is 0 up to rounding.
+        self.hidden = nnx.Linear(D_IN, D_OUT, use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(D_OUT, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x, mask):
+        return self.dropout(self.bn(self.hidden(x), mask=mask[..., None]))
+
+
+def _masked_bn_loss(model, batch):
+    x = jnp.where(batch["mask"][..., None], batch["x"], 0.0)
+    per_token = jnp.sum((model(x, batch["mask"]) - batch["y"]) ** 2, axis=-1)
+    return mm.masked_mean(per_token, batch["mask"])
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["nnx.jit", "eager"])
+def test_a_microbatch_without_tokens_leaves_the_batch_statistics_as_they_were(jit):
+    # A masked BatchNorm's statistics of a microbatch without tokens are 0/0:
+    # carried on, they made the running mean and variance NaN for good (every
+    # later evaluation NaN). Such a microbatch now leaves the module's state
+    # as it found it, as it leaves the accumulated means; its RNG streams
+    # still advance, so the dropout draws stay those of k calls in a row.
+    model = _WithMaskedBatchNorm(nnx.Rngs(0, dropout=1))
+    batch = _batch()  # microbatch 1 holds no tokens
+    looped = nnx.clone(model)
+    want = _looped(_masked_bn_loss, looped, batch)
+    grad_fn = mm.microbatched_value_and_grad(_masked_bn_loss, K)
+    got = (nnx.jit(grad_fn) if jit else grad_fn)(model, batch)
+    _assert_same_as_looped(got, want)
+    stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(stats))
+    assert float(jnp.max(jnp.abs(model.bn.mean[...]))) > 0  # they moved
+    chex.assert_trees_all_close(
+        stats, nnx.to_pure_dict(nnx.state(looped, nnx.BatchStat)), rtol=1e-6
+    )
+    chex.assert_trees_all_equal(
+        nnx.to_pure_dict(nnx.state(model, nnx.RngState)),
+        nnx.to_pure_dict(nnx.state(looped, nnx.RngState)),
+    )
+    # A batch without any tokens changes nothing but the RNG streams.
+    before = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.RngState)))
+    empty = {**batch, "mask": jnp.zeros_like(batch["mask"])}
+    (loss, count), _ = grad_fn(model, empty)
+    assert int(count) == 0
+    chex.assert_trees_all_equal(
+        nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.RngState))), before
+    )
 
 
 def _merged_loss(graphdef):
