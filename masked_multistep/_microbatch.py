@@ -704,7 +704,9 @@ def microbatched_value_and_grad(
         for ``nnx.Optimizer.update``; ``nnx.jit`` writes it back itself),
         except that a microbatch without tokens (all padding) leaves every
         variable but the RNG streams as it found them (a masked
-        ``BatchNorm``'s statistics of no rows are ``0/0``). A
+        ``BatchNorm``'s statistics of no rows are ``0/0``; inside
+        ``shard_map``, a value that is the same on every device, such as a
+        call counter, is not held by one device alone). A
         ``loss_fn`` that adds variables to the module (``sow``) or changes a
         variable's dtype is an error: return such values as ``aux``. Only the
         variables are carried: a change ``loss_fn`` makes to the module's
@@ -1007,8 +1009,8 @@ def _grad_fn(
                 carry, rest = carry
                 value, after = per_microbatch(params, microbatch(j), key(j), rest)
                 if module is not None:
-                    # A microbatch without tokens leaves the module's state as
-                    # it was (its RNG streams aside), as it leaves the means.
+                    # A microbatch without tokens (all padding) leaves the
+                    # module's state as it was, its RNG streams aside.
                     after = module.held_without_tokens(value[1], after, rest)
                 return accumulator.update(carry, value, j), after
 

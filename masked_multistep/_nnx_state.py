@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from masked_multistep._checks import first_three
+from masked_multistep._collectives import varying_axes
 
 SPLIT_RECIPE = (
     "pass `params` from `graphdef, params, rest = nnx.split(model, nnx.Param, "
@@ -185,15 +186,26 @@ class ModuleState(NamedTuple):
         its gradient is for the accumulation, which leaves it out. RNG
         streams advance as usual, so each microbatch's draws stay those of
         its place in the stream.
+
+        Inside ``shard_map``, where each device counts its own tokens, a
+        value that is the same on every device (one computed without the
+        device's data, such as a call counter) is not held: holding it on
+        some devices only would make its copies differ.
         """
         nnx = sys.modules["flax.nnx"]
         count = jax.lax.stop_gradient(count)
         has_tokens = (count > 0) & jnp.isfinite(count)
+        by_device = varying_axes(has_tokens)
+
+        def hold(a: Any, b: Any) -> Any:
+            if by_device - varying_axes(a):
+                return a
+            return jnp.where(has_tokens, a, b)
 
         def held(new: Any, old: Any) -> Any:
             if isinstance(new, nnx.RngState):
                 return new
-            return jax.tree.map(lambda a, b: jnp.where(has_tokens, a, b), new, old)
+            return jax.tree.map(hold, new, old)
 
         return jax.tree.map(
             held, after, before, is_leaf=lambda x: isinstance(x, nnx.Variable)

@@ -20,6 +20,8 @@ import optax
 import pytest
 from _flax_data import D_IN, D_OUT, K, make_windows
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import masked_multistep as mm
 
@@ -155,15 +157,15 @@ def test_module_in_place_of_params_with_dropout_per_microbatch():
     )
 
 
-def _looped(loss_fn, model, batch):
+def _looped(loss_fn, model, batch, k=K):
     """k calls of ``nnx.value_and_grad`` one after the other on the
     microbatches (rows j, j + k, ...), the module's state carried between
     them, except that a microbatch without tokens leaves every variable but
     the RNG streams' as it was: ``((loss, count), grads)`` token-weighted in
     float64."""
     losses, counts, grads = [], [], []
-    for j in range(K):
-        microbatch = jax.tree.map(lambda x, j=j: x[j::K], batch)
+    for j in range(k):
+        microbatch = jax.tree.map(lambda x, j=j: x[j::k], batch)
         before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Not(nnx.RngState)))
         (loss, count), g = nnx.value_and_grad(loss_fn, has_aux=True)(model, microbatch)
         if not count:
@@ -353,6 +355,57 @@ def test_a_microbatch_without_tokens_leaves_the_batch_statistics_as_they_were(ji
     chex.assert_trees_all_equal(
         nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.RngState))), before
     )
+
+
+class _Calls(nnx.Variable):
+    """A count of the module's calls: the same on every device."""
+
+
+class _CountingBatchNorm(_WithMaskedBatchNorm):
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.calls = _Calls(jnp.int32(0))
+
+    def __call__(self, x, mask):
+        self.calls[...] += 1
+        return super().__call__(x, mask)
+
+
+def test_under_shard_map_only_what_differs_by_device_is_held_by_device():
+    # Each device counts its own tokens. Its batch statistics differ by device
+    # anyway and are held where its microbatch is empty; a value that is the
+    # same on every device (a call counter) is not, or its copies would
+    # differ (and `out_specs=P()` for it fails).
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    grad_fn = mm.microbatched_value_and_grad(_masked_bn_loss, 2)
+
+    def on_device(model, batch):
+        (loss, count), _ = grad_fn(model, batch)
+        stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+        return model.calls[...], jax.tree.map(lambda x: x[None], stats), count[None]
+
+    step = jax.jit(
+        jax.shard_map(
+            on_device,
+            mesh=mesh,
+            in_specs=(P(), P("d")),
+            out_specs=(P(), P("d"), P("d")),
+        )
+    )
+    batch = _batch()
+    batch["mask"] = batch["mask"].at[7].set(False)  # device 1's rows 5, 7: none
+    calls, stats, counts = step(_CountingBatchNorm(nnx.Rngs(0, dropout=1)), batch)
+    assert int(calls) == 2  # every microbatch's call, on both devices
+    for device in range(2):
+        # Device d's microbatches, one after the other: its rows d*4 + (j, j+2).
+        looped = _CountingBatchNorm(nnx.Rngs(0, dropout=1))
+        rows = jax.tree.map(lambda x, d=device: x[4 * d : 4 * d + 4], batch)
+        (_, count), _ = _looped(_masked_bn_loss, looped, rows, k=2)
+        assert int(counts[device]) == count
+        want = nnx.to_pure_dict(nnx.state(looped, nnx.BatchStat))
+        got = jax.tree.map(lambda x, d=device: x[d], stats)
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(got))
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-8)
 
 
 def _merged_loss(graphdef):
