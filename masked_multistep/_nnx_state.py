@@ -175,10 +175,12 @@ class ModuleState(NamedTuple):
         nnx = sys.modules["flax.nnx"]
         return nnx.split(module, nnx.Param, ...)[2]
 
-    def held_without_tokens(self, count: Any, after: Any, before: Any) -> Any:
+    def held_without_tokens(self, weight: Any, after: Any, before: Any) -> Any:
         """The state ``after`` one microbatch's ``loss_fn`` call; where that
-        microbatch holds no tokens (``count`` not a positive, finite number),
-        every variable but the RNG streams' keeps its value from ``before``.
+        microbatch holds no tokens (its ``weight``, the count as
+        :func:`~masked_multistep._checks.count_weight` makes it, is 0: so is a
+        negative, NaN or infinite count's), every variable but the RNG
+        streams' keeps its value from ``before``.
 
         Such a microbatch's rows are all padding: what a layer would learn
         from them is noise, or NaN (a masked ``BatchNorm``'s ``0/0`` batch
@@ -193,8 +195,7 @@ class ModuleState(NamedTuple):
         some devices only would make its copies differ.
         """
         nnx = sys.modules["flax.nnx"]
-        count = jax.lax.stop_gradient(count)
-        has_tokens = (count > 0) & jnp.isfinite(count)
+        has_tokens = weight > 0
         by_device = varying_axes(has_tokens)
 
         def hold(a: Any, b: Any) -> Any:
