@@ -15,14 +15,14 @@ from typing import Any
 import jax
 
 from masked_multistep._multisteps import MaskedMultiStepsState
-from masked_multistep._stats import TokenTotal, WindowStats, WindowStatsState
+from masked_multistep._stats import LastWindow, TokenTotal, WindowStatsState
 
 # The fields that identify the wrapper's state where it is held by name
 # (``nnx.state(optimizer)``, which leaves out empty fields).
 NAMED = frozenset(("mini_step", "gradient_step", "acc_count", "acc_grads"))
 # The statistics' NamedTuples, rebuilt from a state held by name by their
 # field names (a token budget's state is a TokenTotal too).
-_STATS_KINDS = (TokenTotal, WindowStats, WindowStatsState)
+_STATS_KINDS = (TokenTotal, LastWindow, WindowStatsState)
 
 
 def is_named(x: Any) -> bool:

@@ -12,7 +12,7 @@ from masked_multistep._multisteps import (
     has_field_named,
     states_in,
 )
-from masked_multistep._stats import WindowStats, WindowStatsState
+from masked_multistep._stats import WindowStats, WindowStatsState, read_window_stats
 
 __all__ = ["find_state", "window_stats", "has_updated"]
 
@@ -156,4 +156,4 @@ def window_stats(opt_state: Any) -> WindowStats:
             "This MaskedMultiSteps keeps no window statistics: construct it with "
             "`window_stats=True`."
         )
-    return stats.last
+    return read_window_stats(stats)

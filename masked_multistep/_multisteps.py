@@ -76,8 +76,9 @@ class MaskedMultiStepsState(NamedTuple):
         one).
       stats: with ``window_stats=True``, the window statistics'
         ``WindowStatsState`` (the current window's running sums and the last
-        completed window's :class:`WindowStats`; read them with
-        :func:`masked_multistep.window_stats`); ``()`` otherwise.
+        completed window's totals, from which
+        :func:`masked_multistep.window_stats` reads its :class:`WindowStats`;
+        no NaN of its own); ``()`` otherwise.
       policy_state: the window policy's state (``()`` for a fixed ``k``).
       reduction_state: the cross-device reduction's state: ``()`` by default;
         with ``reduction=mm.deferred(...)``, each device's token total behind
@@ -1204,8 +1205,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
         def window_value(totals: WindowTotals) -> jax.Array:
             # The window's token-weighted loss over the microbatches that passed
-            # one (NaN if none did).
-            return jnp.where(totals.value_count > 0, totals.value, jnp.nan)
+            # one (NaN if none did), as the inner optimizer reads it.
+            return _stats.undefined_as_nan(totals.value, totals.value_count > 0)
 
         so_far = WindowTotals(
             window.acc_count,
@@ -1213,7 +1214,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             window.value_count,
             num_invalid=jnp.zeros([], jnp.int32),
         )
-        dynamic_args["value"] = window_value(so_far).astype(value_dtype)
+        # The value as far as the inner optimizer's shapes go (the window's
+        # end passes the window's own, `window_value`).
+        dynamic_args["value"] = so_far.value.astype(value_dtype)
         read_only_params = () if apply_params else params
         needs_value, updates_avals = self._window_shapes(
             grads,
@@ -1286,8 +1289,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             acc_grads = carry.in_place[0]
             totals = self._reduction.close_totals(carry.so_far, carry.reduction_state)
             has_tokens = totals.tokens > 0
-            loss = window_value(totals)
-            window_loss = loss.astype(value_dtype)
+            window_loss = window_value(totals).astype(value_dtype)
             dynamic_args = {**dynamic_args, "value": window_loss}
             mean = self._reduction.mean(acc_grads, totals.tokens, carry.reduction_state)
             # ‖ḡ‖² for the statistics (`()` without them), read before the
@@ -1318,7 +1320,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 carry.stats,
                 tokens=totals.tokens,
                 mean_sq_norm=mean_sq_norm,
-                loss=loss,
+                loss=totals.value,
+                loss_tokens=totals.value_count,
                 sums=totals.stats_sums,
             )
             before = carry.counters

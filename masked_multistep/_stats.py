@@ -118,6 +118,7 @@ __all__ = [
     "TokenTotal",
     "WindowStats",
     "WindowStatsState",
+    "LastWindow",
     "add_tokens",
     "init_window_stats",
     "in_compute_precision",
@@ -129,6 +130,8 @@ __all__ = [
     "close_window_stats",
     "noise_scale_estimates",
     "one_window_stats",
+    "read_window_stats",
+    "undefined_as_nan",
     "Recorder",
     "recorder",
     "tree_sq_norm",
@@ -336,6 +339,38 @@ class WindowStats(NamedTuple):
     windows: jax.Array
 
 
+class LastWindow(NamedTuple):
+    """What the last completed window leaves in the state: its totals and sums,
+    from which :func:`read_window_stats` derives the :class:`WindowStats`.
+
+    The state holds no NaN of its own: a figure the window does not define is
+    0 here (``loss`` without ``loss_tokens``, ``grad_sq_norm`` and
+    ``sq_deviation`` without ``tokens``), and the estimators' NaN are made
+    where they are read. A window with a non-finite gradient keeps its
+    non-finite ``grad_sq_norm`` and ``sq_deviation``.
+
+    Attributes:
+      tokens: ``N``, the window's token total (the count dtype).
+      microbatches: ``K``, its microbatches with a positive count (int32).
+      loss: token-weighted mean of ``value`` over the microbatches that passed
+        one (float32; 0 where ``loss_tokens`` is).
+      loss_tokens: the tokens behind ``loss`` (the count dtype).
+      grad_sq_norm: ``‖ḡ‖²`` (float32; 0 where ``tokens`` is).
+      sq_deviation: ``S = Σ nᵢ ‖gᵢ − ḡ‖²`` (float32; 0 where ``tokens`` is).
+      tokens_seen: the tokens of all completed windows.
+      windows: the number of completed windows (int32, saturating).
+    """
+
+    tokens: jax.Array
+    microbatches: jax.Array
+    loss: jax.Array
+    loss_tokens: jax.Array
+    grad_sq_norm: jax.Array
+    sq_deviation: jax.Array
+    tokens_seen: TokenTotal
+    windows: jax.Array
+
+
 class WindowStatsState(NamedTuple):
     """The statistics' part of the wrapper's state.
 
@@ -348,7 +383,8 @@ class WindowStatsState(NamedTuple):
       ema_true_grad_sq_norm: moving average of ``|G|²̂`` (not debiased).
       ema_weight: ``1 − decayᵗ`` after ``t`` averaged windows, the debiasing
         divisor.
-      last: the :class:`WindowStats` of the last completed window.
+      last: the :class:`LastWindow` of the last completed window; read its
+        :class:`WindowStats` with :func:`read_window_stats`.
     """
 
     weighted_sq_norms: jax.Array
@@ -356,44 +392,43 @@ class WindowStatsState(NamedTuple):
     ema_grad_var_trace: jax.Array
     ema_true_grad_sq_norm: jax.Array
     ema_weight: jax.Array
-    last: WindowStats
-
-
-def _nan() -> jax.Array:
-    return jnp.full([], jnp.nan, _F32)
+    last: LastWindow
 
 
 def init_window_stats(count_dtype: jax.typing.DTypeLike = _F32) -> WindowStatsState:
-    """The state before any microbatch: no window completed, estimates NaN.
+    """The state before any microbatch: no window completed (all zeros).
 
     Args:
       count_dtype: the dtype of token counts (of ``WindowStats.tokens``).
 
     Examples:
-      >>> from masked_multistep._stats import init_window_stats
+      >>> from masked_multistep._stats import init_window_stats, read_window_stats
       >>> state = init_window_stats()
-      >>> print(state.last.noise_scale, float(state.last.tokens_seen))
-      nan 0.0
+      >>> stats = read_window_stats(state)
+      >>> print(stats.noise_scale, float(stats.tokens_seen), int(stats.windows))
+      nan 0.0 0
     """
-    zero = jnp.zeros([], _F32)
-    last = WindowStats(
-        tokens=jnp.zeros([], count_dtype),
-        microbatches=jnp.zeros([], jnp.int32),
-        loss=_nan(),
-        grad_sq_norm=_nan(),
-        grad_var_trace=_nan(),
-        true_grad_sq_norm=_nan(),
-        noise_scale=_nan(),
-        smoothed_noise_scale=_nan(),
-        tokens_seen=TokenTotal(jnp.zeros([], _F32), jnp.zeros([], _F32)),
-        windows=jnp.zeros([], jnp.int32),
+
+    # Each leaf its own buffer: a donated state may not hold one twice.
+    def zero(dtype: jax.typing.DTypeLike = _F32) -> jax.Array:
+        return jnp.zeros([], dtype)
+
+    last = LastWindow(
+        tokens=zero(count_dtype),
+        microbatches=zero(jnp.int32),
+        loss=zero(),
+        loss_tokens=zero(count_dtype),
+        grad_sq_norm=zero(),
+        sq_deviation=zero(),
+        tokens_seen=TokenTotal(zero(), zero()),
+        windows=zero(jnp.int32),
     )
     return WindowStatsState(
-        weighted_sq_norms=zero,
-        microbatches=jnp.zeros([], jnp.int32),
-        ema_grad_var_trace=jnp.zeros([], _F32),
-        ema_true_grad_sq_norm=jnp.zeros([], _F32),
-        ema_weight=jnp.zeros([], _F32),
+        weighted_sq_norms=zero(),
+        microbatches=zero(jnp.int32),
+        ema_grad_var_trace=zero(),
+        ema_true_grad_sq_norm=zero(),
+        ema_weight=zero(),
         last=last,
     )
 
@@ -614,36 +649,55 @@ def noise_scale_estimates(
             (grad_sq_norm, "grad_sq_norm"),
         ]
     )
+    var, true_sq, scale, ok, resolved = _estimates(s, k, n, g2)
+    return undefined_as_nan((var, true_sq, scale), (ok, ok, resolved))
+
+
+def _estimates(
+    s: jax.Array, k: jax.Array, n: jax.Array, g2: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`noise_scale_estimates` without NaN: ``(tr Σ̂, |G|²̂, B_simple)``,
+    each 0 where undefined, and where the first two and the third are defined
+    (``ok`` and ``resolved``)."""
     dtype = jnp.result_type(_F32, s.dtype)
     s, k, n, g2 = (x.astype(dtype) for x in (s, k, n, g2))
-    nan = jnp.asarray(jnp.nan, dtype)
     # S and ‖ḡ‖² are finite sums of squares, K a count and N a finite total:
     # other values define nothing (an infinite ‖ḡ‖² would make B_simple 0).
     ok = (k >= 2) & jnp.isfinite(k) & (k == jnp.round(k)) & (n > 0) & (s >= 0)
     ok = ok & jnp.isfinite(n) & jnp.isfinite(s) & jnp.isfinite(g2) & (g2 >= 0)
-    var = jnp.where(ok, s / jnp.where(ok, k - 1, 1), nan)
-    true_sq = jnp.where(ok, g2 - var / jnp.where(ok, n, 1), nan)
+    var = jnp.where(ok, s / jnp.where(ok, k - 1, 1), 0)
+    true_sq = jnp.where(ok, g2 - var / jnp.where(ok, n, 1), 0)
     resolved = ok & (true_sq > 0)
-    scale = jnp.where(resolved, var / jnp.where(resolved, true_sq, 1), nan)
-    return var, true_sq, scale
+    scale = jnp.where(resolved, var / jnp.where(resolved, true_sq, 1), 0)
+    return var, true_sq, scale, ok, resolved
+
+
+def undefined_as_nan(values: Any, defined: Any) -> Any:
+    """Each of ``values`` where ``defined`` holds, NaN elsewhere: where the
+    statistics are read, so that the state never holds a NaN of its own.
+
+    NaN made here are placeholders, not failures of arithmetic: outside a
+    trace they are made with ``jax_debug_nans`` off, which would otherwise stop
+    an eager read of a statistic that is undefined. (A traced program that
+    returns one returns a NaN, which ``jax_debug_nans`` reports.)
+    """
+    with jax.debug_nans(False):
+        return jax.tree.map(lambda x, ok: jnp.where(ok, x, jnp.nan), values, defined)
 
 
 def _sq_norm_and_deviation(
     state: WindowStatsState, tokens: jax.Array, grad_sq_norm: Any
 ) -> tuple[jax.Array, jax.Array]:
-    """``(‖ḡ‖², S)`` of the window so far: ``‖ḡ‖²`` NaN without tokens, and
+    """``(‖ḡ‖², S)`` of the window so far, 0 without tokens, with
     ``S = Σ nᵢ‖gᵢ‖² − N‖ḡ‖²`` clamped at 0 (rounding may leave it just below).
-    A window with a non-finite gradient has no ``S`` (NaN), not the 0 that
-    ``max(−inf, 0)`` would give."""
+    Where the sums are not finite (a non-finite gradient, or an overflow),
+    neither is ``S``: not the 0 that ``max(−inf, 0)`` would give."""
     has_tokens = tokens > 0
-    g2 = jnp.where(has_tokens, jnp.asarray(grad_sq_norm).astype(_F32), jnp.nan)
-    n_f = tokens.astype(_F32)
+    g2 = jnp.where(has_tokens, jnp.asarray(grad_sq_norm).astype(_F32), 0)
+    spread = state.weighted_sq_norms - tokens.astype(_F32) * g2
     sums_finite = jnp.isfinite(state.weighted_sq_norms) & jnp.isfinite(g2)
-    s = jnp.where(
-        sums_finite,
-        jnp.maximum(state.weighted_sq_norms - n_f * jnp.where(has_tokens, g2, 0), 0),
-        jnp.nan,
-    )
+    # Where not finite, their sum is NaN or infinite as they are.
+    s = jnp.where(sums_finite, jnp.maximum(spread, 0), state.weighted_sq_norms + g2)
     return g2, s
 
 
@@ -681,7 +735,8 @@ def window_so_far(
         tokens = jnp.asarray(tokens)
         g2, s = _sq_norm_and_deviation(state, tokens, tree_sq_norm(mean))
         k = state.microbatches
-        var, _, _ = noise_scale_estimates(s, k, tokens, g2)
+        var, _, _, ok, _ = _estimates(s, k, tokens, g2)
+        g2, var = undefined_as_nan((g2, var), (tokens > 0, ok))
         return k, g2, var
 
 
@@ -691,6 +746,7 @@ def close_window_stats(
     tokens: jax.Array,
     grad_sq_norm: jax.Array,
     loss: jax.Array,
+    loss_tokens: jax.Array,
     decay: float,
 ) -> WindowStatsState:
     """Records the finished window and starts a new one.
@@ -699,8 +755,9 @@ def close_window_stats(
       state: the statistics' state, with the window's last microbatch folded in.
       tokens: the window's ``N`` (count dtype).
       grad_sq_norm: ``‖ḡ‖²`` of the window's mean (any value where ``N == 0``).
-      loss: the window's token-weighted mean ``value`` (any value where no
-        microbatch passed one: pass NaN).
+      loss: the window's token-weighted mean ``value`` (any value where
+        ``loss_tokens`` is 0).
+      loss_tokens: the tokens of the microbatches that passed a ``value``.
       decay: the moving averages' decay per window, in ``[0, 1)``.
 
     Returns:
@@ -709,55 +766,51 @@ def close_window_stats(
     Examples:
       >>> import jax.numpy as jnp
       >>> from masked_multistep._stats import (
-      ...     init_window_stats, accumulate_window_stats, close_window_stats)
+      ...     init_window_stats, accumulate_window_stats, close_window_stats,
+      ...     read_window_stats)
       >>> s = init_window_stats()
       >>> for g in (1.0, 3.0):
       ...     s = accumulate_window_stats(s, jnp.array(g), jnp.float32(2))
       >>> s = close_window_stats(s, tokens=jnp.float32(4),
       ...                        grad_sq_norm=jnp.float32(4.0),
-      ...                        loss=jnp.float32(0.5), decay=0.9)
-      >>> print(s.last.noise_scale, s.last.smoothed_noise_scale, s.microbatches)
+      ...                        loss=jnp.float32(0.5),
+      ...                        loss_tokens=jnp.float32(4), decay=0.9)
+      >>> stats = read_window_stats(s)
+      >>> print(stats.noise_scale, stats.smoothed_noise_scale, s.microbatches)
       1.3333334 1.3333334 0
     """
     with jax.named_scope("masked_multistep/window_stats"):
         n = jnp.asarray(tokens)
         g2, s = _sq_norm_and_deviation(state, n, grad_sq_norm)
         k = state.microbatches
-        var, true_sq, scale = noise_scale_estimates(s, k, n, g2)
+        var, true_sq, _, finite, _ = _estimates(s, k, n, g2)
 
-        finite = jnp.isfinite(var) & jnp.isfinite(true_sq)
         beta = jnp.asarray(decay, _F32)
         ema_var = jnp.where(
             finite,
-            beta * state.ema_grad_var_trace + (1 - beta) * jnp.where(finite, var, 0),
+            beta * state.ema_grad_var_trace + (1 - beta) * var,
             state.ema_grad_var_trace,
         )
         ema_true = jnp.where(
             finite,
-            beta * state.ema_true_grad_sq_norm
-            + (1 - beta) * jnp.where(finite, true_sq, 0),
+            beta * state.ema_true_grad_sq_norm + (1 - beta) * true_sq,
             state.ema_true_grad_sq_norm,
         )
         ema_weight = jnp.where(
             finite, beta * state.ema_weight + (1 - beta), state.ema_weight
         )
-        # The debiasing divisor cancels in the ratio; it only decides whether
-        # any window has been averaged yet.
-        smooth_ok = (ema_weight > 0) & (ema_true > 0)
-        smoothed = jnp.where(
-            smooth_ok, ema_var / jnp.where(smooth_ok, ema_true, 1), jnp.nan
-        )
 
         old = state.last
-        last = WindowStats(
+        loss_tokens = jnp.asarray(loss_tokens)
+        last = LastWindow(
             tokens=n.astype(old.tokens.dtype),
             microbatches=k,
-            loss=jnp.asarray(loss).astype(_F32),
+            loss=jnp.where(loss_tokens > 0, jnp.asarray(loss).astype(_F32), 0),
+            loss_tokens=jnp.where(loss_tokens > 0, loss_tokens, 0).astype(
+                old.loss_tokens.dtype
+            ),
             grad_sq_norm=g2,
-            grad_var_trace=var,
-            true_grad_sq_norm=true_sq,
-            noise_scale=scale,
-            smoothed_noise_scale=smoothed.astype(_F32),
+            sq_deviation=s,
             tokens_seen=add_tokens(old.tokens_seen, n),
             windows=cast(jax.Array, optax.safe_increment(old.windows)),
         )
@@ -766,10 +819,59 @@ def close_window_stats(
         return WindowStatsState(
             weighted_sq_norms=jnp.zeros_like(state.weighted_sq_norms),
             microbatches=jnp.zeros_like(state.microbatches),
-            ema_grad_var_trace=ema_var,
-            ema_true_grad_sq_norm=ema_true,
-            ema_weight=ema_weight,
+            ema_grad_var_trace=ema_var.astype(_F32),
+            ema_true_grad_sq_norm=ema_true.astype(_F32),
+            ema_weight=ema_weight.astype(_F32),
             last=last,
+        )
+
+
+def read_window_stats(state: WindowStatsState) -> WindowStats:
+    """The :class:`WindowStats` of the last completed window, its estimators
+    derived from the state's sums (NaN where undefined, made here).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from masked_multistep._stats import (
+      ...     init_window_stats, accumulate_window_stats, close_window_stats,
+      ...     read_window_stats)
+      >>> s = accumulate_window_stats(init_window_stats(), jnp.array(1.0),
+      ...                             jnp.float32(2))
+      >>> s = close_window_stats(s, tokens=jnp.float32(2),
+      ...                        grad_sq_norm=jnp.float32(1.0),
+      ...                        loss=jnp.float32(0.0),
+      ...                        loss_tokens=jnp.float32(0), decay=0.9)
+      >>> stats = read_window_stats(s)  # one microbatch, and no `value`
+      >>> print(stats.grad_sq_norm, stats.noise_scale, stats.loss)
+      1.0 nan nan
+    """
+    with jax.named_scope("masked_multistep/window_stats"):
+        last = state.last
+        has_tokens = last.tokens > 0
+        var, true_sq, scale, ok, resolved = _estimates(
+            last.sq_deviation, last.microbatches, last.tokens, last.grad_sq_norm
+        )
+        # The moving averages' debiasing divisor cancels in their ratio; it
+        # only says whether any window has been averaged yet.
+        smooth_ok = (state.ema_weight > 0) & (state.ema_true_grad_sq_norm > 0)
+        smoothed = state.ema_grad_var_trace / jnp.where(
+            smooth_ok, state.ema_true_grad_sq_norm, 1
+        )
+        loss, g2, var, true_sq, scale, smoothed = undefined_as_nan(
+            (last.loss, last.grad_sq_norm, var, true_sq, scale, smoothed),
+            (last.loss_tokens > 0, has_tokens, ok, ok, resolved, smooth_ok),
+        )
+        return WindowStats(
+            tokens=last.tokens,
+            microbatches=last.microbatches,
+            loss=loss,
+            grad_sq_norm=g2,
+            grad_var_trace=var,
+            true_grad_sq_norm=true_sq,
+            noise_scale=scale,
+            smoothed_noise_scale=smoothed.astype(_F32),
+            tokens_seen=last.tokens_seen,
+            windows=last.windows,
         )
 
 
@@ -836,10 +938,13 @@ class Recorder(NamedTuple):
         tokens: jax.Array,
         mean_sq_norm: Any,
         loss: jax.Array,
+        loss_tokens: jax.Array,
         sums: Any = (),
     ) -> Any:
-        """``sums``: the window's ``(Σ nᵢ‖gᵢ‖², K)`` where a reduction kept
-        their per-device shares until the window closed (``()``: they are in
+        """``loss``: the window's mean ``value`` over the ``loss_tokens``
+        tokens that passed one (any value where there are none). ``sums``:
+        the window's ``(Σ nᵢ‖gᵢ‖², K)`` where a reduction kept their
+        per-device shares until the window closed (``()``: they are in
         ``state`` already)."""
         if not self.enabled:
             return ()
@@ -850,6 +955,7 @@ class Recorder(NamedTuple):
             tokens=tokens,
             grad_sq_norm=mean_sq_norm,
             loss=loss,
+            loss_tokens=loss_tokens,
             decay=self.decay,
         )
 
@@ -924,10 +1030,11 @@ def one_window_stats(
         state,
         tokens=tokens,
         grad_sq_norm=tree_sq_norm(mean),
-        loss=jnp.where(tokens > 0, loss, jnp.nan),
+        loss=loss,
+        loss_tokens=tokens,
         decay=0.0,
     )
-    return state.last
+    return read_window_stats(state)
 
 
 def materialized_on_gpu(tree: Any) -> Any:

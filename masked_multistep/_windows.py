@@ -710,7 +710,9 @@ def norm_test(
             )
         n = jnp.asarray(scalars.tokens).astype(jnp.float32)
         var = jnp.asarray(scalars.grad_var_trace).astype(jnp.float32)
-        sq = jnp.asarray(scalars.grad_sq_norm).astype(jnp.float32)
+        # ‖ḡ‖² is NaN without tokens: selected away, not multiplied (under
+        # jax_debug_nans an eager step would stop at the product).
+        sq = jnp.where(n > 0, jnp.asarray(scalars.grad_sq_norm), 0).astype(jnp.float32)
         passes = (scalars.counted >= 2) & (n > 0) & (var <= theta_sq * n * sq)
         # K, not all microbatches: a count-0 one adds no degree of freedom.
         started = scalars.counted >= min_microbatches

@@ -31,13 +31,15 @@ def _window(stats, grads, counts, decay=DECAY):
         stats,
         tokens=total,
         grad_sq_norm=_stats.tree_sq_norm(mean),
-        loss=jnp.float32(jnp.nan),
+        loss=jnp.float32(0),
+        loss_tokens=jnp.zeros([], counts.dtype),
         decay=decay,
     )
 
 
 def _one_window(grads, counts):
-    return _window(_stats.init_window_stats(counts.dtype), grads, counts).last
+    state = _window(_stats.init_window_stats(counts.dtype), grads, counts)
+    return _stats.read_window_stats(state)
 
 
 def _microbatch_means(rng, g_true, sigma_diag, counts):
@@ -175,12 +177,14 @@ def test_non_finite_gradient_spoils_only_its_window():
     stats = _stats.init_window_stats(jnp.int32)
     bad = jnp.array([[1.0, 1.0], [jnp.inf, 0.0], [0.0, 1.0]])
     stats = _window(stats, bad, jnp.array([1, 2, 3], jnp.int32))
-    assert np.isnan(stats.last.grad_var_trace) and np.isnan(stats.last.noise_scale)
+    last = _stats.read_window_stats(stats)
+    assert np.isnan(last.grad_var_trace) and np.isnan(last.noise_scale)
     assert float(stats.ema_weight) == 0.0  # not averaged in
     good = jnp.array([[1.0, 1.0], [2.0, 0.0], [0.0, 1.0]])
     stats = _window(stats, good, jnp.array([1, 2, 3], jnp.int32))
-    assert np.isfinite(stats.last.grad_var_trace)
-    assert int(stats.last.windows) == 2 and float(stats.last.tokens_seen) == 12.0
+    last = _stats.read_window_stats(stats)
+    assert np.isfinite(last.grad_var_trace)
+    assert int(last.windows) == 2 and float(last.tokens_seen) == 12.0
 
 
 def test_smoothing_is_a_ratio_of_debiased_moving_averages():
@@ -192,9 +196,10 @@ def test_smoothing_is_a_ratio_of_debiased_moving_averages():
     for _ in range(6):
         grads = jnp.asarray(rng.normal(loc=0.3, size=(4, 16)), jnp.float32)
         stats = window(stats, grads, counts)
-        var.append(float(stats.last.grad_var_trace))
-        true_sq.append(float(stats.last.true_grad_sq_norm))
-        smoothed.append(float(stats.last.smoothed_noise_scale))
+        last = _stats.read_window_stats(stats)
+        var.append(float(last.grad_var_trace))
+        true_sq.append(float(last.true_grad_sq_norm))
+        smoothed.append(float(last.smoothed_noise_scale))
     num = den = weight = 0.0
     for t, (v, g) in enumerate(zip(var, true_sq, strict=True)):
         num = DECAY * num + (1 - DECAY) * v
@@ -414,7 +419,7 @@ def test_wrapper_reports_each_completed_window_until_the_next():
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), WINDOW, window_stats=True)
     _, states = _run(tx, grads, counts, values)
     seen = 0
-    previous = _stats.init_window_stats(jnp.int32).last
+    previous = _stats.read_window_stats(_stats.init_window_stats(jnp.int32))
     for i, state in enumerate(states):
         last = mm.window_stats(state)
         if (i + 1) % WINDOW:
