@@ -411,7 +411,10 @@ def _rounded_up(budget: jax.Array, dtype: Any) -> jax.Array:
         below = inside & (jnp.where(inside, b, 0).astype(budget.dtype) < budget)
     else:
         below = b.astype(budget.dtype) < budget
-    return jnp.where(below, jnp.nextafter(b, jnp.asarray(jnp.inf, b.dtype)), b)
+    # Towards the largest finite value, above any `b` that rounded down (an
+    # inf here would stop an eager step under jax_debug_infs).
+    up = jnp.nextafter(b, jnp.asarray(jnp.finfo(dtype).max, b.dtype))
+    return jnp.where(below, up, b)
 
 
 def _float_budget(budget: float | int, dtype: Any) -> np.ndarray:

@@ -8,7 +8,8 @@ first: its state holds sums and totals, never a NaN of its own (the
 statistics' undefined estimates are made NaN where they are read), and an
 eager step makes no NaN in passing. Checked here for windows with one
 microbatch, without tokens, without ``value=``, closing on tokens or the norm
-test, and with a deferred reduction across devices.
+test or a token budget computed as an array, and with a deferred reduction
+across devices.
 """
 
 import jax
@@ -32,6 +33,12 @@ CONFIGS = {
     "stats": {"window_stats": True},
     "stats, no value": {"window_stats": True, "value": False},
     "token windows": {"tokens_per_window": 6, "window_stats": True},
+    "token budget warmup": {
+        # A budget computed as an array (the README's warmup in tokens).
+        "tokens_per_window": lambda seen: jnp.interp(
+            seen, jnp.array([0.0, 20.0]), jnp.array([4.0, 8.0])
+        ),
+    },
     "norm test": {"norm_test": 0.5},
 }
 
