@@ -302,7 +302,7 @@ class Deferred(KnownTotals):
             )
         _checks.refuse_count_as_value(value)
         value = _checks.real_array(value, "`value`")
-        return value.astype(jnp.promote_types(value.dtype, jnp.float32))
+        return value.astype(compute_dtype(value.dtype))
 
     def value(self, value: Any, local_counts: Any, total: jax.Array) -> Any:
         """The microbatch's global token-weighted mean of per-device ``value``s
@@ -328,7 +328,7 @@ class Deferred(KnownTotals):
         def leaf(g):
             shape = (-1,) + (1,) * (g.ndim - 1)
             w = weight.astype(compute_dtype(g.dtype)).reshape(shape)
-            scaled = (g * w).astype(g.dtype)
+            scaled = (g.astype(w.dtype) * w).astype(g.dtype)
             return jnp.where(take.reshape(shape), scaled, jnp.zeros_like(g))
 
         return jax.tree.map(leaf, grads)

@@ -138,22 +138,25 @@ def masked_mean(
         )
     dtype = compute_dtype(values.dtype)
     if jnp.issubdtype(mask.dtype, jnp.floating) and not isinstance(
-        mask, jax.core.Tracer
+        given, jax.core.Tracer
     ):
         # Weights are token counts: [-1, 1] would sum to an empty microbatch,
         # and a NaN or infinite weight make the mean and the count NaN. Checked
-        # on the mask as given, not on its broadcast copy.
-        non_finite = int(jnp.sum(~jnp.isfinite(given)))
+        # on the mask as given, not on its broadcast copy, on the host: a
+        # concrete mask that a jitted function closes over is still concrete,
+        # but jax's operations on it inside the trace are not.
+        given = np.asarray(given).astype(np.float64)
+        non_finite = int(np.sum(~np.isfinite(given)))
         if non_finite:
             raise ValueError(
                 f"`mask` holds {non_finite} non-finite weight(s) (NaN or "
                 "infinite): a floating mask holds per-token weights, which count "
                 "tokens and must be finite"
             )
-        if bool(jnp.any(given < 0)):
+        if bool(np.any(given < 0)):
             raise ValueError(
                 "`mask` holds negative weights (its smallest is "
-                f"{float(jnp.min(given))}): a floating mask holds per-token "
+                f"{float(np.min(given))}): a floating mask holds per-token "
                 "weights, which count tokens and must be non-negative"
             )
     if jnp.issubdtype(mask.dtype, jnp.floating):
@@ -165,8 +168,10 @@ def masked_mean(
             # invalid count), even where the weights' sum is positive.
             count = jnp.where(jnp.any(weights < 0), jnp.nan, count)
     else:
-        weights = (mask != 0).astype(dtype)
-        count = jnp.sum(mask != 0, dtype=jnp.int32)
+        # A bool mask as it is (`mask != 0` would promote it).
+        real = mask.astype(jnp.bool_)
+        weights = real.astype(dtype)
+        count = jnp.sum(real, dtype=jnp.int32)
     # `where` first: a NaN in a masked-out entry must not survive `NaN * 0`.
     total = jnp.sum(jnp.where(weights != 0, values.astype(dtype), 0) * weights)
     return safe_fraction(total, count).astype(dtype), count

@@ -493,9 +493,10 @@ def _sum_dtype(dtype: Any) -> Any:
     inf)."""
     if jnp.issubdtype(dtype, jnp.floating):
         return compute_dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.unsignedinteger):
-        return jnp.promote_types(dtype, jnp.uint32)
-    return jnp.promote_types(dtype, jnp.int32)
+    with jax.numpy_dtype_promotion("standard"):
+        if jnp.issubdtype(dtype, jnp.unsignedinteger):
+            return jnp.promote_types(dtype, jnp.uint32)
+        return jnp.promote_types(dtype, jnp.int32)
 
 
 def _token_weighted_accumulator(

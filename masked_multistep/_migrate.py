@@ -21,6 +21,7 @@ from masked_multistep._deferred import Deferred
 from masked_multistep._inspect import unboxed
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 from masked_multistep._reduction import placed_like
+from masked_multistep._running_mean import compute_dtype
 from masked_multistep._stats import token_total, with_tokens_seen
 
 __all__ = ["from_optax_multisteps"]
@@ -270,9 +271,9 @@ def from_optax_multisteps(
         assert count is not None  # _check_acc_count requires it mid-window
         divisor = 1 if use_grad_mean else mini_step
         acc_grads = jax.tree.map(
-            lambda a, f: (
-                jnp.asarray(a, jnp.promote_types(a.dtype, jnp.float32)) / divisor
-            ).astype(f.dtype),
+            lambda a, f: (jnp.asarray(a, compute_dtype(a.dtype)) / divisor).astype(
+                f.dtype
+            ),
             state.acc_grads,
             fresh.acc_grads,
         )

@@ -220,9 +220,11 @@ def _accumulator_dtype(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
     """
     leaf_dtype = jnp.dtype(leaf_dtype)
     if accumulator_dtype is None:
-        return jnp.promote_types(leaf_dtype, jnp.float32)
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.promote_types(leaf_dtype, jnp.float32)
     if jnp.issubdtype(leaf_dtype, jnp.complexfloating):
-        return jnp.promote_types(accumulator_dtype, leaf_dtype)
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.promote_types(accumulator_dtype, leaf_dtype)
     return accumulator_dtype
 
 
@@ -231,9 +233,11 @@ def _accumulator_fits(dtype: Any, accumulator_dtype: Any) -> bool:
     :func:`_accumulator_dtype` gives for some leaf with this setting."""
     dtype = jnp.dtype(dtype)
     if accumulator_dtype is None:
-        return jnp.promote_types(dtype, jnp.float32) == dtype
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.promote_types(dtype, jnp.float32) == dtype
     if jnp.issubdtype(dtype, jnp.complexfloating):
-        return jnp.promote_types(accumulator_dtype, dtype) == dtype
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.promote_types(accumulator_dtype, dtype) == dtype
     return dtype == accumulator_dtype
 
 

@@ -60,7 +60,8 @@ __all__ = [
 
 def compute_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
     """The dtype the update is computed in: at least float32."""
-    return jnp.promote_types(dtype, jnp.float32)
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.promote_types(dtype, jnp.float32)
 
 
 def fits(total: jax.Array, count: jax.Array) -> jax.Array:
@@ -77,7 +78,11 @@ def safe_fraction(num: jax.Array, den: jax.Array) -> jax.Array:
     The denominator is replaced before dividing *and* the result is masked, so a
     zero denominator never produces ``0/0`` and never leaks NaN into gradients.
     """
-    dtype = compute_dtype(jnp.result_type(num, den))
+    # The dtype by jax's standard rules, whatever the caller's: an integer
+    # count beside a float total is a promotion jax_numpy_dtype_promotion=
+    # "strict" refuses, and both are cast explicitly below.
+    with jax.numpy_dtype_promotion("standard"):
+        dtype = compute_dtype(jnp.result_type(num, den))
     num = jnp.asarray(num, dtype)
     den = jnp.asarray(den, dtype)
     nonzero = den != 0
@@ -302,7 +307,11 @@ def running_mean_update(
         fits = in_range & (addend <= jnp.asarray(top, total.dtype) - total)
         new_total = total + addend
     else:
-        new_total = (total + count).astype(total.dtype)
+        # In the wider of the two dtypes, rounded once, as jax's standard rules
+        # add them (cast explicitly: strict promotion refuses a mixed sum).
+        with jax.numpy_dtype_promotion("standard"):
+            wide = jnp.result_type(total, count)
+        new_total = (total.astype(wide) + count.astype(wide)).astype(total.dtype)
         fits = jnp.isfinite(new_total)
     # A negative total is no sum of weights (a NaN or infinite one fails `fits`):
     # nothing is folded into a mean it could only corrupt.

@@ -71,7 +71,8 @@ def _sanitize_k(k: Any, what: str = "`every_k_schedule(step)`") -> jax.Array:
         k = np.asarray(np.clip(np.asarray(k, object), 1, INT32_MAX)).astype(np.int32)
     k = _schedule_value(k, what)
     if jnp.issubdtype(k.dtype, jnp.floating):
-        k = k.astype(jnp.promote_types(k.dtype, jnp.float32))  # holds 2³¹
+        with jax.numpy_dtype_promotion("standard"):
+            k = k.astype(jnp.promote_types(k.dtype, jnp.float32))  # holds 2³¹
         k = jnp.where(jnp.isnan(k), 1, jnp.round(k))
         # Below 2³¹ the conversion is exact; at or above it, 2³¹ − 1.
         fits = k < 2.0**31

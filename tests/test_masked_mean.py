@@ -185,3 +185,16 @@ def test_weighted_mean_across_keeps_float64_under_x64():
         )(values, counts)
         assert mean.dtype == jnp.float64
         np.testing.assert_allclose(np.asarray(mean), 3.0, rtol=1e-14)
+
+
+def test_a_float_mask_a_jitted_function_closes_over_is_checked_on_the_host():
+    # Concrete, but jax's operations on it inside the trace are not: the
+    # check reads it on the host instead of failing to concretize.
+    values = jnp.array([1.0, 2.0, 6.0])
+    weights = jnp.array([1.0, 0.5, 0.0])
+    mean, count = jax.jit(lambda: mm.masked_mean(values, weights))()
+    np.testing.assert_allclose(mean, 2 / 1.5)
+    assert float(count) == 1.5
+    negative = jnp.array([1.0, -1.0, 0.0])
+    with pytest.raises(ValueError, match=r"negative weights .* -1.0"):
+        jax.jit(lambda: mm.masked_mean(values, negative))()
