@@ -40,7 +40,11 @@ from masked_multistep._checks import (
     refuse_unknown_keywords,
 )
 from masked_multistep._collectives import varying_axes, varying_axes_of_type
-from masked_multistep._running_mean import compute_dtype, running_mean_update
+from masked_multistep._running_mean import (
+    compute_dtype,
+    promote_types,
+    running_mean_update,
+)
 
 __all__ = ["microbatched_value_and_grad"]
 
@@ -493,10 +497,9 @@ def _sum_dtype(dtype: Any) -> Any:
     inf)."""
     if jnp.issubdtype(dtype, jnp.floating):
         return compute_dtype(dtype)
-    with jax.numpy_dtype_promotion("standard"):
-        if jnp.issubdtype(dtype, jnp.unsignedinteger):
-            return jnp.promote_types(dtype, jnp.uint32)
-        return jnp.promote_types(dtype, jnp.int32)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return promote_types(dtype, jnp.uint32)
+    return promote_types(dtype, jnp.int32)
 
 
 def _token_weighted_accumulator(

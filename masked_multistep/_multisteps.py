@@ -26,7 +26,12 @@ from masked_multistep._branch import EagerMemo, eager_key, in_place_cond
 from masked_multistep._collectives import reduced_leaf
 from masked_multistep._deferred import Deferred
 from masked_multistep._reduction import Local, WindowTotals
-from masked_multistep._running_mean import all_finite, fits
+from masked_multistep._running_mean import (
+    all_finite,
+    compute_dtype,
+    fits,
+    promote_types,
+)
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
 
@@ -220,11 +225,9 @@ def _accumulator_dtype(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
     """
     leaf_dtype = jnp.dtype(leaf_dtype)
     if accumulator_dtype is None:
-        with jax.numpy_dtype_promotion("standard"):
-            return jnp.promote_types(leaf_dtype, jnp.float32)
+        return compute_dtype(leaf_dtype)
     if jnp.issubdtype(leaf_dtype, jnp.complexfloating):
-        with jax.numpy_dtype_promotion("standard"):
-            return jnp.promote_types(accumulator_dtype, leaf_dtype)
+        return promote_types(accumulator_dtype, leaf_dtype)
     return accumulator_dtype
 
 
@@ -233,11 +236,9 @@ def _accumulator_fits(dtype: Any, accumulator_dtype: Any) -> bool:
     :func:`_accumulator_dtype` gives for some leaf with this setting."""
     dtype = jnp.dtype(dtype)
     if accumulator_dtype is None:
-        with jax.numpy_dtype_promotion("standard"):
-            return jnp.promote_types(dtype, jnp.float32) == dtype
+        return compute_dtype(dtype) == dtype
     if jnp.issubdtype(dtype, jnp.complexfloating):
-        with jax.numpy_dtype_promotion("standard"):
-            return jnp.promote_types(accumulator_dtype, dtype) == dtype
+        return promote_types(accumulator_dtype, dtype) == dtype
     return dtype == accumulator_dtype
 
 

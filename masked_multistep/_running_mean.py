@@ -52,16 +52,25 @@ __all__ = [
     "all_finite",
     "compute_dtype",
     "fits",
+    "promote_types",
     "running_mean_update",
     "safe_fraction",
     "sq_norm",
 ]
 
 
+def promote_types(a: jax.typing.DTypeLike, b: jax.typing.DTypeLike) -> jnp.dtype:
+    """``jnp.promote_types`` by jax's standard rules, whatever the caller's:
+    the library picks its computation dtypes this way and casts its operands
+    explicitly, so ``jax_numpy_dtype_promotion="strict"`` finds nothing to
+    refuse in it."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.promote_types(a, b)
+
+
 def compute_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
     """The dtype the update is computed in: at least float32."""
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.promote_types(dtype, jnp.float32)
+    return promote_types(dtype, jnp.float32)
 
 
 def fits(total: jax.Array, count: jax.Array) -> jax.Array:

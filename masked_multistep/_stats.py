@@ -659,8 +659,7 @@ def _estimates(
     """:func:`noise_scale_estimates` without NaN: ``(tr Σ̂, |G|²̂, B_simple)``,
     each 0 where undefined, and where the first two and the third are defined
     (``ok`` and ``resolved``)."""
-    with jax.numpy_dtype_promotion("standard"):
-        dtype = jnp.result_type(_F32, s.dtype)
+    dtype = compute_dtype(s.dtype)
     s, k, n, g2 = (x.astype(dtype) for x in (s, k, n, g2))
     # S and ‖ḡ‖² are finite sums of squares, K a count and N a finite total:
     # other values define nothing (an infinite ‖ḡ‖² would make B_simple 0).

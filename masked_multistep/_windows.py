@@ -26,6 +26,7 @@ from masked_multistep._checks import (
     refuse_narrow_float,
     returned_flag,
 )
+from masked_multistep._running_mean import compute_dtype
 from masked_multistep._stats import TokenTotal, add_tokens
 
 __all__ = [
@@ -71,8 +72,7 @@ def _sanitize_k(k: Any, what: str = "`every_k_schedule(step)`") -> jax.Array:
         k = np.asarray(np.clip(np.asarray(k, object), 1, INT32_MAX)).astype(np.int32)
     k = _schedule_value(k, what)
     if jnp.issubdtype(k.dtype, jnp.floating):
-        with jax.numpy_dtype_promotion("standard"):
-            k = k.astype(jnp.promote_types(k.dtype, jnp.float32))  # holds 2³¹
+        k = k.astype(compute_dtype(k.dtype))  # holds 2³¹
         k = jnp.where(jnp.isnan(k), 1, jnp.round(k))
         # Below 2³¹ the conversion is exact; at or above it, 2³¹ − 1.
         fits = k < 2.0**31
