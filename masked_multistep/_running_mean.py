@@ -53,6 +53,7 @@ __all__ = [
     "compute_dtype",
     "fits",
     "promote_types",
+    "result_type",
     "running_mean_update",
     "safe_fraction",
     "sq_norm",
@@ -66,6 +67,13 @@ def promote_types(a: jax.typing.DTypeLike, b: jax.typing.DTypeLike) -> jnp.dtype
     refuse in it."""
     with jax.numpy_dtype_promotion("standard"):
         return jnp.promote_types(a, b)
+
+
+def result_type(*args: Any) -> jnp.dtype:
+    """``jnp.result_type`` by jax's standard rules, whatever the caller's (see
+    :func:`promote_types`): for arrays, whose weak types it honours."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.result_type(*args)
 
 
 def compute_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
@@ -87,11 +95,7 @@ def safe_fraction(num: jax.Array, den: jax.Array) -> jax.Array:
     The denominator is replaced before dividing *and* the result is masked, so a
     zero denominator never produces ``0/0`` and never leaks NaN into gradients.
     """
-    # The dtype by jax's standard rules, whatever the caller's: an integer
-    # count beside a float total is a promotion jax_numpy_dtype_promotion=
-    # "strict" refuses, and both are cast explicitly below.
-    with jax.numpy_dtype_promotion("standard"):
-        dtype = compute_dtype(jnp.result_type(num, den))
+    dtype = compute_dtype(result_type(num, den))
     num = jnp.asarray(num, dtype)
     den = jnp.asarray(den, dtype)
     nonzero = den != 0
@@ -318,8 +322,7 @@ def running_mean_update(
     else:
         # In the wider of the two dtypes, rounded once, as jax's standard rules
         # add them (cast explicitly: strict promotion refuses a mixed sum).
-        with jax.numpy_dtype_promotion("standard"):
-            wide = jnp.result_type(total, count)
+        wide = result_type(total, count)
         new_total = (total.astype(wide) + count.astype(wide)).astype(total.dtype)
         fits = jnp.isfinite(new_total)
     # A negative total is no sum of weights (a NaN or infinite one fails `fits`):

@@ -806,9 +806,7 @@ def close_window_stats(
             tokens=n.astype(old.tokens.dtype),
             microbatches=k,
             loss=jnp.where(loss_tokens > 0, jnp.asarray(loss).astype(_F32), 0),
-            loss_tokens=jnp.where(loss_tokens > 0, loss_tokens, 0).astype(
-                old.loss_tokens.dtype
-            ),
+            loss_tokens=loss_tokens.astype(old.loss_tokens.dtype),
             grad_sq_norm=g2,
             sq_deviation=s,
             tokens_seen=add_tokens(old.tokens_seen, n),
@@ -819,9 +817,9 @@ def close_window_stats(
         return WindowStatsState(
             weighted_sq_norms=jnp.zeros_like(state.weighted_sq_norms),
             microbatches=jnp.zeros_like(state.microbatches),
-            ema_grad_var_trace=ema_var.astype(_F32),
-            ema_true_grad_sq_norm=ema_true.astype(_F32),
-            ema_weight=ema_weight.astype(_F32),
+            ema_grad_var_trace=ema_var,
+            ema_true_grad_sq_norm=ema_true,
+            ema_weight=ema_weight,
             last=last,
         )
 

@@ -12,6 +12,7 @@ test or a token budget computed as an array, and with a deferred reduction
 across devices.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,11 +49,6 @@ def _grads(i):
     return {"w": jnp.sin(jnp.arange(4.0) + i), "b": jnp.float32(i % 3 - 1)}
 
 
-def _assert_finite(tree):
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        assert np.all(np.isfinite(leaf)), (jax.tree_util.keystr(path), leaf)
-
-
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_a_healthy_run_makes_no_nan_and_its_state_holds_none(config, jit):
@@ -63,11 +59,11 @@ def test_a_healthy_run_makes_no_nan_and_its_state_holds_none(config, jit):
     step = jax.jit(tx.apply_gradients) if jit else tx.apply_gradients
     with jax.debug_nans(True), jax.debug_infs(True):
         params, state = PARAMS, tx.init(PARAMS)
-        _assert_finite(state)
+        chex.assert_tree_all_finite(state)
         for i, n in enumerate(COUNTS):
             value = {"value": jnp.float32(0.5 * i)} if with_value else {}
             params, state = step(_grads(i), state, params, count=jnp.int32(n), **value)
-            _assert_finite((params, state))
+            chex.assert_tree_all_finite((params, state))
         assert int(state.gradient_step) > 0
         if "window_stats" in config or "norm_test" in config:
             # An eager read makes its placeholders without stopping.
@@ -93,7 +89,7 @@ def test_the_state_before_any_window_reads_as_undefined():
     with jax.debug_nans(True):
         state = tx.init(PARAMS)
         stats = mm.window_stats(state)
-    _assert_finite(state)
+    chex.assert_tree_all_finite(state)
     assert (int(stats.tokens), int(stats.windows), float(stats.tokens_seen)) == (
         0,
         0,
@@ -140,7 +136,7 @@ def test_deferred_across_devices_makes_no_nan(window_stats):
             }
             mb = jax.device_put(mb, NamedSharding(mesh, P("data")))
             params, state = step(params, state, mb)
-            _assert_finite((params, state))
+            chex.assert_tree_all_finite((params, state))
         assert int(state.gradient_step) == 3
         if window_stats:
             assert np.isfinite(mm.window_stats(state).loss)
@@ -159,4 +155,4 @@ def test_in_jit_microbatching_with_an_empty_microbatch_makes_no_nan(jit):
     with jax.debug_nans(True), jax.debug_infs(True):
         (loss, count), grads = grad_fn(PARAMS, batch)
     assert int(count) == 6
-    _assert_finite((loss, grads))
+    chex.assert_tree_all_finite((loss, grads))
