@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -176,6 +176,22 @@ def weighted_sum_across(
     on every shard (``Σ nᵈ``); a shard with ``nᵈ <= 0`` contributes nothing,
     even if its ``gᵈ`` is NaN, and a zero ``total`` gives zeros.
     """
+    return weighted_sum(tree, count, total, lambda x: jax.lax.psum(x, axis_name))
+
+
+def weighted_sum(
+    tree: Any,
+    count: jax.Array,
+    total: jax.Array,
+    sum_over: Callable[[jax.Array], jax.Array],
+) -> Any:
+    """``Σ (nᵈ / N)·gᵈ``, the sum over ``d`` taken by ``sum_over``.
+
+    The arithmetic of :func:`weighted_sum_across`, whatever holds the shards:
+    a named axis (``sum_over`` a ``psum``, ``count`` a scalar) or a leading
+    axis of every leaf (``sum_over`` a sum over axis 0, ``count`` of shape
+    ``(D,)``, broadcast against each leaf's trailing axes).
+    """
     take = count > 0
     count = jnp.where(take, count, jnp.zeros_like(count))
 
@@ -186,9 +202,12 @@ def weighted_sum_across(
         # float64 leaf (under x64) at float32 accuracy.
         real = jnp.finfo(dtype).dtype
         weight = safe_fraction(count.astype(real), total.astype(real))
+        trailing = (1,) * (g.ndim - weight.ndim)
+        weight = jnp.reshape(weight, weight.shape + trailing)
+        taken = jnp.reshape(take, take.shape + trailing)
         # Zero an empty shard's (possibly NaN) value before multiplying:
         # NaN * 0 is NaN, in the value and in the weight's cotangent.
-        g_c = jnp.where(take, g.astype(dtype), jnp.zeros((), dtype))
-        return jax.lax.psum(weight.astype(dtype) * g_c, axis_name).astype(g.dtype)
+        g_c = jnp.where(taken, g.astype(dtype), jnp.zeros((), dtype))
+        return sum_over(weight.astype(dtype) * g_c).astype(g.dtype)
 
     return jax.tree.map(leaf, tree)

@@ -603,8 +603,8 @@ def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:
 
     Raises:
       TypeError: if ``mesh`` is not a ``jax.sharding.Mesh``.
-      ValueError: if ``axis_name`` does not name axes of ``mesh``, or names an
-        ``AxisType.Explicit`` one.
+      ValueError: if ``axis_name`` does not name axes of ``mesh``, or names
+        one twice.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax

@@ -387,16 +387,6 @@ def _check_params(params: Any, whole_ok: bool = False) -> None:
         params, "only floating (or complex) arrays, the variables to differentiate"
     )
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if explicit := [a for a in jax.typeof(leaf).sharding.spec if a is not None]:
-            # The loop's running means would need the leaf's explicit
-            # sharding; jax refuses to mix it with their replicated zeros.
-            raise ValueError(
-                f"params{jax.tree_util.keystr(path)} is sharded over the "
-                f"AxisType.Explicit mesh axis {explicit[0]!r}: in-jit "
-                "microbatching supports parameters sharded over AxisType.Auto "
-                "axes only (jax.make_mesh(..., axis_types=...) with "
-                "jax.sharding.AxisType.Auto for that axis)"
-            )
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.inexact):
             hint = (
@@ -522,8 +512,16 @@ def _token_weighted_accumulator(
     def init(value):
         means, sums, _ = _split(value, reductions)
         return (
-            jax.tree.map(lambda s: jnp.zeros(s.shape, compute_dtype(s.dtype)), means),
-            [jnp.zeros(s.shape, _sum_dtype(s.dtype)) for s in sums],
+            jax.tree.map(
+                lambda s: jnp.zeros(
+                    s.shape, compute_dtype(s.dtype), out_sharding=s.sharding
+                ),
+                means,
+            ),
+            [
+                jnp.zeros(s.shape, _sum_dtype(s.dtype), out_sharding=s.sharding)
+                for s in sums
+            ],
             jnp.zeros((), jnp.float32),
         )
 
@@ -777,8 +775,7 @@ def microbatched_value_and_grad(
         leaves of different batch sizes, a batch size not divisible by
         ``num_microbatches``, a batch leaf sharded over an
         ``AxisType.Explicit`` mesh axis whose devices do not divide each
-        microbatch's rows, a ``params`` leaf sharded over an
-        ``AxisType.Explicit`` axis, ``aux_reduction`` is not a prefix of
+        microbatch's rows, ``aux_reduction`` is not a prefix of
         ``aux``, or ``loss_fn``'s loss or count is not a scalar (or the count
         is a constant that is negative, non-finite or beyond float32's range).
 

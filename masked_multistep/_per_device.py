@@ -137,8 +137,8 @@ def per_device_value_and_grad(
       TypeError: if ``mesh`` is not a ``jax.sharding.Mesh``; and as
         :func:`microbatched_value_and_grad` does for ``loss_fn``,
         ``num_microbatches`` and ``has_aux``.
-      ValueError: if ``axis_name`` is not an axis of ``mesh``, or an
-        ``AxisType.Explicit`` one; when called, if a
+      ValueError: if ``axis_name`` is not an axis of ``mesh``, or names one
+        twice; when called, if a
         ``batch`` leaf's leading size is not divisible by ``D·num_microbatches``.
 
     Examples:

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from masked_multistep import _checks
-from masked_multistep._collectives import weighted_mean_across, weighted_sum_across
+from masked_multistep._collectives import weighted_sum
 from masked_multistep._running_mean import running_mean_update
 
 __all__ = [
@@ -102,8 +102,8 @@ def check_mesh_axes(
     """``axis_name`` as a tuple of mesh axis names, and their total size ``D``.
 
     Raises ``TypeError`` if ``mesh`` is not a ``jax.sharding.Mesh`` and
-    ``ValueError`` if an axis is not one of its axes or is explicitly sharded
-    (``AxisType.Explicit``).
+    ``ValueError`` if an axis is not one of its axes, or is named twice. Axes
+    may be ``AxisType.Auto`` or ``AxisType.Explicit``.
     """
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(
@@ -120,18 +120,6 @@ def check_mesh_axes(
             )
     if len(set(axes)) != len(axes):
         raise ValueError(f"`axis_name` names an axis twice: {axes}")
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    explicit = [a for a in axes if types[a] == jax.sharding.AxisType.Explicit]
-    if explicit:
-        # The devices' shares are combined by a collective over a leading
-        # device axis that the compiler shards; under explicit sharding that
-        # axis's sharding is part of the type, and the combination fails.
-        raise ValueError(
-            f"`mesh` axis {explicit[0]!r} is AxisType.Explicit (the default of "
-            "`jax.make_mesh`); the data-parallel axes must be AxisType.Auto: "
-            "`jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,)"
-            " * len(names))`"
-        )
     return axes, math.prod(mesh.shape[a] for a in axes)
 
 
@@ -148,17 +136,22 @@ def mean_over_devices(
     reduction of the combined leaves. With ``total`` (``N``, already known to
     every device) the scalar reduction of the counts is skipped.
     """
+    # A sum over the leading axis, not a `psum` under `vmap`: the same
+    # reduction, which jax also accepts where that axis is sharded over an
+    # AxisType.Explicit mesh axis (its sharding is part of the type there).
     if total is None:
-        return jax.vmap(
-            lambda x, n: weighted_mean_across(x, n, _DEVICES),
-            axis_name=_DEVICES,
-            out_axes=None,
-        )(tree, counts)
-    mean = jax.vmap(
-        lambda x, n: weighted_sum_across(x, n, total, _DEVICES),
-        axis_name=_DEVICES,
-        out_axes=None,
-    )(tree, counts)
+        # As `weighted_mean_across` takes a shard's count: a float32 weight,
+        # 0 where invalid (negative or non-finite: left out).
+        counts, _ = _checks.to_count(
+            counts,
+            jnp.dtype(jnp.float32),
+            "the devices' counts",
+            shape=tuple(counts.shape),
+            dtype_name="float32, the weights' dtype",
+        )
+        counts = jnp.where(counts > 0, counts, jnp.zeros_like(counts))
+        total = jnp.sum(counts, axis=0)
+    mean = weighted_sum(tree, counts, total, lambda x: jnp.sum(x, axis=0))
     return mean, total
 
 

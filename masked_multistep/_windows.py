@@ -922,7 +922,8 @@ def window_policy(
       :func:`any_of` the given rules.
 
     Raises:
-      TypeError: if none of the three is given, or one has the wrong type.
+      TypeError: if none of the three is given, or one has the wrong type
+        (a policy as ``every_k_schedule`` names the keyword it belongs to).
       ValueError: if a value is out of range, or a policy is given to the
         other keyword (``norm_test=`` takes a policy that reads the window
         statistics, ``tokens_per_window=`` one that does not), or the norm
@@ -941,6 +942,15 @@ def window_policy(
       True
     """
     policies = []
+    if isinstance(every_k_schedule, WindowPolicy):
+        # (`MaskedMultiSteps(opt, mm.token_budget(4096))`: the second
+        # positional argument is the number of microbatches.)
+        keyword = "norm_test" if every_k_schedule.needs_stats else "tokens_per_window"
+        raise TypeError(
+            f"`every_k_schedule` got {every_k_schedule.name}, a window policy: "
+            f"pass it as `{keyword}=` (every_k_schedule takes a number of "
+            "microbatches per window, or a callable of the gradient step)"
+        )
     if every_k_schedule is not None:
         policies.append(microbatch_window(every_k_schedule))
     if tokens_per_window is not None:

@@ -220,6 +220,36 @@ def _on_fewer_devices(ckpt_dir, rest, uninterrupted):
     np.testing.assert_allclose(np.asarray(got.loss), np.asarray(want.loss), rtol=1e-5)
 
 
+def _explicit_run(global_batches):
+    """The deferred run on jax.make_mesh's default, an AxisType.Explicit data
+    axis over the same devices: the accumulator keeps its device axis sharded
+    in its type, and the window's combination crosses the processes."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((NUM_PROCESSES * LOCAL_DEVICES,), ("data",))
+    assert mesh.axis_types == (jax.sharding.AxisType.Explicit,), mesh
+    data = NamedSharding(mesh, P("data"))
+    with jax.set_mesh(mesh):
+        tx, step = make_deferred_step(mesh)
+        params = jax.device_put(init_params(), NamedSharding(mesh, P()))
+        state = tx.init(params)
+        for mb in global_batches:
+            mb = jax.tree.map(
+                lambda x: jax.make_array_from_single_device_arrays(
+                    x.shape,
+                    data,
+                    [jax.device_put(s.data, s.device) for s in x.addressable_shards],
+                ),
+                mb,
+            )
+            params, state = step(params, state, mb)
+        assert int(state.gradient_step) == WINDOWS, state.gradient_step
+        assert jax.typeof(state.acc_grads["w"]).sharding.spec == P("data", None)
+    return params
+
+
 def _eager_counts(mesh, global_batches, process_id: int) -> None:
     """Outside jit, a count array spanning the processes is checked like a
     traced one: a valid step works, and a negative count on the last device is
@@ -348,12 +378,14 @@ def main(process_id: int, port: int, out_path: str, ckpt_dir: str) -> None:
         params, state = step(params, state, mb)
     assert int(state.gradient_step) == WINDOWS, state.gradient_step
     deferred = _deferred_run(mesh, global_batches, ckpt_dir)
+    explicit = _explicit_run(global_batches)
     _eager_counts(mesh, global_batches, process_id)
     _different_settings(mesh, process_id)
     np.savez(
         out_path,
         **{f"auto/{k}": np.asarray(v) for k, v in params.items()},
         **{f"deferred/{k}": np.asarray(v) for k, v in deferred.items()},
+        **{f"explicit/{k}": np.asarray(v) for k, v in explicit.items()},
     )
     jax.distributed.shutdown()
 

@@ -24,14 +24,23 @@ from jax.sharding import PartitionSpec as P
 import masked_multistep as mm
 
 AUTO = jax.sharding.AxisType.Auto
+EXPLICIT = jax.sharding.AxisType.Explicit
 NDEV, ROWS, K, T, D, H = 8, 2, 4, 4, 3, 16
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 @pytest.fixture(scope="module")
-def mesh():
+def mesh(request):
+    """The devices on one data axis: AxisType.Auto, or (parametrized
+    indirectly with ``"explicit"``) jax.make_mesh's default AxisType.Explicit,
+    under which every array's sharding is part of its type."""
     assert len(jax.devices()) == NDEV, "conftest sets jax_num_cpu_devices=8"
-    return jax.make_mesh((NDEV,), ("data",), axis_types=(AUTO,))
+    axis_type = EXPLICIT if getattr(request, "param", "auto") == "explicit" else AUTO
+    return jax.make_mesh((NDEV,), ("data",), axis_types=(axis_type,))
+
+
+# The main paths again on an AxisType.Explicit data axis.
+both_axis_types = pytest.mark.parametrize("mesh", ["auto", "explicit"], indirect=True)
 
 
 def _params():
@@ -95,6 +104,7 @@ def _full_batch(loss_fn, batch, has_aux=False):
     )
 
 
+@both_axis_types
 def test_per_device_gradients_are_each_devices_own_and_not_reduced(mesh):
     batch = _batch(NDEV * ROWS, seed=1, empty_device=5)
     grad_fn = jax.jit(mm.per_device_value_and_grad(_loss, mesh, "data"))
@@ -104,6 +114,8 @@ def test_per_device_gradients_are_each_devices_own_and_not_reduced(mesh):
     assert (loss.shape, count.shape) == ((NDEV,), (NDEV,))
     assert grads["w1"].shape == (NDEV, H, D)
     assert grads["w1"].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 3)
+    # (Read on the host: an explicitly sharded array refuses eager indexing.)
+    (loss, count), grads = jax.device_get(((loss, count), grads))
     for d in range(NDEV):
         rows = jax.tree.map(lambda x, d=d: x[d * ROWS : (d + 1) * ROWS], batch)
         (own_loss, own_count), own = _full_batch(_loss, rows, has_aux=True)
@@ -123,6 +135,7 @@ def test_per_device_gradients_are_each_devices_own_and_not_reduced(mesh):
     assert large(collectives(hlo), min_bytes=4 * H) == []
 
 
+@both_axis_types
 @pytest.mark.parametrize("empty", ["device", "microbatch"])
 def test_data_parallel_microbatching_equals_full_batch_and_reduces_once(mesh, empty):
     batch = _batch(
@@ -131,7 +144,9 @@ def test_data_parallel_microbatching_equals_full_batch_and_reduces_once(mesh, em
         empty_device=3 if empty == "device" else None,
         empty_microbatch=1 if empty == "microbatch" else None,
     )
-    params = _params()
+    # On the mesh: under explicit sharding jax's own value_and_grad refuses
+    # params on one device beside a batch sharded over the data axis.
+    params = jax.device_put(_params(), NamedSharding(mesh, P()))
     sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
     grad_fn = jax.jit(
         mm.data_parallel_value_and_grad(_loss, mesh, "data", num_microbatches=K)
@@ -300,48 +315,59 @@ def test_bad_arguments(mesh):
         grad_fn(_params(), batch)
 
 
-def test_an_explicitly_sharded_axis_is_refused_by_name():
-    # jax.make_mesh's default axis type is Explicit, where the combination over
-    # the device axis fails inside jax (an AssertionError, or a sharding error
-    # when the window closes); refused up front, with the fix.
-    explicit = jax.make_mesh(
-        (NDEV,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
-    )
-    match = r"`mesh` axis 'data' is AxisType.Explicit.*AxisType.Auto"
-    for build in (
-        lambda: mm.data_parallel_value_and_grad(_loss, explicit, "data"),
-        lambda: mm.per_device_value_and_grad(_loss, explicit, "data"),
-        lambda: mm.deferred(explicit, "data"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            build()
-    # Other axes may be explicit.
-    mixed = jax.make_mesh(
-        (4, 2),
-        ("data", "model"),
-        axis_types=(AUTO, jax.sharding.AxisType.Explicit),
-    )
-    grad_fn = mm.per_device_value_and_grad(_loss, mixed, "data")
-    # Params replicated over the explicit axis work; sharded over it, the
-    # in-jit microbatching (whose running means would need that sharding) names
-    # the leaf instead of failing inside jax.
-    batch = jax.device_put(_batch(NDEV * ROWS, seed=6), NamedSharding(mixed, P("data")))
-    params = _params()
-    replicated = jax.device_put(params, NamedSharding(mixed, P()))
-    with jax.set_mesh(mixed):
-        (_, counts), _ = jax.jit(grad_fn)(replicated, batch)
-        assert float(jnp.sum(counts)) == float(batch["mask"].sum())
-        params["w1"] = jax.device_put(params["w1"], NamedSharding(mixed, P("model")))
-        for fn in (
-            grad_fn,
-            mm.data_parallel_value_and_grad(_loss, mixed, "data"),
-            mm.microbatched_value_and_grad(_loss, 2),
+def test_params_sharded_over_an_explicit_model_axis_train_data_parallel():
+    """jax.make_mesh's default: every axis AxisType.Explicit, the params sharded
+    over a model axis and the batch over the data axis. Each device's own
+    gradient, the in-jit loop, and the deferred window give the full batch's
+    numbers, with the accumulator sharded as the params are."""
+    grid = jax.make_mesh((NDEV // 2, 2), ("data", "model"))
+    assert grid.axis_types == (EXPLICIT, EXPLICIT)
+    batches = _microbatches()[:K]
+    whole = {key: np.concatenate([b[key] for b in batches]) for key in batches[0]}
+    placement = {"w1": P("model"), "w2": P()}
+    (ref_loss, ref_count), ref = _full_batch(_loss, whole, has_aux=True)
+    ref_params, ref_state = _single_device_run(batches)
+    with jax.set_mesh(grid):
+        params = {
+            key: jax.device_put(value, NamedSharding(grid, placement[key]))
+            for key, value in _params().items()
+        }
+
+        def by_device(batch):
+            # The rows of `batches`, regrouped onto half as many devices.
+            return jax.device_put(batch, NamedSharding(grid, P("data")))
+
+        for grad_fn in (
+            mm.data_parallel_value_and_grad(_loss, grid, "data", num_microbatches=K),
+            mm.microbatched_value_and_grad(_loss, K),
         ):
-            with pytest.raises(
-                ValueError,
-                match=r"params\['w1'\] is sharded over the AxisType.Explicit",
-            ):
-                jax.jit(fn)(params, batch)
+            (loss, count), grads = jax.jit(grad_fn)(params, by_device(whole))
+            assert jax.typeof(grads["w1"]).sharding.spec == P("model", None)
+            assert float(count) == float(ref_count)
+            chex.assert_trees_all_close((loss, grads), (ref_loss, ref), **TOL)
+
+        tx = _tx(mm.deferred(grid, "data"), window_stats=True)
+        state = mm.TrainState.create(apply_fn=None, params=params, tx=tx)
+        assert jax.typeof(state.opt_state.acc_grads["w1"]).sharding.spec == P(
+            "data", "model", None
+        )
+        device_grads = mm.per_device_value_and_grad(_loss, grid, "data")
+
+        @jax.jit
+        def train_step(state, mb):
+            (loss, count), grads = device_grads(state.params, mb)
+            return state.apply_gradients(grads=grads, count=count, value=loss)
+
+        for mb in batches:
+            state = train_step(state, by_device(mb))
+    chex.assert_trees_all_close(state.params, ref_params, **TOL)
+    stats = mm.window_stats(state.opt_state)
+    np.testing.assert_allclose(stats.loss, ref_state.inner_opt_state[1], **TOL)
+    # Every device's share with tokens is a small batch.
+    shares = [
+        m.reshape(NDEV // 2, -1).any(1).sum() for m in (b["mask"] for b in batches)
+    ]
+    assert int(stats.microbatches) == sum(shares)
 
 
 def test_a_state_for_another_number_of_devices_is_refused(mesh):
@@ -411,7 +437,7 @@ def _single_device_run(batches):
 
     for mb in batches:
         params, state = step(params, state, jax.device_put(mb, device))
-    assert int(state.gradient_step) == WINDOWS
+    assert int(state.gradient_step) == len(batches) // K
     return params, state
 
 
@@ -450,6 +476,7 @@ def _assert_once_per_window(compiled_text, synced_counts=False):
     assert 8 in {c.bytes for c in step} and max(c.bytes for c in step) <= 8, small
 
 
+@both_axis_types
 @pytest.mark.parametrize("synced", [False, True], ids=["per-window", "synced"])
 def test_plain_loop_deferred_equals_single_device_and_reduces_once(mesh, synced):
     """Params and the window's loss equal one device's full-batch run, whether
@@ -518,6 +545,7 @@ def test_automatic_sharding_reduces_every_microbatch(mesh):
     assert sum(c.bytes for c in found) >= PARAM_BYTES
 
 
+@both_axis_types
 @pytest.mark.parametrize("window_stats", [False, True], ids=["", "stats"])
 def test_train_state_deferred_equals_single_device(mesh, window_stats):
     """With window statistics too, nothing crosses devices between window ends:
@@ -583,6 +611,7 @@ def test_train_state_refuses_params_a_deferred_gradient_would_reshape(mesh):
         state.apply_gradients(grads=grads, count=count)
 
 
+@both_axis_types
 def test_nnx_optimizer_deferred_equals_single_device(mesh):
     from flax import nnx
 

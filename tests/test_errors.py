@@ -164,6 +164,26 @@ def test_a_window_policy_given_to_the_other_keyword_is_refused():
     mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=budget, norm_test=test)
 
 
+@pytest.mark.parametrize(
+    "policy, keyword",
+    [
+        (mm.token_budget(4096), "tokens_per_window"),
+        (mm.token_budget(lambda step: 4096.0, by="gradient_step"), "tokens_per_window"),
+        (mm.norm_test(0.5, max_microbatches=8), "norm_test"),
+    ],
+    ids=["budget", "schedule", "norm_test"],
+)
+def test_a_window_policy_as_the_window_size_names_its_keyword(policy, keyword):
+    # The second positional argument is every_k_schedule, the number of
+    # microbatches: MaskedMultiSteps(opt, mm.token_budget(4096)) reads naturally.
+    with pytest.raises(
+        TypeError,
+        match=rf"`every_k_schedule` got mm\.\w+\(.*a window policy: pass it as "
+        rf"`{keyword}=`",
+    ):
+        mm.MaskedMultiSteps(optax.sgd(1.0), policy)
+
+
 def test_inject_hyperparams_around_the_wrapper_says_where_it_goes():
     # optax binds the catch-all as `unknown={}`; the wrapper would be rebuilt
     # on every call with traced settings.

@@ -112,7 +112,7 @@ def test_two_processes_match_single_process(tmp_path):
     assert not np.allclose(reference["w"], worker.init_params()["w"])
     for out in outs:
         with np.load(out) as f:
-            for mode in ("auto", "deferred"):
+            for mode in ("auto", "deferred", "explicit"):
                 got = {name: f[f"{mode}/{name}"] for name in reference}
                 chex.assert_trees_all_close(
                     got, reference, rtol=1e-5, atol=1e-6, strict=True
