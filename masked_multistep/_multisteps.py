@@ -3,15 +3,15 @@
 The module is the state machine only: argument checks and the count contract
 live in ``_checks``, the window-closing rule in ``_windows``, the arithmetic in
 ``_running_mean``, how the devices agree on a window's mean in ``_reduction``
-(locally) and ``_deferred`` (deferred to the window's end), and the window
-statistics in ``_stats``.
+(locally) and ``_deferred`` (deferred to the window's end), the window
+statistics in ``_stats``, and how the inner optimizer is called at a window's
+end in ``_inner``.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, Never, TypeVar
 
@@ -21,8 +21,8 @@ import numpy as np
 import optax
 from optax import tree as otu
 
-from masked_multistep import _checks, _processes, _stats, _windows
-from masked_multistep._branch import EagerMemo, eager_key, in_place_cond
+from masked_multistep import _checks, _inner, _processes, _stats, _windows
+from masked_multistep._branch import EagerMemo, in_place_cond
 from masked_multistep._collectives import reduced_leaf
 from masked_multistep._deferred import Deferred
 from masked_multistep._reduction import Local, WindowTotals
@@ -181,20 +181,6 @@ def _zeros_placed_like(avals: Any, *likes: Any) -> Any:
         return jnp.zeros(aval.shape, aval.dtype)
 
     return jax.tree.map(zeros, avals, *likes)
-
-
-def _cast_like(tree: Any, other: Any) -> Any:
-    """``optax.tree.cast_like``, but for typed PRNG keys (in
-    ``optax.noisy_sgd``'s state), which are kept as they are: a concrete key
-    array has no ``astype`` (an eager step failed on it)."""
-
-    def cast(t: Any, o: Any) -> Any:
-        dtype = getattr(o, "dtype", None)
-        if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
-            return t
-        return otu.cast_like(t, o)
-
-    return jax.tree.map(cast, tree, other)
 
 
 def _same_buffers(a: Any, b: Any) -> bool:
@@ -569,7 +555,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         _checks.refuse_unknown_keywords(
             "MaskedMultiSteps", unknown, cls.__new__, _KEYWORD_HINTS
         )
-        _check_opt(opt)
+        _inner.check_opt(opt)
         acc_dtype = _checks.check_accumulator_dtype(accumulator_dtype)
         cnt_dtype = _checks.check_count_dtype(count_dtype)
         policy = _windows.window_policy(
@@ -625,7 +611,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 reduction = reduction._per_window(stats=recorder.enabled)
         self._reduction = Local() if reduction is None else reduction
         self._recorder = recorder
-        # :meth:`_window_shapes` of eager steps, by :func:`eager_key`.
+        # `_inner.window_shapes` of eager steps, by their arguments' avals.
         self._eager_shapes = EagerMemo(size=16)
         self._config = (
             (opt, every_k_schedule),
@@ -991,7 +977,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # `init` built the skip state from the params, whose dtypes the
             # gradients need not share (optax.skip_large_updates' norm): it
             # keeps the dtypes it was built with (a no-op where they agree).
-            skip_state = _cast_like(skip_state, state.skip_state)
+            skip_state = _inner.cast_like(skip_state, state.skip_state)
         if not _same_avals(skip_state, state.skip_state):
             raise ValueError(
                 "`state.skip_state` is not what `should_skip_update_fn` returns: "
@@ -1075,102 +1061,6 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
         return closes, policy_state
 
-    def _inner_update(self, grads, static_args, with_value: bool, with_grad: bool):
-        """The inner optimizer on the window's mean, its state cast back.
-
-        With ``with_grad``, the mean is also its ``grad=`` (a line search's
-        gradient at the params: the window's, not the closing microbatch's).
-        """
-
-        def inner_update(mean, inner_state, params, dynamic_args):
-            mean_grads = otu.cast_like(mean, grads)
-            if not with_value:
-                dynamic_args = {k: v for k, v in dynamic_args.items() if k != "value"}
-            if with_grad:
-                dynamic_args = {**dynamic_args, "grad": mean_grads}
-            updates, new_inner = self._opt.update(
-                mean_grads, inner_state, params, **static_args, **dynamic_args
-            )
-            if jax.tree.structure(new_inner) != jax.tree.structure(inner_state):
-                # The window's conditional carries one state through both
-                # branches (optax.monitor's measurements appear on update).
-                before, after = (
-                    {
-                        jax.tree_util.keystr(p)
-                        for p, _ in jax.tree_util.tree_flatten_with_path(x)[0]
-                    }
-                    for x in (inner_state, new_inner)
-                )
-                changed = sorted(before ^ after)[:3] or ["its containers"]
-                raise ValueError(
-                    "The inner optimizer's state changes structure on `update` "
-                    f"(at {', '.join(changed)}): the wrapper holds it between "
-                    "windows, so `init` must build it as `update` returns it "
-                    "(optax.monitor's does not; nor does it run under "
-                    "jax.lax.scan)"
-                )
-            # The inner state keeps its dtypes (as in optax.MultiSteps).
-            return updates, _cast_like(new_inner, inner_state)
-
-        return inner_update
-
-    def _window_shapes(
-        self,
-        grads,
-        static_args,
-        window: _Window,
-        inner_state,
-        params,
-        dynamic_args,
-        *,
-        has_value: bool,
-        with_grad: bool,
-    ) -> tuple[bool, Any]:
-        """Whether the inner optimizer needs ``value=``, and the shapes of the
-        updates it returns at the window's end (abstract evaluation).
-
-        Statically: an inner optimizer that runs without ``value=`` gets none
-        unless this call passes one (a choice between the two at run time would
-        compile the inner update twice and triple the step's scratch memory);
-        one that needs it (reduce_on_plateau, polyak_sgd) gets the window's
-        mean, and a window without one (no microbatch passed a value, or its
-        mean is not finite) is held like a non-finite mean: a NaN loss would
-        make polyak_sgd's step NaN and every window a plateau.
-
-        The answer depends on the arguments' abstract values only: an eager
-        step (no part traced) remembers it, instead of tracing the inner
-        optimizer again on every call (most of such a step's time).
-        """
-        parts = (grads, static_args, window, inner_state, params, dynamic_args)
-        key = eager_key(*parts, has_value, with_grad)
-        known = self._eager_shapes.get(key)
-        if known is not None:
-            return known
-        # What the inner optimizer sees: the window's mean (with a deferred
-        # reduction, the devices' running means combined).
-        mean = jax.eval_shape(
-            self._reduction.mean,
-            window.acc_grads,
-            window.acc_count,
-            window.reduction_state,
-        )
-        operands = (mean, inner_state, params, dynamic_args)
-
-        def shapes(with_value: bool) -> Any:
-            inner_update = self._inner_update(
-                grads, static_args, with_value=with_value, with_grad=with_grad
-            )
-            return jax.eval_shape(inner_update, *operands)[0]
-
-        try:
-            updates, needs_value = shapes(with_value=False), False
-        except TypeError:
-            updates, needs_value = None, True
-        if has_value or needs_value:
-            updates = shapes(with_value=True)
-        self._eager_shapes.put(key, (needs_value, updates))
-        return needs_value, updates
-
     def _step(self, grads, state, params, count, extra_args, *, apply_params):
         """Shared body of :meth:`update` and :meth:`apply_gradients`.
 
@@ -1188,7 +1078,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             _checks.check_params_match(
                 params, state.acc_grads, self._reduction.device_axes
             )
-        with_grad, raw_value, static_args, dynamic_args = _split_extra_args(extra_args)
+        with_grad, raw_value, static_args, dynamic_args = _inner.split_extra_args(
+            extra_args
+        )
 
         with jax.named_scope("masked_multistep/accumulate"):
             gate = self._gate(grads, state, params, count)
@@ -1223,36 +1115,30 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # end passes the window's own, `window_value`).
         dynamic_args["value"] = so_far.value.astype(value_dtype)
         read_only_params = () if apply_params else params
-        needs_value, updates_avals = self._window_shapes(
+        needs_value, updates_avals = _inner.window_shapes(
+            self._opt,
+            self._eager_shapes,
+            # What the inner optimizer sees: the window's mean (with a deferred
+            # reduction, the devices' running means combined).
+            lambda w: self._reduction.mean(w.acc_grads, w.acc_count, w.reduction_state),
+            window,
             grads,
             static_args,
-            window,
             state.inner_opt_state,
             params,
             dynamic_args,
             has_value=value is not None,
             with_grad=with_grad,
         )
-        inner_update = self._inner_update(
+        inner_update = _inner.inner_update(
+            self._opt,
             grads,
             static_args,
             with_value=value is not None or needs_value,
             with_grad=with_grad,
         )
         if needs_value and value is None:
-            # Without the wrapper, such an optimizer refuses the call; with it,
-            # a window in which no call passes a value is held, so a loop that
-            # never passes one would never update the params.
-            warnings.warn(
-                "The inner optimizer needs `value=` (e.g. reduce_on_plateau, "
-                "polyak_sgd), and this call passes none: a window in which no "
-                "microbatch passes `value=` is held, not applied (counted in "
-                "`state.num_nonfinite_windows`); one that other microbatches "
-                "pass a value in gets their token-weighted mean. Pass each "
-                "microbatch's mean loss, `count=count, value=loss`",
-                UserWarning,
-                stacklevel=2,
-            )
+            _inner.warn_without_value()
         # Once the inner optimizer has read the window's mean, the mean is dead
         # (`acc_count` resets; the next counted microbatch overwrites it). So in
         # `update` the updates take the accumulator's buffer when they fit it,
@@ -1436,23 +1322,6 @@ def _unflatten(tx: MaskedMultiSteps, children: Any) -> Any:
 jax.tree_util.register_pytree_node(MaskedMultiSteps, _flatten, _unflatten)
 
 
-def _split_extra_args(
-    extra_args: dict[str, Any],
-) -> tuple[bool, Any, dict[str, Any], dict[str, Any]]:
-    """``update``'s extra keyword arguments, sorted: whether a line search's
-    ``grad=`` was passed (the gradient at the params: at the window's end, the
-    window's mean, as ``value=`` is the window's loss), the microbatch's
-    ``value=``, and the rest for the inner optimizer, split into static ones
-    and arrays (which go through the window's conditional)."""
-    rest = dict(extra_args)
-    with_grad = "grad" in rest
-    rest.pop("grad", None)
-    value = rest.pop("value", None)
-    static_args = {k: v for k, v in rest.items() if not isinstance(v, jax.Array)}
-    dynamic_args = {k: v for k, v in rest.items() if isinstance(v, jax.Array)}
-    return with_grad, value, static_args, dynamic_args
-
-
 def states_in(tree: Any, types: type | tuple[type, ...]) -> list[Any]:
     """The nodes of ``tree`` that are instances of ``types`` (outermost ones:
     a match is not searched further), in leaf order."""
@@ -1492,23 +1361,6 @@ def _add_counts(counter: jax.Array, n: jax.Array) -> jax.Array:
     """``counter + n`` for int32 counters, saturating at the int32 maximum."""
     room = jnp.iinfo(jnp.int32).max - counter
     return (counter + jnp.minimum(n.astype(jnp.int32), room)).astype(jnp.int32)
-
-
-def _check_opt(opt: Any) -> None:
-    """``opt`` is an optax transformation, or a ``TypeError`` that says how to
-    build one from a factory passed by mistake (``optax.adam``)."""
-    if hasattr(opt, "init") and hasattr(opt, "update"):
-        return
-    hint = ""
-    if callable(opt):
-        name = getattr(opt, "__name__", type(opt).__name__)
-        hint = (
-            f" {name!r}: call it to build the optimizer, e.g. "
-            "MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
-        )
-    raise TypeError(
-        f"`opt` must be an optax GradientTransformation, got {type(opt).__name__}{hint}"
-    )
 
 
 def _recorder_for(

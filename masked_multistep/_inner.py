@@ -1,0 +1,191 @@
+"""The inner optimizer, as :class:`MaskedMultiSteps` runs it once per window.
+
+What the wrapper passes it (the window's mean, its loss as ``value=``, a line
+search's ``grad=``, the caller's other keyword arguments), what it asks of it
+without running it (whether it needs ``value=``, the shapes of its updates),
+and the checks on what comes back (a state of the same structure, in the
+dtypes ``init`` gave it).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax import tree as otu
+
+from masked_multistep._branch import EagerMemo, eager_key
+
+InnerUpdate = Callable[[Any, Any, Any, dict[str, Any]], tuple[Any, Any]]
+"""``(mean, inner_state, params, dynamic_args) -> (updates, inner_state)``."""
+
+
+def check_opt(opt: Any) -> None:
+    """``opt`` is an optax transformation, or a ``TypeError`` that says how to
+    build one from a factory passed by mistake (``optax.adam``)."""
+    if hasattr(opt, "init") and hasattr(opt, "update"):
+        return
+    hint = ""
+    if callable(opt):
+        name = getattr(opt, "__name__", type(opt).__name__)
+        hint = (
+            f" {name!r}: call it to build the optimizer, e.g. "
+            "MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
+        )
+    raise TypeError(
+        f"`opt` must be an optax GradientTransformation, got {type(opt).__name__}{hint}"
+    )
+
+
+def split_extra_args(
+    extra_args: dict[str, Any],
+) -> tuple[bool, Any, dict[str, Any], dict[str, Any]]:
+    """``update``'s extra keyword arguments, sorted: whether a line search's
+    ``grad=`` was passed (the gradient at the params: at the window's end, the
+    window's mean, as ``value=`` is the window's loss), the microbatch's
+    ``value=``, and the rest for the inner optimizer, split into static ones
+    and arrays (which go through the window's conditional)."""
+    rest = dict(extra_args)
+    with_grad = "grad" in rest
+    rest.pop("grad", None)
+    value = rest.pop("value", None)
+    static_args = {k: v for k, v in rest.items() if not isinstance(v, jax.Array)}
+    dynamic_args = {k: v for k, v in rest.items() if isinstance(v, jax.Array)}
+    return with_grad, value, static_args, dynamic_args
+
+
+def cast_like(tree: Any, other: Any) -> Any:
+    """``optax.tree.cast_like``, but for typed PRNG keys (in
+    ``optax.noisy_sgd``'s state), which are kept as they are: a concrete key
+    array has no ``astype`` (an eager step failed on it)."""
+
+    def cast(t: Any, o: Any) -> Any:
+        dtype = getattr(o, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+            return t
+        return otu.cast_like(t, o)
+
+    return jax.tree.map(cast, tree, other)
+
+
+def inner_update(
+    opt: optax.GradientTransformationExtraArgs,
+    grads: Any,
+    static_args: dict[str, Any],
+    *,
+    with_value: bool,
+    with_grad: bool,
+) -> InnerUpdate:
+    """``opt`` on the window's mean, its state cast back.
+
+    The mean is cast to the dtypes of ``grads``; without ``with_value`` the
+    ``value=`` argument is dropped; with ``with_grad``, the mean is also its
+    ``grad=`` (a line search's gradient at the params: the window's, not the
+    closing microbatch's).
+    """
+
+    def update(mean, inner_state, params, dynamic_args):
+        mean_grads = otu.cast_like(mean, grads)
+        if not with_value:
+            dynamic_args = {k: v for k, v in dynamic_args.items() if k != "value"}
+        if with_grad:
+            dynamic_args = {**dynamic_args, "grad": mean_grads}
+        updates, new_inner = opt.update(
+            mean_grads, inner_state, params, **static_args, **dynamic_args
+        )
+        if jax.tree.structure(new_inner) != jax.tree.structure(inner_state):
+            # The window's conditional carries one state through both
+            # branches (optax.monitor's measurements appear on update).
+            before, after = (
+                {
+                    jax.tree_util.keystr(p)
+                    for p, _ in jax.tree_util.tree_flatten_with_path(x)[0]
+                }
+                for x in (inner_state, new_inner)
+            )
+            changed = sorted(before ^ after)[:3] or ["its containers"]
+            raise ValueError(
+                "The inner optimizer's state changes structure on `update` "
+                f"(at {', '.join(changed)}): the wrapper holds it between "
+                "windows, so `init` must build it as `update` returns it "
+                "(optax.monitor's does not; nor does it run under "
+                "jax.lax.scan)"
+            )
+        # The inner state keeps its dtypes (as in optax.MultiSteps).
+        return updates, cast_like(new_inner, inner_state)
+
+    return update
+
+
+def window_shapes(
+    opt: optax.GradientTransformationExtraArgs,
+    memo: EagerMemo,
+    mean_of: Callable[[Any], Any],
+    window: Any,
+    grads: Any,
+    static_args: dict[str, Any],
+    inner_state: Any,
+    params: Any,
+    dynamic_args: dict[str, Any],
+    *,
+    has_value: bool,
+    with_grad: bool,
+) -> tuple[bool, Any]:
+    """Whether ``opt`` needs ``value=``, and the shapes of the updates it
+    returns at the window's end, on the window's mean ``mean_of(window)``
+    (all by abstract evaluation).
+
+    Statically: an inner optimizer that runs without ``value=`` gets none
+    unless this call passes one (a choice between the two at run time would
+    compile the inner update twice and triple the step's scratch memory);
+    one that needs it (reduce_on_plateau, polyak_sgd) gets the window's
+    mean, and a window without one (no microbatch passed a value, or its
+    mean is not finite) is held like a non-finite mean: a NaN loss would
+    make polyak_sgd's step NaN and every window a plateau.
+
+    The answer depends on the arguments' abstract values only: an eager
+    step (no part traced) remembers it in ``memo``, instead of tracing the
+    inner optimizer again on every call (most of such a step's time).
+    """
+    parts = (grads, static_args, window, inner_state, params, dynamic_args)
+    key = eager_key(*parts, has_value, with_grad)
+    known = memo.get(key)
+    if known is not None:
+        return known
+    operands = (jax.eval_shape(mean_of, window), inner_state, params, dynamic_args)
+
+    def shapes(with_value: bool) -> Any:
+        update = inner_update(
+            opt, grads, static_args, with_value=with_value, with_grad=with_grad
+        )
+        return jax.eval_shape(update, *operands)[0]
+
+    try:
+        updates, needs_value = shapes(with_value=False), False
+    except TypeError:
+        updates, needs_value = None, True
+    if has_value or needs_value:
+        updates = shapes(with_value=True)
+    memo.put(key, (needs_value, updates))
+    return needs_value, updates
+
+
+def warn_without_value() -> None:
+    """Warns that the inner optimizer needs ``value=`` and the call passed none."""
+    # Without the wrapper, such an optimizer refuses the call; with it, a
+    # window in which no call passes a value is held, so a loop that never
+    # passes one would never update the params.
+    warnings.warn(
+        "The inner optimizer needs `value=` (e.g. reduce_on_plateau, "
+        "polyak_sgd), and this call passes none: a window in which no "
+        "microbatch passes `value=` is held, not applied (counted in "
+        "`state.num_nonfinite_windows`); one that other microbatches "
+        "pass a value in gets their token-weighted mean. Pass each "
+        "microbatch's mean loss, `count=count, value=loss`",
+        UserWarning,
+        stacklevel=3,
+    )
