@@ -505,6 +505,27 @@ def check_grads_match(grads: Any, acc_grads: Any, *, per_device: bool) -> None:
                 f"accumulator is {a_dtype} (built from real params): its imaginary "
                 "part would be dropped"
             )
+        if unreduced := unreduced_axes(g):
+            # Each device holds a partial sum (the gradient with respect to
+            # params resharded to P(reduced=...)); the running mean's zero
+            # tests and its state are of reduced values.
+            raise ValueError(
+                f"The gradient at {where} is unreduced over the mesh axes "
+                f"{sorted(unreduced, key=str)} (each device holds a partial "
+                "sum): MaskedMultiSteps takes reduced gradients. Differentiate "
+                "with respect to the params themselves (jax reduces the "
+                "gradient once per microbatch), or, to reduce once per window, "
+                "take every device's own gradient with "
+                "mm.per_device_value_and_grad and build the wrapper with "
+                "reduction=mm.deferred(mesh, axis_name)"
+            )
+
+
+def unreduced_axes(x: Any) -> frozenset:
+    """The mesh axes over which ``x``'s type says it is unreduced (a partial
+    sum on every device, ``PartitionSpec(unreduced=...)``); empty otherwise."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return frozenset(getattr(spec, "unreduced", ()) or ())
 
 
 def check_params_match(params: Any, acc_grads: Any, device_axes: int) -> None:

@@ -370,6 +370,36 @@ def test_params_sharded_over_an_explicit_model_axis_train_data_parallel():
     assert int(stats.microbatches) == sum(shares)
 
 
+def test_unreduced_gradients_are_refused_with_the_deferred_recipe():
+    """Gradients with respect to params resharded to ``P(reduced=...)`` come
+    back unreduced (a partial sum on every device); jax refused them deep in
+    the running mean (a ShardingTypeError in a `select`)."""
+    grid = jax.make_mesh((NDEV,), ("data",))
+    batch = _batch(NDEV * ROWS, seed=3)
+    with jax.set_mesh(grid):
+        params = jax.device_put(_params(), NamedSharding(grid, P()))
+        sharded = jax.device_put(batch, NamedSharding(grid, P("data")))
+
+        def partial_sums(params, mb):
+            reduced = jax.sharding.reshard(params, P(reduced={"data"}))
+            return jax.value_and_grad(_loss, has_aux=True)(reduced, mb)
+
+        (loss, count), grads = jax.jit(partial_sums)(params, sharded)
+        assert jax.typeof(grads["w1"]).sharding.spec.unreduced == {"data"}
+        tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2)
+        state = tx.init(params)
+        match = (
+            r"gradient at \['w1'\] is unreduced over the mesh axes \['data'\].*"
+            r"mm.per_device_value_and_grad.*reduction=mm.deferred"
+        )
+        for call in (
+            lambda: jax.jit(tx.update)(grads, state, params, count=count),
+            lambda: tx.apply_gradients(grads, state, params, count=count),
+        ):
+            with pytest.raises(ValueError, match=match):
+                call()
+
+
 def test_a_state_for_another_number_of_devices_is_refused(mesh):
     half = jax.make_mesh(
         (NDEV // 2,), ("data",), axis_types=(AUTO,), devices=jax.devices()[: NDEV // 2]
