@@ -219,9 +219,73 @@ def _per_device(
         _check_batch(batch, num_devices, k)
         key = None if rng is None else _check_rng(rng)
         with jax.named_scope("masked_multistep/per_device"):
-            return mapped(params, batch, key)
+            return mapped(_gathered_over(params, frozenset(axes)), batch, key)
 
     return per_device
+
+
+def _gathered_over(params: Any, axes: frozenset) -> Any:
+    """``params`` with every leaf sharded over an ``AxisType.Explicit`` axis
+    of ``axes`` resharded to whole over it (an all-gather: FSDP-style params).
+
+    The loss runs on every device's rows with the params replicated over the
+    data axes (``in_specs=P()``); under automatic sharding the compiler
+    gathers them itself, under explicit sharding the gather is spelt out.
+    """
+
+    def sharded_over(x: Any) -> bool:
+        return any(_names(entry) & axes for entry in _spec(x))
+
+    if not any(sharded_over(x) for x in jax.tree.leaves(params)):
+        return params  # as given (an NNX module stays the same object)
+
+    def leaf(x: Any) -> Any:
+        if not sharded_over(x):
+            return x
+        kept = []
+        for entry in _spec(x):
+            names = tuple(a for a in _names(entry) if a not in axes)
+            kept.append(names[0] if len(names) == 1 else (names or None))
+        return jax.sharding.reshard(x, _on_mesh_of(x, P(*kept)))
+
+    return jax.tree.map(leaf, params)
+
+
+def _placed_like(grads: Any, params: Any) -> Any:
+    """The combined ``grads`` resharded as ``params`` are where a param's type
+    holds an explicit sharding (FSDP-style params: a reduce-scatter's result),
+    so that they meet an accumulator built from the params."""
+    g_leaves, g_def = jax.tree.flatten(grads)
+    p_leaves = jax.tree.leaves(params)
+    if len(p_leaves) != len(g_leaves):
+        return grads  # an NNX module and its gradient State: left as they are
+
+    def leaf(g: Any, p: Any) -> Any:
+        spec = _spec(p)
+        if not any(_names(entry) for entry in spec) or _spec(g) == spec:
+            return g
+        return jax.sharding.reshard(g, _on_mesh_of(p, spec))
+
+    return jax.tree.unflatten(g_def, list(map(leaf, g_leaves, p_leaves)))
+
+
+def _on_mesh_of(x: Any, spec: Any) -> Any:
+    """``spec`` on the mesh of ``x``'s type: a sharding that needs no
+    ``jax.set_mesh`` context."""
+    return jax.sharding.NamedSharding(jax.typeof(x).sharding.mesh, spec)
+
+
+def _spec(x: Any) -> Any:
+    """The ``PartitionSpec`` in ``x``'s type (empty where it holds none)."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec if spec is not None else P()
+
+
+def _names(entry: Any) -> frozenset:
+    """The mesh axes one entry of a ``PartitionSpec`` names."""
+    if entry is None or entry is P.UNCONSTRAINED:
+        return frozenset()
+    return frozenset(entry) if isinstance(entry, tuple) else frozenset({entry})
 
 
 def _combine(out: Any, has_aux: bool, aux_reduction: Any) -> tuple[Any, optax.Updates]:
@@ -381,7 +445,8 @@ def data_parallel_value_and_grad(
     ) -> Any:
         out = per_device(params, batch, rng=rng)
         with jax.named_scope("masked_multistep/combine_devices"):
-            combined = _combine(out[:2], has_aux, aux_reduction)
+            (value, grads) = _combine(out[:2], has_aux, aux_reduction)
+            combined = value, _placed_like(grads, params)
         if not with_stats:
             return combined
         (loss, rest), grads = combined
