@@ -48,9 +48,6 @@ __all__ = [
     "place_uncommitted",
 ]
 
-# The name of the leading (device) axis inside `mean_over_devices`' vmap.
-_DEVICES = "masked_multistep/devices"
-
 
 def place_uncommitted(state: Any, sharding: jax.sharding.Sharding) -> Any:
     """``state`` with its uncommitted leaves (the scalars ``init`` makes, the
@@ -129,12 +126,13 @@ def mean_over_devices(
     """Token-weighted mean over a leading device axis: ``Σ_d (nᵈ/N)·xᵈ``, ``N``.
 
     ``tree``'s leaves and ``counts`` carry a leading axis of size ``D`` (one
-    entry per device). This is :func:`weighted_mean_across` over that axis (the
-    same float32 arithmetic, zero-safe: a device with ``nᵈ = 0`` contributes
-    nothing even if its entries are NaN). Under ``jit`` with the leading axis
-    sharded over a mesh axis, the compiler turns the sum into one cross-device
-    reduction of the combined leaves. With ``total`` (``N``, already known to
-    every device) the scalar reduction of the counts is skipped.
+    entry per device). The arithmetic of :func:`weighted_mean_across`
+    (``_collectives.weighted_sum``) over that axis (float32, zero-safe: a
+    device with ``nᵈ = 0`` contributes nothing even if its entries are NaN).
+    Under ``jit`` with the leading axis sharded over a mesh axis, the compiler
+    turns the sum into one cross-device reduction of the combined leaves.
+    With ``total`` (``N``, already known to every device) the scalar
+    reduction of the counts is skipped.
     """
     # A sum over the leading axis, not a `psum` under `vmap`: the same
     # reduction, which jax also accepts where that axis is sharded over an
