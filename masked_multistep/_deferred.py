@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
@@ -62,6 +63,16 @@ class DeferredState(NamedTuple):
 def _sharding_of(leaf: Any) -> Any:
     sharding = getattr(leaf, "sharding", None)
     return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def _resharded_as(x: Any, like: Any) -> Any:
+    """``x`` with the sharding in ``like``'s type, where the two differ."""
+    want = jax.typeof(like).sharding
+    if jax.typeof(x).sharding.spec == want.spec:
+        return x
+    if not isinstance(like, jax.core.Tracer):
+        want = like.sharding  # on the devices themselves, outside jit
+    return jax.sharding.reshard(x, want)
 
 
 def _sum_counts(per_device: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -163,6 +174,28 @@ class Deferred(KnownTotals):
         this reduction's mesh (:func:`place_uncommitted`)."""
         del params
         return place_uncommitted(state, NamedSharding(self.mesh, P()))
+
+    def _explicit(self) -> bool:
+        """Whether a data axis is ``AxisType.Explicit`` (shardings are types)."""
+        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
+        return any(types[a] == jax.sharding.AxisType.Explicit for a in self.axes)
+
+    def place_inputs(self, grads: Any, acc_grads: Any) -> Any:
+        """``grads`` sharded as the accumulator is, on an explicit data axis:
+        per-device gradients built otherwise (stacked by hand, replicated)
+        meet the running means device by device, which jax's ``vmap`` refuses
+        across two shardings of the device axis. (Under ``AxisType.Auto`` the
+        compiler places them itself.)"""
+        if not self._explicit():
+            return grads
+        return jax.tree.map(_resharded_as, grads, acc_grads)
+
+    def _on_device_axis(self, x: jax.Array) -> jax.Array:
+        """A ``(D,)`` array (counts, values) sharded over the device axis on
+        an explicit data axis, as the state's per-device arrays are."""
+        if not self._explicit():
+            return x
+        return jax.sharding.reshard(x, NamedSharding(self.mesh, P(self._spec_axes)))
 
     def _with_device_axis(self, tree: Any) -> Any:
         """``tree`` with the device axis put in front of its boxes' names.
@@ -282,13 +315,14 @@ class Deferred(KnownTotals):
 
     def _device_counts(self, count: Any, count_dtype: Any) -> tuple[Any, Any]:
         """Every device's count under the count contract, and its validity."""
-        return _checks.to_count(
+        counts, ok = _checks.to_count(
             count,
             count_dtype,
             "With reduction=mm.deferred(...), `count` (every device's token "
             "count, as mm.per_device_value_and_grad returns it)",
             shape=(self.size,),
         )
+        return self._on_device_axis(counts), self._on_device_axis(ok)
 
     def _device_values(self, value: Any) -> Any:
         """``value=`` checked: ``None``, a scalar, or one real value per device
@@ -302,7 +336,7 @@ class Deferred(KnownTotals):
             )
         _checks.refuse_count_as_value(value)
         value = _checks.real_array(value, "`value`")
-        return value.astype(compute_dtype(value.dtype))
+        return self._on_device_axis(value.astype(compute_dtype(value.dtype)))
 
     def value(self, value: Any, local_counts: Any, total: jax.Array) -> Any:
         """The microbatch's global token-weighted mean of per-device ``value``s

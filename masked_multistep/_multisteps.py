@@ -1074,6 +1074,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         _checks.check_extra_args(extra_args, count)
         self._check_state(state, params)
         self._reduction.check_grads(grads, state.acc_grads)
+        grads = self._reduction.place_inputs(grads, state.acc_grads)
         if apply_params:
             _checks.check_params_match(
                 params, state.acc_grads, self._reduction.device_axes

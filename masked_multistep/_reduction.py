@@ -242,6 +242,10 @@ class Local(KnownTotals):
     def check_grads(self, grads: Any, acc_grads: Any) -> None:
         _checks.check_grads_match(grads, acc_grads, per_device=False)
 
+    def place_inputs(self, grads: Any, acc_grads: Any) -> Any:
+        del acc_grads
+        return grads
+
     def to_count(self, count: Any, count_dtype: Any) -> tuple[Any, Any, None]:
         n, ok = _checks.to_count(count, count_dtype)
         return n, ok, None

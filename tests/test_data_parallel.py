@@ -403,6 +403,36 @@ def test_fsdp_params_on_an_explicit_axis_train_deferred_and_data_parallel():
     chex.assert_trees_all_close((loss, grads), (ref_loss, ref), **TOL)
 
 
+@pytest.mark.parametrize("jitted", [True, False], ids=["jit", "eager"])
+def test_per_device_inputs_built_by_hand_meet_the_explicit_accumulator(jitted):
+    """On an explicit data axis the accumulator's device axis is sharded over
+    "data" in its type; per-device gradients, counts and values stacked by hand
+    (replicated, or on one device) are resharded to it (jax's vmap refused the
+    two shardings of the device axis), and give what sharded ones give."""
+    grid = jax.make_mesh((NDEV,), ("data",))
+    data = NamedSharding(grid, P("data"))
+    rng = np.random.default_rng(11)
+    grads = [{"w": rng.normal(size=(NDEV, 3)).astype(np.float32)} for _ in range(K)]
+    counts = [rng.integers(0, 5, size=NDEV).astype(np.float32) for _ in range(K)]
+    values = [rng.uniform(1, 2, size=NDEV).astype(np.float32) for _ in range(K)]
+    runs = []
+    with jax.set_mesh(grid):  # eager steps on an explicit mesh need it
+        params = jax.device_put(
+            {"w": np.zeros(3, np.float32)}, NamedSharding(grid, P())
+        )
+        for place in (lambda x: jax.device_put(x, data), jnp.asarray):
+            tx = mm.MaskedMultiSteps(optax.adam(0.1), K, reduction=mm.deferred(grid))
+            step = jax.jit(tx.apply_gradients) if jitted else tx.apply_gradients
+            p, state = params, tx.init(params)
+            for g, n, v in zip(grads, counts, values, strict=True):
+                p, state = step(
+                    jax.tree.map(place, g), state, p, count=place(n), value=place(v)
+                )
+            assert int(state.gradient_step) == 1
+            runs.append(jax.device_get((p, state.inner_opt_state)))
+    chex.assert_trees_all_equal(*runs)
+
+
 def test_unreduced_gradients_are_refused_with_the_deferred_recipe():
     """Gradients with respect to params resharded to ``P(reduced=...)`` come
     back unreduced (a partial sum on every device); jax refused them deep in
@@ -715,6 +745,7 @@ def test_nnx_optimizer_deferred_equals_single_device(mesh):
     )
 
 
+@both_axis_types
 def test_nnx_deferred_checkpoint_mid_window_restores_with_a_mesh_template(
     mesh, tmp_path
 ):
