@@ -65,16 +65,6 @@ def _sharding_of(leaf: Any) -> Any:
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def _resharded_as(x: Any, like: Any) -> Any:
-    """``x`` with the sharding in ``like``'s type, where the two differ."""
-    want = jax.typeof(like).sharding
-    if jax.typeof(x).sharding.spec == want.spec:
-        return x
-    if not isinstance(like, jax.core.Tracer):
-        want = like.sharding  # on the devices themselves, outside jit
-    return jax.sharding.reshard(x, want)
-
-
 def _sum_counts(per_device: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``Σ_d nᵈ`` and whether it is usable (no bad count, no overflow).
 
@@ -179,16 +169,6 @@ class Deferred(KnownTotals):
         """Whether a data axis is ``AxisType.Explicit`` (shardings are types)."""
         types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
         return any(types[a] == jax.sharding.AxisType.Explicit for a in self.axes)
-
-    def place_inputs(self, grads: Any, acc_grads: Any) -> Any:
-        """``grads`` sharded as the accumulator is, on an explicit data axis:
-        per-device gradients built otherwise (stacked by hand, replicated)
-        meet the running means device by device, which jax's ``vmap`` refuses
-        across two shardings of the device axis. (Under ``AxisType.Auto`` the
-        compiler places them itself.)"""
-        if not self._explicit():
-            return grads
-        return jax.tree.map(_resharded_as, grads, acc_grads)
 
     def _on_device_axis(self, x: jax.Array) -> jax.Array:
         """A ``(D,)`` array (counts, values) sharded over the device axis on

@@ -40,6 +40,7 @@ from masked_multistep._collectives import weighted_sum
 from masked_multistep._running_mean import running_mean_update
 
 __all__ = [
+    "resharded_as",
     "KnownTotals",
     "Local",
     "WindowTotals",
@@ -120,6 +121,37 @@ def check_mesh_axes(
     return axes, math.prod(mesh.shape[a] for a in axes)
 
 
+def resharded_as(x: Any, like: Any) -> Any:
+    """``x`` with the sharding in ``like``'s type, where the two types differ
+    and ``like``'s is on a mesh (outside ``jit``, on ``like``'s devices)."""
+    want, have = jax.typeof(like).sharding, jax.typeof(x).sharding
+    if want is None or want.mesh.empty or have is None:
+        return x
+    # Only explicit axes appear in a type's spec (under AxisType.Auto both
+    # specs are empty, and the compiler decides).
+    if _trimmed(want.spec) == _trimmed(have.spec):
+        return x
+    if not (_named(want) or _named(have)):
+        return x
+    if not isinstance(like, jax.core.Tracer):
+        want = like.sharding
+    return jax.sharding.reshard(x, want)
+
+
+def _trimmed(spec: Any) -> tuple:
+    """A spec's entries without trailing ``None``s (``P("data", None)`` is
+    ``P("data")``)."""
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
+def _named(sharding: Any) -> bool:
+    """Whether a type's sharding names a mesh axis (an explicit one)."""
+    return any(entry is not None for entry in sharding.spec)
+
+
 def mean_over_devices(
     tree: Any, counts: jax.Array, total: jax.Array | None = None
 ) -> tuple[Any, jax.Array]:
@@ -178,6 +210,15 @@ class WindowTotals(NamedTuple):
 class KnownTotals:
     """For reductions whose microbatch counts are global when they arrive: the
     window's figures are the state's running ones, already agreed."""
+
+    def place_inputs(self, grads: Any, acc_grads: Any) -> Any:
+        """``grads`` sharded as the accumulator is where their types say
+        otherwise (on a mesh with ``AxisType.Explicit`` axes): gradients laid
+        out differently from the params (replicated, or stacked by hand with
+        a device axis) meet the running means leaf by leaf, which jax refuses
+        across two shardings. Under ``AxisType.Auto`` the types hold no
+        sharding and the compiler places them itself: a no-op."""
+        return jax.tree.map(resharded_as, grads, acc_grads)
 
     # The window statistics' running sums live in the statistics' state.
     keeps_stats = False
@@ -241,10 +282,6 @@ class Local(KnownTotals):
 
     def check_grads(self, grads: Any, acc_grads: Any) -> None:
         _checks.check_grads_match(grads, acc_grads, per_device=False)
-
-    def place_inputs(self, grads: Any, acc_grads: Any) -> Any:
-        del acc_grads
-        return grads
 
     def to_count(self, count: Any, count_dtype: Any) -> tuple[Any, Any, None]:
         n, ok = _checks.to_count(count, count_dtype)

@@ -411,3 +411,43 @@ def test_train_state_step_compiles_once_on_a_mesh(mesh, layout):
             state = step(state, grads)
     assert len(compiles) == 1, compiles
     assert int(state.step) == 4 and int(state.gradient_step) == 2
+
+
+@pytest.mark.parametrize("window_stats", [False, True], ids=["", "stats"])
+def test_gradients_laid_out_unlike_the_params_on_an_explicit_mesh(window_stats):
+    """On AxisType.Explicit axes a sharding is part of an array's type; the
+    accumulator is laid out as the params. Gradients that arrive laid out
+    otherwise (replicated, or sharded over another axis) are resharded to it
+    (jax refused to mix the two inside the running mean), and the steps give
+    what gradients laid out as the params give."""
+    grid = jax.make_mesh((2, 4), ("data", "model"))
+    layout = NamedSharding(grid, P("model"))
+    params = {"w": jax.device_put(np.ones((H, D), np.float32), layout)}
+    rng = np.random.default_rng(3)
+    grads = [rng.normal(size=(H, D)).astype(np.float32) for _ in range(2 * K)]
+    counts = [np.float32(n) for n in rng.integers(0, 6, size=2 * K)]
+    runs = {}
+    for name, spec in [
+        ("as params", P("model")),
+        ("replicated", P()),
+        ("other axis", P("data")),
+    ]:
+        tx = mm.MaskedMultiSteps(optax.adam(0.1), K, window_stats=window_stats)
+        for api in ("update", "apply_gradients"):
+
+            @jax.jit
+            def step(p, s, g, n, tx=tx, api=api):
+                if api == "update":
+                    u, s = tx.update(g, s, p, count=n)
+                    return optax.apply_updates(p, u), s
+                return tx.apply_gradients(g, s, p, count=n)
+
+            p, state = params, tx.init(params)
+            for g, n in zip(grads, counts, strict=True):
+                g = {"w": jax.device_put(g, NamedSharding(grid, spec))}
+                p, state = step(p, state, g, n)
+            assert int(state.gradient_step) == 2
+            _assert_sharded_like(state.acc_grads, p, f"{name} {api} acc_grads")
+            runs[name, api] = jax.device_get((p, state.inner_opt_state))
+    for key, run in runs.items():
+        chex.assert_trees_all_close(run, runs["as params", key[1]], rtol=1e-6)
