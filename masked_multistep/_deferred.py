@@ -609,7 +609,8 @@ def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:
     reducing (reduce-scattering) every microbatch needs; see the README.
 
     Args:
-      mesh: the ``jax.sharding.Mesh`` the batch is sharded on.
+      mesh: the ``jax.sharding.Mesh`` the batch is sharded on; its axes may be
+        ``AxisType.Auto`` or ``AxisType.Explicit`` (``jax.make_mesh``'s default).
       axis_name: the mesh axis (or tuple of axes) the batch is split over.
 
     Returns:

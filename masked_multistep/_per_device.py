@@ -112,7 +112,8 @@ def per_device_value_and_grad(
       loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
         ``(mean_loss, (count, aux))`` with ``has_aux=True`` (as
         :func:`masked_mean` returns).
-      mesh: the ``jax.sharding.Mesh`` the batch is sharded on.
+      mesh: the ``jax.sharding.Mesh`` the batch is sharded on; its axes may be
+        ``AxisType.Auto`` or ``AxisType.Explicit`` (``jax.make_mesh``'s default).
       axis_name: the mesh axis (or tuple of axes) the batch's leading axis is
         split over.
       num_microbatches: in-jit microbatches per device and call (``k``): each
@@ -373,7 +374,8 @@ def data_parallel_value_and_grad(
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
         ``(mean_loss, (count, aux))`` with ``has_aux=True``.
-      mesh: the ``jax.sharding.Mesh`` the batch is sharded on.
+      mesh: the ``jax.sharding.Mesh`` the batch is sharded on; its axes may be
+        ``AxisType.Auto`` or ``AxisType.Explicit`` (``jax.make_mesh``'s default).
       axis_name: the mesh axis (or tuple of axes) the batch is split over.
       num_microbatches: microbatches per device (``k``); the batch size must be
         divisible by ``D·k``.
