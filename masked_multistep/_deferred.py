@@ -61,8 +61,34 @@ class DeferredState(NamedTuple):
 
 
 def _sharding_of(leaf: Any) -> Any:
+    """``leaf``'s ``NamedSharding``, if it has one: its placement, or under
+    ``jit`` the sharding its type holds on explicit axes."""
+    if isinstance(leaf, jax.core.Tracer):
+        sharding = jax.typeof(leaf).sharding
+        named = sharding is not None and any(e is not None for e in sharding.spec)
+        return sharding if named else None
     sharding = getattr(leaf, "sharding", None)
     return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def _zeros_on(shape: tuple, dtype: Any, sharding: NamedSharding) -> jax.Array:
+    """Zeros laid out by ``sharding``, also under ``jit`` (``jax.jit(tx.init)``),
+    where ``jnp.zeros``' ``device=`` is ignored: there the layout is imposed, as
+    a reshard on ``AxisType.Explicit`` axes (part of the type) and as a
+    constraint on ``AxisType.Auto`` ones."""
+    zeros = jnp.zeros(shape, dtype, device=sharding)
+    if not isinstance(zeros, jax.core.Tracer):
+        return zeros
+    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True))
+    named = [a for e in sharding.spec if e is not None for a in _axis_names(e)]
+    if any(types[a] == jax.sharding.AxisType.Explicit for a in named):
+        return jax.device_put(zeros, sharding)
+    return jax.lax.with_sharding_constraint(zeros, sharding)
+
+
+def _axis_names(entry: Any) -> tuple:
+    """The mesh axes one entry of a ``PartitionSpec`` names."""
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _sum_counts(per_device: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -224,20 +250,16 @@ class Deferred(KnownTotals):
 
     def init_accumulator(self, params: Any, leaf_dtype: Callable[[Any], Any]) -> Any:
         def leaf(p):
-            return jnp.zeros(
-                (self.size, *jnp.shape(p)),
-                leaf_dtype(p),
-                device=self._leading_sharding(p),
+            return _zeros_on(
+                (self.size, *jnp.shape(p)), leaf_dtype(p), self._leading_sharding(p)
             )
 
         return self._with_device_axis(jax.tree.map(leaf, params))
 
     def init(self, count_dtype: Any) -> DeferredState:
         return DeferredState(
-            counts=jnp.zeros(
-                (self.size,),
-                count_dtype,
-                device=NamedSharding(self.mesh, P(self._spec_axes)),
+            counts=_zeros_on(
+                (self.size,), count_dtype, NamedSharding(self.mesh, P(self._spec_axes))
             )
         )
 
@@ -447,7 +469,7 @@ class DeferredPerWindow(Deferred):
         devices = NamedSharding(self.mesh, P(self._spec_axes))
 
         def zeros(dtype):
-            return jnp.zeros((self.size,), dtype, device=devices)
+            return _zeros_on((self.size,), dtype, devices)
 
         return DeferredWindowState(
             counts=zeros(count_dtype),

@@ -370,6 +370,33 @@ def test_params_sharded_over_an_explicit_model_axis_train_data_parallel():
     assert int(stats.microbatches) == sum(shares)
 
 
+@pytest.mark.parametrize("axis_type", [AUTO, EXPLICIT], ids=["auto", "explicit"])
+def test_a_jitted_init_lays_the_device_axis_out_over_the_devices(axis_type):
+    """`jax.jit(tx.init)`: under jit `jnp.zeros(..., device=)` is ignored, and
+    the running means of every device came back replicated on each (D times
+    the memory). On explicit axes the state is laid out as the eager init's;
+    on Auto ones the device axis at least is sharded (the params' own
+    sharding is not in their type there: pass out_shardings for it)."""
+    grid = jax.make_mesh((NDEV // 2, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    params = {
+        "w1": jax.device_put(_params()["w1"], NamedSharding(grid, P("model"))),
+        "w2": jax.device_put(_params()["w2"], NamedSharding(grid, P())),
+    }
+    for stats in (False, True):
+        tx = _tx(mm.deferred(grid, "data"), window_stats=stats)
+        with jax.set_mesh(grid):
+            eager, jitted = tx.init(params), jax.jit(tx.init)(params)
+        per_device = (eager.acc_grads, eager.reduction_state)
+        for e, j in zip(
+            jax.tree.leaves(per_device),
+            jax.tree.leaves((jitted.acc_grads, jitted.reduction_state)),
+            strict=True,
+        ):
+            if axis_type == EXPLICIT:
+                assert j.sharding.is_equivalent_to(e.sharding, e.ndim), (e, j)
+            assert j.sharding.spec[0] == "data", j.sharding
+
+
 def test_fsdp_params_on_an_explicit_axis_train_deferred_and_data_parallel():
     """Params sharded over an AxisType.Explicit data axis (FSDP): each device's
     own gradient needs the whole params, which the library gathers (the
