@@ -29,9 +29,12 @@ from masked_multistep import _checks, _running_mean
 from masked_multistep._reduction import (
     KnownTotals,
     WindowTotals,
+    any_explicit,
     check_mesh_axes,
     mean_over_devices,
+    names_an_axis,
     place_uncommitted,
+    spec_axes,
 )
 from masked_multistep._running_mean import (
     compute_dtype,
@@ -65,7 +68,7 @@ def _sharding_of(leaf: Any) -> Any:
     ``jit`` the sharding its type holds on explicit axes."""
     if isinstance(leaf, jax.core.Tracer):
         sharding = jax.typeof(leaf).sharding
-        named = sharding is not None and any(e is not None for e in sharding.spec)
+        named = sharding is not None and names_an_axis(sharding.spec)
         return sharding if named else None
     sharding = getattr(leaf, "sharding", None)
     return sharding if isinstance(sharding, NamedSharding) else None
@@ -79,16 +82,10 @@ def _zeros_on(shape: tuple, dtype: Any, sharding: NamedSharding) -> jax.Array:
     zeros = jnp.zeros(shape, dtype, device=sharding)
     if not isinstance(zeros, jax.core.Tracer):
         return zeros
-    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True))
-    named = [a for e in sharding.spec if e is not None for a in _axis_names(e)]
-    if any(types[a] == jax.sharding.AxisType.Explicit for a in named):
+    named = [a for entry in sharding.spec for a in spec_axes(entry)]
+    if any_explicit(sharding.mesh, named):
         return jax.device_put(zeros, sharding)
     return jax.lax.with_sharding_constraint(zeros, sharding)
-
-
-def _axis_names(entry: Any) -> tuple:
-    """The mesh axes one entry of a ``PartitionSpec`` names."""
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _sum_counts(per_device: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -164,13 +161,7 @@ class Deferred(KnownTotals):
         the parameter's names over the other mesh axes (a dim sharded over
         ``axes`` itself, FSDP-style, is held whole by each device)."""
         names = tuple(names) + (None,) * (ndim - len(names))
-        rest = [
-            None
-            if entry is None
-            or set(entry if isinstance(entry, tuple) else (entry,)) & set(self.axes)
-            else entry
-            for entry in names
-        ]
+        rest = [None if spec_axes(entry) & set(self.axes) else entry for entry in names]
         return (self._spec_axes, *rest)
 
     def _leading_sharding(self, leaf: Any) -> NamedSharding:
@@ -191,15 +182,10 @@ class Deferred(KnownTotals):
         del params
         return place_uncommitted(state, NamedSharding(self.mesh, P()))
 
-    def _explicit(self) -> bool:
-        """Whether a data axis is ``AxisType.Explicit`` (shardings are types)."""
-        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
-        return any(types[a] == jax.sharding.AxisType.Explicit for a in self.axes)
-
     def _on_device_axis(self, x: jax.Array) -> jax.Array:
         """A ``(D,)`` array (counts, values) sharded over the device axis on
         an explicit data axis, as the state's per-device arrays are."""
-        if not self._explicit():
+        if not any_explicit(self.mesh, self.axes):
             return x
         return jax.sharding.reshard(x, NamedSharding(self.mesh, P(self._spec_axes)))
 

@@ -49,7 +49,12 @@ from masked_multistep._microbatch import (
     _grad_fn,
     _sum_dtype,
 )
-from masked_multistep._reduction import check_mesh_axes, mean_over_devices
+from masked_multistep._reduction import (
+    check_mesh_axes,
+    mean_over_devices,
+    resharded_as,
+    spec_axes,
+)
 
 __all__ = ["per_device_value_and_grad", "data_parallel_value_and_grad"]
 
@@ -235,7 +240,7 @@ def _gathered_over(params: Any, axes: frozenset) -> Any:
     """
 
     def sharded_over(x: Any) -> bool:
-        return any(_names(entry) & axes for entry in _spec(x))
+        return any(spec_axes(entry) & axes for entry in _spec(x))
 
     if not any(sharded_over(x) for x in jax.tree.leaves(params)):
         return params  # as given (an NNX module stays the same object)
@@ -245,7 +250,7 @@ def _gathered_over(params: Any, axes: frozenset) -> Any:
             return x
         kept = []
         for entry in _spec(x):
-            names = tuple(a for a in _names(entry) if a not in axes)
+            names = tuple(a for a in spec_axes(entry) if a not in axes)
             kept.append(names[0] if len(names) == 1 else (names or None))
         return jax.sharding.reshard(x, _on_mesh_of(x, P(*kept)))
 
@@ -253,21 +258,15 @@ def _gathered_over(params: Any, axes: frozenset) -> Any:
 
 
 def _placed_like(grads: Any, params: Any) -> Any:
-    """The combined ``grads`` resharded as ``params`` are where a param's type
-    holds an explicit sharding (FSDP-style params: a reduce-scatter's result),
-    so that they meet an accumulator built from the params."""
+    """The combined ``grads`` laid out as ``params`` are where their types say
+    otherwise, on explicit axes (FSDP-style params: a reduce-scatter's result),
+    so that they meet an accumulator built from the params
+    (:func:`resharded_as`, leaf by leaf)."""
     g_leaves, g_def = jax.tree.flatten(grads)
     p_leaves = jax.tree.leaves(params)
     if len(p_leaves) != len(g_leaves):
         return grads  # an NNX module and its gradient State: left as they are
-
-    def leaf(g: Any, p: Any) -> Any:
-        spec = _spec(p)
-        if not any(_names(entry) for entry in spec) or _spec(g) == spec:
-            return g
-        return jax.sharding.reshard(g, _on_mesh_of(p, spec))
-
-    return jax.tree.unflatten(g_def, list(map(leaf, g_leaves, p_leaves)))
+    return jax.tree.unflatten(g_def, list(map(resharded_as, g_leaves, p_leaves)))
 
 
 def _on_mesh_of(x: Any, spec: Any) -> Any:
@@ -280,13 +279,6 @@ def _spec(x: Any) -> Any:
     """The ``PartitionSpec`` in ``x``'s type (empty where it holds none)."""
     spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
     return spec if spec is not None else P()
-
-
-def _names(entry: Any) -> frozenset:
-    """The mesh axes one entry of a ``PartitionSpec`` names."""
-    if entry is None or entry is P.UNCONSTRAINED:
-        return frozenset()
-    return frozenset(entry) if isinstance(entry, tuple) else frozenset({entry})
 
 
 def _combine(out: Any, has_aux: bool, aux_reduction: Any) -> tuple[Any, optax.Updates]:

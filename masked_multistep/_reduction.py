@@ -40,13 +40,16 @@ from masked_multistep._collectives import weighted_sum
 from masked_multistep._running_mean import running_mean_update
 
 __all__ = [
-    "resharded_as",
     "KnownTotals",
     "Local",
     "WindowTotals",
+    "any_explicit",
     "check_mesh_axes",
     "mean_over_devices",
+    "names_an_axis",
     "place_uncommitted",
+    "resharded_as",
+    "spec_axes",
 ]
 
 
@@ -131,7 +134,7 @@ def resharded_as(x: Any, like: Any) -> Any:
     # specs are empty, and the compiler decides).
     if _trimmed(want.spec) == _trimmed(have.spec):
         return x
-    if not (_named(want) or _named(have)):
+    if not (names_an_axis(want.spec) or names_an_axis(have.spec)):
         return x
     if not isinstance(like, jax.core.Tracer):
         want = like.sharding
@@ -147,9 +150,25 @@ def _trimmed(spec: Any) -> tuple:
     return tuple(entries)
 
 
-def _named(sharding: Any) -> bool:
-    """Whether a type's sharding names a mesh axis (an explicit one)."""
-    return any(entry is not None for entry in sharding.spec)
+def spec_axes(entry: Any) -> frozenset:
+    """The mesh axes one entry of a ``PartitionSpec`` names (none for ``None``
+    and ``P.UNCONSTRAINED``)."""
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return frozenset()
+    return frozenset(entry) if isinstance(entry, tuple) else frozenset({entry})
+
+
+def names_an_axis(spec: Any) -> bool:
+    """Whether a ``PartitionSpec`` names a mesh axis (in a type's sharding:
+    an explicit one)."""
+    return any(spec_axes(entry) for entry in spec)
+
+
+def any_explicit(mesh: Any, axes: Any) -> bool:
+    """Whether one of ``axes`` is an ``AxisType.Explicit`` axis of ``mesh``
+    (a ``Mesh`` or an ``AbstractMesh``)."""
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    return any(types[a] == jax.sharding.AxisType.Explicit for a in axes)
 
 
 def mean_over_devices(
@@ -171,7 +190,7 @@ def mean_over_devices(
     # AxisType.Explicit mesh axis (its sharding is part of the type there).
     if total is None:
         # As `weighted_mean_across` takes a shard's count: a float32 weight,
-        # 0 where invalid (negative or non-finite: left out).
+        # 0 where invalid (negative or non-finite: left out of the total).
         counts, _ = _checks.to_count(
             counts,
             jnp.dtype(jnp.float32),
@@ -179,7 +198,6 @@ def mean_over_devices(
             shape=tuple(counts.shape),
             dtype_name="float32, the weights' dtype",
         )
-        counts = jnp.where(counts > 0, counts, jnp.zeros_like(counts))
         total = jnp.sum(counts, axis=0)
     mean = weighted_sum(tree, counts, total, lambda x: jnp.sum(x, axis=0))
     return mean, total
