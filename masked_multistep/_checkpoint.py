@@ -259,6 +259,13 @@ def from_state_0_1(
       -3.0
     """
     if _by_name.is_named(template):
+        if "value_count" not in template:  # which this version's state always has
+            raise TypeError(
+                "`template` must be this version's state (`tx.init(params)`, or an "
+                "NNX optimizer's `nnx.state(optimizer)['opt_state']`), got a "
+                f"mapping of the fields {sorted(template)}: a 0.1 state's? That "
+                "one is `restored`"
+            )
         if isinstance(restored, Mapping):
             # The 0.1 fields the template leaves out are empty, as they were
             # in the 0.1 checkpoint of it.

@@ -127,6 +127,13 @@ def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
         raise ValueError(
             f"`accumulator_dtype` must be a floating dtype or None, got {dtype}"
         )
+    if dtype.itemsize < 2:
+        # float8 and float4 keep 1-3 mantissa bits: a running mean in them
+        # loses the gradient, and jax refuses to mix them with other floats.
+        raise ValueError(
+            "`accumulator_dtype` must be a floating dtype of at least 16 bits "
+            f"(bfloat16, float16, float32) or None, got {dtype}"
+        )
     if dtype.itemsize == 8 and not _x64():
         # Without x64 the arrays would be float32, and every update would then
         # refuse the state that `init` built as another wrapper's.
@@ -459,6 +466,11 @@ def check_grads_match(grads: Any, acc_grads: Any, *, per_device: bool) -> None:
     leaves lead with the device axis where ``per_device``: a deferred
     reduction's); a shape one axis off gets the hint that applies."""
     for where, g, a in _paired_with_state(grads, acc_grads, "gradients"):
+        if not isinstance(g, PARAM_LEAF_TYPES):
+            raise TypeError(
+                f"The gradient at {where} must be an array, got "
+                f"{type(g).__name__} {g!r:.60}"
+            )
         if jnp.shape(g) != jnp.shape(a):
             hint = ""
             if not per_device and jnp.shape(g)[1:] == jnp.shape(a):
@@ -529,15 +541,20 @@ def unreduced_axes(x: Any) -> frozenset:
 
 
 def check_params_match(params: Any, acc_grads: Any, device_axes: int) -> None:
-    """``apply_gradients``' params have the structure and shapes of the params
-    the state was built from (the accumulator's, less ``device_axes`` leading
-    axes)."""
+    """The params given to ``apply_gradients`` (or, where not None, to
+    ``update``) have the structure and shapes of the params the state was
+    built from (the accumulator's, less ``device_axes`` leading axes)."""
     if params is None:
         raise TypeError(
             "`params` must be the parameters to update, got None (apply_gradients "
             "returns the new params; `update` returns the updates alone)"
         )
     for where, p, a in _paired_with_state(params, acc_grads, "params"):
+        if not isinstance(p, PARAM_LEAF_TYPES):
+            raise TypeError(
+                f"The params at {where} must be an array, got "
+                f"{type(p).__name__} {p!r:.60}"
+            )
         if jnp.shape(p) != jnp.shape(a)[device_axes:]:
             raise ValueError(
                 f"The params at {where} have shape {jnp.shape(p)}, but the state "

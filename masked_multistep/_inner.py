@@ -174,6 +174,44 @@ def window_shapes(
     return needs_value, updates
 
 
+def explain_other_state(
+    opt: optax.GradientTransformation, inner_state: Any, acc_grads: Any, err: Exception
+) -> None:
+    """Where ``inner_state`` is not of the structure ``opt.init`` builds (a
+    state from a wrapper around another inner optimizer), a ``ValueError``
+    that says so, from ``err`` (the failure it made inside the optimizer).
+    ``acc_grads`` stands in for the params (their structure and shapes)."""
+    try:
+        want = jax.tree.structure(jax.eval_shape(opt.init, acc_grads))
+    except Exception:  # noqa: BLE001 -- the original error stands
+        return
+    got = jax.tree.structure(inner_state)
+    if got != want:
+        is_, built = (
+            _outline(inner_state),
+            _outline(want.unflatten([0] * want.num_leaves)),
+        )
+        if is_ == built:  # the same containers, other leaves (dict keys, say)
+            is_, built = str(got), str(want)
+        raise ValueError(
+            "`state.inner_opt_state` was not built by this wrapper's inner "
+            f"optimizer: it is {is_}, but the inner optimizer's `init` builds "
+            f"{built}. Use the state that this wrapper's `init` returned "
+            "(restore a checkpoint against it)"
+        ) from err
+
+
+def _outline(state: Any, depth: int = 3) -> str:
+    """An optimizer state's containers, by type name (``(ScaleByAdamState,
+    EmptyState)``), ``depth`` levels deep."""
+    if isinstance(state, (tuple, list)) and not hasattr(state, "_fields"):
+        if depth == 0 or not state:
+            return f"{type(state).__name__}[{len(state)}]"
+        inner = ", ".join(_outline(x, depth - 1) for x in state)
+        return f"({inner},)" if len(state) == 1 else f"({inner})"
+    return type(state).__name__
+
+
 def warn_without_value() -> None:
     """Warns that the inner optimizer needs ``value=`` and the call passed none."""
     # Without the wrapper, such an optimizer refuses the call; with it, a

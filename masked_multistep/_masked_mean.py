@@ -87,7 +87,8 @@ def masked_mean(
         of booleans).
       ValueError: if ``mask`` does not broadcast to ``values``' shape, has
         fewer dimensions than ``values`` (and is not a scalar), or is a
-        concrete floating mask with a negative, NaN or infinite weight.
+        concrete floating mask with a negative, NaN or infinite weight, or
+        weights that sum beyond the count dtype's range.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -158,6 +159,14 @@ def masked_mean(
                 "`mask` holds negative weights (its smallest is "
                 f"{float(np.min(given))}): a floating mask holds per-token "
                 "weights, which count tokens and must be non-negative"
+            )
+        # The count sums the broadcast weights, in the mean's real dtype.
+        weight_sum = float(np.sum(given)) * (values.size / max(given.size, 1))
+        count_dtype = jnp.finfo(dtype).dtype
+        if weight_sum > float(jnp.finfo(count_dtype).max):
+            raise ValueError(
+                f"`mask`'s weights sum to {weight_sum:.4g}, beyond {count_dtype}'s "
+                "range (the count's dtype): the count would be infinite"
             )
     if jnp.issubdtype(mask.dtype, jnp.floating):
         # Real weights, and so a real count, for complex values too.

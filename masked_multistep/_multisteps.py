@@ -327,7 +327,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         or float16 accumulator rounds the mean on every microbatch; with
         gradients that drift within a long window the mean stops moving once
         ``(g − m)·n/N`` is below half a rounding unit of ``m`` (README,
-        "Windows and the state").
+        "Windows and the state"). 8-bit floats are refused.
       count_dtype: dtype of the window's token total: float32 (default; integer
         and fractional counts, integers exact to 2²⁴ per window), int32 (exact
         to 2³¹ − 1, integer counts only), or float64/int64 under x64.
@@ -1075,7 +1075,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         self._check_state(state, params)
         self._reduction.check_grads(grads, state.acc_grads)
         grads = self._reduction.place_inputs(grads, state.acc_grads)
-        if apply_params:
+        if apply_params or params is not None:
+            # (`update` takes None for an inner optimizer that reads no params.)
             _checks.check_params_match(
                 params, state.acc_grads, self._reduction.device_axes
             )
@@ -1116,21 +1117,31 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # end passes the window's own, `window_value`).
         dynamic_args["value"] = so_far.value.astype(value_dtype)
         read_only_params = () if apply_params else params
-        needs_value, updates_avals = _inner.window_shapes(
-            self._opt,
-            self._eager_shapes,
-            # What the inner optimizer sees: the window's mean (with a deferred
-            # reduction, the devices' running means combined).
-            lambda w: self._reduction.mean(w.acc_grads, w.acc_count, w.reduction_state),
-            window,
-            grads,
-            static_args,
-            state.inner_opt_state,
-            params,
-            dynamic_args,
-            has_value=value is not None,
-            with_grad=with_grad,
-        )
+
+        # What the inner optimizer sees: the window's mean (with a deferred
+        # reduction, the devices' running means combined).
+        def mean_of(w: _Window) -> Any:
+            return self._reduction.mean(w.acc_grads, w.acc_count, w.reduction_state)
+
+        try:
+            needs_value, updates_avals = _inner.window_shapes(
+                self._opt,
+                self._eager_shapes,
+                mean_of,
+                window,
+                grads,
+                static_args,
+                state.inner_opt_state,
+                params,
+                dynamic_args,
+                has_value=value is not None,
+                with_grad=with_grad,
+            )
+        except Exception as err:
+            _inner.explain_other_state(
+                self._opt, state.inner_opt_state, jax.eval_shape(mean_of, window), err
+            )
+            raise
         inner_update = _inner.inner_update(
             self._opt,
             grads,

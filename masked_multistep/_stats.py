@@ -102,6 +102,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -151,12 +152,14 @@ class TokenTotal(NamedTuple):
     total's integer value stays below ``2**48`` (2.8e14 tokens), whatever the
     count dtype, far beyond the ``2**24`` of one float32 or the ``2**31`` of an
     int32. ``float(total)`` (or :meth:`value`) gives it as a Python float, exact
-    for integer totals below ``2**53``; ``int(total)`` and format specs
-    (``f"{total:,.0f}"``) work as on that float. NumPy and jax take it as the
-    one number it stands for, not as the pair: ``np.asarray(total)`` is that
-    float64, and ``jnp.asarray(total)`` is ``hi + lo``, the total rounded to
-    float32, also under ``jit``; jax.numpy functions take it so, and an optax
-    schedule of the tokens seen takes ``jnp.asarray(total)``.
+    for integer totals below ``2**53``; ``int(total)``, ``round(total)``,
+    formatting (``f"{total:,.0f}"``), arithmetic and comparisons work as on
+    that float (``total / 1e6``, ``total > budget``; traced by ``jit``, on
+    ``hi + lo`` in float32). NumPy and jax take it as the one number it stands
+    for, not as the pair: ``np.asarray(total)`` is that float64, and
+    ``jnp.asarray(total)`` is ``hi + lo``, the total rounded to float32, also
+    under ``jit``; jax.numpy functions take it so, and an optax schedule of
+    the tokens seen takes ``jnp.asarray(total)``.
 
     Attributes:
       hi: float32, the leading part.
@@ -166,8 +169,8 @@ class TokenTotal(NamedTuple):
       >>> import jax.numpy as jnp
       >>> seen = add_tokens(TokenTotal(jnp.float32(0), jnp.float32(0)),
       ...                   jnp.int32(2**24 + 1))
-      >>> print(int(seen), f"{seen:,.0f}", float(seen.hi + seen.lo))
-      16777217 16,777,217 16777216.0
+      >>> print(int(seen), f"{seen:,.0f}", float(seen.hi + seen.lo), seen / 1e6)
+      16777217 16,777,217 16777216.0 16.777217
       >>> print(np.asarray(seen), jnp.asarray(seen))
       16777217.0 16777216.0
     """
@@ -202,9 +205,92 @@ class TokenTotal(NamedTuple):
         return self.hi + self.lo
 
     def __format__(self, format_spec: str) -> str:
-        # A spec formats the number; none, the tuple (as `str`, also under
-        # `jit` and for batched totals).
-        return format(float(self), format_spec) if format_spec else str(self)
+        # The number (as a float64 formats); traced, the tuple.
+        if self._traced():
+            return str(self)
+        value = self.value()
+        return format(float(value) if np.ndim(value) == 0 else value, format_spec)
+
+    # Arithmetic and comparisons read the number, not the pair: as a tuple,
+    # `total * 2` would repeat it and `total + 1` or `total > 1` fail. Outside
+    # `jit` the exact float64 value; traced, `hi + lo` (float32).
+
+    def _traced(self) -> bool:
+        return any(isinstance(x, jax.core.Tracer) for x in (self.hi, self.lo))
+
+    def _number(self) -> Any:
+        return self.hi + self.lo if self._traced() else self.value()
+
+    def item(self) -> float:
+        """``float(total)``."""
+        return float(self)
+
+    def __round__(self, ndigits: int | None = None) -> Any:
+        return round(float(self), ndigits)
+
+    def __neg__(self) -> Any:
+        return -self._number()
+
+    def __abs__(self) -> Any:
+        return abs(self._number())
+
+    def __add__(self, other: Any) -> Any:  # type: ignore[override]
+        return self._number() + _number_of(other)
+
+    def __radd__(self, other: Any) -> Any:
+        return _number_of(other) + self._number()
+
+    def __sub__(self, other: Any) -> Any:
+        return self._number() - _number_of(other)
+
+    def __rsub__(self, other: Any) -> Any:
+        return _number_of(other) - self._number()
+
+    def __mul__(self, other: Any) -> Any:  # type: ignore[override]
+        return self._number() * _number_of(other)
+
+    def __rmul__(self, other: Any) -> Any:  # type: ignore[override]
+        return _number_of(other) * self._number()
+
+    def __truediv__(self, other: Any) -> Any:
+        return self._number() / _number_of(other)
+
+    def __rtruediv__(self, other: Any) -> Any:
+        return _number_of(other) / self._number()
+
+    def __floordiv__(self, other: Any) -> Any:
+        return self._number() // _number_of(other)
+
+    def __rfloordiv__(self, other: Any) -> Any:
+        return _number_of(other) // self._number()
+
+    def __mod__(self, other: Any) -> Any:
+        return self._number() % _number_of(other)
+
+    def __lt__(self, other: Any) -> Any:  # type: ignore[override]
+        return self._number() < _number_of(other)
+
+    def __le__(self, other: Any) -> Any:  # type: ignore[override]
+        return self._number() <= _number_of(other)
+
+    def __gt__(self, other: Any) -> Any:  # type: ignore[override]
+        return self._number() > _number_of(other)
+
+    def __ge__(self, other: Any) -> Any:  # type: ignore[override]
+        return self._number() >= _number_of(other)
+
+    def __eq__(self, other: object) -> Any:  # type: ignore[override]
+        return self._number() == _number_of(other)
+
+    def __ne__(self, other: object) -> Any:  # type: ignore[override]
+        return self._number() != _number_of(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal totals need not be the same pair
+
+
+def _number_of(x: Any) -> Any:
+    """``x``, or the number a :class:`TokenTotal` stands for."""
+    return x._number() if isinstance(x, TokenTotal) else x
 
 
 def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -649,6 +735,17 @@ def noise_scale_estimates(
             (grad_sq_norm, "grad_sq_norm"),
         ]
     )
+    names = ("sq_deviation", "microbatches", "tokens", "grad_sq_norm")
+    try:
+        jnp.broadcast_shapes(*(jnp.shape(x) for x in (s, k, n, g2)))
+    except ValueError:
+        shapes = ", ".join(
+            f"`{name}` {jnp.shape(x)}" for name, x in zip(names, (s, k, n, g2))
+        )
+        raise ValueError(
+            f"noise_scale_estimates' arguments must broadcast together (one "
+            f"entry per window), got the shapes {shapes}"
+        ) from None
     var, true_sq, scale, ok, resolved = _estimates(s, k, n, g2)
     return undefined_as_nan((var, true_sq, scale), (ok, ok, resolved))
 

@@ -104,17 +104,23 @@ class TrainState(_flax_train_state.TrainState):
         tx: optax.GradientTransformation,
         **kwargs: Any,
     ) -> Self:
-        """flax's ``TrainState.create``; a class given as ``tx`` is a
-        ``TypeError`` that says to build the optimizer (its ``init`` would fail
-        with an error of Python's own), and so is a ``tx`` that accumulates
-        with ``optax.MultiSteps`` (which would ignore every ``count``) or holds
-        two :class:`MaskedMultiSteps` in series (one after the other in a
-        chain; in different branches of ``optax.multi_transform`` they are
-        fine)."""
+        """flax's ``TrainState.create``; a ``tx`` that is no optimizer (None,
+        or a class) is a ``TypeError`` that says to build the optimizer (its
+        ``init`` would fail with an error of Python's own), and so is a ``tx``
+        that accumulates with ``optax.MultiSteps`` (which would ignore every
+        ``count``) or holds two :class:`MaskedMultiSteps` in series (one after
+        the other in a chain; in different branches of
+        ``optax.multi_transform`` they are fine)."""
         if isinstance(tx, type):
             raise TypeError(
                 f"`tx` must be an optimizer, got the class {tx.__name__}: build "
                 "one, e.g. mm.MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
+            )
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise TypeError(
+                f"`tx` must be an optax GradientTransformation, got "
+                f"{type(tx).__name__}: e.g. "
+                "mm.MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
             )
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         # `step` placed where `apply_gradients` returns it (replicated on the

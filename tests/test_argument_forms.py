@@ -223,6 +223,9 @@ def test_the_masked_mean_pair_as_value_is_named():
 def test_a_class_as_train_state_tx_says_to_build_one():
     with pytest.raises(TypeError, match="got the class MaskedMultiSteps: build one"):
         mm.TrainState.create(apply_fn=None, params=PARAMS, tx=mm.MaskedMultiSteps)
+    # flax's "'NoneType' object has no attribute 'init'".
+    with pytest.raises(TypeError, match="`tx` must be an optax Gradient.*NoneType"):
+        mm.TrainState.create(apply_fn=None, params=PARAMS, tx=None)
 
 
 def test_the_masked_mean_pair_as_count_is_named_and_other_tuples_are_not():

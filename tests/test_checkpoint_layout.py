@@ -114,6 +114,10 @@ def test_from_state_0_1_refuses_what_is_not_a_0_1_state():
         mm.state_0_1_target(chained)
     with pytest.raises(TypeError, match="`template` must be"):
         mm.state_0_1_target({"w": 1})
+    # The 0.1 fields as the template too (read as a state held by name, it
+    # failed in a tree walk: "'SequenceKey' object has no attribute 'key'").
+    with pytest.raises(TypeError, match="`template` must be this version's state"):
+        mm.from_state_0_1(_as_0_1(template)._asdict(), _as_0_1(template)._asdict())
     # A template for other params (or with per-device accumulators, which 0.1
     # did not have): refused here, not at the next update.
     old = mm.state_0_1_target(template)

@@ -786,3 +786,82 @@ def test_a_shape_one_axis_short_on_a_plain_wrapper_is_not_blamed_on_devices(
     assert str(err.value) == (
         f"The gradient at ['w'] has shape {grad}, but the state expects {param}"
     )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_update_checks_the_params_it_is_given(jit):
+    # `update` passed the params to the inner optimizer unchecked: a shape that
+    # broadcast gave updates computed against the wrong params, silently.
+    tx = mm.MaskedMultiSteps(optax.adamw(0.1), 1)
+    state = tx.init({"w": jnp.zeros(3)})
+    grads = {"w": jnp.ones(3)}
+    update = jax.jit(tx.update) if jit else tx.update
+    with pytest.raises(ValueError, match=r"params at \['w'\] have shape \(1,\)"):
+        update(grads, state, {"w": jnp.zeros(1)}, count=3)
+    with pytest.raises(ValueError, match="params' tree structure does not match"):
+        update(grads, state, {"v": jnp.zeros(3)}, count=3)
+    with pytest.raises(TypeError, match=r"params at \['w'\] must be an array"):
+        tx.update(grads, state, {"w": "x"}, count=3)
+    # None stays the inner optimizer's business (sgd, adam read no params).
+    sgd = mm.MaskedMultiSteps(optax.sgd(1.0), 1)
+    updates, _ = sgd.update(grads, sgd.init({"w": jnp.zeros(3)}), None, count=3)
+    np.testing.assert_array_equal(updates["w"], -np.ones(3))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_state_of_another_inner_optimizer_is_named(jit):
+    # It failed inside optax: "'EmptyState' object has no attribute 'mu'".
+    params, grads = {"w": jnp.zeros(2)}, {"w": jnp.ones(2)}
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2)
+    update = jax.jit(tx.update) if jit else tx.update
+    cases = [
+        (
+            optax.sgd(0.1),
+            r"it is \(EmptyState, EmptyState\), .* builds "
+            r"\(ScaleByAdamState, EmptyState\)",
+        ),
+        (
+            optax.chain(optax.clip(1.0), optax.adam(0.1)),
+            r"it is \(EmptyState, \(ScaleByAdamState, EmptyState\)\)",
+        ),
+    ]
+    for other, match in cases:
+        state = mm.MaskedMultiSteps(other, 2).init(params)
+        with pytest.raises(ValueError, match="`state.inner_opt_state` was not built"):
+            update(grads, state, params, count=3)
+        with pytest.raises(ValueError, match=match):
+            update(grads, state, params, count=3)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_an_8_bit_accumulator_dtype_is_refused_when_built(dtype):
+    # Accepted, then every update failed in jax's type promotion.
+    with pytest.raises(ValueError, match="`accumulator_dtype` must be .* 16 bits"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype=getattr(jnp, dtype))
+
+
+def test_a_gradient_leaf_that_is_no_array_is_named(tx):
+    state = tx.init(PARAMS)
+    grads = {**GRADS, "b": "x"}  # jax's "data type 'x' not understood"
+    with pytest.raises(TypeError, match=r"gradient at \['b'\] must be an array"):
+        tx.update(grads, state, PARAMS, count=3)
+
+
+def test_noise_scale_estimates_of_other_shapes_is_a_value_error():
+    with pytest.raises(
+        ValueError,
+        match=r"must broadcast together.*`sq_deviation` \(3,\), "
+        r"`microbatches` \(2,\)",
+    ):
+        mm.noise_scale_estimates(jnp.ones(3), jnp.full(2, 4), 100.0, 1.0)
+    var, _, _ = mm.noise_scale_estimates(jnp.ones(3), jnp.full(3, 4), 100.0, 1.0)
+    assert var.shape == (3,)
+
+
+def test_masked_mean_with_weights_summing_beyond_float32_is_refused():
+    # It returned (nan, inf) with no error, while an inf weight is refused.
+    for mask in (jnp.full((2, 3), 1e38), jnp.full((2, 1), 1e38)):
+        with pytest.raises(ValueError, match="weights sum to 6e\\+38, beyond float32"):
+            mm.masked_mean(jnp.ones((2, 3)), mask)
+    mean, count = mm.masked_mean(jnp.ones((2, 3)), jnp.full((2, 3), 1e37))
+    assert float(mean) == 1.0 and np.isfinite(count)

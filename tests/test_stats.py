@@ -1025,14 +1025,33 @@ def test_microbatches_that_agree_have_zero_variance_not_nan(g):
     )
 
 
-def test_tokens_seen_formats_as_a_number_with_a_spec_and_as_a_tuple_without():
+def test_tokens_seen_formats_as_a_number():
     stats_total = mm.TokenTotal(jnp.float32(2.0**24), jnp.float32(1.0))
     assert (int(stats_total), f"{stats_total:,.0f}") == (16777217, "16,777,217")
-    # No spec: the tuple, as `str` shows it, also batched and under jit.
-    assert f"{stats_total}" == str(stats_total)
+    # No spec: the number as a float formats, batched too; traced, the tuple.
+    assert f"{stats_total}" == "16777217.0"
     batched = jax.tree.map(lambda x: jnp.stack([x, x]), stats_total)
-    assert f"{batched}" == str(batched)
+    assert f"{batched}" == "[16777217. 16777217.]"
     jax.jit(lambda t: f"{t}" and t.hi)(stats_total)
+
+
+def test_tokens_seen_does_arithmetic_and_comparisons_on_the_number():
+    # As a tuple, `total * 2` was the 4-tuple (hi, lo, hi, lo), silently, and
+    # `total / 1e6`, `total > 100` and `round(total)` were TypeErrors.
+    total = mm.TokenTotal(jnp.float32(2.0**24), jnp.float32(1.0))
+    exact = 2.0**24 + 1
+    assert total * 2 == 2 * total == 2 * exact
+    assert total / 1e6 == exact / 1e6 and 1e6 / total == 1e6 / exact
+    assert total + 1 == 1 + total == exact + 1 and total - 1 == exact - 1
+    assert total + total == 2 * exact and total // 2 == exact // 2
+    assert total > exact - 1 and total >= exact and total <= exact
+    assert not total < exact
+    assert total == exact and total != exact + 1
+    assert round(total) == 16777217 and total.item() == exact and -total == -exact
+    assert isinstance(total * 2, np.float64)  # exact, not a float32 rounding
+    # Traced: hi + lo, float32.
+    doubled, above = jax.jit(lambda t: (t * 2, t > 5))(total)
+    assert doubled.dtype == jnp.float32 and bool(above)
 
 
 def test_tokens_seen_is_one_number_to_numpy_and_jax():
