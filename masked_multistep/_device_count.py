@@ -324,7 +324,9 @@ def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
     ok &= fits
     out = {"acc": regroup.mean(means, counts, totals)}
     if t_layout == _SYNCED:
-        out.update(figures)
+        # (Those the target keeps: a per-device layout tallies the
+        # statistics' sums with or without statistics.)
+        out.update({k: v for k, v in figures.items() if k in r})
         out["rs"] = {"counts": totals}
     elif r_layout == _WINDOW:  # each device's shares regrouped
         value_totals, value_fits = regroup.total(rs["value_counts"])

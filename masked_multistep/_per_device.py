@@ -50,6 +50,7 @@ from masked_multistep._microbatch import (
     _sum_dtype,
 )
 from masked_multistep._reduction import (
+    any_explicit,
     check_mesh_axes,
     mean_over_devices,
     resharded_as,
@@ -205,18 +206,23 @@ def _per_device(
             out = grad_fn(params, batch, rng=jax.random.fold_in(rng, device))
         return jax.tree.map(lambda x: jnp.expand_dims(x, 0), out)
 
-    mapped = jax.shard_map(
-        on_device,
-        mesh=mesh,
-        in_specs=(P(), spec, P()),
-        out_specs=spec,
-        axis_names=frozenset(axes),
-        # The body runs on local rows only, with no collective over `axes`, so
-        # the gradient is the device's own. (With the check on, the gradient of
-        # the replicated params would be summed over the devices unless they
-        # were pcast to varying, and the in-jit loop's carry, which starts from
-        # invariant zeros, would not type-check.)
-        check_vma=False,
+    # Jitted: outside `jit`, jax runs a shard_map over some of a mesh's axes
+    # (the data axes of a data × model mesh) only traced. (Under the caller's
+    # `jit` the inner one is inlined.)
+    mapped = jax.jit(
+        jax.shard_map(
+            on_device,
+            mesh=mesh,
+            in_specs=(P(), spec, P()),
+            out_specs=spec,
+            axis_names=frozenset(axes),
+            # The body runs on local rows only, with no collective over `axes`, so
+            # the gradient is the device's own. (With the check on, the gradient of
+            # the replicated params would be summed over the devices unless they
+            # were pcast to varying, and the in-jit loop's carry, which starts from
+            # invariant zeros, would not type-check.)
+            check_vma=False,
+        )
     )
 
     def per_device(
@@ -225,7 +231,11 @@ def _per_device(
         _check_batch(batch, num_devices, k)
         key = None if rng is None else _check_rng(rng)
         with jax.named_scope("masked_multistep/per_device"):
-            return mapped(_gathered_over(params, frozenset(axes)), batch, key)
+            return mapped(
+                _gathered_over(params, frozenset(axes)),
+                _split_over(batch, mesh, axes),
+                key,
+            )
 
     return per_device
 
@@ -255,6 +265,29 @@ def _gathered_over(params: Any, axes: frozenset) -> Any:
         return jax.sharding.reshard(x, _on_mesh_of(x, P(*kept)))
 
     return jax.tree.map(leaf, params)
+
+
+def _split_over(batch: Any, mesh: jax.sharding.Mesh, axes: tuple) -> Any:
+    """``batch`` with every leaf's rows split over ``axes``, where those are
+    ``AxisType.Explicit`` axes and a leaf's type lays its rows out otherwise
+    (a replicated array, or host data: a reshard, as the compiler moves the
+    rows itself on automatic axes). Its other dimensions keep
+    their layout."""
+    if not any_explicit(mesh, axes):
+        return batch
+    lead = axes[0] if len(axes) == 1 else tuple(axes)
+
+    def leaf(x: Any) -> Any:
+        spec = tuple(_spec(x))
+        if spec[:1] == (lead,):
+            return x
+        rest = []
+        for entry in spec[1:]:
+            names = tuple(a for a in spec_axes(entry) if a not in axes)
+            rest.append(names[0] if len(names) == 1 else (names or None))
+        return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, P(lead, *rest)))
+
+    return jax.tree.map(leaf, batch)
 
 
 def _placed_like(grads: Any, params: Any) -> Any:

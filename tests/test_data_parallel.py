@@ -371,6 +371,40 @@ def test_params_sharded_over_an_explicit_model_axis_train_data_parallel():
 
 
 @pytest.mark.parametrize("axis_type", [AUTO, EXPLICIT], ids=["auto", "explicit"])
+def test_gradients_per_device_run_eagerly_on_a_data_by_model_mesh(axis_type):
+    """Outside `jit`, on a data × model mesh, both functions failed in jax
+    ("out_specs refers to 'model'"); and on explicit axes a batch not laid
+    out over the data axis (replicated, or host arrays) was a shard_map
+    error: it is laid out over it, as automatic sharding
+    does."""
+    grid = jax.make_mesh((NDEV // 2, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    batch = _microbatches()[0]
+    (ref_loss, ref_count), ref = _full_batch(_loss, batch, has_aux=True)
+    per_device = mm.per_device_value_and_grad(_loss, grid, "data")
+    combined = mm.data_parallel_value_and_grad(_loss, grid, "data")
+
+    def eager(f, mb):
+        return f(_params(), mb)
+
+    placed = [jax.device_put(batch, NamedSharding(grid, s)) for s in (P("data"), P())]
+    with jax.set_mesh(grid):
+        for mb in (*placed, batch):  # (numpy arrays, on no device yet)
+            for call in (eager, jax.jit(eager, static_argnums=0)):
+                (loss, count), grads = call(combined, mb)
+                assert float(count) == float(ref_count)
+                chex.assert_trees_all_close((loss, grads), (ref_loss, ref), **TOL)
+                (_, counts), device_grads = call(per_device, mb)
+                counts = np.asarray(counts)
+                assert counts.shape == (NDEV // 2,)
+                assert counts.sum() == float(ref_count)
+                mean = jax.tree.map(
+                    lambda g, n=counts: np.tensordot(n, np.asarray(g), 1) / n.sum(),
+                    device_grads,
+                )
+                chex.assert_trees_all_close(mean, ref, **TOL)
+
+
+@pytest.mark.parametrize("axis_type", [AUTO, EXPLICIT], ids=["auto", "explicit"])
 def test_a_jitted_init_lays_the_device_axis_out_over_the_devices(axis_type):
     """`jax.jit(tx.init)`: under jit `jnp.zeros(..., device=)` is ignored, and
     the running means of every device came back replicated on each (D times

@@ -145,6 +145,33 @@ def test_the_synced_variant_moves_too(old, new):
     _check_window(*_run(old, new, skip=optax.skip_not_finite), old, new)
 
 
+@pytest.mark.parametrize("stats", [False, True], ids=["plain", "stats"])
+def test_a_window_moves_onto_a_fixed_token_budget(stats):
+    """A window of k microbatches (whose devices agree at its end) continued
+    under a fixed token budget (whose devices agree on every microbatch):
+    without statistics the conversion failed inside jax ("pjit
+    out_shardings"), the per-window tallies having no place in the target.
+    Moved on again without a reduction, the window is the one moved there
+    directly."""
+    params = {"w": jnp.zeros(H)}
+    tx = _tx(8, stats)
+    state = tx.init(params)
+    for i in range(MOVE_AFTER):
+        _, state = _step(tx, params, state, i, 8)
+    budget = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        tokens_per_window=10**6,
+        reduction=mm.deferred(_mesh(3), "data"),
+        window_stats=stats,
+    )
+    moved = mm.from_device_count(state, budget.init(params))
+    assert moved.reduction_state.counts.shape == (3,)
+    local = _tx(LOCAL, stats).init(params)
+    direct = mm.from_device_count(state, local)
+    again = mm.from_device_count(moved, local)
+    chex.assert_trees_all_close(again, direct, rtol=1e-6)
+
+
 def test_onto_the_same_devices_the_run_continues_bit_for_bit():
     """Moved in the second window (the first one's update left in the
     accumulator as scratch), onto the same 4 devices: every later step and
