@@ -38,10 +38,10 @@ $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP): $(VENV)/.installed-%: setup.cfg pyproject.
 	$(BIN)/python -c 'import pip, sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
 		|| $(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# uv installs the same pinned set several times faster than pip; where uv
-	# cannot be installed (no wheel for the platform), pip does it. Compiled to
-	# bytecode as pip does: every process (test workers, notebook kernels)
-	# would otherwise compile jax's and flax's sources again on import.
+	@# uv installs the same pinned set several times faster than pip; where uv
+	@# cannot be installed (no wheel for the platform), pip does it. Compiled to
+	@# bytecode as pip does: every process (test workers, notebook kernels)
+	@# would otherwise compile jax's and flax's sources again on import.
 	if $(BIN)/python -m pip install -q -c constraints.txt uv; then \
 		$(BIN)/python -m uv pip install -q --compile-bytecode \
 			--python $(BIN)/python -c constraints.txt -e ".[$*]"; \

@@ -207,7 +207,8 @@ HELP = {
     "num_layers": "transformer blocks",
     "learning_rate": "peak learning rate of the warmup-cosine schedule",
     "warmup": "windows of linear warmup from 0 (the first window's update uses a "
-    "learning rate of 0), then cosine decay to 10%% of the peak",
+    "learning rate of 0), then cosine decay to 10%% of the peak; unless given, at "
+    "most --windows - 1",
     "weight_decay": "adamw weight decay",
     "clip_norm": "clip each window's full-batch gradient to this global norm",
     "skew": "length skew between microbatches: 0 = random, 1 = sorted by length "
@@ -217,6 +218,15 @@ HELP = {
     "per window (on CPU, run with JAX_NUM_CPU_DEVICES=N; the logged noise scale "
     "then counts each device's share as a microbatch); --resume may change it",
 }
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes that the flag was given (``--warmup``'s
+    default shrinks to fit a short run; a value given must fit)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,7 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + field.name.replace("_", "-")
         kind = type(field.default)
         parser.add_argument(
-            flag, type=kind, default=field.default, help=HELP[field.name]
+            flag,
+            type=kind,
+            default=field.default,
+            help=HELP[field.name],
+            **({"action": _Given} if field.name == "warmup" else {}),
         )
     parser.add_argument("--out", default="train-lm-output", help="output directory")
     parser.add_argument(
@@ -285,6 +299,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             f"--d-model ({args.d_model}) must be divisible by --num-heads "
             f"({args.num_heads})"
         )
+    if not vars(args).pop("warmup_given", False):
+        args.warmup = min(args.warmup, args.windows - 1)
     if not 0 <= args.warmup < args.windows:
         parser.error(
             f"--warmup must be in [0, --windows), got {args.warmup} "

@@ -455,6 +455,48 @@ def test_line_search_gets_the_window_gradient_as_grad(clip):
     np.testing.assert_allclose(p, p_ref, rtol=1e-5)
 
 
+def test_lbfgs_runs_on_each_windows_token_weighted_loss_and_gradient():
+    # L-BFGS keeps curvature pairs across windows and its zoom line search
+    # calls `value_fn` (here with the window's index, an extra argument it
+    # forwards): the wrapper must hand it the window's loss (`value=`,
+    # token-weighted over masked microbatches) and mean gradient (`grad=`),
+    # so that every window equals one L-BFGS step on the full batch.
+    rng = np.random.default_rng(0)
+    k, windows = 3, 4
+    xs = jnp.asarray(rng.normal(size=(windows, k, 8, 3)), jnp.float32)
+    ys = jnp.asarray(rng.normal(size=(windows, k, 8)), jnp.float32)
+    masks = jnp.asarray(rng.random((windows, k, 8)) < 0.7)
+
+    def window_loss(p, window):
+        per_token = (xs[window] @ p - ys[window]) ** 2
+        return mm.masked_mean(per_token, masks[window])[0]
+
+    def micro_loss(p, window, i):
+        return mm.masked_mean(
+            (xs[window, i] @ p - ys[window, i]) ** 2, masks[window, i]
+        )
+
+    inner = optax.lbfgs()
+    tx = mm.MaskedMultiSteps(inner, k)
+    update = jax.jit(functools.partial(tx.update, value_fn=window_loss))
+    inner_update = jax.jit(functools.partial(inner.update, value_fn=window_loss))
+    grad_fn = jax.jit(jax.value_and_grad(micro_loss, has_aux=True))
+    w = w_ref = jnp.zeros(3)
+    state, s_ref = tx.init(w), inner.init(w_ref)
+    for window in map(jnp.int32, range(windows)):
+        for i in range(k):
+            (loss, count), g = grad_fn(w, window, i)
+            u, state = update(
+                g, state, w, count=count, value=loss, grad=g, window=window
+            )
+            w = optax.apply_updates(w, u)
+        loss, g = jax.value_and_grad(window_loss)(w_ref, window)
+        u, s_ref = inner_update(g, s_ref, w_ref, value=loss, grad=g, window=window)
+        w_ref = optax.apply_updates(w_ref, u)
+        np.testing.assert_allclose(w, w_ref, rtol=1e-5, atol=1e-6)
+    assert int(state.gradient_step) == windows
+
+
 def test_inside_optax_chain_with_count_as_extra_arg():
     base = mm.MaskedMultiSteps(optax.adam(0.1), 2)
     chained = optax.chain(base.gradient_transformation(), optax.scale(2.0))

@@ -362,3 +362,12 @@ def test_every_window_draws_a_batch_of_its_own_and_the_same_one_again_on_resume(
     )
     np.testing.assert_array_equal(first, again)
     assert not np.array_equal(first, second)
+
+
+def test_the_default_warmup_fits_a_short_run():
+    # `--windows 6` alone failed: the default warmup of 10 windows did not fit.
+    assert train_lm.parse_args(["--windows", "6"]).warmup == 5
+    assert train_lm.parse_args([]).warmup == train_lm.Config.warmup
+    assert train_lm.parse_args(["--windows", "6", "--warmup", "2"]).warmup == 2
+    with pytest.raises(SystemExit):  # a warmup given must fit
+        train_lm.parse_args(["--windows", "6", "--warmup", "6"])

@@ -36,3 +36,14 @@ def test_make_test_lints_as_make_lint_does():
     for line in ("ruff check", "ruff format --check"):
         (expected,) = [s for s in lint.splitlines() if line in s]
         assert expected in proc.stdout
+
+
+def test_no_recipe_comment_is_echoed_to_the_terminal():
+    # A recipe line `\t# ...` goes to the shell, and make prints it first:
+    # `make demo` showed four lines of the Makefile's own notes.
+    echoed = [
+        n
+        for n, line in enumerate((ROOT / "Makefile").read_text().splitlines(), 1)
+        if line.startswith("\t#")
+    ]
+    assert not echoed, f"Makefile lines {echoed}: write `@#` or move them out"
