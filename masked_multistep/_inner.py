@@ -175,14 +175,18 @@ def window_shapes(
 
 
 def explain_other_state(
-    opt: optax.GradientTransformation, inner_state: Any, acc_grads: Any, err: Exception
+    opt: optax.GradientTransformation,
+    inner_state: Any,
+    params_like: Any,
+    err: Exception,
 ) -> None:
     """Where ``inner_state`` is not of the structure ``opt.init`` builds (a
     state from a wrapper around another inner optimizer), a ``ValueError``
     that says so, from ``err`` (the failure it made inside the optimizer).
-    ``acc_grads`` stands in for the params (their structure and shapes)."""
+    ``params_like`` stands in for the params (their structure and shapes:
+    the window's mean, abstract)."""
     try:
-        want = jax.tree.structure(jax.eval_shape(opt.init, acc_grads))
+        want = jax.tree.structure(jax.eval_shape(opt.init, params_like))
     except Exception:  # noqa: BLE001 -- the original error stands
         return
     got = jax.tree.structure(inner_state)

@@ -271,8 +271,7 @@ def _split_over(batch: Any, mesh: jax.sharding.Mesh, axes: tuple) -> Any:
     """``batch`` with every leaf's rows split over ``axes``, where those are
     ``AxisType.Explicit`` axes and a leaf's type lays its rows out otherwise
     (a replicated array, or host data: a reshard, as the compiler moves the
-    rows itself on automatic axes). Its other dimensions keep
-    their layout."""
+    rows itself on automatic axes). Its other dimensions keep their layout."""
     if not any_explicit(mesh, axes):
         return batch
     lead = axes[0] if len(axes) == 1 else tuple(axes)

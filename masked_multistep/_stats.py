@@ -725,27 +725,25 @@ def noise_scale_estimates(
       S. McCandlish et al., "An Empirical Model of Large-Batch Training",
       arXiv:1812.06162, 2018, Appendix A.1.
     """
+    given = {
+        "sq_deviation": sq_deviation,
+        "microbatches": microbatches,
+        "tokens": tokens,
+        "grad_sq_norm": grad_sq_norm,
+    }
     # Host integers by value: jnp.asarray would wrap a numpy int64 into int32.
-    s, k, n, g2 = (
-        real_array(host_int_to_float(x), f"`{name}`")
-        for x, name in [
-            (sq_deviation, "sq_deviation"),
-            (microbatches, "microbatches"),
-            (tokens, "tokens"),
-            (grad_sq_norm, "grad_sq_norm"),
-        ]
-    )
-    names = ("sq_deviation", "microbatches", "tokens", "grad_sq_norm")
+    arrays = {
+        name: real_array(host_int_to_float(x), f"`{name}`") for name, x in given.items()
+    }
     try:
-        jnp.broadcast_shapes(*(jnp.shape(x) for x in (s, k, n, g2)))
+        jnp.broadcast_shapes(*(jnp.shape(x) for x in arrays.values()))
     except ValueError:
-        shapes = ", ".join(
-            f"`{name}` {jnp.shape(x)}" for name, x in zip(names, (s, k, n, g2))
-        )
+        shapes = ", ".join(f"`{name}` {jnp.shape(x)}" for name, x in arrays.items())
         raise ValueError(
-            f"noise_scale_estimates' arguments must broadcast together (one "
-            f"entry per window), got the shapes {shapes}"
+            "noise_scale_estimates' arguments must broadcast together (one entry "
+            f"per window), got the shapes {shapes}"
         ) from None
+    s, k, n, g2 = arrays.values()
     var, true_sq, scale, ok, resolved = _estimates(s, k, n, g2)
     return undefined_as_nan((var, true_sq, scale), (ok, ok, resolved))
 

@@ -827,9 +827,9 @@ def test_a_state_of_another_inner_optimizer_is_named(jit):
     ]
     for other, match in cases:
         state = mm.MaskedMultiSteps(other, 2).init(params)
-        with pytest.raises(ValueError, match="`state.inner_opt_state` was not built"):
-            update(grads, state, params, count=3)
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(
+            ValueError, match="`state.inner_opt_state` was not built.*" + match
+        ):
             update(grads, state, params, count=3)
 
 
