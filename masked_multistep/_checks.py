@@ -43,7 +43,7 @@ import difflib
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -441,36 +441,37 @@ def refuse_count_as_value(value: Any) -> None:
 
 
 def _paired_with_state(
-    tree: Any, acc_grads: Any, what: str
-) -> list[tuple[str, Any, Any]]:
+    tree: Any, acc_grads: Any, what: str, leaf_name: str
+) -> Iterator[tuple[str, Any, Any]]:
     """``(where, leaf, accumulator leaf)`` for every leaf of ``tree``, whose tree
-    structure must be the state's (``what``: "gradients", "params")."""
+    structure must be the state's (``what``: "gradients", "params") and whose
+    leaves must be arrays (or numbers; ``leaf_name`` names one in the error),
+    each checked as it comes."""
     t_def, a_def = jax.tree.structure(tree), jax.tree.structure(acc_grads)
     if t_def != a_def:
         raise ValueError(
             f"The {what}' tree structure does not match the state's: got "
             f"{t_def}, expected {a_def} (the structure of the params passed to init)"
         )
-    return [
-        (jax.tree_util.keystr(path) or "<root>", x, a)
-        for (path, x), a in zip(
-            jax.tree_util.tree_flatten_with_path(tree)[0],
-            jax.tree.leaves(acc_grads),
-            strict=True,
-        )
-    ]
+    for (path, x), a in zip(
+        jax.tree_util.tree_flatten_with_path(tree)[0],
+        jax.tree.leaves(acc_grads),
+        strict=True,
+    ):
+        where = jax.tree_util.keystr(path) or "<root>"
+        if not isinstance(x, PARAM_LEAF_TYPES):
+            raise TypeError(
+                f"The {leaf_name} at {where} must be an array, got "
+                f"{type(x).__name__} {x!r:.60}"
+            )
+        yield where, x, a
 
 
 def check_grads_match(grads: Any, acc_grads: Any, *, per_device: bool) -> None:
     """The gradients have the structure and shapes of the accumulator (whose
     leaves lead with the device axis where ``per_device``: a deferred
     reduction's); a shape one axis off gets the hint that applies."""
-    for where, g, a in _paired_with_state(grads, acc_grads, "gradients"):
-        if not isinstance(g, PARAM_LEAF_TYPES):
-            raise TypeError(
-                f"The gradient at {where} must be an array, got "
-                f"{type(g).__name__} {g!r:.60}"
-            )
+    for where, g, a in _paired_with_state(grads, acc_grads, "gradients", "gradient"):
         if jnp.shape(g) != jnp.shape(a):
             hint = ""
             if not per_device and jnp.shape(g)[1:] == jnp.shape(a):
@@ -533,11 +534,16 @@ def check_grads_match(grads: Any, acc_grads: Any, *, per_device: bool) -> None:
             )
 
 
+def type_spec(x: Any) -> Any:
+    """The ``PartitionSpec`` in ``x``'s type (empty where it holds none)."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec if spec is not None else jax.sharding.PartitionSpec()
+
+
 def unreduced_axes(x: Any) -> frozenset:
     """The mesh axes over which ``x``'s type says it is unreduced (a partial
     sum on every device, ``PartitionSpec(unreduced=...)``); empty otherwise."""
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    return frozenset(getattr(spec, "unreduced", ()) or ())
+    return frozenset(getattr(type_spec(x), "unreduced", ()) or ())
 
 
 def check_params_match(params: Any, acc_grads: Any, device_axes: int) -> None:
@@ -549,12 +555,7 @@ def check_params_match(params: Any, acc_grads: Any, device_axes: int) -> None:
             "`params` must be the parameters to update, got None (apply_gradients "
             "returns the new params; `update` returns the updates alone)"
         )
-    for where, p, a in _paired_with_state(params, acc_grads, "params"):
-        if not isinstance(p, PARAM_LEAF_TYPES):
-            raise TypeError(
-                f"The params at {where} must be an array, got "
-                f"{type(p).__name__} {p!r:.60}"
-            )
+    for where, p, a in _paired_with_state(params, acc_grads, "params", "params"):
         if jnp.shape(p) != jnp.shape(a)[device_axes:]:
             raise ValueError(
                 f"The params at {where} have shape {jnp.shape(p)}, but the state "

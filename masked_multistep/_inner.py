@@ -24,9 +24,10 @@ InnerUpdate = Callable[[Any, Any, Any, dict[str, Any]], tuple[Any, Any]]
 """``(mean, inner_state, params, dynamic_args) -> (updates, inner_state)``."""
 
 
-def check_opt(opt: Any) -> None:
-    """``opt`` is an optax transformation, or a ``TypeError`` that says how to
-    build one from a factory passed by mistake (``optax.adam``)."""
+def check_opt(opt: Any, argument: str = "opt") -> None:
+    """``opt`` (the argument so named) is an optax transformation, or a
+    ``TypeError`` that says how to build one from a factory passed by mistake
+    (``optax.adam``)."""
     if hasattr(opt, "init") and hasattr(opt, "update"):
         return
     hint = ""
@@ -37,7 +38,8 @@ def check_opt(opt: Any) -> None:
             "MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
         )
     raise TypeError(
-        f"`opt` must be an optax GradientTransformation, got {type(opt).__name__}{hint}"
+        f"`{argument}` must be an optax GradientTransformation, got "
+        f"{type(opt).__name__}{hint}"
     )
 
 

@@ -34,7 +34,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from masked_multistep import _stats
-from masked_multistep._checks import check_flag, refuse_unknown_keywords
+from masked_multistep._checks import check_flag, refuse_unknown_keywords, type_spec
 from masked_multistep._microbatch import (
     KEYWORD_HINTS,
     MICROBATCH_KEYWORDS,
@@ -250,7 +250,7 @@ def _gathered_over(params: Any, axes: frozenset) -> Any:
     """
 
     def sharded_over(x: Any) -> bool:
-        return any(spec_axes(entry) & axes for entry in _spec(x))
+        return any(spec_axes(entry) & axes for entry in type_spec(x))
 
     if not any(sharded_over(x) for x in jax.tree.leaves(params)):
         return params  # as given (an NNX module stays the same object)
@@ -258,10 +258,7 @@ def _gathered_over(params: Any, axes: frozenset) -> Any:
     def leaf(x: Any) -> Any:
         if not sharded_over(x):
             return x
-        kept = []
-        for entry in _spec(x):
-            names = tuple(a for a in spec_axes(entry) if a not in axes)
-            kept.append(names[0] if len(names) == 1 else (names or None))
+        kept = [_without(entry, axes) for entry in type_spec(x)]
         return jax.sharding.reshard(x, _on_mesh_of(x, P(*kept)))
 
     return jax.tree.map(leaf, params)
@@ -277,13 +274,10 @@ def _split_over(batch: Any, mesh: jax.sharding.Mesh, axes: tuple) -> Any:
     lead = axes[0] if len(axes) == 1 else tuple(axes)
 
     def leaf(x: Any) -> Any:
-        spec = tuple(_spec(x))
+        spec = tuple(type_spec(x))
         if spec[:1] == (lead,):
             return x
-        rest = []
-        for entry in spec[1:]:
-            names = tuple(a for a in spec_axes(entry) if a not in axes)
-            rest.append(names[0] if len(names) == 1 else (names or None))
+        rest = [_without(entry, axes) for entry in spec[1:]]
         return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, P(lead, *rest)))
 
     return jax.tree.map(leaf, batch)
@@ -307,10 +301,10 @@ def _on_mesh_of(x: Any, spec: Any) -> Any:
     return jax.sharding.NamedSharding(jax.typeof(x).sharding.mesh, spec)
 
 
-def _spec(x: Any) -> Any:
-    """The ``PartitionSpec`` in ``x``'s type (empty where it holds none)."""
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    return spec if spec is not None else P()
+def _without(entry: Any, axes: Any) -> Any:
+    """One ``PartitionSpec`` entry with the mesh axes ``axes`` left out."""
+    names = tuple(a for a in spec_axes(entry) if a not in axes)
+    return names[0] if len(names) == 1 else (names or None)
 
 
 def _combine(out: Any, has_aux: bool, aux_reduction: Any) -> tuple[Any, optax.Updates]:

@@ -219,7 +219,7 @@ class TokenTotal(NamedTuple):
         return any(isinstance(x, jax.core.Tracer) for x in (self.hi, self.lo))
 
     def _number(self) -> Any:
-        return self.hi + self.lo if self._traced() else self.value()
+        return self.__jax_array__() if self._traced() else self.value()
 
     def item(self) -> float:
         """``float(total)``."""

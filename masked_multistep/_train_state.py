@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from masked_multistep import _inner
 from masked_multistep._checks import (
     LOSS_KEYWORDS,
     first_three,
@@ -116,12 +117,7 @@ class TrainState(_flax_train_state.TrainState):
                 f"`tx` must be an optimizer, got the class {tx.__name__}: build "
                 "one, e.g. mm.MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
             )
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
-            raise TypeError(
-                f"`tx` must be an optax GradientTransformation, got "
-                f"{type(tx).__name__}: e.g. "
-                "mm.MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
-            )
+        _inner.check_opt(tx, "tx")
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         # `step` placed where `apply_gradients` returns it (replicated on the
         # params' mesh, or on their one device), as `tx.init` places its own
