@@ -938,6 +938,17 @@ def read_window_stats(state: WindowStatsState) -> WindowStats:
       >>> print(stats.grad_sq_norm, stats.noise_scale, stats.loss)
       1.0 nan nan
     """
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+        return _read(state)
+    # Outside a trace, one compiled program reads the statistics, wherever the
+    # state lies (a state replicated over a mesh would otherwise run each
+    # operation of the read as its own program on every device). Its NaN are
+    # placeholders (see `undefined_as_nan`).
+    with jax.debug_nans(False):
+        return _read_compiled(state)
+
+
+def _read(state: WindowStatsState) -> WindowStats:
     with jax.named_scope("masked_multistep/window_stats"):
         last = state.last
         has_tokens = last.tokens > 0
@@ -966,6 +977,9 @@ def read_window_stats(state: WindowStatsState) -> WindowStats:
             tokens_seen=last.tokens_seen,
             windows=last.windows,
         )
+
+
+_read_compiled = jax.jit(_read)
 
 
 class Recorder(NamedTuple):

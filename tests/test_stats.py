@@ -1336,3 +1336,33 @@ def test_derivative_of_the_squared_norm_of_a_float16_accumulator_is_finite():
     value, tangent = jax.jit(lambda t: jax.jvp(sq_norm, (t,), (1.0,)))(1.0)
     assert np.isfinite(float(tangent)), tangent
     np.testing.assert_allclose(tangent, 2 * value, rtol=1e-6)
+
+
+def test_an_eager_read_of_a_state_laid_over_a_mesh_is_one_program():
+    # Read outside a trace, the statistics of a state replicated over several
+    # devices come from one compiled program, not one per operation of the
+    # read (each its own multi-device dispatch), and equal the same read on one
+    # device, NaN placeholders included (K = 1 leaves the noise scale undefined).
+    from _helpers import backend_compiles
+
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    params = jnp.zeros(3)
+    state = tx.init(params)
+    for g, n in [(1.0, 2), (3.0, 0)]:
+        _, state = tx.update(
+            jnp.full(3, g), state, params, count=jnp.array(n), value=jnp.array(g)
+        )
+    # Three devices: a placement no other test reads statistics on.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[2:5]), ("d",))
+    laid = jax.device_put(state, jax.NamedSharding(mesh, jax.P()))
+    with backend_compiles() as compiles:
+        got = mm.window_stats(laid)
+    assert len(compiles) <= 1, compiles
+    with backend_compiles() as compiles:
+        again = mm.window_stats(laid)
+    assert compiles == []
+    want = mm.window_stats(state)
+    assert np.isnan(float(want.noise_scale))
+    for read in (got, again):
+        for a, b in zip(jax.tree.leaves(read), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(a, b)
