@@ -1,6 +1,7 @@
 """Test configuration: 8 CPU devices for the SPMD tests, strict numerics."""
 
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -24,6 +25,12 @@ if not os.environ.get(_CACHE_ENV):
     os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="masked-multistep-jax-cache-")
     atexit.register(shutil.rmtree, os.environ[_CACHE_ENV], ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+# A size limit makes jax lock the folder around each read and write (with
+# `filelock`, in the `dev` extra): unlocked, one worker could read an entry the
+# other is still writing ("Error reading persistent compilation cache entry",
+# an error here).
+if importlib.util.find_spec("filelock") is not None:
+    jax.config.update("jax_compilation_cache_max_size", 1 << 40)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
