@@ -27,10 +27,10 @@ from masked_multistep._collectives import reduced_leaf
 from masked_multistep._deferred import Deferred
 from masked_multistep._reduction import Local, WindowTotals
 from masked_multistep._running_mean import (
+    accumulator_dtype,
+    accumulator_fits,
     all_finite,
-    compute_dtype,
     fits,
-    promote_types,
 )
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
@@ -199,33 +199,6 @@ def _same_avals(a: Any, b: Any, *, dtypes: bool = True) -> bool:
         and (not dtypes or jnp.result_type(x) == jnp.result_type(y))
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     )
-
-
-def _accumulator_dtype(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
-    """The accumulator dtype of one leaf.
-
-    ``None`` follows the leaf (at least float32); an explicit
-    ``accumulator_dtype`` is taken as given, even when it is less precise than
-    the gradient (bfloat16 for float32 gradients saves memory); complex leaves
-    always get a complex accumulator, so the imaginary part is never dropped.
-    """
-    leaf_dtype = jnp.dtype(leaf_dtype)
-    if accumulator_dtype is None:
-        return compute_dtype(leaf_dtype)
-    if jnp.issubdtype(leaf_dtype, jnp.complexfloating):
-        return promote_types(accumulator_dtype, leaf_dtype)
-    return accumulator_dtype
-
-
-def _accumulator_fits(dtype: Any, accumulator_dtype: Any) -> bool:
-    """Whether an accumulator leaf of ``dtype`` is one that
-    :func:`_accumulator_dtype` gives for some leaf with this setting."""
-    dtype = jnp.dtype(dtype)
-    if accumulator_dtype is None:
-        return compute_dtype(dtype) == dtype
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return promote_types(accumulator_dtype, dtype) == dtype
-    return dtype == accumulator_dtype
 
 
 _DEFAULT_STATS_DECAY = 0.9
@@ -704,7 +677,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             )
         acc_grads = self._reduction.init_accumulator(
             params,
-            lambda p: _accumulator_dtype(jnp.result_type(p), self._accumulator_dtype),
+            lambda p: accumulator_dtype(jnp.result_type(p), self._accumulator_dtype),
         )
         inner_opt_state = self._opt.init(params)
         _refuse_nested_accumulation(inner_opt_state)
@@ -918,7 +891,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             )
         for path, acc in jax.tree_util.tree_flatten_with_path(state.acc_grads)[0]:
             dtype = jnp.result_type(acc)
-            if not _accumulator_fits(dtype, self._accumulator_dtype):
+            if not accumulator_fits(dtype, self._accumulator_dtype):
                 want = self._accumulator_dtype or "at least float32"
                 raise ValueError(
                     f"`state` accumulates {jax.tree_util.keystr(path) or '<root>'} "

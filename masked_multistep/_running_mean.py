@@ -49,6 +49,8 @@ from masked_multistep._checks import (
 )
 
 __all__ = [
+    "accumulator_dtype",
+    "accumulator_fits",
     "all_finite",
     "compute_dtype",
     "fits",
@@ -79,6 +81,33 @@ def result_type(*args: Any) -> jnp.dtype:
 def compute_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
     """The dtype the update is computed in: at least float32."""
     return promote_types(dtype, jnp.float32)
+
+
+def accumulator_dtype(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
+    """The accumulator dtype of one leaf.
+
+    ``None`` follows the leaf (at least float32); an explicit
+    ``accumulator_dtype`` is taken as given, even when it is less precise than
+    the gradient (bfloat16 for float32 gradients saves memory); complex leaves
+    always get a complex accumulator, so the imaginary part is never dropped.
+    """
+    leaf_dtype = jnp.dtype(leaf_dtype)
+    if accumulator_dtype is None:
+        return compute_dtype(leaf_dtype)
+    if jnp.issubdtype(leaf_dtype, jnp.complexfloating):
+        return promote_types(accumulator_dtype, leaf_dtype)
+    return accumulator_dtype
+
+
+def accumulator_fits(dtype: Any, accumulator_dtype: Any) -> bool:
+    """Whether an accumulator leaf of ``dtype`` is one that
+    :func:`accumulator_dtype` gives for some leaf with this setting."""
+    dtype = jnp.dtype(dtype)
+    if accumulator_dtype is None:
+        return compute_dtype(dtype) == dtype
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return promote_types(accumulator_dtype, dtype) == dtype
+    return dtype == accumulator_dtype
 
 
 def fits(total: jax.Array, count: jax.Array) -> jax.Array:
