@@ -43,6 +43,52 @@ def check_opt(opt: Any, argument: str = "opt") -> None:
     )
 
 
+def describe(opt: Any, depth: int = 4) -> str:
+    """``opt`` named by the transformations it is built of, read from the
+    closures optax builds it with: ``chain(scale_by_adam, scale)`` for
+    ``optax.adam``, ``inject_hyperparams(sgd)``, ``partition(a=..., b=...)``
+    (``depth`` levels deep; a transformation of another kind, by its
+    function's name).
+
+    Examples:
+      >>> import optax
+      >>> from masked_multistep._inner import describe
+      >>> describe(optax.adamw(1e-3))
+      'chain(scale_by_adam, add_decayed_weights, scale)'
+      >>> describe(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)))
+      'chain(clip_by_global_norm, chain(identity, scale))'
+    """
+    update = getattr(opt, "update", opt)
+    name = _function_name(update)
+    parts: list[str] = []
+    for cell in (getattr(update, "__closure__", None) or ()) if depth else ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+        if isinstance(held, optax.GradientTransformation):
+            if name == "with_extra_args_support":  # optax's adapter, not a step
+                return describe(held, depth)
+            parts.append(describe(held, depth - 1))
+        elif isinstance(held, tuple) and held and all(map(callable, held)):
+            parts += [describe(u, depth - 1) for u in held]  # chain's updates
+        elif (
+            isinstance(held, dict)
+            and held
+            and all(isinstance(t, optax.GradientTransformation) for t in held.values())
+        ):
+            parts += [f"{k}={describe(t, depth - 1)}" for k, t in held.items()]
+        elif name == "inject_hyperparams" and callable(held):
+            parts.append(_function_name(held))  # the optimizer's factory
+    return f"{name}({', '.join(parts)})" if parts else name
+
+
+def _function_name(fn: Any) -> str:
+    """The name of the function that built ``fn`` (``chain`` for
+    ``chain.<locals>.update_fn``)."""
+    return getattr(fn, "__qualname__", type(fn).__name__).split(".<locals>")[0]
+
+
 def split_extra_args(
     extra_args: dict[str, Any],
 ) -> tuple[bool, Any, dict[str, Any], dict[str, Any]]:

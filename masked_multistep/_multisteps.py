@@ -620,8 +620,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
     def __repr__(self) -> str:
         (opt, k), kwargs = self._config
-        inner = getattr(opt.update, "__qualname__", type(opt).__name__)
-        inner = inner.split(".<locals>")[0]
+        inner = _inner.describe(opt)
         show = _windows.describe
         rules = [f"every_k_schedule={show(k)}"] if k is not None else []
         rules += [

@@ -50,3 +50,22 @@ def test_init_check_names_what_differs(monkeypatch, k, params, differs):
         multihost_utils, "process_allgather", lambda x: np.stack([x, x])
     )
     _processes.check_same_across_processes(mine, "init")
+
+
+def test_init_check_tells_inner_optimizers_of_one_layout_apart(monkeypatch):
+    # sgd and clip-then-scale both keep empty states: only the repr, which
+    # names the inner optimizer's transformations, tells them apart.
+    params = {"w": jnp.zeros(3)}
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2)
+    other = mm.MaskedMultiSteps(optax.chain(optax.clip(1.0), optax.scale(-0.1)), 2)
+    assert "inner=chain(identity, scale)" in repr(tx)
+    assert "inner=chain(clip, scale)" in repr(other)
+    mine = _processes.describe(tx, tx.init(params))
+    theirs_texts = _processes.describe(other, other.init(params))
+    assert mine[1] == theirs_texts[1]  # the same state layout
+    theirs = _digests(monkeypatch, theirs_texts)
+    monkeypatch.setattr(
+        multihost_utils, "process_allgather", lambda x: np.stack([x, theirs])
+    )
+    with pytest.raises(ValueError, match=r"different wrapper \(its repr\) than"):
+        _processes.check_same_across_processes(mine, "init")
