@@ -46,6 +46,10 @@ def execute(path: os.PathLike | str, timeout: int = 300) -> nbformat.NotebookNod
         kernel_name="python3",
         timeout=timeout,
         resources={"metadata": {"path": str(path.parent)}},
+        # The kernel logs errors only: its start-up warning (that it listens on
+        # TCP without encryption, on this machine only, for this run) would
+        # otherwise be printed with every notebook.
+        extra_arguments=["--IPKernelApp.log_level=ERROR"],
     )
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONHASHSEED": "0"}
     client.execute(env=env)
