@@ -83,31 +83,40 @@ def compute_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
     return promote_types(dtype, jnp.float32)
 
 
-def accumulator_dtype(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
-    """The accumulator dtype of one leaf.
+def accumulator_dtype(leaf_dtype: Any, setting: Any) -> jnp.dtype:
+    """The accumulator dtype of one leaf, under the wrapper's
+    ``accumulator_dtype=`` ``setting``.
 
-    ``None`` follows the leaf (at least float32); an explicit
-    ``accumulator_dtype`` is taken as given, even when it is less precise than
-    the gradient (bfloat16 for float32 gradients saves memory); complex leaves
-    always get a complex accumulator, so the imaginary part is never dropped.
+    ``None`` follows the leaf (at least float32); an explicit dtype is taken as
+    given, even when it is less precise than the gradient (bfloat16 for float32
+    gradients saves memory); complex leaves always get a complex accumulator,
+    so the imaginary part is never dropped.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from masked_multistep._running_mean import accumulator_dtype
+      >>> [str(accumulator_dtype(d, None)) for d in (jnp.bfloat16, jnp.complex64)]
+      ['float32', 'complex64']
+      >>> str(accumulator_dtype(jnp.complex64, jnp.bfloat16))
+      'complex64'
     """
     leaf_dtype = jnp.dtype(leaf_dtype)
-    if accumulator_dtype is None:
+    if setting is None:
         return compute_dtype(leaf_dtype)
     if jnp.issubdtype(leaf_dtype, jnp.complexfloating):
-        return promote_types(accumulator_dtype, leaf_dtype)
-    return accumulator_dtype
+        return promote_types(setting, leaf_dtype)
+    return setting
 
 
-def accumulator_fits(dtype: Any, accumulator_dtype: Any) -> bool:
+def accumulator_fits(dtype: Any, setting: Any) -> bool:
     """Whether an accumulator leaf of ``dtype`` is one that
-    :func:`accumulator_dtype` gives for some leaf with this setting."""
+    :func:`accumulator_dtype` gives for some leaf under ``setting``."""
     dtype = jnp.dtype(dtype)
-    if accumulator_dtype is None:
+    if setting is None:
         return compute_dtype(dtype) == dtype
     if jnp.issubdtype(dtype, jnp.complexfloating):
-        return promote_types(accumulator_dtype, dtype) == dtype
-    return dtype == accumulator_dtype
+        return promote_types(setting, dtype) == dtype
+    return dtype == setting
 
 
 def fits(total: jax.Array, count: jax.Array) -> jax.Array:
