@@ -14,12 +14,11 @@ from collections.abc import Mapping
 from typing import Any, overload
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 
 from masked_multistep import _by_name, _stats
-from masked_multistep._checks import check_count_dtype, nested_hint, to_count
+from masked_multistep._checks import check_count_dtype, nested_hint, to_count, traced
 from masked_multistep._multisteps import MaskedMultiStepsState
 from masked_multistep._reduction import placed_like
 
@@ -290,10 +289,7 @@ def from_state_0_1(
             "`restored` must be the 0.1 state as a mapping of its fields (restore "
             f"it against `state_0_1_target(template)`), got {type(restored).__name__}"
         )
-    if any(
-        isinstance(x, jax.core.Tracer)
-        for x in jax.tree.leaves((dict(restored), template))
-    ):
+    if traced((dict(restored), template)):
         raise TypeError(
             "from_state_0_1 reads the restored values to check them (token "
             "total, step counters), so it must be called eagerly (outside jit), "

@@ -72,6 +72,7 @@ __all__ = [
     "refuse_count_as_value",
     "refuse_narrow_float",
     "to_count",
+    "traced",
 ]
 
 # The count dtypes a state may use: they hold token totals exactly (integers) or
@@ -532,6 +533,12 @@ def check_grads_match(grads: Any, acc_grads: Any, *, per_device: bool) -> None:
                 "mm.per_device_value_and_grad and build the wrapper with "
                 "reduction=mm.deferred(mesh, axis_name)"
             )
+
+
+def traced(tree: Any) -> bool:
+    """Whether some leaf of ``tree`` is a tracer (``jit``, ``grad``, ``vmap``
+    are tracing it): its values are not known here."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def type_spec(x: Any) -> Any:

@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
@@ -43,7 +42,7 @@ from masked_multistep._by_name import get as _get
 from masked_multistep._by_name import is_named
 from masked_multistep._by_name import like as _like
 from masked_multistep._checkpoint import check_matches, like_template
-from masked_multistep._checks import check_microbatches
+from masked_multistep._checks import check_microbatches, traced
 from masked_multistep._deferred import _exact_sums
 from masked_multistep._multisteps import MaskedMultiStepsState
 from masked_multistep._reduction import _from_host, mean_over_devices, placed_like
@@ -613,9 +612,7 @@ def from_device_count(restored: Any, template: Any) -> Any:
       >>> print(state.acc_grads["w"], state.acc_count)
       2.5 8.0
     """
-    if any(
-        isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((restored, template))
-    ):
+    if traced((restored, template)):
         raise TypeError(
             "from_device_count reads the restored token counts to check them, so "
             "it must be called eagerly (outside jit), once, after restoring"

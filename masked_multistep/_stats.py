@@ -102,7 +102,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -112,6 +111,7 @@ from masked_multistep._checks import (
     check_real,
     host_int_to_float,
     real_array,
+    traced,
 )
 from masked_multistep._running_mean import compute_dtype, sq_norm
 
@@ -206,7 +206,7 @@ class TokenTotal(NamedTuple):
 
     def __format__(self, format_spec: str) -> str:
         # The number (as a float64 formats); traced, the tuple.
-        if self._traced():
+        if traced(self):
             return str(self)
         value = self.value()
         return format(float(value) if np.ndim(value) == 0 else value, format_spec)
@@ -215,11 +215,8 @@ class TokenTotal(NamedTuple):
     # `total * 2` would repeat it and `total + 1` or `total > 1` fail. Outside
     # `jit` the exact float64 value; traced, `hi + lo` (float32).
 
-    def _traced(self) -> bool:
-        return any(isinstance(x, jax.core.Tracer) for x in (self.hi, self.lo))
-
     def _number(self) -> Any:
-        return self.__jax_array__() if self._traced() else self.value()
+        return self.__jax_array__() if traced(self) else self.value()
 
     def item(self) -> float:
         """``float(total)``."""
@@ -938,7 +935,7 @@ def read_window_stats(state: WindowStatsState) -> WindowStats:
       >>> print(stats.grad_sq_norm, stats.noise_scale, stats.loss)
       1.0 nan nan
     """
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+    if traced(state):
         return _read(state)
     # Outside a trace, one compiled program reads the statistics, wherever the
     # state lies (a state replicated over a mesh would otherwise run each
