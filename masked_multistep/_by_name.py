@@ -15,14 +15,14 @@ from typing import Any
 import jax
 
 from masked_multistep._multisteps import MaskedMultiStepsState
-from masked_multistep._stats import LastWindow, TokenTotal, WindowStatsState
+from masked_multistep._stats import LastWindow, LeafSums, TokenTotal, WindowStatsState
 
 # The fields that identify the wrapper's state where it is held by name
 # (``nnx.state(optimizer)``, which leaves out empty fields).
 NAMED = frozenset(("mini_step", "gradient_step", "acc_count", "acc_grads"))
 # The statistics' NamedTuples, rebuilt from a state held by name by their
 # field names (a token budget's state is a TokenTotal too).
-_STATS_KINDS = (TokenTotal, LastWindow, WindowStatsState)
+_STATS_KINDS = (TokenTotal, LastWindow, LeafSums, WindowStatsState)
 
 
 def is_named(x: Any) -> bool:
@@ -64,9 +64,14 @@ def plain(node: Any, kinds: tuple[Any, ...] = ()) -> Any:
     if not isinstance(node, Mapping):
         return node
     items = {key: plain(value, kinds) for key, value in node.items()}
-    return next(
-        (kind(**items) for kind in kinds if set(items) == set(kind._fields)), items
-    )
+    return next((kind(**items) for kind in kinds if _holds(kind, items)), items)
+
+
+def _holds(kind: Any, items: Mapping[str, Any]) -> bool:
+    """Whether ``items`` are the fields of the NamedTuple ``kind``, but for
+    fields with a default (an empty ``()``, which a state by name leaves out)."""
+    fields = set(kind._fields)
+    return fields - set(kind._field_defaults) <= set(items) <= fields
 
 
 def bare(state: Any) -> MaskedMultiStepsState:

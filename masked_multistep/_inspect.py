@@ -7,12 +7,19 @@ from typing import Any, TypeVar
 import jax
 import optax
 
+from masked_multistep._checks import check_flag
 from masked_multistep._multisteps import (
     MaskedMultiStepsState,
     has_field_named,
     states_in,
 )
-from masked_multistep._stats import WindowStats, WindowStatsState, read_window_stats
+from masked_multistep._stats import (
+    LeafSums,
+    WindowStats,
+    WindowStatsState,
+    read_leaf_stats,
+    read_window_stats,
+)
 
 __all__ = ["find_state", "window_stats", "has_updated"]
 
@@ -119,16 +126,42 @@ def has_updated(opt_state: Any) -> jax.Array:
     return jax.numpy.asarray(find_state(opt_state).updated)
 
 
-def window_stats(opt_state: Any) -> WindowStats:
+def window_stats(
+    opt_state: Any, *, per_leaf: bool = False, groups: Any = None
+) -> WindowStats:
     """The :class:`WindowStats` of the last completed window.
 
     They describe the last window that ended (loss, tokens, gradient norm,
     noise scale) and stay the same until the next one ends, so they can be
     logged after any step, e.g. when ``mm.has_updated(opt_state)``.
 
+    With a wrapper built with ``per_leaf_stats=True``, the same statistics of
+    each parameter leaf, or of each group of leaves: ``grad_sq_norm``,
+    ``grad_var_trace``, ``true_grad_sq_norm``, ``noise_scale`` and
+    ``smoothed_noise_scale`` are then a pytree shaped like the params
+    (``per_leaf=True``) or a ``dict`` by group label (``groups=``), and the
+    other fields the window's. A group's ``S`` and ``‖ḡ‖²`` are the sums of
+    its leaves', so the groups' ``grad_sq_norm``, ``grad_var_trace`` and
+    ``true_grad_sq_norm`` add up to the window's (up to rounding); a noise
+    scale does not add up: each group has its own.
+
+    Args:
+      opt_state: an optimizer state holding the wrapper's (see
+        :func:`find_state`).
+      per_leaf: each parameter leaf's statistics.
+      groups: each group's statistics, by label: a pytree of ``str`` labels
+        with the params' structure or a prefix of it (as
+        ``optax.multi_transform``'s ``param_labels``: ``{"encoder": "enc",
+        "decoder": "dec"}``), or a function of a pytree shaped like the params
+        (the state's ``acc_grads``) returning one.
+
     Raises:
       ValueError: if ``opt_state`` holds no single :class:`MaskedMultiSteps`
-        state, or its wrapper was built without ``window_stats=True``.
+        state, or its wrapper was built without ``window_stats=True`` (or,
+        for ``per_leaf`` and ``groups``, without ``per_leaf_stats=True``), or
+        ``groups`` does not match the params' structure.
+      TypeError: if both ``per_leaf`` and ``groups`` are given, or a label is
+        not a ``str``.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -149,11 +182,86 @@ def window_stats(opt_state: Any) -> WindowStats:
 
       >>> print(stats.grad_var_trace, stats.true_grad_sq_norm, stats.noise_scale)
       8.0 6.0 1.3333334
+
+      Each leaf's, or each group's, with ``per_leaf_stats=True``:
+
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, per_leaf_stats=True)
+      >>> params = {"w": jnp.zeros(2), "b": jnp.zeros(1)}
+      >>> state = tx.init(params)
+      >>> for g, n in [(1.0, 2), (3.0, 2)]:
+      ...     grads = {"w": jnp.full(2, g), "b": jnp.full(1, 2 * g)}
+      ...     _, state = tx.update(grads, state, params, count=jnp.array(n))
+      >>> stats = mm.window_stats(state, per_leaf=True)
+      >>> print(stats.grad_var_trace["w"], stats.grad_var_trace["b"])
+      8.0 8.0
+      >>> print(mm.window_stats(state, groups={"w": "all", "b": "all"}).grad_var_trace)
+      {'all': Array(16., dtype=float32)}
     """
-    stats = find_state(opt_state).stats
+    state = find_state(opt_state)
+    stats = state.stats
     if not isinstance(stats, WindowStatsState):
         raise ValueError(
             "This MaskedMultiSteps keeps no window statistics: construct it with "
             "`window_stats=True`."
         )
-    return read_window_stats(stats)
+    per_leaf = check_flag(per_leaf, "`per_leaf`")
+    if not per_leaf and groups is None:
+        return read_window_stats(stats)
+    if per_leaf and groups is not None:
+        raise TypeError("mm.window_stats takes `per_leaf=True` or `groups=`, not both")
+    if not isinstance(stats.leaves, LeafSums):
+        what = "`per_leaf=True`" if per_leaf else "`groups=`"
+        raise ValueError(
+            f"{what} reads each parameter leaf's share of the window statistics, "
+            "which this MaskedMultiSteps does not keep: construct it with "
+            "`per_leaf_stats=True`."
+        )
+    leaves, treedef = jax.tree.flatten(state.acc_grads)
+    if per_leaf:
+        read = read_leaf_stats(stats, tuple(range(len(leaves))))
+        return _with_groups(read, lambda x: jax.tree.unflatten(treedef, list(x)))
+    labels = leaf_labels(groups, state.acc_grads)
+    names = sorted(set(labels))
+    read = read_leaf_stats(stats, tuple(names.index(label) for label in labels))
+    return _with_groups(read, lambda x: dict(zip(names, x, strict=True)))
+
+
+_PER_GROUP = (
+    "grad_sq_norm",
+    "grad_var_trace",
+    "true_grad_sq_norm",
+    "noise_scale",
+    "smoothed_noise_scale",
+)
+
+
+def _with_groups(stats: WindowStats, arrange: Any) -> WindowStats:
+    """``stats`` with each per-group vector arranged by ``arrange``."""
+    return stats._replace(
+        **{name: arrange(getattr(stats, name)) for name in _PER_GROUP}
+    )
+
+
+def leaf_labels(groups: Any, tree: Any) -> list[str]:
+    """The label of each leaf of ``tree`` (in ``jax.tree.leaves`` order) that
+    ``groups`` gives: a pytree of ``str`` labels shaped like ``tree`` or a
+    prefix of it, or a function of ``tree`` returning one."""
+    labels = groups(tree) if callable(groups) else groups
+    try:
+        per_subtree = jax.tree.map(
+            lambda label, sub: [label] * len(jax.tree.leaves(sub)), labels, tree
+        )
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            "`groups` must be a pytree of str labels with the params' structure "
+            "or a prefix of it (or a function of the params returning one); "
+            f"{error}"
+        ) from None
+    flat = jax.tree.leaves(per_subtree)
+    for label in jax.tree.leaves(labels):
+        if not isinstance(label, str):
+            raise TypeError(
+                f"`groups`' labels must be str, got {label!r} of type "
+                f"{type(label).__name__}"
+            )
+    return flat

@@ -120,6 +120,7 @@ __all__ = [
     "WindowStats",
     "WindowStatsState",
     "LastWindow",
+    "LeafSums",
     "add_tokens",
     "init_window_stats",
     "in_compute_precision",
@@ -132,6 +133,7 @@ __all__ = [
     "noise_scale_estimates",
     "one_window_stats",
     "read_window_stats",
+    "read_leaf_stats",
     "undefined_as_nan",
     "Recorder",
     "recorder",
@@ -454,6 +456,30 @@ class LastWindow(NamedTuple):
     windows: jax.Array
 
 
+class LeafSums(NamedTuple):
+    """Each parameter leaf's share of the window statistics (with
+    ``per_leaf_stats=True``): float32 vectors with one entry per leaf of the
+    params, in ``jax.tree.leaves`` order. The statistics' sums are sums over
+    the leaves, so each group of leaves has its own ``S``, ``‖ḡ‖²`` and
+    estimators (:func:`read_leaf_stats`), and the window's totals are these
+    summed.
+
+    Attributes:
+      weighted_sq_norms: ``Σ nᵢ ‖gᵢ,ₗ‖²`` over the current window.
+      grad_sq_norm: ``‖ḡₗ‖²`` of the last completed window (0 without tokens).
+      sq_deviation: ``Sₗ = Σ nᵢ ‖gᵢ,ₗ − ḡₗ‖²`` of the last completed window.
+      ema_grad_var_trace: moving average of ``tr Σ̂ₗ`` (not debiased; the
+        window's ``ema_weight`` debiases it).
+      ema_true_grad_sq_norm: moving average of ``|Gₗ|²̂`` (not debiased).
+    """
+
+    weighted_sq_norms: jax.Array
+    grad_sq_norm: jax.Array
+    sq_deviation: jax.Array
+    ema_grad_var_trace: jax.Array
+    ema_true_grad_sq_norm: jax.Array
+
+
 class WindowStatsState(NamedTuple):
     """The statistics' part of the wrapper's state.
 
@@ -468,6 +494,8 @@ class WindowStatsState(NamedTuple):
         divisor.
       last: the :class:`LastWindow` of the last completed window; read its
         :class:`WindowStats` with :func:`read_window_stats`.
+      leaves: with ``per_leaf_stats=True``, each parameter leaf's share
+        (:class:`LeafSums`); ``()`` otherwise.
     """
 
     weighted_sq_norms: jax.Array
@@ -476,13 +504,18 @@ class WindowStatsState(NamedTuple):
     ema_true_grad_sq_norm: jax.Array
     ema_weight: jax.Array
     last: LastWindow
+    leaves: LeafSums | tuple[()] = ()
 
 
-def init_window_stats(count_dtype: jax.typing.DTypeLike = _F32) -> WindowStatsState:
+def init_window_stats(
+    count_dtype: jax.typing.DTypeLike = _F32, num_leaves: int | None = None
+) -> WindowStatsState:
     """The state before any microbatch: no window completed (all zeros).
 
     Args:
       count_dtype: the dtype of token counts (of ``WindowStats.tokens``).
+      num_leaves: with each parameter leaf's share (:class:`LeafSums`), the
+        number of leaves of the params; ``None`` keeps the totals only.
 
     Examples:
       >>> from masked_multistep._stats import init_window_stats, read_window_stats
@@ -506,6 +539,9 @@ def init_window_stats(count_dtype: jax.typing.DTypeLike = _F32) -> WindowStatsSt
         tokens_seen=TokenTotal(zero(), zero()),
         windows=zero(jnp.int32),
     )
+    leaves: LeafSums | tuple[()] = ()
+    if num_leaves is not None:
+        leaves = LeafSums(*(jnp.zeros([num_leaves], _F32) for _ in LeafSums._fields))
     return WindowStatsState(
         weighted_sq_norms=zero(),
         microbatches=zero(jnp.int32),
@@ -513,6 +549,7 @@ def init_window_stats(count_dtype: jax.typing.DTypeLike = _F32) -> WindowStatsSt
         ema_true_grad_sq_norm=zero(),
         ema_weight=zero(),
         last=last,
+        leaves=leaves,
     )
 
 
@@ -530,28 +567,48 @@ def tree_sq_norm(tree: Any) -> jax.Array:
     return sum((x.astype(dtype) for x in leaves), jnp.zeros([], dtype))
 
 
-def _sq_norms(tree: Any, rows: bool, shape: tuple[int, ...]) -> jax.Array:
+def _sq_norms(
+    tree: Any, rows: bool, shape: tuple[int, ...], per_leaf: bool = False
+) -> jax.Array:
     """``tree_sq_norm(tree)``, or with ``rows`` each leading-axis row's (the
-    rows' count in ``shape``, which also holds with no leaves at all)."""
-    if not rows:
+    rows' count in ``shape``, which also holds with no leaves at all); with
+    ``per_leaf`` each leaf's apart, float32, stacked along a last axis."""
+    if not rows and not per_leaf:
         return tree_sq_norm(tree)
-    per_row = [
-        jnp.sum(jnp.square(jnp.abs(x).astype(_F32)), axis=tuple(range(1, x.ndim)))
-        for x in jax.tree.leaves(tree)
-    ]
-    return sum(per_row, jnp.zeros(shape, _F32))
+    if rows:
+        parts = [
+            jnp.sum(jnp.square(jnp.abs(x).astype(_F32)), axis=tuple(range(1, x.ndim)))
+            for x in jax.tree.leaves(tree)
+        ]
+    else:
+        parts = [sq_norm(jnp.asarray(x)).astype(_F32) for x in jax.tree.leaves(tree)]
+    if per_leaf:
+        return _stacked(parts, shape)
+    return sum(parts, jnp.zeros(shape, _F32))
 
 
-def _taken_sq_norm(tree: Any, take: jax.Array, rows: bool = False) -> jax.Array:
+def _stacked(parts: list[jax.Array], shape: tuple[int, ...]) -> jax.Array:
+    """``parts`` (each of ``shape``) stacked along a new last axis."""
+    if not parts:
+        return jnp.zeros((*shape, 0), _F32)
+    return jnp.stack(parts, axis=-1)
+
+
+def _taken_sq_norm(
+    tree: Any, take: jax.Array, rows: bool = False, per_leaf: bool = False
+) -> jax.Array:
     """:func:`_taken_sq_norm_custom`, typed (jax 0.11 annotates a
     ``custom_jvp``'s result as unknown to type checkers)."""
-    return cast(jax.Array, _taken_sq_norm_custom(tree, take, rows))
+    return cast(jax.Array, _taken_sq_norm_custom(tree, take, rows, per_leaf))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _taken_sq_norm_custom(tree: Any, take: jax.Array, rows: bool = False) -> jax.Array:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _taken_sq_norm_custom(
+    tree: Any, take: jax.Array, rows: bool = False, per_leaf: bool = False
+) -> jax.Array:
     """``tree_sq_norm(tree)`` (with ``rows``: each leading-axis row's, and
-    ``take`` of shape ``(D,)``), whose derivative ignores skipped and
+    ``take`` of shape ``(D,)``; with ``per_leaf``: each leaf's, float32,
+    stacked along a last axis), whose derivative ignores skipped and
     non-finite gradients.
 
     A skipped microbatch's (or device's) gradient may be NaN, and a window
@@ -564,19 +621,20 @@ def _taken_sq_norm_custom(tree: Any, take: jax.Array, rows: bool = False) -> jax
     writes the selected gradient to a temporary buffer as large as the
     gradient; the custom derivative keeps the forward pass a bare reduction.
     """
-    return _sq_norms(tree, rows, jnp.shape(take))
+    return _sq_norms(tree, rows, jnp.shape(take), per_leaf)
 
 
 @_taken_sq_norm_custom.defjvp
-def _taken_sq_norm_jvp(rows, primals, tangents):
+def _taken_sq_norm_jvp(rows, per_leaf, primals, tangents):
     tree, take = primals
     d_tree, _ = tangents
-    out = _sq_norms(tree, rows, jnp.shape(take))
+    shape = jnp.shape(take)
+    out = _sq_norms(tree, rows, shape, per_leaf)
 
     def inner(g, dg):
         g, dg = jnp.asarray(g), jnp.asarray(dg)
         if jnp.issubdtype(dg.dtype, jax.dtypes.float0):
-            return jnp.zeros(out.shape, out.dtype)
+            return jnp.zeros(shape, out.dtype)
         keep = jnp.reshape(take, take.shape + (1,) * (g.ndim - take.ndim))
         g = jnp.where(keep & jnp.isfinite(g), g, jnp.zeros_like(g))
         # In the precision of the value (at least float32), as `_sq_norms`
@@ -591,6 +649,8 @@ def _taken_sq_norm_jvp(rows, primals, tangents):
     dots = [
         inner(g, dg) for g, dg in zip(jax.tree.leaves(tree), jax.tree.leaves(d_tree))
     ]
+    if per_leaf:
+        return out, 2 * _stacked(dots, shape).astype(out.dtype)
     return out, 2 * sum(dots, jnp.zeros(out.shape, out.dtype))
 
 
@@ -620,8 +680,17 @@ def accumulate_window_stats(
     """
     with jax.named_scope("masked_multistep/window_stats"):
         take = count > 0
-        sq = jnp.where(take, _taken_sq_norm(grads, take).astype(_F32), 0)
         n = jnp.where(take, jnp.asarray(count).astype(_F32), 0)
+        leaves = state.leaves
+        if isinstance(leaves, LeafSums):
+            # Each leaf's squared norm, and the total as their sum.
+            per_leaf = jnp.where(take, _taken_sq_norm(grads, take, per_leaf=True), 0)
+            sq = jnp.sum(per_leaf)
+            weighted = leaves.weighted_sq_norms
+            weighted = jnp.where(take, weighted + n * per_leaf, weighted)
+            leaves = leaves._replace(weighted_sq_norms=weighted)
+        else:
+            sq = jnp.where(take, _taken_sq_norm(grads, take).astype(_F32), 0)
         return state._replace(
             weighted_sq_norms=jnp.where(
                 take, state.weighted_sq_norms + n * sq, state.weighted_sq_norms
@@ -629,6 +698,7 @@ def accumulate_window_stats(
             microbatches=jnp.where(
                 take, state.microbatches + 1, state.microbatches
             ).astype(jnp.int32),
+            leaves=leaves,
         )
 
 
@@ -784,12 +854,20 @@ def _sq_norm_and_deviation(
     ``S = Σ nᵢ‖gᵢ‖² − N‖ḡ‖²`` clamped at 0 (rounding may leave it just below).
     Where the sums are not finite (a non-finite gradient, or an overflow),
     neither is ``S``: not the 0 that ``max(−inf, 0)`` would give."""
+    return _deviation(state.weighted_sq_norms, tokens, grad_sq_norm)
+
+
+def _deviation(
+    weighted_sq_norms: jax.Array, tokens: jax.Array, grad_sq_norm: Any
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`_sq_norm_and_deviation` of the sums ``Σ nᵢ‖gᵢ‖²`` (a total, or
+    each leaf's)."""
     has_tokens = tokens > 0
     g2 = jnp.where(has_tokens, jnp.asarray(grad_sq_norm).astype(_F32), 0)
-    spread = state.weighted_sq_norms - tokens.astype(_F32) * g2
-    sums_finite = jnp.isfinite(state.weighted_sq_norms) & jnp.isfinite(g2)
+    spread = weighted_sq_norms - tokens.astype(_F32) * g2
+    sums_finite = jnp.isfinite(weighted_sq_norms) & jnp.isfinite(g2)
     # Where not finite, their sum is NaN or infinite as they are.
-    s = jnp.where(sums_finite, jnp.maximum(spread, 0), state.weighted_sq_norms + g2)
+    s = jnp.where(sums_finite, jnp.maximum(spread, 0), weighted_sq_norms + g2)
     return g2, s
 
 
@@ -840,6 +918,7 @@ def close_window_stats(
     loss: jax.Array,
     loss_tokens: jax.Array,
     decay: float,
+    leaf_sq_norms: jax.Array | None = None,
 ) -> WindowStatsState:
     """Records the finished window and starts a new one.
 
@@ -847,6 +926,8 @@ def close_window_stats(
       state: the statistics' state, with the window's last microbatch folded in.
       tokens: the window's ``N`` (count dtype).
       grad_sq_norm: ``‖ḡ‖²`` of the window's mean (any value where ``N == 0``).
+      leaf_sq_norms: with each leaf's share (``state.leaves``), each leaf's
+        ``‖ḡₗ‖²`` (a vector whose sum is ``grad_sq_norm``).
       loss: the window's token-weighted mean ``value`` (any value where
         ``loss_tokens`` is 0).
       loss_tokens: the tokens of the microbatches that passed a ``value``.
@@ -904,6 +985,9 @@ def close_window_stats(
             tokens_seen=add_tokens(old.tokens_seen, n),
             windows=cast(jax.Array, optax.safe_increment(old.windows)),
         )
+        leaves = state.leaves
+        if isinstance(leaves, LeafSums):
+            leaves = _close_leaves(leaves, n, k, leaf_sq_norms, finite, beta)
         # The next window starts empty (zeros placed as the sums they
         # replace: an eager step would put fresh ones on the default device).
         return WindowStatsState(
@@ -913,7 +997,42 @@ def close_window_stats(
             ema_true_grad_sq_norm=ema_true,
             ema_weight=ema_weight,
             last=last,
+            leaves=leaves,
         )
+
+
+def _close_leaves(
+    leaves: LeafSums,
+    tokens: jax.Array,
+    microbatches: jax.Array,
+    leaf_sq_norms: Any,
+    finite: jax.Array,
+    beta: jax.Array,
+) -> LeafSums:
+    """Each leaf's share of the closed window: its ``‖ḡₗ‖²`` and ``Sₗ``, and
+    its moving averages, moved where the window's (total) estimates are
+    finite, as the window's are (the leaves' then are too, their sums being
+    finite), so that a group's averages are the sums of its leaves'."""
+    if leaf_sq_norms is None:
+        raise ValueError("each leaf's squared norm of the window's mean is needed")
+    g2, s = _deviation(leaves.weighted_sq_norms, tokens, leaf_sq_norms)
+    var, true_sq, _, ok, _ = _estimates(s, microbatches, tokens, g2)
+    var, true_sq = (jnp.where(finite & ok, x, 0) for x in (var, true_sq))
+    return LeafSums(
+        weighted_sq_norms=jnp.zeros_like(leaves.weighted_sq_norms),
+        grad_sq_norm=g2,
+        sq_deviation=s,
+        ema_grad_var_trace=jnp.where(
+            finite,
+            beta * leaves.ema_grad_var_trace + (1 - beta) * var,
+            leaves.ema_grad_var_trace,
+        ),
+        ema_true_grad_sq_norm=jnp.where(
+            finite,
+            beta * leaves.ema_true_grad_sq_norm + (1 - beta) * true_sq,
+            leaves.ema_true_grad_sq_norm,
+        ),
+    )
 
 
 def read_window_stats(state: WindowStatsState) -> WindowStats:
@@ -979,6 +1098,75 @@ def _read(state: WindowStatsState) -> WindowStats:
 _read_compiled = jax.jit(_read)
 
 
+def read_leaf_stats(state: WindowStatsState, groups: tuple[int, ...]) -> WindowStats:
+    """The last completed window's :class:`WindowStats` for groups of leaves.
+
+    ``groups[l]`` is the group (``0 .. G − 1``) of parameter leaf ``l``. Each
+    group's ``S``, ``‖ḡ‖²`` and moving averages are the sums of its leaves'
+    (:class:`LeafSums`), and its estimators follow from them as the window's
+    do from its totals; ``grad_sq_norm``, ``grad_var_trace``,
+    ``true_grad_sq_norm``, ``noise_scale`` and ``smoothed_noise_scale`` are
+    then vectors of one entry per group, the other fields the window's.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from masked_multistep._stats import (
+      ...     init_window_stats, accumulate_window_stats, close_window_stats,
+      ...     read_leaf_stats)
+      >>> s = init_window_stats(num_leaves=2)
+      >>> for g in ((1.0, 0.0), (3.0, 2.0)):
+      ...     s = accumulate_window_stats(s, [jnp.array(g[0]), jnp.array(g[1])],
+      ...                                 jnp.float32(2))
+      >>> s = close_window_stats(s, tokens=jnp.float32(4),
+      ...                        grad_sq_norm=jnp.float32(5.0),
+      ...                        leaf_sq_norms=jnp.array([4.0, 1.0]),
+      ...                        loss=jnp.float32(0.0),
+      ...                        loss_tokens=jnp.float32(0), decay=0.9)
+      >>> print(read_leaf_stats(s, (0, 1)).grad_var_trace)  # S: 2 + 2, 1 + 1
+      [4. 2.]
+    """
+    if not isinstance(state.leaves, LeafSums):
+        raise ValueError("the statistics keep no leaf's share")
+    if len(groups) != state.leaves.weighted_sq_norms.shape[-1]:
+        raise ValueError(
+            f"{len(groups)} group labels for "
+            f"{state.leaves.weighted_sq_norms.shape[-1]} leaves"
+        )
+    if traced(state):
+        return _read_leaves(state, groups)
+    with jax.debug_nans(False):  # placeholders (see `undefined_as_nan`)
+        return _read_leaves_compiled(state, groups)
+
+
+def _read_leaves(state: WindowStatsState, groups: tuple[int, ...]) -> WindowStats:
+    leaves = cast(LeafSums, state.leaves)
+    num_groups = max(groups, default=-1) + 1
+    ids = np.asarray(groups, np.int32)
+
+    def summed(x: jax.Array) -> jax.Array:
+        return jax.ops.segment_sum(x, ids, num_segments=num_groups)
+
+    g2, s, ema_var, ema_true = map(
+        summed,
+        (
+            leaves.grad_sq_norm,
+            leaves.sq_deviation,
+            leaves.ema_grad_var_trace,
+            leaves.ema_true_grad_sq_norm,
+        ),
+    )
+    grouped = state._replace(
+        ema_grad_var_trace=ema_var,
+        ema_true_grad_sq_norm=ema_true,
+        last=state.last._replace(grad_sq_norm=g2, sq_deviation=s),
+        leaves=(),
+    )
+    return _read(grouped)
+
+
+_read_leaves_compiled = jax.jit(_read_leaves, static_argnums=1)
+
+
 class Recorder(NamedTuple):
     """What :class:`MaskedMultiSteps` calls at three points of its state
     machine: on each microbatch (:meth:`accumulate`), on the window's mean
@@ -992,9 +1180,15 @@ class Recorder(NamedTuple):
 
     enabled: bool
     decay: float
+    # Each parameter leaf's share too (`LeafSums`).
+    per_leaf: bool = False
 
-    def init(self, count_dtype: Any) -> WindowStatsState | tuple[()]:
-        return init_window_stats(count_dtype) if self.enabled else ()
+    def init(
+        self, count_dtype: Any, num_leaves: int = 0
+    ) -> WindowStatsState | tuple[()]:
+        if not self.enabled:
+            return ()
+        return init_window_stats(count_dtype, num_leaves if self.per_leaf else None)
 
     def accumulate(
         self,
@@ -1011,9 +1205,11 @@ class Recorder(NamedTuple):
             return accumulate_window_stats(state, grads, count)
         return accumulate_window_stats_per_device(state, grads, count, local_counts)
 
-    def read_mean(self, mean: Any, take: jax.Array) -> jax.Array | tuple[()]:
+    def read_mean(self, mean: Any, take: jax.Array) -> Any:
         """``‖mean‖²`` (float32), or ``()`` when disabled; its derivative is
-        0 where ``take`` is False (a window without tokens has no mean).
+        0 where ``take`` is False (a window without tokens has no mean). With
+        ``per_leaf``, ``(‖mean‖², each leaf's ‖meanₗ‖²)``, the total the sum of
+        the leaves' (:meth:`total` reads it).
 
         The caller's finiteness test of ``mean`` reuses it (a finite sum of
         squares means finite elements), so the inner optimizer, which waits
@@ -1025,7 +1221,17 @@ class Recorder(NamedTuple):
         if not self.enabled:
             return ()
         with jax.named_scope("masked_multistep/window_stats"):
+            if self.per_leaf:
+                per_leaf = _taken_sq_norm(mean, take, per_leaf=True)
+                return jnp.sum(per_leaf), per_leaf
             return _taken_sq_norm(mean, take).astype(_F32)
+
+    @staticmethod
+    def total(mean_sq_norm: Any) -> Any:
+        """The window's ``‖mean‖²`` of what :meth:`read_mean` returned."""
+        if isinstance(mean_sq_norm, tuple) and mean_sq_norm:
+            return mean_sq_norm[0]
+        return mean_sq_norm  # a scalar, or `()` without statistics
 
     def so_far(
         self, state: Any, tokens: jax.Array, mean: Any
@@ -1054,6 +1260,9 @@ class Recorder(NamedTuple):
             return ()
         if sums:
             state = state._replace(weighted_sq_norms=sums[0], microbatches=sums[1])
+        leaf_sq_norms = None
+        if isinstance(mean_sq_norm, tuple):
+            mean_sq_norm, leaf_sq_norms = mean_sq_norm
         return close_window_stats(
             state,
             tokens=tokens,
@@ -1061,6 +1270,7 @@ class Recorder(NamedTuple):
             loss=loss,
             loss_tokens=loss_tokens,
             decay=self.decay,
+            leaf_sq_norms=leaf_sq_norms,
         )
 
 
@@ -1068,16 +1278,20 @@ class Recorder(NamedTuple):
 _MAX_DECAY = float(np.nextafter(np.float32(1), np.float32(0)))
 
 
-def recorder(window_stats: Any, stats_decay: Any) -> Recorder:
-    """The statistics' hooks for :class:`MaskedMultiSteps`, arguments checked.
+def recorder(
+    window_stats: Any, stats_decay: Any, per_leaf_stats: Any = False
+) -> Recorder:
+    """The statistics' hooks for :class:`MaskedMultiSteps`, arguments checked
+    (``per_leaf_stats`` turns them on).
 
     Raises:
-      TypeError: if ``window_stats`` is not a bool.
+      TypeError: if ``window_stats`` or ``per_leaf_stats`` is not a bool.
       TypeError: if ``stats_decay`` is not a concrete real number.
       ValueError: if ``stats_decay`` is not a scalar in ``[0, 1)`` that stays
         below 1 in float32.
     """
     window_stats = check_flag(window_stats, "`window_stats`")
+    per_leaf = check_flag(per_leaf_stats, "`per_leaf_stats`")
     # A real number: Python's, or a concrete 0-d numpy or jax array.
     if getattr(stats_decay, "dtype", None) is not None and np.ndim(stats_decay) != 0:
         raise ValueError(
@@ -1093,7 +1307,7 @@ def recorder(window_stats: Any, stats_decay: Any) -> Recorder:
             f"`stats_decay` must be below 1 in float32, the moving averages' "
             f"precision; {stats_decay!r} rounds to 1.0 (at most {_MAX_DECAY!r})"
         )
-    return Recorder(window_stats, decay)
+    return Recorder(window_stats or per_leaf, decay, per_leaf)
 
 
 def sum_over_devices(

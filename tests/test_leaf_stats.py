@@ -1,0 +1,350 @@
+"""Each parameter leaf's (and each group's) share of the window statistics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import masked_multistep as mm
+from masked_multistep import _stats
+from tests._helpers import assert_bit_identical
+
+K = 3
+PER_GROUP = (
+    "grad_sq_norm",
+    "grad_var_trace",
+    "true_grad_sq_norm",
+    "noise_scale",
+    "smoothed_noise_scale",
+)
+SHARED = ("tokens", "microbatches", "loss", "windows")
+
+
+def _params():
+    return {
+        "enc": {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)},
+        "dec": {"w": jnp.zeros((3, 2))},
+    }
+
+
+def _plan(seed=0, windows=4):
+    """Microbatches of unequal counts, with a count-0 NaN one in each window:
+    gradients drawn around a fixed mean, each leaf with its own noise."""
+    rng = np.random.default_rng(seed)
+    params = _params()
+    mean = jax.tree.map(lambda p: rng.normal(size=p.shape), params)
+    scale = {"enc": {"w": 0.3, "b": 2.0}, "dec": {"w": 1.0}}
+    plan = []
+    for _ in range(windows):
+        for i in range(K):
+            if i == 1:
+                grads = jax.tree.map(lambda p: jnp.full(p.shape, jnp.nan), params)
+                plan.append((grads, jnp.float32(0)))
+                continue
+            n = int(rng.integers(1, 40))
+            grads = jax.tree.map(
+                lambda m, s, n=n: jnp.asarray(
+                    m + s * rng.normal(size=m.shape) / np.sqrt(n), jnp.float32
+                ),
+                mean,
+                scale,
+            )
+            plan.append((grads, jnp.float32(n)))
+    return plan
+
+
+def _run(tx, plan, pick=lambda tree: tree, apply=False):
+    """The states and outputs (updates, or with ``apply`` params) after each
+    microbatch of ``plan`` (gradients and params restricted by ``pick``),
+    under jit."""
+    params = pick(_params())
+    state = tx.init(params)
+
+    @jax.jit
+    def step(grads, state, params, n):
+        if apply:
+            params, state = tx.apply_gradients(grads, state, params, count=n)
+            return params, state
+        return tx.update(grads, state, params, count=n)
+
+    states, outs = [], []
+    for grads, n in plan:
+        out, state = step(pick(grads), state, params, n)
+        params = out if apply else params
+        states.append(state)
+        outs.append(out)
+    return states, outs
+
+
+def _close(a, b, rtol=2e-6):
+    """Equal to float32 rounding, leaf by leaf (pytrees of equal structure)."""
+    jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(
+            np.asarray(x), np.asarray(y), rtol=rtol, atol=1e-7
+        ),
+        a,
+        b,
+    )
+
+
+# S = Σ nᵢ‖gᵢ‖² − N‖ḡ‖² cancels (README, "Window statistics"): a sum taken in
+# another order moves its float32 rounding by up to about N / B_simple ulps,
+# and |G|²̂ = ‖ḡ‖² − tr Σ̂ / N cancels again where the noise dominates.
+S_RTOL = 1e-4
+RTOL = {
+    "grad_sq_norm": 2e-6,
+    "grad_var_trace": S_RTOL,
+    "true_grad_sq_norm": 1e-3,
+    "noise_scale": 1e-3,
+    "smoothed_noise_scale": 1e-3,
+}
+
+
+def _close_stats(a, b, pick=lambda tree: tree):
+    """The per-group fields of ``a`` (picked) and ``b`` equal to rounding."""
+    for name, rtol in RTOL.items():
+        _close(pick(getattr(a, name)), getattr(b, name), rtol)
+
+
+def test_each_leafs_statistics_are_those_of_a_wrapper_on_that_leaf_alone():
+    plan = _plan()
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)
+    state = _run(tx, plan)[0][-1]
+    per_leaf = mm.window_stats(state, per_leaf=True)
+    total = mm.window_stats(state)
+    assert int(total.windows) == 4 and int(total.microbatches) == 2
+    for path, _ in jax.tree_util.tree_flatten_with_path(_params())[0]:
+
+        def pick(tree, path=path):
+            for key in path:
+                tree = tree[key.key]
+            return tree
+
+        alone = mm.MaskedMultiSteps(optax.sgd(0.1), K, window_stats=True)
+        expected = mm.window_stats(_run(alone, plan, pick)[0][-1])
+        _close_stats(per_leaf, expected, pick)
+        for name in SHARED:
+            assert_bit_identical(getattr(per_leaf, name), getattr(expected, name))
+
+
+def test_groups_by_label_prefix_or_function_are_wrappers_on_their_leaves():
+    plan = _plan(seed=1)
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)
+    state = _run(tx, plan)[0][-1]
+    by_prefix = mm.window_stats(state, groups={"enc": "encoder", "dec": "decoder"})
+    by_function = mm.window_stats(
+        state,
+        groups=lambda tree: {
+            "enc": jax.tree.map(lambda _: "encoder", tree["enc"]),
+            "dec": {"w": "decoder"},
+        },
+    )
+    for part, label in [("enc", "encoder"), ("dec", "decoder")]:
+        alone = mm.MaskedMultiSteps(optax.sgd(0.1), K, window_stats=True)
+        expected = mm.window_stats(_run(alone, plan, lambda t, p=part: t[p])[0][-1])
+        _close_stats(by_prefix, expected, lambda x, label=label: x[label])
+        assert_bit_identical(by_prefix, by_function)
+    # One group of every leaf: the window's own figures.
+    one = mm.window_stats(state, groups="all")
+    total = mm.window_stats(state)
+    _close_stats(one, total, lambda x: x["all"])
+
+
+def test_the_leaves_add_up_to_the_window_and_the_totals_are_kept_as_without_them():
+    plan = _plan(seed=2)
+    with_leaves = mm.MaskedMultiSteps(optax.adam(0.1), K, per_leaf_stats=True)
+    without = mm.MaskedMultiSteps(optax.adam(0.1), K, window_stats=True)
+    states, updates = _run(with_leaves, plan)
+    plain_states, plain_updates = _run(without, plan)
+    # The statistics never change the updates.
+    assert_bit_identical(updates, plain_updates)
+    for state, plain in zip(states, plain_states, strict=True):
+        total, expected = mm.window_stats(state), mm.window_stats(plain)
+        _close_stats(total, expected)
+        for name in SHARED:
+            assert_bit_identical(getattr(total, name), getattr(expected, name))
+    leaves = mm.window_stats(states[-1], per_leaf=True)
+    total = mm.window_stats(states[-1])
+    for name in ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm"):
+        _close(
+            sum(jax.tree.leaves(getattr(leaves, name))), getattr(total, name), S_RTOL
+        )
+
+
+def test_each_leafs_spread_matches_a_float64_two_pass_sum():
+    plan = _plan(seed=3, windows=1)
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)
+    state = _run(tx, plan)[0][-1]
+    spread = _stats.read_leaf_stats(state.stats, (0, 1, 2)).grad_var_trace  # K = 2
+    taken = [(g, float(n)) for g, n in plan if float(n) > 0]
+    for leaf in range(3):
+        gs = [np.asarray(jax.tree.leaves(g)[leaf], np.float64) for g, _ in taken]
+        ns = np.array([n for _, n in taken])
+        mean = sum(n * g for n, g in zip(ns, gs)) / ns.sum()
+        s = sum(n * np.sum((g - mean) ** 2) for n, g in zip(ns, gs))
+        np.testing.assert_allclose(spread[leaf], s / (len(taken) - 1), rtol=S_RTOL)
+
+
+def test_an_empty_microbatch_leaves_every_leafs_share_bit_identical():
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)
+    params = _params()
+    state = tx.init(params)
+    grads, n = _plan()[0]
+    _, state = tx.update(grads, state, params, count=n)
+    nan = jax.tree.map(lambda p: jnp.full(p.shape, jnp.nan), params)
+    _, after = tx.update(nan, state, params, count=jnp.float32(0))
+    assert_bit_identical(after.stats, state.stats)
+
+
+def test_apply_gradients_train_state_and_a_read_under_jit_agree():
+    plan = _plan(seed=4)
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), K, per_leaf_stats=True)
+    state = _run(tx, plan)[0][-1]
+    applied = _run(tx, plan, apply=True)[0][-1]
+    eager = mm.window_stats(state, per_leaf=True)
+    assert_bit_identical(mm.window_stats(applied, per_leaf=True), eager)
+    traced = jax.jit(lambda s: mm.window_stats(s, per_leaf=True))(state)
+    _close_stats(traced, eager)
+    # Inside optax.chain (a nested state).
+    chained = optax.chain(optax.scale(1.0), tx)
+    params = _params()
+    nested = chained.init(params)
+    for grads, n in plan:
+        _, nested = chained.update(grads, nested, params, count=n)
+    _close_stats(mm.window_stats(nested, per_leaf=True), eager)
+
+
+def test_linen_train_state_and_nnx_optimizer_keep_each_leafs_share():
+    flax = pytest.importorskip("flax")
+    from flax import nnx
+
+    plan = _plan(seed=5, windows=2)
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)
+    expected = mm.window_stats(_run(tx, plan)[0][-1], per_leaf=True)
+
+    ts = mm.TrainState.create(apply_fn=None, params=_params(), tx=tx)
+    for grads, n in plan:
+        ts = ts.apply_gradients(grads=grads, count=n)
+    _close_stats(mm.window_stats(ts, per_leaf=True), expected)
+    assert flax is not None
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(3))
+
+    model = Model()
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    for grads, n in plan:
+        params = nnx.state(model, nnx.Param)
+        optimizer.update(
+            model, jax.tree.map(lambda _, g=grads: g["enc"]["b"], params), count=n
+        )
+    got = mm.window_stats(optimizer, per_leaf=True)
+    for name, rtol in RTOL.items():
+        _close(getattr(got, name)["w"], getattr(expected, name)["enc"]["b"], rtol)
+    by_group = mm.window_stats(optimizer, groups="b")
+    for name, rtol in RTOL.items():
+        _close(getattr(by_group, name)["b"], getattr(expected, name)["enc"]["b"], rtol)
+
+
+def test_a_checkpoint_mid_window_resumes_bit_identically(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    plan = _plan(seed=6)
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), K, per_leaf_stats=True)
+    states, _ = _run(tx, plan)
+    saved = states[4]  # mid-window, after one completed window
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", saved)
+        checkpointer.wait_until_finished()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(_params()))
+        restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+    assert isinstance(restored.stats.leaves, _stats.LeafSums)
+    params = _params()
+    step = jax.jit(lambda g, s, n: tx.update(g, s, params, count=n)[1])
+    state = restored
+    for grads, n in plan[5:]:
+        state = step(grads, state, n)
+    assert_bit_identical(state.stats, states[-1].stats)
+
+
+def test_reverse_mode_derivatives_through_each_leafs_share_are_finite():
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 3, per_leaf_stats=True)
+
+    def noise(theta):
+        params = {"a": jnp.zeros(2), "b": jnp.zeros(1)}
+        state = tx.init(params)
+        empty = {"a": jnp.full(2, jnp.nan), "b": jnp.full(1, jnp.nan)}
+        for grads, n in [
+            ({"a": theta * jnp.ones(2), "b": jnp.ones(1)}, 2.0),
+            (empty, 0.0),
+            ({"a": jnp.array([1.0, 3.0]), "b": theta * jnp.full(1, 2.0)}, 3.0),
+        ]:
+            _, state = tx.update(grads, state, params, count=jnp.float32(n))
+        stats = mm.window_stats(state, per_leaf=True)
+        return stats.grad_var_trace["a"] + stats.grad_sq_norm["b"]
+
+    value, tangent = jax.jvp(noise, (1.0,), (1.0,))
+    grad = jax.grad(noise)(1.0)
+    assert np.isfinite(value) and np.isfinite(grad)
+    np.testing.assert_allclose(grad, tangent, rtol=1e-5)
+
+
+def test_errors_name_the_argument_and_what_was_received():
+    params = _params()
+    with pytest.raises(TypeError, match="`per_leaf_stats`.*'yes'"):
+        mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats="yes")
+    mesh = jax.make_mesh((1,), ("data",))
+    with pytest.raises(ValueError, match="`per_leaf_stats`.*deferred"):
+        mm.MaskedMultiSteps(
+            optax.sgd(0.1), K, per_leaf_stats=True, reduction=mm.deferred(mesh)
+        )
+    totals_only = mm.MaskedMultiSteps(optax.sgd(0.1), K, window_stats=True)
+    with pytest.raises(ValueError, match="per_leaf_stats=True"):
+        mm.window_stats(totals_only.init(params), per_leaf=True)
+    with pytest.raises(ValueError, match="per_leaf_stats=True"):
+        mm.window_stats(totals_only.init(params), groups="all")
+    state = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True).init(params)
+    with pytest.raises(TypeError, match="not both"):
+        mm.window_stats(state, per_leaf=True, groups="all")
+    with pytest.raises(ValueError, match="`groups` must be a pytree of str labels"):
+        mm.window_stats(state, groups={"enc": "e"})
+    with pytest.raises(TypeError, match="labels must be str, got 3 of type int"):
+        mm.window_stats(state, groups={"enc": 3, "dec": "d"})
+    with pytest.raises(TypeError, match="`per_leaf`"):
+        mm.window_stats(state, per_leaf=1)
+    assert "per_leaf_stats=True" in repr(
+        mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)
+    )
+
+
+def test_a_converted_window_counts_its_mean_as_one_microbatch_for_every_leaf():
+    """From optax.MultiSteps or a 0.1 checkpoint, mid-window: each leaf's
+    statistics are those of a run whose first microbatch is the pending mean,
+    with the window's tokens."""
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(1)}
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, per_leaf_stats=True)
+    pending = {"a": jnp.array([1.0, -2.0]), "b": jnp.array([4.0])}
+    last = {"a": jnp.array([3.0, 0.0]), "b": jnp.array([-1.0])}
+    direct = tx.init(params)
+    for grads, n in [(pending, 6), (last, 2)]:
+        _, direct = tx.update(grads, direct, params, count=jnp.float32(n))
+    expected = mm.window_stats(direct, per_leaf=True)
+
+    old = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    old_state = old.init(params)
+    _, old_state = old.update(pending, old_state, params)
+    from_optax = mm.from_optax_multisteps(old_state, tx, params, acc_count=6)
+    template = tx.init(params)
+    from_0_1 = mm.from_state_0_1(
+        {
+            **mm.state_0_1_target(template),
+            "mini_step": jnp.int32(1),
+            "acc_count": jnp.int32(6),
+            "acc_grads": pending,
+        },
+        template,
+    )
+    for state in (from_optax, from_0_1):
+        _, state = tx.update(last, state, params, count=jnp.float32(2))
+        _close_stats(mm.window_stats(state, per_leaf=True), expected)
