@@ -67,6 +67,10 @@ def competitors() -> dict[str, Callable[[], tuple[Any, Callable[..., Any]]]]:
             mm.MaskedMultiSteps(adam, K, window_stats=True),
             fused,
         ),
+        "MaskedMultiSteps apply_gradients+leaf stats": lambda: (
+            mm.MaskedMultiSteps(adam, K, per_leaf_stats=True),
+            fused,
+        ),
     }
 
 
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for make in makers.values():  # warm-up: jax's own first-use costs
         measure(2, make)
     rows = []
+    width = max(map(len, makers))
     for leaves in args.leaves:
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in makers}
         for _ in range(args.repeats):
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             for key in ("trace_s", "compile_s")
         }
         print(f"\n{leaves} leaves")
-        print(f"{'':40s} {'trace':>13s} {'compile':>15s} {'fusions':>8s}")
+        print(f"{'':{width}s} {'trace':>13s} {'compile':>15s} {'fusions':>8s}")
         for name, measured in runs.items():
             row = {"leaves": leaves, "competitor": name}
             for key in ("trace_s", "compile_s"):
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             row["fusions"] = measured[0]["fusions"]
             rows.append(row)
             print(
-                f"{name:40s} {row['trace_s']:6.2f} s {row['trace_ratio']:4.2f}x "
+                f"{name:{width}s} {row['trace_s']:6.2f} s {row['trace_ratio']:4.2f}x "
                 f"{row['compile_s']:7.2f} s {row['compile_ratio']:4.2f}x "
                 f"{row['fusions']:8d}"
             )

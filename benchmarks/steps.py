@@ -166,6 +166,22 @@ def masked_multisteps_stats(workload: Workload, k: int) -> Competitor:
     )
 
 
+def masked_multisteps_leaf_stats(workload: Workload, k: int) -> Competitor:
+    """The plain optax loop with ``per_leaf_stats=True``: the statistics and
+    each parameter leaf's share of them."""
+    tx = mm.MaskedMultiSteps(
+        optax.adam(LEARNING_RATE), every_k_schedule=k, per_leaf_stats=True
+    )
+    return _optax_loop(
+        "MaskedMultiSteps update+leaf stats",
+        tx,
+        workload,
+        k,
+        with_count=True,
+        baseline="MaskedMultiSteps update",
+    )
+
+
 def masked_multisteps_norm_test(workload: Workload, k: int) -> Competitor | None:
     """The plain optax loop with windows closed by the norm test, held at ``k``
     microbatches (the minimum and the maximum both ``k``) so
@@ -328,6 +344,7 @@ WINDOW_COMPETITORS = (
     optax_multisteps,
     masked_multisteps,
     masked_multisteps_stats,
+    masked_multisteps_leaf_stats,
     masked_multisteps_norm_test,
     train_state,
     train_state_stats,

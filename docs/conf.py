@@ -75,8 +75,10 @@ nitpick_ignore_regex = [
     # batch types) and the protocol of the function it returns (its docstring
     # describes it): not documented entries of their own.
     (r"py:class", r"masked_multistep\._microbatch\.(ParamsT|BatchT|GradFn\w*)"),
-    # ... and `MaskedMultiSteps.apply_gradients`' params type.
+    # ... and `MaskedMultiSteps.apply_gradients`' params type, and the type of
+    # `WindowStats`' per-group figures (its docstring says what they are).
     (r"py:class", r"_ParamsT"),
+    (r"py:class", r"(masked_multistep\._stats\.)?_Figure"),
     # The type of `MaskedMultiSteps(reduction=...)`: built by `mm.deferred`,
     # whose entry documents it.
     (r"py:class", r"masked_multistep\._deferred\.Deferred"),

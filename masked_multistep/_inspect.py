@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import jax
 import optax
@@ -126,9 +126,27 @@ def has_updated(opt_state: Any) -> jax.Array:
     return jax.numpy.asarray(find_state(opt_state).updated)
 
 
+@overload
+def window_stats(
+    opt_state: Any, *, per_leaf: Literal[False] = False, groups: None = None
+) -> WindowStats[jax.Array]: ...
+
+
+@overload
+def window_stats(
+    opt_state: Any, *, per_leaf: Literal[True], groups: None = None
+) -> WindowStats[Any]: ...
+
+
+@overload
+def window_stats(
+    opt_state: Any, *, per_leaf: Literal[False] = False, groups: Any
+) -> WindowStats[dict[str, jax.Array]]: ...
+
+
 def window_stats(
     opt_state: Any, *, per_leaf: bool = False, groups: Any = None
-) -> WindowStats:
+) -> WindowStats[Any]:
     """The :class:`WindowStats` of the last completed window.
 
     They describe the last window that ended (loss, tokens, gradient norm,
@@ -192,10 +210,11 @@ def window_stats(
       ...     grads = {"w": jnp.full(2, g), "b": jnp.full(1, 2 * g)}
       ...     _, state = tx.update(grads, state, params, count=jnp.array(n))
       >>> stats = mm.window_stats(state, per_leaf=True)
-      >>> print(stats.grad_var_trace["w"], stats.grad_var_trace["b"])
-      8.0 8.0
-      >>> print(mm.window_stats(state, groups={"w": "all", "b": "all"}).grad_var_trace)
-      {'all': Array(16., dtype=float32)}
+      >>> var = stats.grad_var_trace  # S: 2·2 + 2·2 for "w", 2·4 + 2·4 for "b"
+      >>> print(var["w"], var["b"])
+      8.0 16.0
+      >>> print(mm.window_stats(state, groups="all").grad_var_trace["all"])
+      24.0
     """
     state = find_state(opt_state)
     stats = state.stats
@@ -235,7 +254,7 @@ _PER_GROUP = (
 )
 
 
-def _with_groups(stats: WindowStats, arrange: Any) -> WindowStats:
+def _with_groups(stats: WindowStats[Any], arrange: Any) -> WindowStats[Any]:
     """``stats`` with each per-group vector arranged by ``arrange``."""
     return stats._replace(
         **{name: arrange(getattr(stats, name)) for name in _PER_GROUP}

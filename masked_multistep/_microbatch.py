@@ -94,7 +94,7 @@ class GradFnWithStats(Protocol[ParamsT, BatchT_contra]):
         batch: BatchT_contra,
         *,
         rng: jax.typing.ArrayLike | None = None,
-    ) -> tuple[Any, ParamsT, _stats.WindowStats]: ...
+    ) -> tuple[Any, ParamsT, _stats.WindowStats[jax.Array]]: ...
 
 
 def _batch_size(batch: Any, num_microbatches: int) -> int:

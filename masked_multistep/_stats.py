@@ -99,7 +99,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -384,9 +384,19 @@ def with_tokens_seen(tree: Any, seen: TokenTotal) -> Any:
     )
 
 
-class WindowStats(NamedTuple):
+# What one of the per-group figures is: an array (the window's), a pytree
+# shaped like the params (each leaf's) or a dict by label (each group's).
+_Figure = TypeVar("_Figure")
+
+
+class WindowStats(NamedTuple, Generic[_Figure]):
     """Statistics of the last completed window (the estimators are explained in
     the README's "Window statistics and the critical batch size").
+
+    ``mm.window_stats(state)`` gives the window's (``WindowStats[jax.Array]``);
+    with ``per_leaf=True`` or ``groups=`` the fields from ``grad_sq_norm`` to
+    ``smoothed_noise_scale`` are each leaf's (a pytree shaped like the
+    params) or each group's (a ``dict`` by label), the others the window's.
 
     Attributes:
       tokens: ``N``, the window's token total (the count dtype).
@@ -415,11 +425,11 @@ class WindowStats(NamedTuple):
     tokens: jax.Array
     microbatches: jax.Array
     loss: jax.Array
-    grad_sq_norm: jax.Array
-    grad_var_trace: jax.Array
-    true_grad_sq_norm: jax.Array
-    noise_scale: jax.Array
-    smoothed_noise_scale: jax.Array
+    grad_sq_norm: _Figure
+    grad_var_trace: _Figure
+    true_grad_sq_norm: _Figure
+    noise_scale: _Figure
+    smoothed_noise_scale: _Figure
     tokens_seen: TokenTotal
     windows: jax.Array
 
@@ -1035,7 +1045,7 @@ def _close_leaves(
     )
 
 
-def read_window_stats(state: WindowStatsState) -> WindowStats:
+def read_window_stats(state: WindowStatsState) -> WindowStats[jax.Array]:
     """The :class:`WindowStats` of the last completed window, its estimators
     derived from the state's sums (NaN where undefined, made here).
 
@@ -1064,7 +1074,7 @@ def read_window_stats(state: WindowStatsState) -> WindowStats:
         return _read_compiled(state)
 
 
-def _read(state: WindowStatsState) -> WindowStats:
+def _read(state: WindowStatsState) -> WindowStats[jax.Array]:
     with jax.named_scope("masked_multistep/window_stats"):
         last = state.last
         has_tokens = last.tokens > 0
@@ -1098,7 +1108,9 @@ def _read(state: WindowStatsState) -> WindowStats:
 _read_compiled = jax.jit(_read)
 
 
-def read_leaf_stats(state: WindowStatsState, groups: tuple[int, ...]) -> WindowStats:
+def read_leaf_stats(
+    state: WindowStatsState, groups: tuple[int, ...]
+) -> WindowStats[jax.Array]:
     """The last completed window's :class:`WindowStats` for groups of leaves.
 
     ``groups[l]`` is the group (``0 .. G − 1``) of parameter leaf ``l``. Each
@@ -1122,8 +1134,10 @@ def read_leaf_stats(state: WindowStatsState, groups: tuple[int, ...]) -> WindowS
       ...                        leaf_sq_norms=jnp.array([4.0, 1.0]),
       ...                        loss=jnp.float32(0.0),
       ...                        loss_tokens=jnp.float32(0), decay=0.9)
-      >>> print(read_leaf_stats(s, (0, 1)).grad_var_trace)  # S: 2 + 2, 1 + 1
-      [4. 2.]
+      >>> print(read_leaf_stats(s, (0, 1)).grad_var_trace)  # S: 2·1 + 2·1 each
+      [4. 4.]
+      >>> print(read_leaf_stats(s, (0, 0)).grad_var_trace)  # one group of both
+      [8.]
     """
     if not isinstance(state.leaves, LeafSums):
         raise ValueError("the statistics keep no leaf's share")
@@ -1138,7 +1152,9 @@ def read_leaf_stats(state: WindowStatsState, groups: tuple[int, ...]) -> WindowS
         return _read_leaves_compiled(state, groups)
 
 
-def _read_leaves(state: WindowStatsState, groups: tuple[int, ...]) -> WindowStats:
+def _read_leaves(
+    state: WindowStatsState, groups: tuple[int, ...]
+) -> WindowStats[jax.Array]:
     leaves = cast(LeafSums, state.leaves)
     num_groups = max(groups, default=-1) + 1
     ids = np.asarray(groups, np.int32)
@@ -1334,7 +1350,7 @@ def one_window_stats(
     tokens: jax.Array,
     mean: Any,
     loss: jax.Array,
-) -> WindowStats:
+) -> WindowStats[jax.Array]:
     """The :class:`WindowStats` of a window that is one call (in-jit
     microbatching): from its running sums ``(Σ nᵢ‖gᵢ‖², K)``, token total
     ``N``, mean gradient ``ḡ`` and mean loss (``smoothed_noise_scale`` is the

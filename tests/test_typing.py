@@ -135,12 +135,18 @@ def test_window_stats_are_typed():
     batch = {"x": jnp.arange(4.0), "mask": jnp.array([True, True, False, True])}
     (_, count), grads, stats = grad_fn({"w": jnp.ones(())}, batch)
     assert_type(grads, dict[str, jax.Array])
-    assert_type(stats, mm.WindowStats)
+    assert_type(stats, mm.WindowStats[jax.Array])
     assert int(stats.tokens) == int(count) == 3
 
-    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=1, window_stats=True)
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=1, per_leaf_stats=True)
     opt_state = optax.chain(optax.identity(), tx).init({"w": jnp.zeros(())})
-    assert_type(mm.window_stats(opt_state), mm.WindowStats)
+    assert_type(mm.window_stats(opt_state), mm.WindowStats[jax.Array])
+    # Each leaf's figures are shaped like the params, each group's by label.
+    assert_type(mm.window_stats(opt_state, per_leaf=True), mm.WindowStats[Any])
+    assert_type(
+        mm.window_stats(opt_state, groups="all"),
+        mm.WindowStats[dict[str, jax.Array]],
+    )
     assert_type(mm.find_state(opt_state), mm.MaskedMultiStepsState)
     assert_type(mm.has_updated(opt_state), jax.Array)
 
@@ -160,7 +166,7 @@ def test_data_parallel_value_and_grad_is_typed_like_microbatched_value_and_grad(
     stats_fn = mm.data_parallel_value_and_grad(loss_fn, mesh, "data", with_stats=True)
     (_, count), grads, stats = stats_fn(params, batch)
     assert_type(grads, dict[str, jax.Array])
-    assert_type(stats, mm.WindowStats)
+    assert_type(stats, mm.WindowStats[jax.Array])
     assert int(stats.tokens) == int(count) == 10
     # Per device: the same typed `loss_fn`; each gradient leaf gains the
     # device axis, the pytree keeps the params' type.
