@@ -149,10 +149,15 @@ class Deferred(KnownTotals):
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (type(self), (self.mesh, self._spec_axes))
 
-    def _per_window(self, stats: bool = False) -> DeferredPerWindow:
+    def _per_window(
+        self, stats: bool = False, per_leaf: bool = False
+    ) -> DeferredPerWindow:
         """The same reduction, with the devices agreeing only at a window's end
-        (``stats``: it also keeps the window statistics' per-device shares)."""
-        return DeferredPerWindow(self.mesh, self._spec_axes, stats=stats)
+        (``stats``: it also keeps the window statistics' per-device shares;
+        ``per_leaf``: each parameter leaf's)."""
+        return DeferredPerWindow(
+            self.mesh, self._spec_axes, stats=stats, per_leaf=per_leaf
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -242,7 +247,8 @@ class Deferred(KnownTotals):
 
         return self._with_device_axis(jax.tree.map(leaf, params))
 
-    def init(self, count_dtype: Any) -> DeferredState:
+    def init(self, count_dtype: Any, num_leaves: int = 0) -> DeferredState:
+        del num_leaves
         return DeferredState(
             counts=_zeros_on(
                 (self.size,), count_dtype, NamedSharding(self.mesh, P(self._spec_axes))
@@ -392,7 +398,9 @@ class DeferredWindowState(NamedTuple):
       value: each device's token-weighted running mean of ``value=`` (float32).
       value_counts: the tokens behind ``value``.
       sq_norms: with window statistics, each device's ``Σᵢ nᵈᵢ ‖gᵈᵢ‖²``
-        (float32; 0 without).
+        (float32; 0 without); with each leaf's share too
+        (``per_leaf_stats=True``), each device's for each leaf, shape
+        ``(D, L)``.
       microbatches: with window statistics, each device's microbatches with
         tokens (int32; 0 without).
     """
@@ -441,28 +449,37 @@ class DeferredPerWindow(Deferred):
     """
 
     def __init__(
-        self, mesh: jax.sharding.Mesh, axis_name: Any = "data", stats: bool = False
+        self,
+        mesh: jax.sharding.Mesh,
+        axis_name: Any = "data",
+        stats: bool = False,
+        per_leaf: bool = False,
     ):
         super().__init__(mesh, axis_name)
         # Whether the window statistics' running sums are kept here, per
-        # device, rather than in the statistics' state (see WindowTotals).
+        # device, rather than in the statistics' state (see WindowTotals),
+        # and each parameter leaf's share of them.
         self.keeps_stats = stats
+        self.per_leaf = stats and per_leaf
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (type(self), (self.mesh, self._spec_axes, self.keeps_stats))
+        args = (self.mesh, self._spec_axes, self.keeps_stats, self.per_leaf)
+        return (type(self), args)
 
-    def init(self, count_dtype: Any) -> DeferredWindowState:  # type: ignore[override]
+    def init(  # type: ignore[override]
+        self, count_dtype: Any, num_leaves: int = 0
+    ) -> DeferredWindowState:
         devices = NamedSharding(self.mesh, P(self._spec_axes))
 
-        def zeros(dtype):
-            return _zeros_on((self.size,), dtype, devices)
+        def zeros(dtype, *trailing):
+            return _zeros_on((self.size, *trailing), dtype, devices)
 
         return DeferredWindowState(
             counts=zeros(count_dtype),
             invalid=zeros(jnp.int32),
             value=zeros(jnp.float32),
             value_counts=zeros(count_dtype),
-            sq_norms=zeros(jnp.float32),
+            sq_norms=zeros(jnp.float32, *((num_leaves,) if self.per_leaf else ())),
             microbatches=zeros(jnp.int32),
         )
 
@@ -504,7 +521,7 @@ class DeferredPerWindow(Deferred):
         )
         if self.keeps_stats:
             with jax.named_scope("masked_multistep/window_stats"):
-                added, took = device_shares(grads, counts, counts > 0)
+                added, took = device_shares(grads, counts, counts > 0, self.per_leaf)
             state = state._replace(
                 sq_norms=state.sq_norms + added,
                 microbatches=state.microbatches + took,
@@ -554,8 +571,9 @@ class DeferredPerWindow(Deferred):
         value, _ = mean_over_devices(state.value, state.value_counts, value_total)
         stats_sums = ()
         if self.keeps_stats:
-            sq_norms, k = sum_over_devices(state.sq_norms, state.microbatches)
-            stats_sums = (jnp.where(kept, sq_norms, 0), jnp.where(kept, k, 0))
+            # (Σ nᵢ‖gᵢ‖², K), and with each leaf's shares their sums.
+            sums = sum_over_devices(state.sq_norms, state.microbatches)
+            stats_sums = tuple(jnp.where(kept, x, 0) for x in sums)
         return WindowTotals(
             tokens=total.astype(so_far.tokens.dtype),
             value=value.astype(jnp.float32),

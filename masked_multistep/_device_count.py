@@ -472,6 +472,13 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     """The wrapper state ``r_node`` in the layout and on the devices of
     ``t_node``."""
     r, t = _Side(r_node), _Side(t_node)
+    for side in (r, t):
+        if _fields(side.stats) and _fields(_get(side.stats, "leaves")):
+            raise ValueError(
+                "mm.from_device_count does not regroup each leaf's share of the "
+                "window statistics (per_leaf_stats=True) yet: restore such a "
+                "state on the devices that saved it"
+            )
     for name in _fields(t.node):
         if name not in _LAYOUT_FIELDS:
             _check_same(f"`{name}`", _get(r.node, name), _get(t.node, name))
@@ -577,7 +584,9 @@ def from_device_count(restored: Any, template: Any) -> Any:
         dtype is of another kind or holds values its template dtype cannot,
         or the restored counts are negative, not finite (or its invalid
         counts, microbatches or squared norms are), or
-        (for an integer ``count_dtype``) add up beyond it on a new device.
+        (for an integer ``count_dtype``) add up beyond it on a new device, or
+        a state keeps each leaf's share of the window statistics
+        (``per_leaf_stats=True``), which it does not regroup yet.
 
     Examples:
       Two devices' halves of a window (2 tokens of mean 1, 6 tokens of mean 3)

@@ -329,7 +329,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         leaf by leaf. ``mm.window_stats(state, per_leaf=True)`` reads each
         leaf's gradient norm, variance and noise scale, and
         ``mm.window_stats(state, groups=labels)`` each group's (layers,
-        parameter kinds). Not with ``reduction=mm.deferred(...)`` yet.
+        parameter kinds). With ``reduction=mm.deferred(...)`` each device's
+        share counts per leaf (:func:`from_device_count` does not regroup
+        them yet).
 
     Raises:
       TypeError: if ``opt`` is not a gradient transformation, or no window rule
@@ -592,7 +594,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 # Nothing needs a microbatch's global count before its window
                 # closes: the devices need not agree on it sooner (the
                 # statistics' per-device shares wait for the window's end too).
-                reduction = reduction._per_window(stats=recorder.enabled)
+                reduction = reduction._per_window(
+                    stats=recorder.enabled, per_leaf=recorder.per_leaf
+                )
         self._reduction = Local() if reduction is None else reduction
         self._recorder = recorder
         # `_inner.window_shapes` of eager steps, by their arguments' avals.
@@ -694,6 +698,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
         inner_opt_state = self._opt.init(params)
         _refuse_nested_accumulation(inner_opt_state)
+        num_leaves = len(jax.tree.leaves(params))
         state = MaskedMultiStepsState(
             mini_step=jnp.zeros([], jnp.int32),
             gradient_step=gradient_step,
@@ -706,9 +711,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             value_count=jnp.zeros([], self._count_dtype),
             num_nonfinite_windows=jnp.zeros([], jnp.int32),
             skip_state=skip_state,
-            stats=self._recorder.init(self._count_dtype, len(jax.tree.leaves(params))),
+            stats=self._recorder.init(self._count_dtype, num_leaves),
             policy_state=self._policy.init(),
-            reduction_state=self._reduction.init(self._count_dtype),
+            reduction_state=self._reduction.init(self._count_dtype, num_leaves),
         )
         state = self._reduction.place(state, params)
         if _processes.spans_every_process(state):
@@ -1372,11 +1377,6 @@ def _recorder_for(
     ``window_stats`` or ``per_leaf_stats``, and for a policy that reads them
     (the norm test, which the deferred reduction cannot serve)."""
     recorder = _stats.recorder(window_stats, stats_decay, per_leaf_stats)
-    if recorder.per_leaf and reduction is not None:
-        raise ValueError(
-            "`per_leaf_stats` is not available with reduction=mm.deferred(...) "
-            "yet: its statistics keep the window's totals (`window_stats=True`)"
-        )
     if policy.needs_stats:
         if reduction is not None:
             raise ValueError(

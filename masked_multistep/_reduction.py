@@ -274,8 +274,8 @@ class Local(KnownTotals):
     def init_accumulator(self, params: Any, leaf_dtype: Callable[[Any], Any]) -> Any:
         return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=leaf_dtype(p)), params)
 
-    def init(self, count_dtype: Any) -> tuple:
-        del count_dtype
+    def init(self, count_dtype: Any, num_leaves: int = 0) -> tuple:
+        del count_dtype, num_leaves
         return ()
 
     def place(self, state: Any, params: Any) -> Any:

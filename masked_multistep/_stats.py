@@ -713,9 +713,10 @@ def accumulate_window_stats(
 
 
 def device_shares(
-    grads: Any, local_counts: jax.Array, take: jax.Array
+    grads: Any, local_counts: jax.Array, take: jax.Array, per_leaf: bool = False
 ) -> tuple[jax.Array, jax.Array]:
-    """Every device's ``nᵈ ‖gᵈ‖²`` and whether its share counts (shape ``(D,)``).
+    """Every device's ``nᵈ ‖gᵈ‖²`` and whether its share counts (shape ``(D,)``;
+    with ``per_leaf`` the shares are each leaf's, shape ``(D, L)``).
 
     ``grads`` are every device's mean gradient, stacked along a leading axis
     of size ``D`` sharded over the devices: each device reduces its own, so
@@ -723,9 +724,12 @@ def device_shares(
     whatever ``gᵈ`` holds (a device without tokens may hold NaN).
     """
     n = jnp.where(take, local_counts, 0).astype(_F32)
-    sq = _taken_sq_norm(grads, take, True)
+    sq = _taken_sq_norm(grads, take, True, per_leaf)
+    took = take.astype(jnp.int32)
+    if per_leaf:
+        n, take = n[:, None], take[:, None]
     # Selected away, not multiplied: 0 * NaN is NaN.
-    return jnp.where(take, n * jnp.where(take, sq, 0), 0), take.astype(jnp.int32)
+    return jnp.where(take, n * jnp.where(take, sq, 0), 0), took
 
 
 def accumulate_window_stats_per_device(
@@ -757,10 +761,16 @@ def accumulate_window_stats_per_device(
     """
     with jax.named_scope("masked_multistep/window_stats"):
         take = (jnp.asarray(count) > 0) & (local_counts > 0)
-        added, took = device_shares(grads, local_counts, take)
+        leaves = state.leaves
+        per_leaf = isinstance(leaves, LeafSums)
+        added, took = device_shares(grads, local_counts, take, per_leaf)
+        if isinstance(leaves, LeafSums):
+            added = jnp.sum(added, axis=0)  # each leaf's, over the devices
+            leaves = leaves._replace(weighted_sq_norms=leaves.weighted_sq_norms + added)
         return state._replace(
             weighted_sq_norms=state.weighted_sq_norms + jnp.sum(added),
             microbatches=(state.microbatches + jnp.sum(took)).astype(jnp.int32),
+            leaves=leaves,
         )
 
 
@@ -1276,6 +1286,9 @@ class Recorder(NamedTuple):
             return ()
         if sums:
             state = state._replace(weighted_sq_norms=sums[0], microbatches=sums[1])
+            if isinstance(state.leaves, LeafSums):
+                leaves = state.leaves._replace(weighted_sq_norms=sums[2])
+                state = state._replace(leaves=leaves)
         leaf_sq_norms = None
         if isinstance(mean_sq_norm, tuple):
             mean_sq_norm, leaf_sq_norms = mean_sq_norm
@@ -1328,24 +1341,33 @@ def recorder(
 
 def sum_over_devices(
     weighted_sq_norms: jax.Array, microbatches: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """Every device's share ``(Σ nᵢ‖gᵢ‖², K)`` (shape ``(D,)`` each) summed
-    over the devices, in one reduction.
+    over the devices, in one reduction; with each leaf's shares
+    (``weighted_sq_norms`` of shape ``(D, L)``), ``(total, K, each leaf's)``.
 
     ``K`` is summed in float32, stacked with the squared norms (exact below
     2²⁴ (device, microbatch) pairs): a cross-device sum of the two is then one
     all-reduce, which the compiler joins with the gradients' (an int32 ``K``
     would be an all-reduce of its own).
     """
+    weighted_sq_norms = jnp.asarray(weighted_sq_norms, _F32)
+    if weighted_sq_norms.ndim == 2:
+        rows = jnp.concatenate(
+            [weighted_sq_norms, microbatches.astype(_F32)[:, None]], axis=1
+        )
+        sums = jnp.sum(rows, axis=0)
+        per_leaf, k = sums[:-1], sums[-1]
+        return jnp.sum(per_leaf), k.astype(jnp.int32), per_leaf
     sq_norms, k = jnp.sum(
-        jnp.stack([jnp.asarray(weighted_sq_norms, _F32), microbatches.astype(_F32)]),
+        jnp.stack([weighted_sq_norms, microbatches.astype(_F32)]),
         axis=1,
     )
     return sq_norms, k.astype(jnp.int32)
 
 
 def one_window_stats(
-    sums: tuple[jax.Array, jax.Array],
+    sums: tuple[jax.Array, ...],
     *,
     tokens: jax.Array,
     mean: Any,

@@ -294,11 +294,6 @@ def test_errors_name_the_argument_and_what_was_received():
     params = _params()
     with pytest.raises(TypeError, match="`per_leaf_stats`.*'yes'"):
         mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats="yes")
-    mesh = jax.make_mesh((1,), ("data",))
-    with pytest.raises(ValueError, match="`per_leaf_stats`.*deferred"):
-        mm.MaskedMultiSteps(
-            optax.sgd(0.1), K, per_leaf_stats=True, reduction=mm.deferred(mesh)
-        )
     totals_only = mm.MaskedMultiSteps(optax.sgd(0.1), K, window_stats=True)
     with pytest.raises(ValueError, match="per_leaf_stats=True"):
         mm.window_stats(totals_only.init(params), per_leaf=True)
@@ -348,3 +343,93 @@ def test_a_converted_window_counts_its_mean_as_one_microbatch_for_every_leaf():
     for state in (from_optax, from_0_1):
         _, state = tx.update(last, state, params, count=jnp.float32(2))
         _close_stats(mm.window_stats(state, per_leaf=True), expected)
+
+
+@pytest.mark.parametrize("per_window", [True, False])
+def test_deferred_devices_shares_are_small_batches_for_every_leaf(per_window):
+    """With reduction=mm.deferred, each device's share of a microbatch is a
+    small batch of every leaf's statistics too: they equal a single-device
+    window fed the devices' gradients one by one. Per window (a fixed k), the
+    devices keep their leaves' shares until the window closes, and the shares'
+    sums join the window's one all-reduce; synced (a token budget), they are
+    summed on every microbatch."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tests._helpers import collectives
+
+    ndev, rows = len(jax.devices()), 2
+    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(7)
+
+    def loss_fn(params, mb):
+        x = jnp.where(mb["mask"][..., None], mb["x"], 0)  # padding holds NaN
+        pred = x @ params["w"] + params["b"][0]
+        return mm.masked_mean((pred - mb["y"]) ** 2, mb["mask"])
+
+    def batch(empty_device):
+        mask = rng.uniform(size=(ndev * rows, 3)) < 0.8
+        mask[empty_device * rows : (empty_device + 1) * rows] = False
+        x = rng.normal(size=(ndev * rows, 3, 4))
+        return {
+            "x": jnp.asarray(np.where(mask[..., None], x, np.nan), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(ndev * rows, 3)), jnp.float32),
+            "mask": jnp.asarray(mask),
+        }
+
+    grad_fn = jax.jit(mm.per_device_value_and_grad(loss_fn, mesh, "data"))
+    params = {"w": jnp.asarray(rng.normal(size=4), jnp.float32), "b": jnp.ones(2)}
+    data = NamedSharding(mesh, P("data"))
+    pieces = [grad_fn(params, jax.device_put(batch(d), data)) for d in (1, 4)]
+    rule = {} if per_window else {"tokens_per_window": 1e9}
+
+    def make(**kw):
+        reduction = mm.deferred(mesh, "data")
+        return mm.MaskedMultiSteps(
+            optax.adam(0.1), 2, reduction=reduction, **rule, **kw
+        )
+
+    def run(tx):
+        state = tx.init(params)
+        step = jax.jit(lambda s, g, n: tx.update(g, s, params, count=n))
+        outs = []
+        for (_, count), grads in pieces:
+            updates, state = step(state, grads, count)
+            outs.append(updates)
+        return outs, state
+
+    leaf_out, with_leaves = run(make(per_leaf_stats=True))
+    totals_out, totals = run(make(window_stats=True))
+    assert_bit_identical(leaf_out, totals_out)
+    assert bool(with_leaves.updated)
+    _close_stats(mm.window_stats(with_leaves), mm.window_stats(totals))
+
+    ref_tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2 * ndev, per_leaf_stats=True)
+    ref = ref_tx.init(params)
+    ref_step = jax.jit(lambda g, s, n: ref_tx.update(g, s, params, count=n)[1])
+    for (_, count), grads in pieces:
+        for d in range(ndev):
+            ref = ref_step(jax.tree.map(lambda g, d=d: g[d], grads), ref, count[d])
+    got = mm.window_stats(with_leaves, per_leaf=True)
+    want = mm.window_stats(ref, per_leaf=True)
+    assert int(got.microbatches) == int(want.microbatches) == 2 * (ndev - 1)
+    _close_stats(got, want)
+
+    if per_window:
+        # No collective between window ends; the leaves' sums (4 bytes each,
+        # in place of the total's) ride on the window's closing all-reduces.
+        def compiled(tx):
+            (_, count), grads = pieces[0]
+            step = jax.jit(lambda s, g, n: tx.update(g, s, params, count=n))
+            text = step.lower(tx.init(params), grads, count).compile().as_text()
+            return sorted((c.kind, c.where, c.bytes) for c in collectives(text))
+
+        base = compiled(make(window_stats=True))
+        more = compiled(make(per_leaf_stats=True))
+        assert {where for _, where, _ in more} == {"branch"}, more
+        assert len(more) == len(base), (base, more)
+        assert sum(c[2] for c in more) == sum(c[2] for c in base) + 4 * (2 - 1), more
+    # Regrouping a deferred window onto other devices does not take them yet.
+    template = make(per_leaf_stats=True).init(params)
+    with pytest.raises(ValueError, match="per_leaf_stats=True"):
+        mm.from_device_count(with_leaves, template)
