@@ -71,7 +71,15 @@ _SCALAR_FIELDS = {
     "value_count": "value_count",
     "num_invalid": "num_invalid_counts",
 }
-_FIGURES = ("acc_count", "acc_value", "value_count", "num_invalid", "sq", "k")
+_FIGURES = (
+    "acc_count",
+    "acc_value",
+    "value_count",
+    "num_invalid",
+    "sq",
+    "k",
+    "leaf_sq",
+)
 # The per-window layout's per-device sums, and every per-device field's dtype
 # (the counts' is the count dtype).
 _SUMS = ("invalid", "sq_norms", "microbatches")
@@ -268,8 +276,9 @@ class _Regroup:
 
 
 def _first(x: jax.Array, new: int) -> jax.Array:
-    """A window's figure as the share of the first of ``new`` devices."""
-    return jnp.zeros((new,), x.dtype).at[0].set(x)
+    """A window's figure (a scalar, or each leaf's) as the share of the first
+    of ``new`` devices."""
+    return jnp.zeros((new, *jnp.shape(x)), x.dtype).at[0].set(x)
 
 
 def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
@@ -303,14 +312,17 @@ def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
         (value_count,), value_fits = whole.total(rs["value_counts"])
         ok &= fits & value_fits
         (value,) = whole.mean(rs["value"], rs["value_counts"], value_count[None])
+        sq = whole.sum(rs["sq_norms"])[0]
         figures = {
             "acc_count": n,
             "acc_value": value,
             "value_count": value_count,
-            "sq": whole.sum(rs["sq_norms"])[0],
+            "sq": jnp.sum(sq),
             "k": whole.sum(rs["microbatches"])[0],
             "num_invalid": r["num_invalid"] + whole.sum(rs["invalid"])[0],
         }
+        if sq.ndim:  # each leaf's shares, summed over the devices
+            figures["leaf_sq"] = sq
     else:
         figures = {name: r[name] for name in _FIGURES if name in r}
     if t_layout == _LOCAL:
@@ -344,7 +356,9 @@ def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
             "counts": totals,
             "value_counts": _first(figures["value_count"], new),
             "value": _first(figures["acc_value"], new),
-            "sq_norms": _first(figures.get("sq", jnp.float32(0)), new),
+            "sq_norms": _first(
+                figures.get("leaf_sq", figures.get("sq", jnp.float32(0))), new
+            ),
             "microbatches": _first(figures.get("k", jnp.int32(0)), new),
             "invalid": jnp.zeros((new,), jnp.int32),
         }
@@ -403,6 +417,9 @@ class _Side:
         if _fields(self.stats):
             out["sq"] = _array(_get(self.stats, "weighted_sq_norms"))
             out["k"] = _array(_get(self.stats, "microbatches"))
+            leaves = _get(self.stats, "leaves")
+            if _fields(leaves):  # each leaf's share too (per_leaf_stats=True)
+                out["leaf_sq"] = _array(_get(leaves, "weighted_sq_norms"))
         return out
 
 
@@ -415,13 +432,17 @@ def _check_window_arrays(r: _Side, t: _Side) -> None:
             f"`restored`'s accumulator holds {r_paths} where the template's holds "
             f"{t_paths}: the template must be for the same params"
         )
+    leaves = _get(t.stats, "leaves") if _fields(t.stats) else ()
     for name in _fields(r.rs):
         shape = np.shape(_array(_get(r.rs, name)))
-        if shape != (r.devices,):
+        # Each leaf's shares (per_leaf_stats=True) add an axis of the leaves.
+        want = (r.devices,)
+        if name == "sq_norms" and _fields(leaves):
+            want += np.shape(_array(_get(leaves, "weighted_sq_norms")))
+        if shape != want:
             raise ValueError(
                 f"`restored`'s reduction_state.{name} has shape {shape} where "
-                f"({r.devices},) was expected, one entry per saved device (as "
-                "its counts)"
+                f"{want} was expected, one entry per saved device (as its counts)"
             )
     for (_, a), (path, b) in zip(r.acc, t.acc):
         want = (r.devices,) * r.lead + tuple(np.shape(b)[t.lead :])
@@ -472,13 +493,6 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     """The wrapper state ``r_node`` in the layout and on the devices of
     ``t_node``."""
     r, t = _Side(r_node), _Side(t_node)
-    for side in (r, t):
-        if _fields(side.stats) and _fields(_get(side.stats, "leaves")):
-            raise ValueError(
-                "mm.from_device_count does not regroup each leaf's share of the "
-                "window statistics (per_leaf_stats=True) yet: restore such a "
-                "state on the devices that saved it"
-            )
     for name in _fields(t.node):
         if name not in _LAYOUT_FIELDS:
             _check_same(f"`{name}`", _get(r.node, name), _get(t.node, name))
@@ -528,6 +542,11 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
             weighted_sq_norms=_like(_get(t.stats, "weighted_sq_norms"), out["sq"]),
             microbatches=_like(_get(t.stats, "microbatches"), out["k"]),
         )
+        t_leaves = _get(t.stats, "leaves")
+        if _fields(t_leaves):
+            leaf_sq = _like(_get(t_leaves, "weighted_sq_norms"), out["leaf_sq"])
+            leaves = _with(_get(fields["stats"], "leaves"), weighted_sq_norms=leaf_sq)
+            fields["stats"] = _with(fields["stats"], leaves=leaves)
     for k, f in _SCALAR_FIELDS.items():
         fields[f] = _like(_get(t.node, f), out[k])
     fields["acc_grads"] = jax.tree.unflatten(
@@ -584,9 +603,7 @@ def from_device_count(restored: Any, template: Any) -> Any:
         dtype is of another kind or holds values its template dtype cannot,
         or the restored counts are negative, not finite (or its invalid
         counts, microbatches or squared norms are), or
-        (for an integer ``count_dtype``) add up beyond it on a new device, or
-        a state keeps each leaf's share of the window statistics
-        (``per_leaf_stats=True``), which it does not regroup yet.
+        (for an integer ``count_dtype``) add up beyond it on a new device.
 
     Examples:
       Two devices' halves of a window (2 tokens of mean 1, 6 tokens of mean 3)

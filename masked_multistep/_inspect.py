@@ -178,8 +178,8 @@ def window_stats(
         state, or its wrapper was built without ``window_stats=True`` (or,
         for ``per_leaf`` and ``groups``, without ``per_leaf_stats=True``), or
         ``groups`` does not match the params' structure.
-      TypeError: if both ``per_leaf`` and ``groups`` are given, or a label is
-        not a ``str``.
+      TypeError: if ``per_leaf`` is not a bool, or both ``per_leaf`` and
+        ``groups`` are given, or a label is not a ``str``.
 
     Examples:
       >>> import jax.numpy as jnp, optax

@@ -330,8 +330,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         leaf's gradient norm, variance and noise scale, and
         ``mm.window_stats(state, groups=labels)`` each group's (layers,
         parameter kinds). With ``reduction=mm.deferred(...)`` each device's
-        share counts per leaf (:func:`from_device_count` does not regroup
-        them yet).
+        share counts per leaf.
 
     Raises:
       TypeError: if ``opt`` is not a gradient transformation, or no window rule

@@ -11,6 +11,7 @@ from masked_multistep import _stats
 from tests._helpers import assert_bit_identical
 
 K = 3
+AUTO = jax.sharding.AxisType.Auto
 PER_GROUP = (
     "grad_sq_norm",
     "grad_var_trace",
@@ -359,7 +360,7 @@ def test_deferred_devices_shares_are_small_batches_for_every_leaf(per_window):
     from tests._helpers import collectives
 
     ndev, rows = len(jax.devices()), 2
-    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(AUTO,))
     rng = np.random.default_rng(7)
 
     def loss_fn(params, mb):
@@ -429,7 +430,84 @@ def test_deferred_devices_shares_are_small_batches_for_every_leaf(per_window):
         assert {where for _, where, _ in more} == {"branch"}, more
         assert len(more) == len(base), (base, more)
         assert sum(c[2] for c in more) == sum(c[2] for c in base) + 4 * (2 - 1), more
-    # Regrouping a deferred window onto other devices does not take them yet.
-    template = make(per_leaf_stats=True).init(params)
-    with pytest.raises(ValueError, match="per_leaf_stats=True"):
-        mm.from_device_count(with_leaves, template)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "budget"),
+    [(8, 3, False), (8, 0, False), (0, 4, False), (4, 8, True), (8, 0, True)],
+    ids=["8-3", "8-local", "local-4", "synced-4-8", "synced-8-local"],
+)
+def test_a_window_moved_onto_other_devices_keeps_every_leafs_share(old, new, budget):
+    """mm.from_device_count regroups each device's leaf shares with the rest
+    of the window: the window ends with every leaf's statistics of the shares
+    it saw (old devices' before the move, new ones' after), as a single-device
+    window fed those shares one by one."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rows, steps, move_after = 24, 4, 2
+    rng = np.random.default_rng(8)
+    grads = rng.normal(size=(steps, rows, 3))
+    counts = rng.integers(0, 6, size=(steps, rows)).astype(np.float64)
+    grads[counts == 0] = np.nan
+
+    def shares(i, n):
+        """Microbatch ``i`` as ``max(n, 1)`` devices see it: each one's mean
+        gradient of both leaves, and its count."""
+        n = max(n, 1)
+        g = grads[i].reshape(n, rows // n, 3)
+        c = counts[i].reshape(n, rows // n)
+        total = c.sum(1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = np.nansum(g * c[..., None], 1) / total[:, None]
+        return {"w": mean, "b": 2 * mean[:, :2]}, total
+
+    def make(n):
+        rule = {"tokens_per_window": 1e9} if budget else {}
+        reduction = None
+        if n:
+            mesh = jax.make_mesh(
+                (n,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:n]
+            )
+            reduction = mm.deferred(mesh, "data")
+        return mm.MaskedMultiSteps(
+            optax.sgd(1.0), steps, reduction=reduction, per_leaf_stats=True, **rule
+        )
+
+    def step(tx, state, i, n):
+        g, c = shares(i, n)
+        if n:
+            data = NamedSharding(tx._reduction.mesh, P("data"))
+            put = lambda x: jax.device_put(jnp.asarray(x, jnp.float32), data)  # noqa: E731
+        else:
+            put = lambda x: jnp.asarray(x[0], jnp.float32)  # noqa: E731
+        return jax.jit(tx.update)(jax.tree.map(put, g), state, params, count=put(c))[1]
+
+    params = {"w": jnp.zeros(3), "b": jnp.zeros(2)}
+    tx = make(old)
+    state = tx.init(params)
+    for i in range(move_after):
+        state = step(tx, state, i, old)
+    tx = make(new)
+    state = mm.from_device_count(state, tx.init(params))
+    for i in range(move_after, steps):
+        state = step(tx, state, i, new)
+    assert bool(state.updated)
+
+    seen = [shares(i, old if i < move_after else new) for i in range(steps)]
+    taken = [
+        (jax.tree.map(lambda x, d=d: jnp.asarray(x[d], jnp.float32), g), c[d])
+        for g, c in seen
+        for d in range(len(c))
+        if c[d] > 0
+    ]
+    ref_tx = mm.MaskedMultiSteps(optax.sgd(1.0), len(taken), per_leaf_stats=True)
+    ref = ref_tx.init(params)
+    for g, c in taken:
+        _, ref = ref_tx.update(g, ref, params, count=jnp.float32(c))
+    got, want = (
+        mm.window_stats(state, per_leaf=True),
+        mm.window_stats(ref, per_leaf=True),
+    )
+    assert int(got.microbatches) == int(want.microbatches) == len(taken)
+    _close_stats(got, want)
