@@ -511,3 +511,59 @@ def test_a_window_moved_onto_other_devices_keeps_every_leafs_share(old, new, bud
     )
     assert int(got.microbatches) == int(want.microbatches) == len(taken)
     _close_stats(got, want)
+
+
+def test_an_nnx_optimizers_leaf_shares_move_by_name():
+    """``nnx.state(optimizer)`` holds the leaves' shares by name too: they
+    move between device counts and back onto one device, and a window's
+    leaf statistics read from the optimizer after it."""
+    from flax import nnx
+
+    def make(n):
+        model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        reduction = None
+        if n:
+            mesh = jax.make_mesh(
+                (n,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:n]
+            )
+            reduction = mm.deferred(mesh, "data")
+        tx = mm.MaskedMultiSteps(
+            optax.sgd(0.1), 2, reduction=reduction, per_leaf_stats=True
+        )
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    model, optimizer = make(8)
+    # Device d's gradient is d everywhere (bias: 2d), over d tokens.
+    ramp = {
+        "bias": jnp.arange(8.0)[:, None] * 2 * jnp.ones((8, 1)),
+        "kernel": jnp.arange(8.0)[:, None, None] * jnp.ones((8, 3, 1)),
+    }
+    grads = jax.tree_util.tree_map_with_path(
+        lambda path, _: ramp[path[0].key], nnx.state(model, nnx.Param)
+    )
+    nnx.jit(lambda m, o, g: o.update(m, g, count=jnp.arange(8.0)))(
+        model, optimizer, grads
+    )
+    # Σ_d n_d ‖g_d‖² per leaf (bias, kernel): Σ d · 4d², Σ d · 3d².
+    shares = np.array([4.0, 3.0]) * np.sum(np.arange(8.0) ** 3)
+    _, resumed = make(2)
+    nnx.update(resumed, mm.from_device_count(nnx.state(optimizer), nnx.state(resumed)))
+    moved = resumed.opt_state.reduction_state.sq_norms[...]
+    assert moved.shape == (2, 2)
+    np.testing.assert_allclose(moved.sum(0), shares, rtol=1e-6)
+    model, local = make(0)
+    nnx.update(local, mm.from_device_count(nnx.state(resumed), nnx.state(local)))
+    np.testing.assert_allclose(
+        local.opt_state.stats.leaves.weighted_sq_norms[...], shares, rtol=1e-6
+    )
+    # The window's second microbatch: 4 tokens of 1 everywhere (bias 2).
+    one = jax.tree.map(
+        lambda p: jnp.ones(p.shape) * (2.0 if p.shape == (1,) else 1.0),
+        nnx.state(model, nnx.Param),
+    )
+    local.update(model, one, count=jnp.float32(4))
+    stats = mm.window_stats(local, per_leaf=True)
+    assert int(stats.microbatches) == 8  # seven devices with tokens, then one
+    assert float(stats.tokens) == 32.0
+    # ‖ḡ‖² of the bias: ((Σ d · 2d) + 4 · 2)² / 32² = (280 + 8)² / 32².
+    np.testing.assert_allclose(stats.grad_sq_norm["bias"], (288 / 32) ** 2, rtol=1e-6)
