@@ -153,27 +153,21 @@ def masked_multisteps(workload: Workload, k: int) -> Competitor:
 
 def masked_multisteps_stats(workload: Workload, k: int) -> Competitor:
     """The plain optax loop with ``window_stats=True``."""
-    tx = mm.MaskedMultiSteps(
-        optax.adam(LEARNING_RATE), every_k_schedule=k, window_stats=True
-    )
-    return _optax_loop(
-        "MaskedMultiSteps update+stats",
-        tx,
-        workload,
-        k,
-        with_count=True,
-        baseline="MaskedMultiSteps update",
-    )
+    return _with_statistics("+stats", workload, k, window_stats=True)
 
 
 def masked_multisteps_leaf_stats(workload: Workload, k: int) -> Competitor:
     """The plain optax loop with ``per_leaf_stats=True``: the statistics and
     each parameter leaf's share of them."""
-    tx = mm.MaskedMultiSteps(
-        optax.adam(LEARNING_RATE), every_k_schedule=k, per_leaf_stats=True
-    )
+    return _with_statistics("+leaf stats", workload, k, per_leaf_stats=True)
+
+
+def _with_statistics(suffix: str, workload: Workload, k: int, **kw: Any) -> Competitor:
+    """``mm.MaskedMultiSteps(adam, k, **kw)`` in the plain optax loop, against
+    the same loop without statistics."""
+    tx = mm.MaskedMultiSteps(optax.adam(LEARNING_RATE), every_k_schedule=k, **kw)
     return _optax_loop(
-        "MaskedMultiSteps update+leaf stats",
+        f"MaskedMultiSteps update{suffix}",
         tx,
         workload,
         k,

@@ -979,16 +979,8 @@ def close_window_stats(
         var, true_sq, _, finite, _ = _estimates(s, k, n, g2)
 
         beta = jnp.asarray(decay, _F32)
-        ema_var = jnp.where(
-            finite,
-            beta * state.ema_grad_var_trace + (1 - beta) * var,
-            state.ema_grad_var_trace,
-        )
-        ema_true = jnp.where(
-            finite,
-            beta * state.ema_true_grad_sq_norm + (1 - beta) * true_sq,
-            state.ema_true_grad_sq_norm,
-        )
+        ema_var = _moved(state.ema_grad_var_trace, var, finite, beta)
+        ema_true = _moved(state.ema_true_grad_sq_norm, true_sq, finite, beta)
         ema_weight = jnp.where(
             finite, beta * state.ema_weight + (1 - beta), state.ema_weight
         )
@@ -1042,17 +1034,18 @@ def _close_leaves(
         weighted_sq_norms=jnp.zeros_like(leaves.weighted_sq_norms),
         grad_sq_norm=g2,
         sq_deviation=s,
-        ema_grad_var_trace=jnp.where(
-            finite,
-            beta * leaves.ema_grad_var_trace + (1 - beta) * var,
-            leaves.ema_grad_var_trace,
-        ),
-        ema_true_grad_sq_norm=jnp.where(
-            finite,
-            beta * leaves.ema_true_grad_sq_norm + (1 - beta) * true_sq,
-            leaves.ema_true_grad_sq_norm,
+        ema_grad_var_trace=_moved(leaves.ema_grad_var_trace, var, finite, beta),
+        ema_true_grad_sq_norm=_moved(
+            leaves.ema_true_grad_sq_norm, true_sq, finite, beta
         ),
     )
+
+
+def _moved(
+    average: jax.Array, value: jax.Array, finite: jax.Array, beta: jax.Array
+) -> jax.Array:
+    """A moving average (decay ``beta``) moved by ``value`` where ``finite``."""
+    return jnp.where(finite, beta * average + (1 - beta) * value, average)
 
 
 def read_window_stats(state: WindowStatsState) -> WindowStats[jax.Array]:
