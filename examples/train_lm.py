@@ -20,8 +20,11 @@ uses the gradient of the whole batch's token-mean loss. What it shows:
   and ``mm.window_stats``: no host round trip per microbatch, nothing to
   checkpoint beside the state); also appended to ``OUT/metrics.jsonl`` with
   the smoothed gradient noise scale, in tokens (length-sorted microbatches,
-  ``--skew`` above 0, inflate it); a window without tokens applies no update
-  and logs ``null`` for the loss and the rate;
+  ``--skew`` above 0, inflate it), and the norm of the window's gradient, in
+  all and by layer (``per_leaf_stats=True`` and ``mm.window_stats(...,
+  groups=...)``: the embeddings, each block, the final norm), before
+  clipping; a window without tokens applies no update and logs ``null`` for
+  the loss and the rate;
 * ``--devices N``: data parallel over ``N`` devices, each keeping its own
   running mean of its share of every microbatch, combined once per window
   (``mm.per_device_value_and_grad`` and ``reduction=mm.deferred(mesh)``): the
@@ -382,9 +385,20 @@ def make_optimizer(config: Config, deferred: bool = False) -> mm.MaskedMultiStep
     return mm.MaskedMultiSteps(
         inner,
         every_k_schedule=config.microbatches,
-        window_stats=True,
+        per_leaf_stats=True,  # the window statistics, and each layer's share
         reduction=None if mesh is None else mm.deferred(mesh, "data"),
     )
+
+
+def layer_labels(grads):
+    """Each gradient leaf's layer: ``embed``, ``positions``, ``blocks.0``,
+    ``blocks.1``, ..., ``final_norm`` (for ``mm.window_stats(groups=)``)."""
+
+    def label(path, _):
+        top = str(path[0].key)
+        return f"{top}.{path[1].key}" if top == "blocks" else top
+
+    return jax.tree_util.tree_map_with_path(label, grads)
 
 
 def learning_rate_used(optimizer: nnx.Optimizer) -> float:
@@ -442,12 +456,18 @@ def window_record(window: int, optimizer: nnx.Optimizer) -> dict:
         x = float(x)
         return x if np.isfinite(x) else None
 
+    layers = mm.window_stats(optimizer.opt_state, groups=layer_labels)
     return {
         "window": window,
         "loss": finite(stats.loss) if tokens else None,
         "tokens": tokens,
         "learning_rate": finite(learning_rate_used(optimizer)) if updated else None,
         "noise_scale": finite(stats.smoothed_noise_scale),
+        "grad_norm": finite(np.sqrt(stats.grad_sq_norm)) if tokens else None,
+        "layer_grad_norms": {
+            name: finite(np.sqrt(sq)) if tokens else None
+            for name, sq in layers.grad_sq_norm.items()
+        },
     }
 
 

@@ -77,6 +77,14 @@ def test_resume_from_a_mid_window_checkpoint_is_bit_identical(tmp_path, straight
     assert straight.heldout_loss < history[0]["loss"] - 0.1
     # The smoothed noise scale, from the window statistics, in tokens.
     assert all(r["noise_scale"] > 0 for r in history)
+    # The window's gradient norm, and each layer's, whose squares add up to it.
+    for r in history:
+        layers = r["layer_grad_norms"]
+        assert set(layers) == {"embed", "positions", "blocks.0", "final_norm"} | {
+            f"blocks.{i}" for i in range(len(layers) - 3)
+        }
+        total = np.sqrt(sum(x**2 for x in layers.values()))
+        assert total == pytest.approx(r["grad_norm"], rel=1e-4)
 
     out = tmp_path / "resumed"
     first, log = run(out, "--stop-after", str(STOP_AFTER))
@@ -255,6 +263,8 @@ def test_a_window_without_tokens_logs_no_loss_and_no_rate(twelve_tiny_windows):
     empty = [r for r in history if r["tokens"] == 0]
     assert empty, "the seed gives windows without tokens"
     assert all(r["loss"] is None and r["learning_rate"] is None for r in empty)
+    assert all(r["grad_norm"] is None for r in empty)
+    assert all(x is None for r in empty for x in r["layer_grad_norms"].values())
     assert all(
         r["loss"] > 0 and r["learning_rate"] is not None for r in history if r["tokens"]
     )
