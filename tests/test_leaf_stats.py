@@ -309,9 +309,13 @@ def test_errors_name_the_argument_and_what_was_received():
         mm.window_stats(state, groups={"enc": 3, "dec": "d"})
     with pytest.raises(TypeError, match="`per_leaf`"):
         mm.window_stats(state, per_leaf=1)
-    assert "per_leaf_stats=True" in repr(
-        mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)
-    )
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)
+    assert "per_leaf_stats=True" in repr(tx)
+    # Pickling rebuilds it from the constructor's arguments, option included.
+    rebuild, args = tx.__reduce__()
+    again = rebuild(*args)
+    assert repr(again) == repr(tx)
+    assert isinstance(again.init(params).stats.leaves, _stats.LeafSums)
 
 
 def test_a_converted_window_counts_its_mean_as_one_microbatch_for_every_leaf():

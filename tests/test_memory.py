@@ -220,6 +220,29 @@ def test_window_statistics_keep_only_scalars_in_the_state():
     [_optax_loop, _apply_gradients_loop, _train_state_loop],
     ids=["update", "apply", "train_state"],
 )
+def test_each_leafs_statistics_need_no_extra_scratch_memory_and_20_bytes_a_leaf(
+    loop,
+):
+    """Each leaf's share of the statistics is read from the same per-leaf
+    squared norms: scalar temporaries only, and five float32 entries per leaf
+    in the state (the README's 20 bytes)."""
+    if loop is _train_state_loop:
+        pytest.importorskip("flax")
+    stats = _memory(
+        loop(mm.MaskedMultiSteps(_adam(), K, window_stats=True))
+    ).temp_size_in_bytes
+    tx = mm.MaskedMultiSteps(_adam(), K, per_leaf_stats=True)
+    leaves = _memory(loop(tx)).temp_size_in_bytes
+    assert stats <= leaves <= stats + STATS_SCALAR_SLACK, (leaves, stats)
+    state = jax.eval_shape(tx.init, PARAMS).stats
+    assert _bytes(state) == 56 + 20 * len(jax.tree.leaves(PARAMS))
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [_optax_loop, _apply_gradients_loop, _train_state_loop],
+    ids=["update", "apply", "train_state"],
+)
 def test_window_rules_need_no_extra_scratch_memory(loop):
     """A token budget (warming up with the tokens seen) decides on scalars; the
     norm test adds one reduction of the running mean per microbatch: neither
