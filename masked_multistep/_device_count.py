@@ -405,6 +405,8 @@ class _Side:
         self.layout = _layout(node)
         self.rs = _get(node, "reduction_state")
         self.stats = _get(node, "stats")
+        # Each leaf's share of the statistics (per_leaf_stats=True), or ().
+        self.leaves = _get(self.stats, "leaves") if _fields(self.stats) else ()
         self.lead = int(self.layout != _LOCAL)
         self.devices = (
             int(np.shape(_array(_get(self.rs, "counts")))[0]) if self.lead else 1
@@ -417,9 +419,8 @@ class _Side:
         if _fields(self.stats):
             out["sq"] = _array(_get(self.stats, "weighted_sq_norms"))
             out["k"] = _array(_get(self.stats, "microbatches"))
-            leaves = _get(self.stats, "leaves")
-            if _fields(leaves):  # each leaf's share too (per_leaf_stats=True)
-                out["leaf_sq"] = _array(_get(leaves, "weighted_sq_norms"))
+            if _fields(self.leaves):
+                out["leaf_sq"] = _array(_get(self.leaves, "weighted_sq_norms"))
         return out
 
 
@@ -432,13 +433,12 @@ def _check_window_arrays(r: _Side, t: _Side) -> None:
             f"`restored`'s accumulator holds {r_paths} where the template's holds "
             f"{t_paths}: the template must be for the same params"
         )
-    leaves = _get(t.stats, "leaves") if _fields(t.stats) else ()
     for name in _fields(r.rs):
         shape = np.shape(_array(_get(r.rs, name)))
         # Each leaf's shares (per_leaf_stats=True) add an axis of the leaves.
         want = (r.devices,)
-        if name == "sq_norms" and _fields(leaves):
-            want += np.shape(_array(_get(leaves, "weighted_sq_norms")))
+        if name == "sq_norms" and _fields(t.leaves):
+            want += np.shape(_array(_get(t.leaves, "weighted_sq_norms")))
         if shape != want:
             raise ValueError(
                 f"`restored`'s reduction_state.{name} has shape {shape} where "
@@ -542,9 +542,8 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
             weighted_sq_norms=_like(_get(t.stats, "weighted_sq_norms"), out["sq"]),
             microbatches=_like(_get(t.stats, "microbatches"), out["k"]),
         )
-        t_leaves = _get(t.stats, "leaves")
-        if _fields(t_leaves):
-            leaf_sq = _like(_get(t_leaves, "weighted_sq_norms"), out["leaf_sq"])
+        if _fields(t.leaves):
+            leaf_sq = _like(_get(t.leaves, "weighted_sq_norms"), out["leaf_sq"])
             leaves = _with(_get(fields["stats"], "leaves"), weighted_sq_norms=leaf_sq)
             fields["stats"] = _with(fields["stats"], leaves=leaves)
     for k, f in _SCALAR_FIELDS.items():

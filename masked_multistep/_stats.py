@@ -1028,8 +1028,7 @@ def _close_leaves(
     if leaf_sq_norms is None:
         raise ValueError("each leaf's squared norm of the window's mean is needed")
     g2, s = _deviation(leaves.weighted_sq_norms, tokens, leaf_sq_norms)
-    var, true_sq, _, ok, _ = _estimates(s, microbatches, tokens, g2)
-    var, true_sq = (jnp.where(finite & ok, x, 0) for x in (var, true_sq))
+    var, true_sq, *_ = _estimates(s, microbatches, tokens, g2)
     return LeafSums(
         weighted_sq_norms=jnp.zeros_like(leaves.weighted_sq_norms),
         grad_sq_norm=g2,
@@ -1067,14 +1066,24 @@ def read_window_stats(state: WindowStatsState) -> WindowStats[jax.Array]:
       >>> print(stats.grad_sq_norm, stats.noise_scale, stats.loss)
       1.0 nan nan
     """
+    return _read_with(_read, _read_compiled, state)
+
+
+def _read_with(
+    read: Callable[..., WindowStats[jax.Array]],
+    compiled: Callable[..., WindowStats[jax.Array]],
+    state: WindowStatsState,
+    *static: Any,
+) -> WindowStats[jax.Array]:
+    """``read(state, *static)``; outside a trace its ``compiled`` form: one
+    compiled program reads the statistics, wherever the state lies (a state
+    replicated over a mesh would otherwise run each operation of the read as
+    its own program on every device). Its NaN are placeholders (see
+    :func:`undefined_as_nan`)."""
     if traced(state):
-        return _read(state)
-    # Outside a trace, one compiled program reads the statistics, wherever the
-    # state lies (a state replicated over a mesh would otherwise run each
-    # operation of the read as its own program on every device). Its NaN are
-    # placeholders (see `undefined_as_nan`).
+        return read(state, *static)
     with jax.debug_nans(False):
-        return _read_compiled(state)
+        return compiled(state, *static)
 
 
 def _read(state: WindowStatsState) -> WindowStats[jax.Array]:
@@ -1149,10 +1158,7 @@ def read_leaf_stats(
             f"{len(groups)} group labels for "
             f"{state.leaves.weighted_sq_norms.shape[-1]} leaves"
         )
-    if traced(state):
-        return _read_leaves(state, groups)
-    with jax.debug_nans(False):  # placeholders (see `undefined_as_nan`)
-        return _read_leaves_compiled(state, groups)
+    return _read_with(_read_leaves, _read_leaves_compiled, state, groups)
 
 
 def _read_leaves(
