@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_multistep import _by_name, _stats
+from masked_multistep import _by_name, _stats, _token_total
 from masked_multistep._checks import check_count_dtype, nested_hint, to_count, traced
 from masked_multistep._multisteps import MaskedMultiStepsState
 from masked_multistep._reduction import placed_like
@@ -335,8 +335,8 @@ def from_state_0_1(
         stats = _stats.accumulate_window_stats(stats, state.acc_grads, acc_count)
     state = state._replace(acc_count=acc_count, value_count=value_count, stats=stats)
     if tokens_seen is not None:
-        state = _stats.with_tokens_seen(
-            state, _stats.token_total(tokens_seen, "`tokens_seen`")
+        state = _token_total.with_tokens_seen(
+            state, _token_total.token_total(tokens_seen, "`tokens_seen`")
         )
     # Where the template's leaves are (`init` places its scalars as a step
     # returns them): the counts built here would otherwise sit uncommitted on

@@ -22,7 +22,7 @@ from masked_multistep._inspect import unboxed
 from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
 from masked_multistep._reduction import placed_like
 from masked_multistep._running_mean import compute_dtype
-from masked_multistep._stats import token_total, with_tokens_seen
+from masked_multistep._token_total import token_total, with_tokens_seen
 
 __all__ = ["from_optax_multisteps"]
 

@@ -27,7 +27,7 @@ from masked_multistep._checks import (
     returned_flag,
 )
 from masked_multistep._running_mean import compute_dtype
-from masked_multistep._stats import TokenTotal, add_tokens
+from masked_multistep._token_total import TokenTotal, add_tokens
 
 __all__ = [
     "WindowPolicy",

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import masked_multistep as mm
-from masked_multistep import _stats
+from masked_multistep import _stats, _token_total
 
 DECAY = 0.9
 
@@ -217,9 +217,11 @@ def test_smoothing_is_a_ratio_of_debiased_moving_averages():
 )
 def test_tokens_seen_is_exact_far_beyond_int32(dtype, count, steps):
     def body(total, _):
-        return _stats.add_tokens(total, jnp.asarray(count, dtype)), None
+        return _token_total.add_tokens(total, jnp.asarray(count, dtype)), None
 
-    zero = _stats.TokenTotal(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
+    zero = _token_total.TokenTotal(
+        jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32)
+    )
     total, _ = jax.jit(lambda t: jax.lax.scan(body, t, None, length=steps))(zero)
     assert count * steps > 2**40
     assert float(total) == count * steps
