@@ -248,7 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
             help=HELP[field.name],
             **({"action": _Given} if field.name == "warmup" else {}),
         )
-    parser.add_argument("--out", default="train-lm-output", help="output directory")
+    parser.add_argument(
+        "--out",
+        default="train-lm-output",
+        help="output directory: checkpoints, and metrics.jsonl (a line per window: "
+        "loss, tokens, rate, noise scale, gradient norm in all and by layer)",
+    )
     parser.add_argument(
         "--checkpoint-every", type=int, default=50, help="save every N windows"
     )

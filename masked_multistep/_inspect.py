@@ -14,6 +14,7 @@ from masked_multistep._multisteps import (
     states_in,
 )
 from masked_multistep._stats import (
+    PER_GROUP,
     LeafSums,
     WindowStats,
     WindowStatsState,
@@ -170,8 +171,12 @@ def window_stats(
       groups: each group's statistics, by label: a pytree of ``str`` labels
         with the params' structure or a prefix of it (as
         ``optax.multi_transform``'s ``param_labels``: ``{"encoder": "enc",
-        "decoder": "dec"}``), or a function of a pytree shaped like the params
-        (the state's ``acc_grads``) returning one.
+        "decoder": "dec"}``; matched by path where the containers differ, so
+        a ``dict`` serves an NNX ``State``), or a function returning one,
+        called (under ``jax.eval_shape``) on abstract arrays with the params'
+        structure and shapes, in the accumulator's dtype (float32 for
+        bfloat16 params by default), for a batch of states or a deferred
+        reduction's per-device state too.
 
     Raises:
       ValueError: if ``opt_state`` holds no single :class:`MaskedMultiSteps`
@@ -239,48 +244,109 @@ def window_stats(
     if per_leaf:
         read = read_leaf_stats(stats, tuple(range(len(leaves))))
         return _with_groups(read, lambda x: jax.tree.unflatten(treedef, list(x)))
-    labels = leaf_labels(groups, state.acc_grads)
+    labels = leaf_labels(groups, params_like(state))
     names = sorted(set(labels))
     read = read_leaf_stats(stats, tuple(names.index(label) for label in labels))
     return _with_groups(read, lambda x: dict(zip(names, x, strict=True)))
 
 
-_PER_GROUP = (
-    "grad_sq_norm",
-    "grad_var_trace",
-    "true_grad_sq_norm",
-    "noise_scale",
-    "smoothed_noise_scale",
-)
-
-
 def _with_groups(stats: WindowStats[Any], arrange: Any) -> WindowStats[Any]:
     """``stats`` with each per-group vector arranged by ``arrange``."""
-    return stats._replace(
-        **{name: arrange(getattr(stats, name)) for name in _PER_GROUP}
+    return stats._replace(**{name: arrange(getattr(stats, name)) for name in PER_GROUP})
+
+
+def params_like(state: MaskedMultiStepsState) -> Any:
+    """Abstract arrays shaped like the params: the state's ``acc_grads``
+    without the axes the params lack (a batch of states' leading axes, as
+    ``vmap`` stacks them; a deferred reduction's device axis), in the
+    accumulator's dtype."""
+    lead = jax.numpy.ndim(state.acc_count)
+    if not (isinstance(state.reduction_state, tuple) and not state.reduction_state):
+        lead += 1  # `reduction=mm.deferred(...)`: one running mean per device
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[lead:], x.dtype), state.acc_grads
     )
 
 
 def leaf_labels(groups: Any, tree: Any) -> list[str]:
     """The label of each leaf of ``tree`` (in ``jax.tree.leaves`` order) that
     ``groups`` gives: a pytree of ``str`` labels shaped like ``tree`` or a
-    prefix of it, or a function of ``tree`` returning one."""
-    labels = groups(tree) if callable(groups) else groups
-    try:
-        per_subtree = jax.tree.map(
-            lambda label, sub: [label] * len(jax.tree.leaves(sub)), labels, tree
-        )
-    except (ValueError, TypeError) as error:
-        raise ValueError(
-            "`groups` must be a pytree of str labels with the params' structure "
-            "or a prefix of it (or a function of the params returning one); "
-            f"{error}"
-        ) from None
-    flat = jax.tree.leaves(per_subtree)
+    prefix of it, or a function of ``tree`` returning one.
+
+    ``tree``'s leaves may be abstract (``jax.ShapeDtypeStruct``): a function is
+    called on them under ``jax.eval_shape``, so it sees arrays with their
+    shapes and dtypes, as ``optax.multi_transform``'s ``param_labels`` may
+    see the params traced. Labels are matched to the leaves by structure, or
+    failing that by path (dict keys, attribute names and sequence indices
+    alike), so a plain ``dict`` of labels matches an NNX ``State``, and NNX
+    variables holding labels count as the labels they hold.
+    """
+    if callable(groups):
+        called = []
+        jax.eval_shape(lambda t: called.append(groups(t)) or (), tree)
+        labels = called[0]
+    else:
+        labels = groups
+    labels = unboxed(labels)
     for label in jax.tree.leaves(labels):
         if not isinstance(label, str):
             raise TypeError(
                 f"`groups`' labels must be str, got {label!r} of type "
                 f"{type(label).__name__}"
             )
-    return flat
+    try:
+        per_subtree = jax.tree.map(
+            lambda label, sub: [label] * len(jax.tree.leaves(sub)), labels, tree
+        )
+    except (ValueError, TypeError):
+        return _labels_by_path(labels, tree)
+    return jax.tree.leaves(per_subtree)
+
+
+def _key_names(path: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A key path's entries as plain names: a dict key, an attribute name or
+    a sequence index alike."""
+    names = []
+    for key in path:
+        for field in ("key", "name", "idx"):
+            if hasattr(key, field):
+                names.append(getattr(key, field))
+                break
+        else:
+            names.append(str(key))
+    return tuple(names)
+
+
+def _labels_by_path(labels: Any, tree: Any) -> list[str]:
+    """Each leaf's label, the one whose path (in :func:`_key_names`) leads to
+    it."""
+    given = [
+        (_key_names(path), label)
+        for path, label in jax.tree_util.tree_flatten_with_path(labels)[0]
+    ]
+    paths = [_key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    def covers(prefix: tuple[Any, ...], path: tuple[Any, ...]) -> bool:
+        return path[: len(prefix)] == prefix
+
+    problem = ""
+    unmatched = [p for p in paths if not any(covers(q, p) for q, _ in given)]
+    unused = [q for q, _ in given if not any(covers(q, p) for p in paths)]
+    if unmatched:
+        problem = (
+            f"no label for the params' leaf at {_spelt(unmatched[0])} (a None "
+            "label is no label)"
+        )
+    elif unused:
+        problem = f"a label at {_spelt(unused[0])}, where the params have no leaf"
+    if problem:
+        raise ValueError(
+            "`groups` must be a pytree of str labels with the params' structure "
+            f"or a prefix of it (or a function of the params returning one): "
+            f"{problem}"
+        )
+    return [next(label for q, label in given if covers(q, p)) for p in paths]
+
+
+def _spelt(names: tuple[Any, ...]) -> str:
+    return "".join(f"[{name!r}]" for name in names) or "the root"

@@ -191,6 +191,17 @@ class WindowStats(NamedTuple, Generic[_Figure]):
     windows: jax.Array
 
 
+# The fields of a :class:`WindowStats` that are each leaf's or each group's in
+# a read of the leaves' shares (the others are the window's).
+PER_GROUP = (
+    "grad_sq_norm",
+    "grad_var_trace",
+    "true_grad_sq_norm",
+    "noise_scale",
+    "smoothed_noise_scale",
+)
+
+
 class LastWindow(NamedTuple):
     """What the last completed window leaves in the state: its totals and sums,
     from which :func:`read_window_stats` derives the :class:`WindowStats`.
@@ -887,7 +898,8 @@ def read_leaf_stats(
     (:class:`LeafSums`), and its estimators follow from them as the window's
     do from its totals; ``grad_sq_norm``, ``grad_var_trace``,
     ``true_grad_sq_norm``, ``noise_scale`` and ``smoothed_noise_scale`` are
-    then vectors of one entry per group, the other fields the window's.
+    then vectors of one entry per group (for a batch of states, arrays of
+    shape ``(G, *batch)``), the other fields the window's.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -919,6 +931,24 @@ def read_leaf_stats(
 
 
 def _read_leaves(
+    state: WindowStatsState, groups: tuple[int, ...]
+) -> WindowStats[jax.Array]:
+    # A batch of states (an ensemble stacked by `vmap`, read outside it) has
+    # its axes before the leaves': each member is read as one state, and the
+    # groups' axis goes first, for one entry per group along it.
+    batch = jnp.ndim(state.last.tokens)
+    if not batch:
+        return _read_leaves_of_one(state, groups)
+    read = functools.partial(_read_leaves_of_one, groups=groups)
+    for _ in range(batch):
+        read = jax.vmap(read)
+    stats = read(state)
+    return stats._replace(
+        **{name: jnp.moveaxis(getattr(stats, name), -1, 0) for name in PER_GROUP}
+    )
+
+
+def _read_leaves_of_one(
     state: WindowStatsState, groups: tuple[int, ...]
 ) -> WindowStats[jax.Array]:
     leaves = cast(LeafSums, state.leaves)

@@ -571,3 +571,121 @@ def test_an_nnx_optimizers_leaf_shares_move_by_name():
     assert float(stats.tokens) == 32.0
     # ‖ḡ‖² of the bias: ((Σ d · 2d) + 4 · 2)² / 32² = (280 + 8)² / 32².
     np.testing.assert_allclose(stats.grad_sq_norm["bias"], (288 / 32) ** 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("members", [2, 3])
+def test_a_batch_of_states_reads_each_members_leaves(members):
+    """A batch of states (an ensemble, stacked as ``vmap`` stacks them) read
+    outside ``vmap``: each leaf's and each group's figures are the members'
+    own, along the batch axis, whether or not the batch has as many members
+    as the params have leaves (3 here); a label function sees one member's
+    shapes."""
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)
+    states = [_run(tx, _plan(seed=10 + m, windows=2))[0][-1] for m in range(members)]
+    batch = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    seen = []
+
+    def by_rank(tree):
+        seen.append(jax.tree.map(lambda x: x.shape, tree))
+        return jax.tree.map(lambda x: "matrices" if x.ndim == 2 else "vectors", tree)
+
+    reads = {
+        "per leaf": lambda s: mm.window_stats(s, per_leaf=True),
+        "prefix": lambda s: mm.window_stats(s, groups={"enc": "e", "dec": "d"}),
+        "function": lambda s: mm.window_stats(s, groups=by_rank),
+    }
+    for read in reads.values():
+        got = read(batch)
+        for m, state in enumerate(states):
+            _close(jax.tree.map(lambda x, m=m: x[m], got), read(state), rtol=1e-6)
+    assert seen[0] == jax.tree.map(lambda x: x.shape, _params())
+    assert all(shapes == seen[0] for shapes in seen)
+
+
+def test_a_label_function_sees_the_params_shapes_under_a_deferred_reduction():
+    """With ``reduction=mm.deferred(...)`` the accumulator holds one running
+    mean per device along a leading axis; a label function still sees the
+    params' shapes, as it would without the reduction."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    ndev = len(jax.devices())
+    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(AUTO,))
+    params = {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)}
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(0.1), 1, per_leaf_stats=True, reduction=mm.deferred(mesh, "data")
+    )
+    data = NamedSharding(mesh, P("data"))
+    rng = np.random.default_rng(3)
+    grads = {
+        "w": rng.normal(size=(ndev, 2, 2)).astype(np.float32),
+        "b": 10 + rng.normal(size=(ndev, 2)).astype(np.float32),
+    }
+    counts = np.arange(1.0, ndev + 1, dtype=np.float32)
+    _, state = jax.jit(tx.update)(
+        jax.device_put(grads, data),
+        tx.init(params),
+        params,
+        count=jax.device_put(counts, data),
+    )
+    seen = []
+
+    def by_rank(tree):
+        seen.append(jax.tree.map(lambda x: x.shape, tree))
+        return jax.tree.map(lambda x: "matrices" if x.ndim == 2 else "vectors", tree)
+
+    groups = mm.window_stats(state, groups=by_rank)
+    per_leaf = mm.window_stats(state, per_leaf=True)
+    assert seen == [{"w": (2, 2), "b": (2,)}]
+    for name in PER_GROUP:
+        assert_bit_identical(
+            getattr(groups, name)["matrices"], getattr(per_leaf, name)["w"]
+        )
+        assert_bit_identical(
+            getattr(groups, name)["vectors"], getattr(per_leaf, name)["b"]
+        )
+    mean_b = counts @ grads["b"] / counts.sum()
+    np.testing.assert_allclose(
+        groups.grad_sq_norm["vectors"], mean_b @ mean_b, rtol=1e-6
+    )
+
+
+def test_a_plain_dict_of_labels_groups_an_nnx_optimizers_leaves():
+    """An NNX optimizer's accumulator is an ``nnx.State``: a plain ``dict``
+    prefix of labels, and labels mapped over ``nnx.state(model, nnx.Param)``
+    (variables holding labels), match it by path."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(2, 4, rngs=rngs)
+            self.out = nnx.Linear(4, 1, rngs=rngs)
+
+    model = Net(nnx.Rngs(0))
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, per_leaf_stats=True)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    rng = np.random.default_rng(4)
+    for n in (3.0, 5.0):
+        grads = jax.tree.map(
+            lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32),
+            nnx.state(model, nnx.Param),
+        )
+        optimizer.update(model, grads, count=jnp.float32(n))
+    by_path = mm.window_stats(
+        optimizer,
+        groups=lambda tree: jax.tree_util.tree_map_with_path(
+            lambda path, _: {"hidden": "h", "out": "o"}[path[0].key], tree
+        ),
+    )
+    assert_bit_identical(
+        mm.window_stats(optimizer, groups={"hidden": "h", "out": "o"}), by_path
+    )
+    labels = jax.tree.map(lambda _: "p", nnx.state(model, nnx.Param))
+    assert_bit_identical(
+        mm.window_stats(optimizer, groups=labels),
+        mm.window_stats(optimizer, groups="p"),
+    )
+    with pytest.raises(ValueError, match=r"no label for the params' leaf at \['out'\]"):
+        mm.window_stats(optimizer, groups={"hidden": "h", "out": None})
+    with pytest.raises(ValueError, match=r"a label at \['outt'\], where the params"):
+        mm.window_stats(optimizer, groups={"hidden": "h", "out": "o", "outt": "x"})
