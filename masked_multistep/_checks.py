@@ -613,6 +613,24 @@ def python_scalar(value: Any, what: str, kinds: tuple, noun: str) -> Any:
     return value
 
 
+def check_takes_one(fn: Callable[..., Any], what: str, argument: str) -> None:
+    """A ``TypeError`` naming ``what`` if ``fn`` cannot be called with one
+    positional argument (``argument``, what it will get); callables whose
+    signature Python cannot read pass unchecked."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None)
+    except TypeError:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise TypeError(
+            f"{what} must be a callable of one argument ({argument}), got "
+            f"{name}{signature}"
+        ) from None
+
+
 def check_flag(value: Any, what: str) -> bool:
     """A concrete boolean: Python's, numpy's ``np.bool_``, or a 0-d bool array.
 

@@ -285,8 +285,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
       tokens_per_window: tokens per window: a number ``> 0``; a callable of the
         tokens seen in all completed windows (a float32 scalar) returning the
         budget, for a budget warmup; or :func:`token_budget` (a budget of the
-        gradient step, ``by="gradient_step"``). A callable's value is made total
-        under ``jit`` (NaN counts as 0, ``inf`` means no token limit).
+        gradient step, ``by="gradient_step"``). A callable's value is checked
+        as a constant's if it is a Python or numpy number, and made total if
+        traced (NaN counts as 0, ``inf`` means no token limit).
       norm_test: close a window once its mean gradient is precise enough by the
         norm test (Byrd et al. 2012): θ, or :func:`norm_test` with its minimum
         and maximum budgets. ``every_k_schedule`` and ``tokens_per_window`` are
@@ -563,12 +564,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             return self._init(params)
 
         def update(updates, state, params=None, *args, count=None, **extra_args):
-            if args:
-                raise TypeError(
-                    "MaskedMultiSteps.update takes the token count as a keyword: "
-                    f"tx.update(grads, state, params, count=n); got {len(args)} "
-                    "more positional argument(s)"
-                )
+            _refuse_positional_count("update", args)
             return self._update(updates, state, params, count=count, **extra_args)
 
         # What `help(tx.init)` and `help(tx.update)` show.
@@ -800,7 +796,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         grads: optax.Updates,
         state: MaskedMultiStepsState,
         params: _ParamsT,
-        *,
+        *args: Any,
         count: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[_ParamsT, MaskedMultiStepsState]:
@@ -823,6 +819,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
           >>> print(params)  # -(3 * 1 + 1 * 5) / 4
           -2.0
         """
+        _refuse_positional_count("apply_gradients", args)
         return self._step(grads, state, params, count, extra_args, apply_params=True)
 
     if TYPE_CHECKING:
@@ -1310,6 +1307,18 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 # wrapper is its two functions, as an optax transformation is; rebuilt from the
 # same two it is itself again, and from others (mapped, or replaced by a filter)
 # the plain (init, update) pair they make.
+def _refuse_positional_count(method: str, args: tuple[Any, ...]) -> None:
+    """A ``TypeError`` for arguments after ``params``: the count goes by
+    keyword (by position it would be taken for an inner optimizer's
+    argument, or lost)."""
+    if args:
+        raise TypeError(
+            f"MaskedMultiSteps.{method} takes the token count as a keyword: "
+            f"tx.{method}(grads, state, params, count=n); got {len(args)} "
+            "more positional argument(s)"
+        )
+
+
 def _flatten(tx: MaskedMultiSteps) -> tuple[tuple[Any, Any], MaskedMultiSteps]:
     return (tx.init, tx.update), tx
 

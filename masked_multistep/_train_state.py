@@ -23,6 +23,7 @@ from masked_multistep._checks import (
     first_three,
     in_series,
     instances_in,
+    to_count,
 )
 from masked_multistep._inspect import find_state
 from masked_multistep._multisteps import (
@@ -51,6 +52,36 @@ _OPTAX_MULTISTEPS = (
     "mm.MaskedMultiSteps(inner, k) (a running state converts with "
     "mm.from_optax_multisteps)."
 )
+
+
+def _refuse_unknown_fields(
+    cls: type, method: str, kwargs: Mapping[str, Any], keywords: list[str], more: str
+) -> None:
+    """A ``TypeError`` for keywords in ``kwargs`` that are not fields of
+    ``cls`` (``keywords``: the method's own, offered as fixes too): a
+    misspelling gets its likely fix; another name, how to add a field."""
+    field_names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in kwargs if k not in field_names]
+    if not unknown:
+        return
+    close = (
+        ["value"]
+        if unknown[0] in LOSS_KEYWORDS and "value" in keywords
+        else difflib.get_close_matches(
+            unknown[0], [*keywords, *field_names], n=1, cutoff=0.8
+        )
+    )
+    hint = (
+        f" Did you mean {close[0]!r}?"
+        if close
+        else " A field of your own needs a subclass, e.g. `class "
+        f"State(mm.TrainState): {unknown[0]}: Any = None`."
+    )
+    raise TypeError(
+        f"{cls.__name__}.{method} got unexpected keyword argument(s) "
+        f"{', '.join(map(repr, unknown))}: not a field of {cls.__name__} "
+        f"(fields: {', '.join(field_names)}).{hint}{more}"
+    )
 
 
 class TrainState(_flax_train_state.TrainState):
@@ -118,6 +149,11 @@ class TrainState(_flax_train_state.TrainState):
                 "one, e.g. mm.MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
             )
         _inner.check_opt(tx, "tx")
+        if params is None:
+            raise TypeError(
+                "`params` must be the model's parameters (a pytree of arrays), got None"
+            )
+        _refuse_unknown_fields(cls, "create", kwargs, [], "")
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         # `step` placed where `apply_gradients` returns it (replicated on the
         # params' mesh, or on their one device), as `tx.init` places its own
@@ -211,38 +247,24 @@ class TrainState(_flax_train_state.TrainState):
                 "`state.replace(tx=new_tx, opt_state=new_tx.init(state.params))`, "
                 "or build the state again with create"
             )
-        field_names = [f.name for f in dataclasses.fields(self)]
-        unknown = [k for k in kwargs if k not in field_names]
-        if unknown:
-            close = (
-                ["value"]
-                if unknown[0] in LOSS_KEYWORDS
-                else difflib.get_close_matches(
-                    unknown[0],
-                    ["count", "value", "extra_args", *field_names],
-                    n=1,
-                    cutoff=0.8,
-                )
-            )
-            # A misspelling gets its likely fix; another name, how to add it.
-            hint = (
-                f" Did you mean {close[0]!r}?"
-                if close
-                else " A field of your own needs a subclass, e.g. `class "
-                f"State(mm.TrainState): {unknown[0]}: Any = None`."
-            )
-            raise TypeError(
-                f"{type(self).__name__}.apply_gradients got unexpected keyword "
-                f"argument(s) {', '.join(map(repr, unknown))}: not a field of "
-                f"{type(self).__name__} (fields: {', '.join(field_names)}).{hint} "
-                "Arguments for the optimizer go in `extra_args={...}`."
-            )
+        _refuse_unknown_fields(
+            type(self),
+            "apply_gradients",
+            kwargs,
+            ["count", "value", "extra_args"],
+            " Arguments for the optimizer go in `extra_args={...}`.",
+        )
         if count is None:
             raise TypeError(
                 "TrainState.apply_gradients needs the microbatch's token count: "
                 "call `state.apply_gradients(grads=grads, count=n)`, got "
                 "count=None."
             )
+        if not states_in(self.opt_state, MaskedMultiStepsState):
+            # No wrapper reads it (a plain optimizer): still a number of
+            # tokens, checked as the wrapper checks it (a loss or a mask
+            # passed as the count is a mistake wherever it goes).
+            to_count(count, jnp.dtype(jnp.float32))
         if extra_args is not None and not isinstance(extra_args, Mapping):
             raise TypeError(
                 "`extra_args` must be a mapping of keyword arguments for the "

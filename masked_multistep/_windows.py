@@ -21,6 +21,7 @@ from masked_multistep._checks import (
     INT32_MAX,
     check_microbatches,
     check_real,
+    check_takes_one,
     is_host_int,
     python_scalar,
     refuse_narrow_float,
@@ -108,6 +109,7 @@ def every_k(
       1
     """
     if callable(every_k_schedule):
+        check_takes_one(every_k_schedule, "`every_k_schedule`", "the gradient step")
         return lambda step: _sanitize_k(every_k_schedule(step))
     k = every_k_schedule
     if isinstance(k, (jax.Array, np.ndarray, np.generic)) and np.ndim(k) == 0:
@@ -296,6 +298,7 @@ def _microbatch_cap(
 ) -> Callable[[jax.Array], jax.Array]:
     """``every_k(value)``, with errors that name ``what`` (a cap's own name)."""
     if callable(value):
+        check_takes_one(value, what, "the gradient step")
         schedule = value
         return lambda step: _sanitize_k(schedule(step), f"{what[:-1]}(step)`")
     if isinstance(value, bool) or not isinstance(
@@ -313,26 +316,34 @@ def _sanitize_budget(
 ) -> jax.Array | int | float:
     """A budget schedule's value as a token budget, total under jit.
 
-    NaN counts as 0 (the window closes on its first microbatch with tokens, so
-    a broken schedule shows at once as an update per microbatch instead of a
-    window that never closes), and so does a negative value; ``+inf`` means no
-    token limit. The value keeps its precision, so that :func:`_tokens_reached`
-    compares it exactly, as it compares a constant budget: a Python or numpy
-    number returns as a Python number (compared as a constant is), an array
-    integer stays an integer, an array float a float of at least float32
-    precision.
+    A Python or numpy number (known whenever it is returned, under ``jit``
+    too) must be a budget as a constant must: NaN, 0 or a negative value is a
+    ``ValueError`` that names the schedule. A traced value is made total: NaN
+    counts as 0 (the window closes on its first microbatch with tokens, so a
+    broken schedule shows at once as an update per microbatch instead of a
+    window that never closes), and so does a negative value. ``+inf`` means
+    no token limit. The value keeps its precision, so that
+    :func:`_tokens_reached` compares it exactly, as it compares a constant
+    budget: a Python or numpy number returns as a Python number (compared as
+    a constant is), an array integer stays an integer, an array float a float
+    of at least float32 precision.
     """
-    if is_host_int(budget) and np.ndim(budget) == 0:
-        return max(int(budget), 0)
     if isinstance(budget, np.ndarray) and budget.ndim == 0:
         budget = budget[()]  # np.array(2.0000001): read exactly, as np.float64 is
     if isinstance(budget, np.floating):
         refuse_narrow_float(budget.dtype, what)
-    if isinstance(budget, (float, np.floating)):
-        # Not through jnp.asarray, which would round it to float32 (2.0000001
-        # to 2.0: a window of 2 tokens, below the budget).
-        value = float(budget)
-        return 0.0 if math.isnan(value) or value < 0 else value
+    if (is_host_int(budget) and np.ndim(budget) == 0) or isinstance(
+        budget, (float, np.floating)
+    ):
+        # Not through jnp.asarray, which would round a float to float32
+        # (2.0000001 to 2.0: a window of 2 tokens, below the budget).
+        value = int(budget) if is_host_int(budget) else float(budget)
+        if not value > 0:
+            raise ValueError(
+                f"{what} returned {budget!r}: a token budget must be a number "
+                "> 0 (inf for no token limit)"
+            )
+        return value
     b = _schedule_value(budget, what)
     if jnp.issubdtype(b.dtype, jnp.integer) and b.dtype != jnp.bool_:
         return jnp.maximum(b, jnp.zeros([], b.dtype))
@@ -464,8 +475,10 @@ def token_budget(
       budget: tokens per window: a number ``> 0``, or a callable returning one,
         of the tokens seen in all completed windows (``by="tokens_seen"``, a
         float32 scalar) or of the gradient step (``by="gradient_step"``). A
-        callable's value is made total under ``jit``: NaN and negative values
-        count as 0 (every microbatch with tokens closes its window), ``inf``
+        callable's value, if a Python or numpy number, must be ``> 0`` as a
+        constant (else ``ValueError``); a traced one is made total: NaN,
+        negative values and 0 count as 0 (every microbatch with tokens closes
+        its window), ``inf``
         means no token limit (a window whose total cannot take a
         microbatch's count, as an int32 one near 2³¹ − 1, closes on it), a
         non-scalar raises
@@ -539,6 +552,9 @@ def _token_budget(
     budget_of: Callable[[Any, WindowScalars], float | int | jax.Array]
     fixed_budget = None
     if callable(budget):
+        check_takes_one(
+            budget, what, "the tokens seen" if track_seen else "the gradient step"
+        )
         budget_fn = budget
         if track_seen:
             budget_of = (

@@ -285,6 +285,12 @@ def test_missing_count_says_how_to_pass_it(tx):
         tx.update(GRADS, tx.init(PARAMS), PARAMS)
     with pytest.raises(TypeError, match=r"token count as a keyword: .*count=n"):
         tx.update(GRADS, tx.init(PARAMS), PARAMS, 3)
+    with pytest.raises(
+        TypeError,
+        match=r"apply_gradients takes the token count as a keyword: "
+        r"tx\.apply_gradients\(grads, state, params, count=n\)",
+    ):
+        tx.apply_gradients(GRADS, tx.init(PARAMS), PARAMS, 3)
     # `help(tx.update)` shows the count.
     assert "count" in inspect.signature(tx.update).parameters
     assert "count: the number of real tokens" in (tx.update.__doc__ or "")
@@ -865,3 +871,27 @@ def test_masked_mean_with_weights_summing_beyond_float32_is_refused():
             mm.masked_mean(jnp.ones((2, 3)), mask)
     mean, count = mm.masked_mean(jnp.ones((2, 3)), jnp.full((2, 3), 1e37))
     assert float(mean) == 1.0 and np.isfinite(count)
+
+
+def test_a_schedule_that_takes_no_argument_is_named_when_built():
+    # It failed at the first update with "<lambda>() takes 0 positional
+    # arguments but 1 was given", naming no argument.
+    with pytest.raises(
+        TypeError,
+        match=r"`every_k_schedule` must be a callable of one argument \(the "
+        r"gradient step\), got <lambda>\(\)",
+    ):
+        mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=lambda: 2)
+    with pytest.raises(
+        TypeError, match=r"`tokens_per_window` must be a callable of one argument"
+    ):
+        mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=lambda: 8.0)
+    with pytest.raises(TypeError, match=r"`budget` must be a callable of one"):
+        mm.token_budget(lambda step, other: 8.0, by="gradient_step")
+    with pytest.raises(TypeError, match=r"`max_microbatches` must be a callable of"):
+        mm.token_budget(100.0, max_microbatches=lambda: 3)
+    # Schedules of one argument, with defaults or bound by partial, pass.
+    mm.MaskedMultiSteps(
+        optax.sgd(1.0), every_k_schedule=optax.linear_schedule(1, 8, 10)
+    )
+    mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=lambda seen, extra=1: 1e3)

@@ -200,3 +200,42 @@ def test_without_flax_the_import_error_says_how_to_install_it(monkeypatch):
     with pytest.raises(ImportError) as info:
         mm.TrainState  # noqa: B018
     assert str(info.value) == expected
+
+
+def test_create_names_missing_params_and_fields_it_lacks():
+    # flax's create failed on params=None with "argument of type 'NoneType' is
+    # not iterable", and took an unknown field with a bare TypeError.
+    with pytest.raises(TypeError, match=r"`params` must be .*, got None"):
+        mm.TrainState.create(apply_fn=None, params=None, tx=optax.sgd(1.0))
+    with pytest.raises(
+        TypeError,
+        match=r"TrainState\.create got unexpected keyword argument\(s\) "
+        r"'batch_stats'.*`class State\(mm\.TrainState\): batch_stats: Any",
+    ):
+        mm.TrainState.create(
+            apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(1.0), batch_stats={}
+        )
+
+
+@pytest.mark.parametrize(
+    ("count", "error", "match"),
+    [
+        ("abc", TypeError, r"`count` must be a real scalar, got 'abc'"),
+        (-1, ValueError, r"`count` must be non-negative, got -1"),
+        (float("nan"), ValueError, r"`count` must be a finite"),
+        (True, TypeError, r"`count` must be a number of tokens, got a bool"),
+        (jnp.ones(2), ValueError, r"`count` must be a scalar"),
+    ],
+)
+def test_a_plain_optimizers_count_is_checked_as_the_wrappers(count, error, match):
+    """No wrapper reads the count of a plain optimizer, but it is still checked:
+    a loss, a mask or a flag passed as the count is a mistake wherever it goes."""
+    state = mm.TrainState.create(
+        apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(1.0)
+    )
+    with pytest.raises(error, match=match):
+        state.apply_gradients(grads={"w": jnp.ones(2)}, count=count)
+    # A valid one, concrete or traced, changes nothing of the plain step.
+    step = jax.jit(lambda s, n: s.apply_gradients(grads={"w": jnp.ones(2)}, count=n))
+    for n in (3, jnp.float32(-1.0)):  # traced: not checked, as the wrapper's
+        assert float(step(state, n).params["w"][0]) == -1.0
