@@ -261,7 +261,7 @@ def params_like(state: MaskedMultiStepsState) -> Any:
     ``vmap`` stacks them; a deferred reduction's device axis), in the
     accumulator's dtype."""
     lead = jax.numpy.ndim(state.acc_count)
-    if not (isinstance(state.reduction_state, tuple) and not state.reduction_state):
+    if jax.tree.leaves(state.reduction_state):
         lead += 1  # `reduction=mm.deferred(...)`: one running mean per device
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape[lead:], x.dtype), state.acc_grads
@@ -283,7 +283,15 @@ def leaf_labels(groups: Any, tree: Any) -> list[str]:
     """
     if callable(groups):
         called = []
-        jax.eval_shape(lambda t: called.append(groups(t)) or (), tree)
+        try:
+            jax.eval_shape(lambda t: called.append(groups(t)) or (), tree)
+        except jax.errors.JAXTypeError as error:
+            raise TypeError(
+                "`groups`, a function, is called on abstract arrays (shapes and "
+                "dtypes, as under jit, whatever the state holds): label the "
+                "params by `.shape`, `.ndim`, `.dtype` or path, not by their "
+                f"values; it raised {type(error).__name__}"
+            ) from error
         labels = called[0]
     else:
         labels = groups
@@ -317,21 +325,35 @@ def _key_names(path: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(names)
 
 
+def _is_placeholder(x: Any) -> bool:
+    # Where a params leaf has no accumulator (`optax.multi_transform`'s other
+    # branches, `optax.masked`): a place for a label, with nothing to label.
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
 def _labels_by_path(labels: Any, tree: Any) -> list[str]:
     """Each leaf's label, the one whose path (in :func:`_key_names`) leads to
     it."""
-    given = [
-        (_key_names(path), label)
+    given = {
+        _key_names(path): label
         for path, label in jax.tree_util.tree_flatten_with_path(labels)[0]
-    ]
-    paths = [_key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-    def covers(prefix: tuple[Any, ...], path: tuple[Any, ...]) -> bool:
-        return path[: len(prefix)] == prefix
-
+    }
+    places: set[tuple[Any, ...]] = set()  # every prefix of every path
+    found, unmatched = [], []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=_is_placeholder
+    )[0]:
+        names = _key_names(path)
+        prefixes = [names[:i] for i in range(len(names) + 1)]
+        places.update(prefixes)
+        if _is_placeholder(leaf):
+            continue
+        label = next((given[p] for p in prefixes if p in given), None)
+        if label is None:
+            unmatched.append(names)
+        found.append(label)
     problem = ""
-    unmatched = [p for p in paths if not any(covers(q, p) for q, _ in given)]
-    unused = [q for q, _ in given if not any(covers(q, p) for p in paths)]
+    unused = [q for q in given if q not in places]
     if unmatched:
         problem = (
             f"no label for the params' leaf at {_spelt(unmatched[0])} (a None "
@@ -345,7 +367,7 @@ def _labels_by_path(labels: Any, tree: Any) -> list[str]:
             f"or a prefix of it (or a function of the params returning one): "
             f"{problem}"
         )
-    return [next(label for q, label in given if covers(q, p)) for p in paths]
+    return found
 
 
 def _spelt(names: tuple[Any, ...]) -> str:

@@ -285,9 +285,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
       tokens_per_window: tokens per window: a number ``> 0``; a callable of the
         tokens seen in all completed windows (a float32 scalar) returning the
         budget, for a budget warmup; or :func:`token_budget` (a budget of the
-        gradient step, ``by="gradient_step"``). A callable's value is checked
-        as a constant's if it is a Python or numpy number, and made total if
-        traced (NaN counts as 0, ``inf`` means no token limit).
+        gradient step, ``by="gradient_step"``). A callable's value, if a
+        Python or numpy number, must not be NaN or negative; a traced one is
+        made total (NaN counts as 0, ``inf`` means no token limit).
       norm_test: close a window once its mean gradient is precise enough by the
         norm test (Byrd et al. 2012): θ, or :func:`norm_test` with its minimum
         and maximum budgets. ``every_k_schedule`` and ``tokens_per_window`` are
@@ -323,7 +323,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         a small batch of its own (more of them, for free).
       stats_decay: per-window decay of the moving averages behind
         ``WindowStats.smoothed_noise_scale``, in ``[0, 1)``; only with the
-        statistics on (``window_stats=True`` or a norm test).
+        statistics on (``window_stats=True``, ``per_leaf_stats=True`` or a
+        norm test).
       per_leaf_stats: keep each parameter leaf's share of the window
         statistics as well (turns them on): one float32 vector of a few
         entries per leaf, from the squared norms the statistics already take

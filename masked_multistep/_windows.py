@@ -317,12 +317,12 @@ def _sanitize_budget(
     """A budget schedule's value as a token budget, total under jit.
 
     A Python or numpy number (known whenever it is returned, under ``jit``
-    too) must be a budget as a constant must: NaN, 0 or a negative value is a
-    ``ValueError`` that names the schedule. A traced value is made total: NaN
-    counts as 0 (the window closes on its first microbatch with tokens, so a
-    broken schedule shows at once as an update per microbatch instead of a
-    window that never closes), and so does a negative value. ``+inf`` means
-    no token limit. The value keeps its precision, so that
+    too) that is NaN or negative is a ``ValueError`` that names the schedule;
+    0 closes the window on its first microbatch with tokens (a warmup may
+    start there). A traced value is made total: NaN counts as 0 (so a broken
+    schedule shows at once as an update per microbatch instead of a window
+    that never closes), and so does a negative value. ``+inf`` means no
+    token limit. The value keeps its precision, so that
     :func:`_tokens_reached` compares it exactly, as it compares a constant
     budget: a Python or numpy number returns as a Python number (compared as
     a constant is), an array integer stays an integer, an array float a float
@@ -338,10 +338,11 @@ def _sanitize_budget(
         # Not through jnp.asarray, which would round a float to float32
         # (2.0000001 to 2.0: a window of 2 tokens, below the budget).
         value = int(budget) if is_host_int(budget) else float(budget)
-        if not value > 0:
+        if not value >= 0:
             raise ValueError(
                 f"{what} returned {budget!r}: a token budget must be a number "
-                "> 0 (inf for no token limit)"
+                ">= 0 (0 closes each window on its first microbatch with "
+                "tokens, inf sets no token limit)"
             )
         return value
     b = _schedule_value(budget, what)
@@ -475,10 +476,10 @@ def token_budget(
       budget: tokens per window: a number ``> 0``, or a callable returning one,
         of the tokens seen in all completed windows (``by="tokens_seen"``, a
         float32 scalar) or of the gradient step (``by="gradient_step"``). A
-        callable's value, if a Python or numpy number, must be ``> 0`` as a
-        constant (else ``ValueError``); a traced one is made total: NaN,
-        negative values and 0 count as 0 (every microbatch with tokens closes
-        its window), ``inf``
+        callable's value, if a Python or numpy number, must be ``>= 0``
+        (else ``ValueError``); a traced one is made total: NaN and negative
+        values count as 0; at 0 every microbatch with tokens closes its
+        window; ``inf``
         means no token limit (a window whose total cannot take a
         microbatch's count, as an int32 one near 2³¹ − 1, closes on it), a
         non-scalar raises

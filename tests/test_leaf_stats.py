@@ -689,3 +689,61 @@ def test_a_plain_dict_of_labels_groups_an_nnx_optimizers_leaves():
         mm.window_stats(optimizer, groups={"hidden": "h", "out": None})
     with pytest.raises(ValueError, match=r"a label at \['outt'\], where the params"):
         mm.window_stats(optimizer, groups={"hidden": "h", "out": "o", "outt": "x"})
+
+
+def test_labels_by_path_pass_over_the_leaves_another_branch_holds():
+    """In one branch of ``optax.multi_transform`` the accumulator holds
+    ``optax.MaskedNode`` where the other branch's params are: labels matched
+    by path (containers other than the params') may name them, as labels
+    matched by structure may, and their group is empty (left out)."""
+    from flax.core import FrozenDict
+
+    params = {
+        "hidden": {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)},
+        "out": jnp.zeros(3),
+    }
+    tx = optax.multi_transform(
+        {
+            "acc": mm.MaskedMultiSteps(optax.sgd(0.1), 2, per_leaf_stats=True),
+            "frozen": optax.set_to_zero(),
+        },
+        {"hidden": "acc", "out": "frozen"},
+    )
+    state = tx.init(params)
+    for n in (3.0, 5.0):
+        grads = jax.tree.map(lambda p, n=n: jnp.full(p.shape, n), params)
+        _, state = tx.update(grads, state, params, count=jnp.float32(n))
+    by_structure = mm.window_stats(state, groups={"hidden": "h", "out": "o"})
+    assert set(by_structure.grad_sq_norm) == {"h"}
+    for labels in (
+        FrozenDict({"hidden": "h", "out": "o"}),
+        FrozenDict({"hidden": FrozenDict({"w": "h", "b": "h"}), "out": "o"}),
+    ):
+        assert_bit_identical(mm.window_stats(state, groups=labels), by_structure)
+    with pytest.raises(ValueError, match=r"a label at \['outt'\], where the params"):
+        mm.window_stats(state, groups=FrozenDict({"hidden": "h", "outt": "o"}))
+
+
+def test_a_label_function_that_reads_values_is_told_it_sees_shapes():
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)
+    state = _run(tx, _plan(windows=1))[0][-1]
+    by_value = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: "big" if float(jnp.max(x)) > 1 else "small", tree
+    )
+    with pytest.raises(
+        TypeError, match=r"`groups`, a function, is called on abstract arrays"
+    ):
+        mm.window_stats(state, groups=by_value)
+    # A state whose empty reduction state came back as None (a checkpoint
+    # restored without a template) has no device axis either.
+    by_rank = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: "matrices" if x.ndim == 2 else "vectors", tree
+    )
+    assert_bit_identical(
+        mm.window_stats(state._replace(reduction_state=None), groups=by_rank),
+        mm.window_stats(state, groups=by_rank),
+    )
+    assert set(mm.window_stats(state, groups=by_rank).grad_sq_norm) == {
+        "matrices",
+        "vectors",
+    }

@@ -755,16 +755,18 @@ def test_returned_budgets_beyond_the_totals_range_close_at_its_largest_value():
     assert not bool(w._tokens_reached(jnp.float32(2**31 - 128), top))
     for bad in (jnp.float32(jnp.nan), jnp.float32(-3.0), jnp.int32(-3)):
         assert float(w._sanitize_budget(bad)) == 0.0
-    # A Python or numpy number is known when returned, under jit too: checked
-    # as a constant budget is (it counted as 0, silently).
-    for bad in (float("nan"), -3.0, np.float32(-1), -3, np.int64(-2), 0, 0.0):
+    # A Python or numpy number is known when returned, under jit too: NaN or
+    # a negative one is refused (it counted as 0, silently); 0 is a budget
+    # (a warmup may start there).
+    for bad in (float("nan"), -3.0, np.float32(-1), -3, np.int64(-2)):
         with pytest.raises(ValueError, match=r"`tokens_per_window\(\.\.\.\)` "):
             w._sanitize_budget(bad)
+    assert w._sanitize_budget(0) == 0 and w._sanitize_budget(np.float32(0)) == 0
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=lambda seen: np.nan)
     with pytest.raises(
         ValueError,
         match=r"`tokens_per_window\(tokens_seen\)` returned nan: a token budget "
-        r"must be a number > 0",
+        r"must be a number >= 0",
     ):
         jax.jit(tx.update)(jnp.ones(2), tx.init(jnp.zeros(2)), jnp.zeros(2), count=1.0)
     # A returned Python or numpy inf, against an int32 total: no token limit
