@@ -22,6 +22,7 @@ differing in what they compute are not compared.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import re
 from typing import Any
@@ -67,6 +68,18 @@ def check_same_across_processes(texts: tuple[str, ...], what: str) -> None:
     ``texts`` (``describe``'s). Every process must call this."""
     from jax.experimental import multihost_utils
 
+    held = collections.Counter(d.process_index for d in jax.devices())
+    if len(set(held.values())) > 1:
+        # jax's all-gather across processes (and its arrays spanning them)
+        # would fail with a reshape error of its own.
+        counts = ", ".join(f"process {p}: {n}" for p, n in sorted(held.items()))
+        raise ValueError(
+            f"{what}: the processes hold different numbers of devices ({counts}); "
+            "the check that every process built the same wrapper, an "
+            "all-gather across them (as jax's `process_allgather` lays it out), "
+            "needs the same number on each: make the devices each process sees "
+            "(`jax_num_cpu_devices` on CPUs) alike"
+        )
     mine = np.stack(
         [np.frombuffer(hashlib.sha256(t.encode()).digest(), np.uint8) for t in texts]
     )

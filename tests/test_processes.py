@@ -69,3 +69,23 @@ def test_init_check_tells_inner_optimizers_of_one_layout_apart(monkeypatch):
     )
     with pytest.raises(ValueError, match=r"different wrapper \(its repr\) than"):
         _processes.check_same_across_processes(mine, "init")
+
+
+def test_processes_holding_different_numbers_of_devices_are_named(monkeypatch):
+    # jax's all-gather failed with "cannot reshape array of size 3 into shape
+    # (2,1)" for a process of one device beside one of two.
+    class Device:
+        def __init__(self, process_index):
+            self.process_index = process_index
+
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2)
+    texts = _processes.describe(tx, tx.init({"w": jnp.zeros(3)}))
+    monkeypatch.setattr(
+        _processes.jax, "devices", lambda: [Device(0), Device(1), Device(1)]
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"MaskedMultiSteps\.init: the processes hold different numbers of "
+        r"devices \(process 0: 1, process 1: 2\)",
+    ):
+        _processes.check_same_across_processes(texts, "MaskedMultiSteps.init")
