@@ -12,13 +12,7 @@ from tests._helpers import assert_bit_identical
 
 K = 3
 AUTO = jax.sharding.AxisType.Auto
-PER_GROUP = (
-    "grad_sq_norm",
-    "grad_var_trace",
-    "true_grad_sq_norm",
-    "noise_scale",
-    "smoothed_noise_scale",
-)
+PER_GROUP = _stats.PER_GROUP  # the fields each leaf or group has
 SHARED = ("tokens", "microbatches", "loss", "windows")
 
 
