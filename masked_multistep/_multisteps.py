@@ -1302,12 +1302,6 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
 
 
-# A NamedTuple is a pytree that jax rebuilds as ``type(tx)(init, update)``,
-# which is not this constructor's signature: `jax.tree.map` over a wrapper (or
-# over a config or an equinox module that holds one) would fail. Flattened, the
-# wrapper is its two functions, as an optax transformation is; rebuilt from the
-# same two it is itself again, and from others (mapped, or replaced by a filter)
-# the plain (init, update) pair they make.
 def _refuse_positional_count(method: str, args: tuple[Any, ...]) -> None:
     """A ``TypeError`` for arguments after ``params``: the count goes by
     keyword (by position it would be taken for an inner optimizer's
@@ -1320,6 +1314,12 @@ def _refuse_positional_count(method: str, args: tuple[Any, ...]) -> None:
         )
 
 
+# A NamedTuple is a pytree that jax rebuilds as ``type(tx)(init, update)``,
+# which is not this constructor's signature: `jax.tree.map` over a wrapper (or
+# over a config or an equinox module that holds one) would fail. Flattened, the
+# wrapper is its two functions, as an optax transformation is; rebuilt from the
+# same two it is itself again, and from others (mapped, or replaced by a filter)
+# the plain (init, update) pair they make.
 def _flatten(tx: MaskedMultiSteps) -> tuple[tuple[Any, Any], MaskedMultiSteps]:
     return (tx.init, tx.update), tx
 
