@@ -142,7 +142,9 @@ class TrainState(_flax_train_state.TrainState):
         that accumulates with ``optax.MultiSteps`` (which would ignore every
         ``count``) or holds two :class:`MaskedMultiSteps` in series (one after
         the other in a chain; in different branches of
-        ``optax.multi_transform`` they are fine)."""
+        ``optax.multi_transform`` they are fine). So are ``params=None`` and a
+        keyword that is no field of the class (with the field's likely
+        spelling, or how to add a field in a subclass)."""
         if isinstance(tx, type):
             raise TypeError(
                 f"`tx` must be an optimizer, got the class {tx.__name__}: build "
