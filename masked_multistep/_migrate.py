@@ -19,7 +19,11 @@ from masked_multistep._checks import (
 )
 from masked_multistep._deferred import Deferred
 from masked_multistep._inspect import unboxed
-from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
+from masked_multistep._multisteps import (
+    MaskedMultiSteps,
+    MaskedMultiStepsState,
+    has_field_named,
+)
 from masked_multistep._reduction import placed_like
 from masked_multistep._running_mean import compute_dtype
 from masked_multistep._token_total import token_total, with_tokens_seen
@@ -218,6 +222,13 @@ def from_optax_multisteps(
     """
     if not isinstance(state, optax.MultiStepsState):
         hint = nested_hint(state, optax.MultiStepsState, "that element")
+        if not hint and has_field_named(state, "acc_grads"):
+            hint = (
+                ": it holds the state's fields by name only, as a checkpoint "
+                "restored without a target gives them; restore it against the "
+                "old optimizer's state (`optax.MultiSteps(...).init(params)` as "
+                "the target), then convert"
+            )
         raise TypeError(
             "`state` must be an optax.MultiStepsState (the state of "
             f"optax.MultiSteps), got {type(state).__name__}{hint}"

@@ -310,6 +310,21 @@ def test_a_chain_state_is_refused_with_where_its_multisteps_state_is():
         mm.from_optax_multisteps(old.init(params), tx, params)
 
 
+def test_a_state_restored_without_a_target_says_to_restore_against_the_old_one():
+    # A checkpoint restored without a target holds dicts: the error said only
+    # "got dict".
+    params = {"w": jnp.zeros(2)}
+    old = optax.MultiSteps(optax.adam(0.1), 3).init(params)
+    by_name = {field: getattr(old, field) for field in old._fields}
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 3)
+    with pytest.raises(
+        TypeError,
+        match=r"got dict: it holds the state's fields by name only.*restore it "
+        r"against the old optimizer's state",
+    ):
+        mm.from_optax_multisteps(by_name, tx, params, acc_count=4)
+
+
 def test_tokens_seen_continues_a_token_budget_warmup_and_the_statistics():
     # A batch-size warmup in tokens (4 tokens per window until 32 seen, then
     # 12): after 4 windows of 2 microbatches of 4 tokens (32 seen) under
