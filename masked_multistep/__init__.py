@@ -30,7 +30,8 @@ Windows by tokens
 Migration and checkpoints
     ``from_optax_multisteps``, ``from_state_0_1``, ``state_0_1_target``,
     ``STATE_0_1_FIELDS``; ``device_count_target``, ``from_device_count`` (a
-    deferred state onto another number of devices).
+    deferred state onto another number of devices); ``from_other_settings``
+    (a running state onto a wrapper with another window rule or statistics).
 Building block
     ``running_mean_update``: the token-weighted running mean itself.
 
@@ -59,6 +60,7 @@ from masked_multistep._per_device import (
 )
 from masked_multistep._running_mean import running_mean_update
 from masked_multistep._schedules import tokens_schedule
+from masked_multistep._settings import from_other_settings
 from masked_multistep._stats import WindowStats, noise_scale_estimates
 from masked_multistep._token_total import TokenTotal
 from masked_multistep._version import __version__ as __version__
@@ -93,6 +95,7 @@ __all__ = [
     "find_state",
     "from_device_count",
     "from_optax_multisteps",
+    "from_other_settings",
     "from_state_0_1",
     "has_updated",
     "masked_mean",

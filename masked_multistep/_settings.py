@@ -1,0 +1,174 @@
+"""A running wrapper's state, continued by a wrapper with other settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from masked_multistep import _stats
+from masked_multistep._checkpoint import _check_template, check_matches, like_template
+from masked_multistep._checks import to_count, traced
+from masked_multistep._inspect import find_state
+from masked_multistep._reduction import placed_like
+from masked_multistep._token_total import TokenTotal, token_total, with_tokens_seen
+
+__all__ = ["from_other_settings"]
+
+# What every wrapper around the same inner optimizer, for the same params,
+# holds alike, whatever its window rule, statistics or skip function.
+_CARRIED = (
+    "mini_step",
+    "gradient_step",
+    "inner_opt_state",
+    "acc_grads",
+    "acc_value",
+    "updated",
+    "num_invalid_counts",
+    "num_nonfinite_windows",
+)
+
+
+def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -> Any:
+    """``state`` of a running :class:`MaskedMultiSteps`, continued by one with
+    other settings: another ``k`` or schedule, a token budget or the norm
+    test, the window statistics turned on or off, another ``count_dtype``
+    (where both keep statistics, the same one).
+
+    The window in progress carries over (its mean gradient, tokens, mean
+    ``value`` and microbatches, which count toward the new rule: a window
+    already past its new ``k`` or budget closes on the next microbatch), and
+    so do the inner optimizer's state and the step counters. The statistics
+    carry over where the template keeps the same ones; where it keeps
+    statistics the old wrapper did not, the pending window's mean counts as
+    one microbatch of its tokens (as :func:`from_optax_multisteps` counts
+    it). The tokens seen (for a budget that is a function of them, and the
+    statistics' ``tokens_seen``) are ``state``'s where it kept them, else
+    ``tokens_seen``, else 0. A skip function's state carries over where it has
+    the template's layout, else it starts afresh.
+
+    Args:
+      state: the running wrapper's state, or a tree holding it (an
+        ``optax.chain`` state, ``mm.TrainState``, ``optimizer.opt_state``).
+      template: ``tx.init(params)`` of the wrapper that continues: the same
+        inner optimizer, for the same params; the ``MaskedMultiStepsState``
+        itself.
+      tokens_seen: the tokens of all completed windows, where ``state`` kept
+        no count of them (a whole number in ``[0, 2**48]``); it overrides
+        ``state``'s when given.
+
+    Returns:
+      A state of ``template``'s layout, placement and dtypes.
+
+    Raises:
+      TypeError: if ``template`` is not a ``MaskedMultiStepsState``, or the
+        call is traced by ``jit`` (the counts are read and checked).
+      ValueError: if ``state`` holds no wrapper state (or several); if either
+        has ``reduction=mm.deferred(...)`` (move the window onto one device
+        first with :func:`from_device_count`); if the inner optimizer's state
+        or the accumulator differ from the template's in structure or shapes,
+        or a field's values do not fit the template's dtypes (a token total
+        beyond an integer ``count_dtype``, a fractional one for it).
+
+    Examples:
+      Halfway through a window of 4, switch to windows of 10 tokens:
+
+      >>> import jax.numpy as jnp, optax
+      >>> import masked_multistep as mm
+      >>> params = {"w": jnp.zeros(())}
+      >>> old = mm.MaskedMultiSteps(optax.sgd(1.0), 4)
+      >>> state = old.init(params)
+      >>> for g, n in [(1.0, 3), (2.0, 3)]:
+      ...     _, state = old.update({"w": jnp.array(g)}, state, params,
+      ...                           count=jnp.array(n))
+      >>> new = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=10)
+      >>> state = mm.from_other_settings(state, new.init(params))
+      >>> updates, state = new.update({"w": jnp.array(6.0)}, state, params,
+      ...                             count=jnp.array(4))
+      >>> print(updates["w"])  # -(3·1 + 3·2 + 4·6) / 10, the window at 10 tokens
+      -3.3
+    """
+    _check_template(template)
+    old = find_state(state)
+    if traced((old, template)):
+        raise TypeError(
+            "from_other_settings reads the state's counts to check them, so it "
+            "must be called eagerly (outside jit), once, when switching"
+        )
+    for what, s in (("`state`", old), ("`template`", template)):
+        if jax.tree.leaves(s.reduction_state):
+            raise ValueError(
+                f"{what} has reduction=mm.deferred(...) (one running mean per "
+                "device): move the window onto one device first, with "
+                "mm.from_device_count(state, template_without_reduction), "
+                "convert, and back with mm.from_device_count if need be"
+            )
+    hint = (
+        "the template must come from `tx.init(params)` of a wrapper around the "
+        "same inner optimizer, for the same params"
+    )
+    for name in _CARRIED:
+        check_matches(
+            f"`state.{name}`", getattr(old, name), getattr(template, name), hint
+        )
+    new = template._replace(
+        **{
+            name: like_template(
+                f"`state.{name}`", getattr(old, name), getattr(template, name)
+            )
+            for name in _CARRIED
+        }
+    )
+    dtype = template.acc_count.dtype
+    acc_count = to_count(np.asarray(old.acc_count).item(), dtype, "`state.acc_count`")[
+        0
+    ]
+    value_count = to_count(
+        np.asarray(old.value_count).item(), dtype, "`state.value_count`"
+    )[0]
+    new = new._replace(acc_count=acc_count, value_count=value_count)
+    if _same_layout(old.skip_state, template.skip_state):
+        new = new._replace(
+            skip_state=like_template(
+                "`state.skip_state`", old.skip_state, template.skip_state
+            )
+        )
+    if isinstance(template.stats, _stats.WindowStatsState):
+        if _same_layout(old.stats, template.stats):
+            stats = like_template("`state.stats`", old.stats, template.stats)
+        else:
+            # Not the template's statistics: the pending window's mean counts
+            # as one microbatch of its tokens.
+            stats = _stats.accumulate_window_stats(
+                template.stats, new.acc_grads, acc_count
+            )
+        new = new._replace(stats=stats)
+    seen = _tokens_seen_of(old)
+    if tokens_seen is not None:
+        seen = token_total(tokens_seen, "`tokens_seen`")
+    if seen is not None:
+        new = with_tokens_seen(new, seen)
+    # Placed as the template's leaves are, so that the first jitted step sees
+    # the shardings of every later one.
+    return jax.tree.map(placed_like, new, template)
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` have one tree structure and shapes."""
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.shape(x) == np.shape(y)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def _tokens_seen_of(state: Any) -> TokenTotal | None:
+    """The tokens seen that ``state`` kept (its statistics', or its token
+    budget's), or ``None``."""
+    found = []
+    jax.tree.map(
+        lambda x: found.append(x) if isinstance(x, TokenTotal) else None,
+        (state.stats, state.policy_state),
+        is_leaf=lambda x: isinstance(x, TokenTotal),
+    )
+    return found[0] if found else None

@@ -1,0 +1,140 @@
+"""mm.from_other_settings: a running wrapper's state, continued by a wrapper
+with another window rule, statistics or count dtype."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import masked_multistep as mm
+from tests._helpers import assert_bit_identical
+
+PARAMS = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+
+
+def _grads(i):
+    rng = np.random.default_rng(i)
+    return {
+        "w": jnp.asarray(rng.normal(size=3), jnp.float32),
+        "b": jnp.asarray(rng.normal(), jnp.float32),
+    }
+
+
+def test_a_window_in_progress_continues_under_a_token_budget_with_statistics():
+    # Halfway through a window of 4 (the first microbatch passed no value),
+    # switch to windows of 20 tokens with statistics: the window closes at 25
+    # tokens, on the token mean of all five microbatches, and its loss is the
+    # token mean of the values passed.
+    old = mm.MaskedMultiSteps(optax.sgd(1.0), 4)
+    state = old.init(PARAMS)
+    _, state = old.update(_grads(0), state, PARAMS, count=jnp.float32(3))
+    _, state = old.update(
+        _grads(1), state, PARAMS, count=jnp.float32(5), value=jnp.float32(2.0)
+    )
+    new = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=20, window_stats=True)
+    state = mm.from_other_settings(state, new.init(PARAMS))
+    step = jax.jit(new.update)
+    for i, (n, v) in enumerate([(4, 1.0), (6, 3.0), (7, 0.5)], start=2):
+        updates, state = step(
+            _grads(i), state, PARAMS, count=jnp.float32(n), value=jnp.float32(v)
+        )
+        assert bool(state.updated) == (i == 4)
+    counts = [3, 5, 4, 6, 7]
+    expected = jax.tree.map(
+        lambda *g: -np.dot(counts, g) / sum(counts), *[_grads(i) for i in range(5)]
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates, expected
+    )
+    stats = mm.window_stats(state)
+    assert float(stats.tokens) == 25.0
+    # The pending window's mean counts as one microbatch of its 8 tokens.
+    assert int(stats.microbatches) == 4
+    loss = (5 * 2.0 + 4 * 1.0 + 6 * 3.0 + 7 * 0.5) / (5 + 4 + 6 + 7)
+    np.testing.assert_allclose(stats.loss, loss, rtol=1e-6)
+
+
+def test_a_window_past_its_new_k_closes_on_the_next_microbatch():
+    old = mm.MaskedMultiSteps(optax.sgd(1.0), 4)
+    state = old.init(PARAMS)
+    for i in range(3):
+        _, state = old.update(_grads(i), state, PARAMS, count=jnp.float32(i + 1))
+    new = mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=jnp.int32)
+    state = mm.from_other_settings(state, new.init(PARAMS))
+    assert state.acc_count.dtype == jnp.int32 and int(state.acc_count) == 6
+    updates, state = new.update(_grads(3), state, PARAMS, count=jnp.int32(4))
+    assert bool(state.updated) and int(state.mini_step) == 0
+    expected = jax.tree.map(
+        lambda *g: -np.dot([1, 2, 3, 4], g) / 10, *[_grads(i) for i in range(4)]
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates, expected
+    )
+
+
+def test_the_same_settings_continue_bit_identically():
+    tx = mm.MaskedMultiSteps(
+        optax.adam(0.1),
+        tokens_per_window=lambda seen: 10 + seen / 4,
+        per_leaf_stats=True,
+    )
+    state = tx.init(PARAMS)
+    step = jax.jit(tx.update)
+    for i, n in enumerate([4, 0, 9, 3, 5]):
+        _, state = step(_grads(i), state, PARAMS, count=jnp.float32(n))
+    assert int(state.mini_step) > 0 and int(state.gradient_step) == 1
+    moved = mm.from_other_settings(state, tx.init(PARAMS))
+    assert_bit_identical(moved, state)
+    assert_bit_identical(
+        step(_grads(9), moved, PARAMS, count=jnp.float32(8)),
+        step(_grads(9), state, PARAMS, count=jnp.float32(8)),
+    )
+
+
+def test_tokens_seen_carry_into_a_budget_warmup_and_the_statistics():
+    old = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    state = old.init(PARAMS)
+    for i, n in enumerate([30, 12, 7, 1]):
+        _, state = old.update(_grads(i), state, PARAMS, count=jnp.float32(n))
+    assert float(mm.window_stats(state).tokens_seen) == 50.0
+    seen = []
+    new = mm.MaskedMultiSteps(
+        optax.sgd(0.1),
+        tokens_per_window=lambda tokens: seen.append(tokens) or 100.0,
+        window_stats=True,
+    )
+    moved = mm.from_other_settings(state, new.init(PARAMS))
+    assert float(mm.window_stats(moved).tokens_seen) == 50.0
+    assert float(moved.policy_state) == 50.0
+    # The statistics were the template's: they carry over, the last window's
+    # figures readable as before.
+    assert_bit_identical(mm.window_stats(moved), mm.window_stats(state))
+    # Where the old state kept no count, `tokens_seen=` gives it.
+    plain = mm.MaskedMultiSteps(optax.sgd(0.1), 2)
+    fresh = plain.init(PARAMS)
+    given = mm.from_other_settings(fresh, new.init(PARAMS), tokens_seen=2**40 + 1)
+    assert int(given.policy_state) == 2**40 + 1
+
+
+def test_what_cannot_carry_over_is_named():
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2)
+    state = tx.init(PARAMS)
+    other_inner = mm.MaskedMultiSteps(optax.adam(0.1), 2)
+    with pytest.raises(ValueError, match=r"`state\.inner_opt_state` does not match"):
+        mm.from_other_settings(state, other_inner.init(PARAMS))
+    with pytest.raises(ValueError, match=r"`state\.acc_grads` does not match"):
+        mm.from_other_settings(state, tx.init({"w": jnp.zeros(4), "b": jnp.zeros(())}))
+    with pytest.raises(TypeError, match=r"`template` must be a MaskedMultiStepsState"):
+        mm.from_other_settings(state, tx)
+    with pytest.raises(TypeError, match=r"must be called eagerly"):
+        jax.jit(lambda s: mm.from_other_settings(s, tx.init(PARAMS)))(state)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    deferred = mm.MaskedMultiSteps(optax.sgd(0.1), 2, reduction=mm.deferred(mesh))
+    with pytest.raises(ValueError, match=r"`state` has reduction=mm\.deferred.*"):
+        mm.from_other_settings(deferred.init(PARAMS), state)
+    # A fractional token total does not fit an integer count dtype.
+    _, half = tx.update(_grads(0), state, PARAMS, count=jnp.float32(2.5))
+    counted = mm.MaskedMultiSteps(optax.sgd(0.1), 2, count_dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"`state\.acc_count`"):
+        mm.from_other_settings(half, counted.init(PARAMS))
