@@ -40,10 +40,10 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
     ``value`` and microbatches, which count toward the new rule: a window
     already past its new ``k`` or budget closes on the next microbatch), and
     so do the inner optimizer's state and the step counters. The statistics
-    carry over where the template keeps the same ones; where it keeps
-    statistics the old wrapper did not, the pending window's mean counts as
-    one microbatch of its tokens (as :func:`from_optax_multisteps` counts
-    it). The tokens seen (for a budget that is a function of them, and the
+    carry over where the template keeps the same ones; else they start
+    afresh (``windows`` from 0, no last window to read), the pending window's
+    mean counting as one microbatch of its tokens (as
+    :func:`from_optax_multisteps` counts it). The tokens seen (for a budget that is a function of them, and the
     statistics' ``tokens_seen``) are ``state``'s where it kept them, else
     ``tokens_seen``, else 0. A skip function's state carries over where it has
     the template's layout, else it starts afresh.
