@@ -138,3 +138,32 @@ def test_what_cannot_carry_over_is_named():
     counted = mm.MaskedMultiSteps(optax.sgd(0.1), 2, count_dtype=jnp.int32)
     with pytest.raises(ValueError, match=r"`state\.acc_count`"):
         mm.from_other_settings(half, counted.init(PARAMS))
+
+
+def test_statistics_of_another_kind_start_from_the_pending_mean():
+    """Totals only, then each leaf's too: the new statistics count the pending
+    window's mean as one microbatch of its tokens, for every leaf, as a wrapper
+    fed that mean would."""
+    old = mm.MaskedMultiSteps(optax.sgd(1.0), 4, window_stats=True)
+    state = old.init(PARAMS)
+    for i, n in enumerate([3, 5]):
+        _, state = old.update(_grads(i), state, PARAMS, count=jnp.float32(n))
+    # Windows of 18 tokens: the pending 8 and the next two microbatches'.
+    new = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=18, per_leaf_stats=True)
+    moved = mm.from_other_settings(state, new.init(PARAMS))
+    reference = new.init(PARAMS)
+    _, reference = new.update(state.acc_grads, reference, PARAMS, count=jnp.float32(8))
+    for i, n in [(2, 4), (3, 6)]:
+        _, moved = new.update(_grads(i), moved, PARAMS, count=jnp.float32(n))
+        _, reference = new.update(_grads(i), reference, PARAMS, count=jnp.float32(n))
+    assert bool(moved.updated) and int(mm.window_stats(moved).microbatches) == 3
+    for read in (
+        mm.window_stats,
+        lambda s: mm.window_stats(s, per_leaf=True),
+    ):
+        got, want = read(moved), read(reference)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+            got._replace(tokens_seen=()),
+            want._replace(tokens_seen=()),
+        )
