@@ -50,13 +50,18 @@ def _check_template(template: Any) -> None:
         )
 
 
+def same_layout(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` have one tree structure and shapes."""
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.shape(x) == np.shape(y)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
 def check_matches(what: str, got: Any, want: Any, hint: str) -> None:
     """Refuses a restored field ``got`` whose tree structure or shapes are not
     the template's ``want`` (``what`` names it; ``hint`` says what to do)."""
-    if jax.tree.structure(got) != jax.tree.structure(want) or any(
-        np.shape(g) != np.shape(w)
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
-    ):
+    if not same_layout(got, want):
         raise ValueError(
             f"{what} does not match the template's (structure or shapes: got "
             f"{jax.tree.map(np.shape, got)}, template "

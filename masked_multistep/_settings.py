@@ -8,7 +8,12 @@ import jax
 import numpy as np
 
 from masked_multistep import _stats
-from masked_multistep._checkpoint import _check_template, check_matches, like_template
+from masked_multistep._checkpoint import (
+    _check_template,
+    check_matches,
+    like_template,
+    same_layout,
+)
 from masked_multistep._checks import to_count, traced
 from masked_multistep._inspect import find_state
 from masked_multistep._reduction import placed_like
@@ -43,8 +48,9 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
     carry over where the template keeps the same ones; else they start
     afresh (``windows`` from 0, no last window to read), the pending window's
     mean counting as one microbatch of its tokens (as
-    :func:`from_optax_multisteps` counts it). The tokens seen (for a budget that is a function of them, and the
-    statistics' ``tokens_seen``) are ``state``'s where it kept them, else
+    :func:`from_optax_multisteps` counts it). The tokens seen (for a budget
+    that is a function of them, and the statistics' ``tokens_seen``) are
+    ``state``'s where it kept them, else
     ``tokens_seen``, else 0. A skip function's state carries over where it has
     the template's layout, else it starts afresh.
 
@@ -121,21 +127,21 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         }
     )
     dtype = template.acc_count.dtype
-    acc_count = to_count(np.asarray(old.acc_count).item(), dtype, "`state.acc_count`")[
-        0
-    ]
-    value_count = to_count(
+    acc_count, _ = to_count(
+        np.asarray(old.acc_count).item(), dtype, "`state.acc_count`"
+    )
+    value_count, _ = to_count(
         np.asarray(old.value_count).item(), dtype, "`state.value_count`"
-    )[0]
+    )
     new = new._replace(acc_count=acc_count, value_count=value_count)
-    if _same_layout(old.skip_state, template.skip_state):
+    if same_layout(old.skip_state, template.skip_state):
         new = new._replace(
             skip_state=like_template(
                 "`state.skip_state`", old.skip_state, template.skip_state
             )
         )
     if isinstance(template.stats, _stats.WindowStatsState):
-        if _same_layout(old.stats, template.stats):
+        if same_layout(old.stats, template.stats):
             stats = like_template("`state.stats`", old.stats, template.stats)
         else:
             # Not the template's statistics: the pending window's mean counts
@@ -152,14 +158,6 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
     # Placed as the template's leaves are, so that the first jitted step sees
     # the shardings of every later one.
     return jax.tree.map(placed_like, new, template)
-
-
-def _same_layout(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` have one tree structure and shapes."""
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        np.shape(x) == np.shape(y)
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
 
 
 def _tokens_seen_of(state: Any) -> TokenTotal | None:
