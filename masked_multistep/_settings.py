@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from masked_multistep import _stats
+from masked_multistep import _by_name, _stats
 from masked_multistep._checkpoint import (
     _check_template,
     check_matches,
@@ -56,10 +56,14 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
 
     Args:
       state: the running wrapper's state, or a tree holding it (an
-        ``optax.chain`` state, ``mm.TrainState``, ``optimizer.opt_state``).
-      template: ``tx.init(params)`` of the wrapper that continues: the same
-        inner optimizer, for the same params; the ``MaskedMultiStepsState``
-        itself.
+        ``optax.chain`` state, ``mm.TrainState``, ``optimizer.opt_state``),
+        or an NNX optimizer's ``nnx.state(optimizer)["opt_state"]``.
+      template: ``tx.init(params)`` of the wrapper that continues (the same
+        inner optimizer, for the same params): the ``MaskedMultiStepsState``
+        itself; or, for an ``nnx.Optimizer`` built with it,
+        ``nnx.state(new_optimizer)["opt_state"]``, and the result is an
+        ``nnx.State`` like it, to put in place of ``"opt_state"`` in
+        ``nnx.state(new_optimizer)`` before ``nnx.update(new_optimizer, ...)``.
       tokens_seen: the tokens of all completed windows, where ``state`` kept
         no count of them (a whole number in ``[0, 2**48]``); it overrides
         ``state``'s when given.
@@ -95,8 +99,20 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
       >>> print(updates["w"])  # -(3·1 + 3·2 + 4·6) / 10, the window at 10 tokens
       -3.3
     """
+    if _by_name.is_named(template):
+        if not _by_name.is_named(state):
+            raise TypeError(
+                "`template` is an NNX optimizer's state by name "
+                "(`nnx.state(new_optimizer)['opt_state']`): pass the running "
+                "optimizer's the same way, `nnx.state(optimizer)['opt_state']`, "
+                f"got {type(state).__name__}"
+            )
+        converted = from_other_settings(
+            state, _by_name.bare(template), tokens_seen=tokens_seen
+        )
+        return _by_name.named(converted, template)
     _check_template(template)
-    old = find_state(state)
+    old = _by_name.bare(state) if _by_name.is_named(state) else find_state(state)
     if traced((old, template)):
         raise TypeError(
             "from_other_settings reads the state's counts to check them, so it "

@@ -167,3 +167,41 @@ def test_statistics_of_another_kind_start_from_the_pending_mean():
             got._replace(tokens_seen=()),
             want._replace(tokens_seen=()),
         )
+
+
+def test_an_nnx_optimizer_switches_by_name():
+    """``nnx.state(optimizer)["opt_state"]`` in, an ``nnx.State`` out, for
+    ``nnx.update`` of an optimizer built with the new wrapper; the window in
+    progress closes under the new rule as a plain state's would."""
+    from flax import nnx
+
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(
+        model, mm.MaskedMultiSteps(optax.sgd(1.0), 4), wrt=nnx.Param
+    )
+    grads = [
+        jax.tree.map(
+            lambda p, i=i: jnp.full(p.shape, float(i + 1)), nnx.state(model, nnx.Param)
+        )
+        for i in range(3)
+    ]
+    for g, n in zip(grads[:2], (3.0, 5.0), strict=True):
+        optimizer.update(model, g, count=jnp.float32(n))
+    new_tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), tokens_per_window=10, window_stats=True
+    )
+    new = nnx.Optimizer(model, new_tx, wrt=nnx.Param)
+    state = nnx.state(new)
+    state["opt_state"] = mm.from_other_settings(
+        nnx.state(optimizer)["opt_state"], state["opt_state"]
+    )
+    nnx.update(new, state)
+    before = model.kernel[...]
+    new.update(model, grads[2], count=jnp.float32(2))
+    assert bool(new.opt_state.updated[...])
+    assert float(mm.window_stats(new).tokens) == 10.0
+    np.testing.assert_allclose(
+        model.kernel[...] - before, -(3 * 1 + 5 * 2 + 2 * 3) / 10, rtol=1e-6
+    )
+    with pytest.raises(TypeError, match=r"pass the running optimizer's the same way"):
+        mm.from_other_settings(optimizer.opt_state, nnx.state(new)["opt_state"])
