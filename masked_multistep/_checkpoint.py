@@ -113,15 +113,14 @@ def like_template(where: str, got: Any, want: Any) -> Any:
     return jax.tree.map(leaf, got, want)
 
 
-def _acc_count(acc_count: Any, count_dtype: Any) -> jax.Array:
-    """The restored 0.1 token total in ``count_dtype``, by the count contract.
+def host_count(count: Any, count_dtype: Any, what: str) -> jax.Array:
+    """A token total read from a state (``what`` names it), in
+    ``count_dtype``, by the count contract.
 
     As a Python number: a whole float total (0.1 could count in float) then
     converts into integer counts, a fractional one is refused."""
-    count, _ = to_count(
-        np.asarray(acc_count).item(), count_dtype, "`restored['acc_count']`"
-    )
-    return count
+    converted, _ = to_count(np.asarray(count).item(), count_dtype, what)
+    return converted
 
 
 @overload
@@ -331,7 +330,9 @@ def from_state_0_1(
                 f"`restored[{name!r}]` must be an integer in [0, 2**31 - 1], got "
                 f"{int(counter)}"
             )
-    acc_count = _acc_count(restored["acc_count"], template.acc_count.dtype)
+    acc_count = host_count(
+        restored["acc_count"], template.acc_count.dtype, "`restored['acc_count']`"
+    )
     value_count = jnp.where(state.acc_value != 0, acc_count, jnp.zeros_like(acc_count))
     stats = state.stats
     if isinstance(stats, _stats.WindowStatsState):

@@ -255,14 +255,21 @@ def _with_groups(stats: WindowStats[Any], arrange: Any) -> WindowStats[Any]:
     return stats._replace(**{name: arrange(getattr(stats, name)) for name in PER_GROUP})
 
 
+def has_deferred_reduction(state: MaskedMultiStepsState) -> bool:
+    """Whether ``state`` is of a wrapper with ``reduction=mm.deferred(...)``:
+    its reduction state holds arrays (each device's counts). Without one it
+    is empty, ``()`` or, restored without a target, ``None``."""
+    return bool(jax.tree.leaves(state.reduction_state))
+
+
 def params_like(state: MaskedMultiStepsState) -> Any:
     """Abstract arrays shaped like the params: the state's ``acc_grads``
     without the axes the params lack (a batch of states' leading axes, as
     ``vmap`` stacks them; a deferred reduction's device axis), in the
     accumulator's dtype."""
     lead = jax.numpy.ndim(state.acc_count)
-    if jax.tree.leaves(state.reduction_state):
-        lead += 1  # `reduction=mm.deferred(...)`: one running mean per device
+    if has_deferred_reduction(state):
+        lead += 1  # one running mean per device
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape[lead:], x.dtype), state.acc_grads
     )

@@ -5,17 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 
 from masked_multistep import _by_name, _stats
 from masked_multistep._checkpoint import (
     _check_template,
     check_matches,
+    host_count,
     like_template,
     same_layout,
 )
-from masked_multistep._checks import to_count, traced
-from masked_multistep._inspect import find_state
+from masked_multistep._checks import traced
+from masked_multistep._inspect import find_state, has_deferred_reduction
 from masked_multistep._reduction import placed_like
 from masked_multistep._token_total import TokenTotal, token_total, with_tokens_seen
 
@@ -119,7 +119,7 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
             "must be called eagerly (outside jit), once, when switching"
         )
     for what, s in (("`state`", old), ("`template`", template)):
-        if jax.tree.leaves(s.reduction_state):
+        if has_deferred_reduction(s):
             raise ValueError(
                 f"{what} has reduction=mm.deferred(...) (one running mean per "
                 "device): move the window onto one device first, with "
@@ -143,12 +143,8 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         }
     )
     dtype = template.acc_count.dtype
-    acc_count, _ = to_count(
-        np.asarray(old.acc_count).item(), dtype, "`state.acc_count`"
-    )
-    value_count, _ = to_count(
-        np.asarray(old.value_count).item(), dtype, "`state.value_count`"
-    )
+    acc_count = host_count(old.acc_count, dtype, "`state.acc_count`")
+    value_count = host_count(old.value_count, dtype, "`state.value_count`")
     new = new._replace(acc_count=acc_count, value_count=value_count)
     if same_layout(old.skip_state, template.skip_state):
         new = new._replace(
