@@ -277,8 +277,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     Args:
       opt: the inner optimizer (``optax.GradientTransformation``).
       every_k_schedule: microbatches per window: an int in ``[1, 2³¹ − 1]``, or a
-        callable of ``gradient_step`` returning one (made total under ``jit``:
-        rounded, clipped to ``[1, 2³¹ − 1]``, NaN counts as 1). With
+        callable of ``gradient_step`` returning one (rounded, clipped to
+        ``[1, 2³¹ − 1]``; a Python or numpy value that is NaN or rounds below
+        1 is a ``ValueError``, a traced NaN counts as 1). With
         ``tokens_per_window`` or ``norm_test``, the most microbatches a window
         may hold. At least one of ``every_k_schedule``, ``tokens_per_window``
         and ``norm_test`` is required.

@@ -62,11 +62,23 @@ def _schedule_value(x: Any, what: str) -> jax.Array:
 def _sanitize_k(k: Any, what: str = "`every_k_schedule(step)`") -> jax.Array:
     """A schedule's value as an int32 window size in [1, 2³¹ − 1], total.
 
-    NaN counts as 1 (every microbatch closes its own window, so a broken
-    schedule shows at once as an update per microbatch instead of a window that
-    never closes); other floats are rounded to the nearest integer; everything
-    is clipped to [1, 2³¹ − 1]. ``what`` names the schedule in errors.
+    A Python or numpy number (known whenever it is returned, under ``jit``
+    too) that is NaN or rounds below 1 is a ``ValueError`` that names the
+    schedule, as a constant ``every_k_schedule`` below 1 is. A traced value is
+    made total: NaN counts as 1 (every microbatch closes its own window, so a
+    broken schedule shows at once as an update per microbatch instead of a
+    window that never closes). Floats are rounded to the nearest integer;
+    everything is clipped to [1, 2³¹ − 1]. ``what`` names the schedule in
+    errors.
     """
+    if isinstance(k, np.ndarray) and k.ndim == 0:
+        k = k[()]
+    if (is_host_int(k) and np.ndim(k) == 0) or isinstance(k, (float, np.floating)):
+        if not (int(k) if is_host_int(k) else np.round(float(k))) >= 1:
+            raise ValueError(
+                f"{what} returned {k!r}: a window must hold at least 1 "
+                "microbatch (floats are rounded to the nearest integer)"
+            )
     if is_host_int(k) and np.ndim(k) == 0:
         # Clipped on the host, exactly: jnp.asarray would refuse a Python int
         # of 2³¹ or more and wrap a numpy int64 into int32.
@@ -96,7 +108,9 @@ def every_k(
       every_k_schedule: an integer in ``[1, 2³¹ − 1]`` (checked here), or a
         callable of ``gradient_step`` returning one. A callable's result is made
         total under ``jit``: rounded to the nearest integer, clipped to
-        ``[1, 2³¹ − 1]``, NaN counts as 1; a non-scalar raises at trace time.
+        ``[1, 2³¹ − 1]``, a traced NaN counts as 1; a non-scalar raises at
+        trace time, and so does a Python or numpy number that is NaN or
+        rounds below 1 (a ``ValueError``).
 
     Returns:
       ``k(step) -> int32 scalar``.
@@ -105,8 +119,12 @@ def every_k(
       >>> import jax.numpy as jnp
       >>> print(every_k(4)(jnp.int32(0)), every_k(lambda s: 2.6)(jnp.int32(0)))
       4 3
-      >>> print(every_k(lambda s: jnp.nan)(jnp.int32(0)))
+      >>> print(every_k(lambda s: s * jnp.nan)(jnp.int32(0)))
       1
+      >>> every_k(lambda s: 0)(jnp.int32(0))
+      Traceback (most recent call last):
+      ...
+      ValueError: `every_k_schedule(step)` returned 0: a window must hold ...
     """
     if callable(every_k_schedule):
         check_takes_one(every_k_schedule, "`every_k_schedule`", "the gradient step")

@@ -662,12 +662,43 @@ def _flags(tx, n, *, jit=True, state=None):
     return flags, state
 
 
-def test_nan_schedule_closes_every_microbatch():
-    flags, _ = _flags(mm.MaskedMultiSteps(optax.sgd(1.0), lambda s: jnp.nan), 3)
+def test_traced_nan_schedule_closes_every_microbatch():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), lambda s: s * jnp.nan)
+    flags, _ = _flags(tx, 3)
     assert flags == [True, True, True]
 
 
-@pytest.mark.parametrize("k,expected", [(2.6, 3), (2.4, 2), (0.2, 1), (-7.0, 1)])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "k", [0, -7, np.int64(0), 0.2, 0.5, -7.0, float("nan"), np.float32("nan")], ids=repr
+)
+def test_host_schedule_value_below_one_is_a_clear_error(k, jit):
+    # A Python or numpy value is known when it is returned, under jit too: a
+    # window of no microbatches is a mistake, as a constant every_k_schedule=0
+    # is (it was silently clipped to 1, a window per microbatch).
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), lambda s: k)
+    with pytest.raises(
+        ValueError,
+        match=r"^`every_k_schedule\(step\)` returned .*: a window must hold at "
+        r"least 1 microbatch",
+    ):
+        _flags(tx, 1, jit=jit)
+
+
+def test_host_cap_value_below_one_is_a_clear_error():
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        tokens_per_window=mm.token_budget(4, max_microbatches=lambda s: 0),
+    )
+    with pytest.raises(ValueError, match=r"^`max_microbatches\(step\)` returned 0"):
+        _flags(tx, 1)
+
+
+@pytest.mark.parametrize(
+    "k,expected",
+    [(2.6, 3), (2.4, 2), (jnp.float32(0.2), 1), (jnp.float32(-7.0), 1), (1.5, 2)],
+    ids=repr,
+)
 def test_fractional_schedule_is_rounded_to_the_nearest_integer(k, expected):
     flags, _ = _flags(mm.MaskedMultiSteps(optax.sgd(1.0), lambda s: k), 6)
     assert flags == [(i + 1) % expected == 0 for i in range(6)]
