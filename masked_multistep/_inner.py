@@ -60,6 +60,11 @@ def describe(opt: Any, depth: int = 4) -> str:
     """
     update = getattr(opt, "update", opt)
     name = _function_name(update)
+    if name == _WRAPPER_UPDATE:
+        # Its closure holds the wrapper itself; name it by its inner optimizer.
+        wrapper = _held(update, lambda x: hasattr(x, "_opt"))
+        inner = describe(wrapper._opt, depth - 1) if wrapper and depth else "..."
+        return f"MaskedMultiSteps({inner})"
     parts: list[str] = []
     for cell in (getattr(update, "__closure__", None) or ()) if depth else ():
         try:
@@ -81,6 +86,71 @@ def describe(opt: Any, depth: int = 4) -> str:
         elif name == "inject_hyperparams" and callable(held):
             parts.append(_function_name(held))  # the optimizer's factory
     return f"{name}({', '.join(parts)})" if parts else name
+
+
+_WRAPPER_UPDATE = "MaskedMultiSteps.update"
+# Transformations that may sit next to the wrapper in a chain: linear and
+# stateless (a scaled mean is the mean of the scaled gradients, zeros stay
+# zeros), or a per-microbatch clean-up (NaNs to zeros) that the mean then weighs.
+_HARMLESS_BEFORE = frozenset({"identity", "scale", "zero_nans"})
+_HARMLESS_AFTER = frozenset({"identity", "scale"})
+
+
+def _held(fn: Any, wanted: Callable[[Any], bool]) -> Any:
+    """The first value in ``fn``'s closure for which ``wanted`` holds, or None."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+        if wanted(held):
+            return held
+    return None
+
+
+def _chain_members(opt: Any) -> list[Any]:
+    """The update functions ``opt`` runs one after the other: a chain's (nested
+    chains flattened, optax's extra-arguments adapter seen through), else
+    ``opt``'s own."""
+    update = getattr(opt, "update", opt)
+    name = _function_name(update)
+    if name == "with_extra_args_support":
+        held = _held(update, lambda x: isinstance(x, optax.GradientTransformation))
+        return [update] if held is None else _chain_members(held)
+    if name == "chain":
+        fns = _held(update, lambda x: isinstance(x, tuple) and all(map(callable, x)))
+        if fns is not None:
+            return [m for fn in fns for m in _chain_members(fn)]
+    return [update]
+
+
+def chained_around_wrapper(tx: Any) -> tuple[list[str], list[str]]:
+    """The transformations a chain ``tx`` runs before and after the one
+    ``MaskedMultiSteps`` in it, by name, but those that are harmless there
+    (``identity``, ``scale``, and ``zero_nans`` before it); two empty lists
+    where ``tx`` is no such chain.
+
+    Examples:
+      >>> import optax
+      >>> import masked_multistep as mm
+      >>> from masked_multistep._inner import chained_around_wrapper
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2)
+      >>> clip = optax.clip_by_global_norm(1.0)
+      >>> chained_around_wrapper(optax.chain(clip, tx, optax.add_decayed_weights(0.1)))
+      (['clip_by_global_norm'], ['add_decayed_weights'])
+      >>> chained_around_wrapper(optax.chain(optax.scale(2.0), tx))
+      ([], [])
+    """
+    members = _chain_members(tx)
+    at = [i for i, fn in enumerate(members) if _function_name(fn) == _WRAPPER_UPDATE]
+    if len(members) < 2 or len(at) != 1:
+        return [], []
+    before = [describe(fn) for fn in members[: at[0]]]
+    after = [describe(fn) for fn in members[at[0] + 1 :]]
+    return (
+        [n for n in before if n not in _HARMLESS_BEFORE],
+        [n for n in after if n not in _HARMLESS_AFTER],
+    )
 
 
 def _function_name(fn: Any) -> str:

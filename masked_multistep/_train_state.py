@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Self, cast
 
@@ -176,6 +177,7 @@ class TrainState(_flax_train_state.TrainState):
                 "should run once per window inside it: "
                 "mm.MaskedMultiSteps(optax.chain(...), k)"
             )
+        _warn_chained_around(tx)
         return cast(Self, state)
 
     def apply_gradients(  # pyright: ignore[reportRedeclaration]
@@ -372,6 +374,37 @@ class TrainState(_flax_train_state.TrainState):
                 f"TrainState.{attribute} reads the MaskedMultiSteps state in "
                 f"`opt_state`: {err}"
             ) from None
+
+
+def _warn_chained_around(tx: Any) -> None:
+    """A ``UserWarning`` for transformations chained before or after the
+    wrapper (``optax.chain(clip, tx)``), which run on every microbatch."""
+    before, after = _inner.chained_around_wrapper(tx)
+    said = []
+    if before:
+        said.append(
+            f"{', '.join(before)} before MaskedMultiSteps: they see each microbatch's "
+            "gradient, not the window's mean (clipping there clips every "
+            "microbatch, and the mean of clipped gradients is not the clipped "
+            "mean)"
+        )
+    if after:
+        said.append(
+            f"{', '.join(after)} after "
+            + ("it" if before else "MaskedMultiSteps")
+            + ": they run on every microbatch, on "
+            "zero updates between windows (weight decay moves the params, a "
+            "schedule or an optimizer's moments count microbatches)"
+        )
+    if said:
+        warnings.warn(
+            "`tx` chains " + "; and ".join(said) + ". Put what should run once "
+            "per window on the window's mean gradient inside the wrapper: "
+            "mm.MaskedMultiSteps(optax.chain(clip, optimizer), k) (README, "
+            '"Where gradient clipping goes")',
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_same_shapes(new_params: Any, params: Any) -> None:

@@ -2,6 +2,7 @@
 
 import importlib
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +103,60 @@ def test_optax_multisteps_as_tx_is_refused_as_it_ignores_the_count():
     )
     with pytest.raises(TypeError, match=r"optax.MultiSteps, which ignores `count`"):
         state.apply_gradients(grads=jnp.ones(1), count=2)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_transformations_chained_around_the_wrapper_are_warned_of(jit):
+    # Accepted silently, they trained on another gradient: clipping chained
+    # before the wrapper clips each microbatch (a window of (3, 0) with 1 token
+    # and (0.1, 0) with 9 tokens moved the param by 0.19, not by the window
+    # mean's 0.39, whose norm is below the threshold), and weight decay chained
+    # after it moved the params on every microbatch, between windows too.
+    def run(tx):
+        state = mm.TrainState.create(apply_fn=None, params=jnp.ones(2), tx=tx)
+        step = (
+            jax.jit(type(state).apply_gradients) if jit else type(state).apply_gradients
+        )
+        for g, n in [(jnp.array([3.0, 0.0]), 1), (jnp.array([0.1, 0.0]), 9)]:
+            state = step(state, grads=g, count=jnp.int32(n))
+        return state.params
+
+    wrapper = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    clip = optax.clip_by_global_norm(1.0)
+    with pytest.warns(
+        UserWarning,
+        match=r"^`tx` chains clip_by_global_norm before MaskedMultiSteps: they see "
+        r"each microbatch's gradient.*inside the wrapper",
+    ):
+        wrong = run(optax.chain(clip, wrapper))
+    right = run(mm.MaskedMultiSteps(optax.chain(clip, optax.sgd(1.0)), 2))
+    np.testing.assert_allclose(1 - wrong, [0.19, 0.0], rtol=1e-5)
+    np.testing.assert_allclose(1 - right, [0.39, 0.0], rtol=1e-5)
+    decay = optax.add_decayed_weights(0.5)
+    with pytest.warns(
+        UserWarning,
+        match=r"^`tx` chains add_decayed_weights after MaskedMultiSteps: they run "
+        r"on every microbatch, on zero updates between windows",
+    ):
+        mm.TrainState.create(
+            apply_fn=None, params=jnp.ones(2), tx=optax.chain(wrapper, decay)
+        )
+    with pytest.warns(UserWarning, match=r"chains clip before .*; and scale_by_adam"):
+        mm.TrainState.create(
+            apply_fn=None,
+            params=jnp.ones(2),
+            tx=optax.chain(optax.chain(optax.clip(1.0)), wrapper, optax.adam(0.1)),
+        )
+    # Linear, stateless neighbours (and zeros for NaNs before it) are harmless.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for tx in [
+            optax.chain(optax.scale(2.0), optax.zero_nans(), wrapper, optax.scale(-1)),
+            optax.chain(optax.identity(), wrapper.gradient_transformation()),
+            optax.chain(wrapper),
+            mm.MaskedMultiSteps(optax.chain(clip, decay, optax.sgd(1.0)), 2),
+        ]:
+            mm.TrainState.create(apply_fn=None, params=jnp.ones(2), tx=tx)
 
 
 def test_two_wrappers_in_series_are_refused():
