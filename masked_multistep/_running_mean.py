@@ -59,6 +59,7 @@ __all__ = [
     "running_mean_update",
     "safe_fraction",
     "sq_norm",
+    "sum_scalars",
 ]
 
 
@@ -140,6 +141,19 @@ def safe_fraction(num: jax.Array, den: jax.Array) -> jax.Array:
     return jnp.where(nonzero, num / jnp.where(nonzero, den, 1), 0)
 
 
+def sum_scalars(xs: Any, dtype: Any = None) -> jax.Array:
+    """``Σ xs`` (scalars or arrays of one shape, of any inexact dtypes) in
+    ``dtype``, by default theirs promoted by jax's standard rules, each cast
+    explicitly: under ``jax_numpy_dtype_promotion="strict"`` a float32 and a
+    float64 (or a complex) leaf's sums add up too. ``0.0`` if ``xs`` is empty
+    (``dtype`` float32 if not given)."""
+    xs = list(xs)
+    if dtype is None:
+        dtype = result_type(*xs) if xs else jnp.float32
+    zero = jnp.zeros(jnp.shape(xs[0]) if xs else (), dtype)
+    return sum((x if x.dtype == dtype else x.astype(dtype) for x in xs), zero)
+
+
 def sq_norm(x: jax.Array) -> jax.Array:
     """``‖x‖² = Σ |xⱼ|²`` of one array, summed in at least float32 (real result)."""
     dtype = compute_dtype(x.dtype)
@@ -184,7 +198,7 @@ def all_finite(tree: Any, reduced: Any = ()) -> jax.Array:
         return jnp.ones([], jnp.bool_)
 
     def sums_of_zeros(leaves):
-        return jnp.isfinite(sum(jnp.sum(x - x) for x in leaves))
+        return jnp.isfinite(sum_scalars(jnp.sum(x - x) for x in leaves))
 
     if isinstance(reduced, tuple):
         return sums_of_zeros(leaves)
@@ -427,10 +441,10 @@ def running_mean_update(
         # in the spread's precision (float64 leaves under x64 with an integer
         # total would otherwise get a float32 weight). It is 0 for the first
         # value (N_old = 0, δ = 0), and that case is selected away anyway.
-        sq_dtype = jnp.result_type(jnp.float32, *(d.dtype for d in sq_devs))
+        sq_dtype = result_type(jnp.float32, *(d.dtype for d in sq_devs))
         ratio = safe_fraction(total_or_1.astype(sq_dtype), count_or_1.astype(sq_dtype))
         weight = safe_fraction(total.astype(sq_dtype), ratio)
-        spread = sum(sq_devs, jnp.zeros([], sq_dtype))
+        spread = sum_scalars(sq_devs, sq_dtype)
         keep = take & ~first
         sq_dev = jnp.where(keep, weight * jnp.where(keep, spread, 0), 0)
     return new_mean, new_total_out, sq_dev.astype(sq_dtype)

@@ -111,7 +111,12 @@ from masked_multistep._checks import (
     real_array,
     traced,
 )
-from masked_multistep._running_mean import compute_dtype, sq_norm
+from masked_multistep._running_mean import (
+    compute_dtype,
+    result_type,
+    sq_norm,
+    sum_scalars,
+)
 from masked_multistep._token_total import TokenTotal, add_tokens
 
 __all__ = [
@@ -341,8 +346,7 @@ def tree_sq_norm(tree: Any) -> jax.Array:
       26.0
     """
     leaves = [sq_norm(jnp.asarray(x)) for x in jax.tree.leaves(tree)]
-    dtype = jnp.result_type(_F32, *(x.dtype for x in leaves))
-    return sum((x.astype(dtype) for x in leaves), jnp.zeros([], dtype))
+    return sum_scalars(leaves, result_type(_F32, *(x.dtype for x in leaves)))
 
 
 def _sq_norms(

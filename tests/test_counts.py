@@ -339,6 +339,31 @@ assert int(s.gradient_step) == 1, s
 """
 
 
+_X64_MIXED_STRICT = """
+# float32 and float64 leaves in one tree, under strict promotion: each leaf's
+# sums (finiteness test, squared norms, West's spread) were added implicitly, a
+# TypePromotionError from inside the library.
+params = {"a": jnp.zeros(2, jnp.float32), "b": jnp.zeros(2, jnp.float64)}
+with jax.numpy_dtype_promotion("strict"):
+    for kwargs in ({}, {"window_stats": True}, {"per_leaf_stats": True}):
+        tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, **kwargs)
+        for step in (tx.apply_gradients, jax.jit(tx.apply_gradients)):
+            state, p = tx.init(params), params
+            for g, n in [(1.0, 1), (3.0, 3)]:
+                grads = jax.tree.map(lambda x, g=g: jnp.full_like(x, g), params)
+                p, state = step(grads, state, p, count=jnp.int32(n))
+            assert p["a"].dtype == jnp.float32 and p["b"].dtype == jnp.float64
+            np.testing.assert_allclose(p["a"], -2.5)
+            np.testing.assert_allclose(p["b"], -2.5)
+            if kwargs:
+                assert float(mm.window_stats(state).grad_var_trace) == 4 * 3.0
+    mean, _, spread = mm.running_mean_update(
+        params, 1, jax.tree.map(jnp.ones_like, params), 1, with_sq_deviation=True
+    )
+    assert float(spread) == 2.0, spread
+"""
+
+
 def _run_x64(body):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     env.pop("JAX_ENABLE_X64", None)
@@ -363,6 +388,10 @@ def test_x64_float64_gradients_accumulate_in_float64():
 
 def test_x64_schedule_beyond_int32_is_clipped_not_stalled():
     _run_x64(_X64_SCHEDULE)
+
+
+def test_x64_float32_and_float64_leaves_under_strict_promotion():
+    _run_x64(_X64_MIXED_STRICT)
 
 
 # Skip functions and empty microbatches.

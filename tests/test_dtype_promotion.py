@@ -84,6 +84,57 @@ def test_the_wrapper_with_narrow_and_complex_dtypes(dtype, kwargs):
         np.testing.assert_allclose(np.asarray(p["w"], np.complex64), -2.5, rtol=1e-2)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"window_stats": True},
+        {"per_leaf_stats": True},
+        {"every_k_schedule": None, "norm_test": mm.norm_test(0.5, max_microbatches=2)},
+    ],
+    ids=["plain", "stats", "leaf stats", "norm test"],
+)
+def test_the_wrapper_with_real_and_complex_leaves_in_one_tree(kwargs):
+    # Each leaf's sums (the finiteness test, the squared norms) were added up
+    # implicitly: float32 + complex64 was a TypePromotionError from inside the
+    # library.
+    kwargs = {"every_k_schedule": 2, **kwargs}
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), **kwargs)
+    params = {
+        "w": jnp.zeros(3),
+        "b": jnp.zeros(2, BF16),
+        "z": jnp.zeros(2, jnp.complex64),
+    }
+    for step in (tx.apply_gradients, jax.jit(tx.apply_gradients)):
+        state, p = tx.init(params), params
+        for g, n in [(1.0, 1), (3.0, 3)]:
+            grads = jax.tree.map(lambda x, g=g: jnp.full_like(x, g), params)
+            p, state = step(grads, state, p, count=jnp.int32(n), value=jnp.float32(g))
+        assert int(state.gradient_step) == 1
+        for leaf, like in zip(jax.tree.leaves(p), jax.tree.leaves(params)):
+            assert leaf.dtype == like.dtype
+            np.testing.assert_allclose(np.asarray(leaf, np.complex64), -2.5, rtol=1e-2)
+        if set(kwargs) & {"window_stats", "per_leaf_stats", "norm_test"}:
+            stats = mm.window_stats(state)
+            assert float(stats.grad_sq_norm) == pytest.approx(7 * 2.5**2)
+
+
+def test_microbatched_with_real_and_complex_leaves_and_stats():
+    def loss_fn(params, mb):
+        pred = mb["x"] @ params["w"] + jnp.real(
+            mb["x"].astype(jnp.complex64) @ params["z"]
+        )
+        return mm.masked_mean(jnp.square(pred), mb["mask"])
+
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 2, with_stats=True)
+    params = {"w": jnp.ones(3), "z": jnp.ones(3, jnp.complex64)}
+    batch = {"x": jnp.ones((4, 3)), "mask": jnp.array([True, True, False, True])}
+    for (loss, count), grads, stats in _both(lambda: grad_fn(params, batch)):
+        assert float(loss) == 36 and float(count) == 3
+        assert grads["z"].dtype == jnp.complex64
+        assert float(stats.microbatches) == 2
+
+
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint16])
 def test_microbatched_sums_narrow_integer_aux(dtype):
     def loss_fn(params, mb):
