@@ -84,7 +84,7 @@ def masked_mean(
     Raises:
       TypeError: if ``values`` is boolean or integer and ``mask`` floating (the
         two swapped, most likely; cast ``values`` to float for a weighted mean
-        of booleans).
+        of booleans), or ``mask`` is complex.
       ValueError: if ``mask`` does not broadcast to ``values``' shape, has
         fewer dimensions than ``values`` (and is not a scalar), or is a
         concrete floating mask with a negative, NaN or infinite weight, or
@@ -117,6 +117,16 @@ def masked_mean(
             "the classes first (a per-token loss of shape (sequences, "
             "positions) counts tokens); mask[..., None] would count every "
             "class as a token"
+        )
+    if not (
+        jnp.issubdtype(mask.dtype, jnp.bool_)
+        or jnp.issubdtype(mask.dtype, jnp.integer)
+        or jnp.issubdtype(mask.dtype, jnp.floating)
+    ):
+        # A complex mask was read as booleans (0.5+0j counted one token).
+        raise TypeError(
+            "`mask` must be boolean, integer or real floating (per-token "
+            f"weights), got dtype {mask.dtype}"
         )
     given = mask
     try:

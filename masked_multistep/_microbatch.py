@@ -204,6 +204,20 @@ def _as_aux_leaf(leaf: Any, name: str) -> jax.Array:
             "`aux` leaves must be floating or integer arrays, got "
             f"{type(leaf).__name__} {leaf!r:.60} at {name}"
         )
+    if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "iu":
+        # Without x64 jax wraps a numpy int64 into int32 (2**33 became 0).
+        narrow = np.dtype(jax.dtypes.canonicalize_dtype(leaf.dtype))
+        info = np.iinfo(narrow)
+        if (
+            narrow != leaf.dtype
+            and leaf.size
+            and (int(np.min(leaf)) < info.min or int(np.max(leaf)) > info.max)
+        ):
+            raise ValueError(
+                f"The {leaf.dtype} `aux` leaf at {name} holds values beyond "
+                f"{narrow} (without jax_enable_x64 jax would wrap them): "
+                f"return it as a {narrow} array, or enable x64"
+            )
     leaf = jnp.asarray(leaf)
     if not (
         jnp.issubdtype(leaf.dtype, jnp.floating)

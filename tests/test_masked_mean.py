@@ -198,3 +198,14 @@ def test_a_float_mask_a_jitted_function_closes_over_is_checked_on_the_host():
     negative = jnp.array([1.0, -1.0, 0.0])
     with pytest.raises(ValueError, match=r"negative weights .* -1.0"):
         jax.jit(lambda: mm.masked_mean(values, negative))()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_complex_mask_is_refused(jit):
+    # It was read as booleans: weights 0.5 and 2 counted one token each, (2, 2)
+    # where a weighted mean is (2.6, 2.5); a purely imaginary entry counted one.
+    fn = jax.jit(mm.masked_mean) if jit else mm.masked_mean
+    with pytest.raises(
+        TypeError, match=r"^`mask` must be boolean.*got dtype complex64"
+    ):
+        fn(jnp.array([1.0, 3.0]), jnp.array([0.5 + 0j, 2.0 + 0j]))

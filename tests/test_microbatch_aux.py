@@ -209,6 +209,19 @@ def test_python_scalars_in_aux():
             r"Python int 1099511627776 at aux\['big'\] does not fit in int32",
         ),
         (
+            # Was wrapped silently by jax (2**33 summed to 0).
+            {"big": np.int64(2**33)},
+            "sum",
+            ValueError,
+            r"^The int64 `aux` leaf at aux\['big'\] holds values beyond int32",
+        ),
+        (
+            {"big": np.array([1, 2**32], np.uint64)},
+            "sum",
+            ValueError,
+            r"uint64 `aux` leaf at aux\['big'\] holds values beyond uint32",
+        ),
+        (
             {"c": jnp.array(1j)},
             "sum",
             TypeError,
