@@ -260,8 +260,17 @@ def to_count(
             f"{type(count).__name__}" + _pair_hint(count, "count=count")
         )
     if tuple(count.shape) != shape:
+        hint = ""
+        if what == "`count`" and count.shape and count.shape != (1,):
+            # A mask or per-sequence counts, most likely.
+            hint = (
+                ": the microbatch's total, e.g. `mask.sum()` or the count "
+                "mm.masked_mean returns (an array of one count per device is "
+                "for reduction=mm.deferred(...))"
+            )
         raise ValueError(
-            f"{what} must be a scalar (a token count), got shape {tuple(count.shape)}"
+            f"{what} must be a scalar (a token count), got shape "
+            f"{tuple(count.shape)}{hint}"
         )
     kind = _kind(count.dtype)
     if kind not in ("int", "float"):
@@ -450,9 +459,23 @@ def _paired_with_state(
     each checked as it comes."""
     t_def, a_def = jax.tree.structure(tree), jax.tree.structure(acc_grads)
     if t_def != a_def:
+        hint = ""
+        if a_def == jax.tree.structure({"params": tree}):
+            # `TrainState.create(params=model.init(...))`: linen's variables.
+            hint = (
+                ". The state was built for {'params': ...}, a linen model's "
+                "variables: build it for variables['params'] "
+                "(TrainState.create(params=variables['params'], ...))"
+            )
+        elif t_def == jax.tree.structure({"params": acc_grads}):
+            hint = (
+                ". These are {'params': ...}, a linen model's variables: pass "
+                f"the {what} of variables['params']"
+            )
         raise ValueError(
             f"The {what}' tree structure does not match the state's: got "
-            f"{t_def}, expected {a_def} (the structure of the params passed to init)"
+            f"{t_def}, expected {a_def} (the structure of the params passed to "
+            f"init){hint}"
         )
     for (path, x), a in zip(
         jax.tree_util.tree_flatten_with_path(tree)[0],

@@ -37,6 +37,12 @@ def check_opt(opt: Any, argument: str = "opt") -> None:
             f" {name!r}: call it to build the optimizer, e.g. "
             "MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
         )
+    elif opt is None:
+        hint = ": build one, e.g. " + (
+            "optax.adam(1e-3)"
+            if argument == "opt"
+            else "mm.MaskedMultiSteps(optax.adam(1e-3), every_k_schedule=4)"
+        )
     raise TypeError(
         f"`{argument}` must be an optax GradientTransformation, got "
         f"{type(opt).__name__}{hint}"

@@ -613,7 +613,9 @@ def microbatched_value_and_grad(
 
 def microbatched_value_and_grad(
     loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
-    num_microbatches: int | np.integer,
+    # Required (the overloads above say so); None at run time, so that
+    # `k=4` alone gets the hint below rather than Python's "missing argument".
+    num_microbatches: int | np.integer | None = None,
     *,
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
@@ -870,6 +872,11 @@ def microbatched_value_and_grad(
         microbatched_value_and_grad,
         KEYWORD_HINTS,
     )
+    if num_microbatches is None:
+        raise TypeError(
+            "microbatched_value_and_grad needs the number of microbatches: "
+            "microbatched_value_and_grad(loss_fn, num_microbatches)"
+        )
     k, has_aux, with_stats = _check_args(
         loss_fn, num_microbatches, has_aux, aux_reduction, with_stats
     )

@@ -112,7 +112,11 @@ def per_device_value_and_grad(
     ``0/0`` NaN), as :func:`microbatched_value_and_grad` does. Params are taken
     replicated over ``axis_name``: parameters sharded over it (FSDP) are
     gathered on entry, and every device's gradient is then a full-size buffer.
-    Other mesh axes keep the compiler's automatic sharding.
+    Other mesh axes keep the compiler's automatic sharding. ``params`` may be
+    an NNX module whose state is only ``nnx.Param`` (its gradients come back
+    as a module of the same class); a module that also holds RNG streams or
+    batch statistics is refused with the ``nnx.split`` recipe, as state
+    carried from one microbatch to the next cannot be split over devices.
 
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
@@ -170,7 +174,18 @@ def per_device_value_and_grad(
       True
     """
     refuse_unknown_keywords(
-        "per_device_value_and_grad", unknown, per_device_value_and_grad, _HINTS
+        "per_device_value_and_grad",
+        unknown,
+        per_device_value_and_grad,
+        {
+            **_HINTS,
+            "with_stats": (
+                "each device's gradient stays unreduced here; the window's "
+                "statistics come from MaskedMultiSteps(..., window_stats=True, "
+                "reduction=mm.deferred(...)), one call's from "
+                "mm.data_parallel_value_and_grad(..., with_stats=True)"
+            ),
+        },
     )
     return cast(
         GradFn[ParamsT, BatchT],

@@ -317,10 +317,11 @@ def running_mean_update(
 
     Examples:
       >>> import jax.numpy as jnp
+      >>> import masked_multistep as mm
       >>> m, n = jnp.zeros(()), jnp.array(0)
-      >>> m, n = running_mean_update(m, n, jnp.array(1.0), jnp.array(1))
-      >>> m, n = running_mean_update(m, n, jnp.array(4.0), jnp.array(2))
-      >>> m, n = running_mean_update(m, n, jnp.array(jnp.nan), jnp.array(0))
+      >>> m, n = mm.running_mean_update(m, n, jnp.array(1.0), jnp.array(1))
+      >>> m, n = mm.running_mean_update(m, n, jnp.array(4.0), jnp.array(2))
+      >>> m, n = mm.running_mean_update(m, n, jnp.array(jnp.nan), jnp.array(0))
       >>> print(m, n)  # (1 * 1 + 2 * 4) / 3
       3.0 3
 
@@ -328,8 +329,8 @@ def running_mean_update(
 
       >>> m, n, s = jnp.zeros(()), jnp.array(0), jnp.zeros(())
       >>> for g, c in [(1.0, 1), (4.0, 2)]:
-      ...     m, n, ds = running_mean_update(m, n, jnp.array(g), jnp.array(c),
-      ...                                    with_sq_deviation=True)
+      ...     m, n, ds = mm.running_mean_update(m, n, jnp.array(g), jnp.array(c),
+      ...                                       with_sq_deviation=True)
       ...     s = s + ds
       >>> print(s)  # 1 * (1 - 3)**2 + 2 * (4 - 3)**2
       6.0

@@ -47,12 +47,15 @@ class TokenTotal(NamedTuple):
       lo: float32, the remainder (``|lo| <= ulp(hi) / 2``).
 
     Examples:
+      2**24 + 1 tokens, which float32 alone rounds to 2**24:
+
       >>> import jax.numpy as jnp
-      >>> seen = add_tokens(TokenTotal(jnp.float32(0), jnp.float32(0)),
-      ...                   jnp.int32(2**24 + 1))
+      >>> import numpy as np
+      >>> import masked_multistep as mm
+      >>> seen = mm.TokenTotal(hi=jnp.float32(2**24), lo=jnp.float32(1))
       >>> print(int(seen), f"{seen:,.0f}", float(seen.hi + seen.lo), seen / 1e6)
       16777217 16,777,217 16777216.0 16.777217
-      >>> print(np.asarray(seen), jnp.asarray(seen))
+      >>> print(np.asarray(seen), float(jnp.asarray(seen)))
       16777217.0 16777216.0
     """
 

@@ -182,8 +182,8 @@ class TrainState(_flax_train_state.TrainState):
 
     def apply_gradients(  # pyright: ignore[reportRedeclaration]
         self,
-        *,
-        grads: optax.Updates,
+        *args: Any,
+        grads: optax.Updates | None = None,
         count: jax.typing.ArrayLike | None = None,
         value: jax.typing.ArrayLike | None = None,
         extra_args: Mapping[str, Any] | None = None,
@@ -214,7 +214,8 @@ class TrainState(_flax_train_state.TrainState):
           The new state, with ``step`` incremented by one.
 
         Raises:
-          TypeError: if ``count`` is missing, a keyword is neither a field nor
+          TypeError: if ``grads`` or ``count`` is missing, an argument is
+            passed by position, a keyword is neither a field nor
             one of the above (a misspelt field would otherwise vanish), or is
             ``step``, ``params`` or ``opt_state``, which this method sets; if
             ``tx`` accumulates with ``optax.MultiSteps``, which would ignore
@@ -234,6 +235,18 @@ class TrainState(_flax_train_state.TrainState):
           >>> print(state.params, int(state.step), int(state.gradient_step))
           -2.0 2 1
         """
+        if args:
+            # Python's own "takes 1 positional argument but 3 were given".
+            raise TypeError(
+                f"{type(self).__name__}.apply_gradients takes keyword arguments "
+                f"only, as flax's does, got {len(args)} positional: call "
+                "`state.apply_gradients(grads=grads, count=n)`"
+            )
+        if grads is None:
+            raise TypeError(
+                f"{type(self).__name__}.apply_gradients needs the microbatch's "
+                "gradients: call `state.apply_gradients(grads=grads, count=n)`"
+            )
         own = [k for k in ("step", "params", "opt_state") if k in kwargs]
         if own:
             raise TypeError(

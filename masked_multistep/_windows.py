@@ -526,10 +526,11 @@ def token_budget(
       A window of 100 tokens; microbatches of 40, 0 and 70 tokens:
 
       >>> import jax.numpy as jnp
-      >>> policy = token_budget(100)
+      >>> import masked_multistep as mm
+      >>> policy = mm.token_budget(100)
       >>> state = policy.init()
       >>> for mb, total in [(1, 40), (2, 40), (3, 110)]:
-      ...     s = WindowScalars(jnp.int32(mb), jnp.float32(total), jnp.int32(0))
+      ...     s = mm.WindowScalars(jnp.int32(mb), jnp.float32(total), jnp.int32(0))
       ...     print(bool(policy.closes(state, s)))
       False
       False
@@ -537,8 +538,8 @@ def token_budget(
 
       A ramp from 1,000 to 8,000 tokens over the first million tokens seen:
 
-      >>> ramp = token_budget(lambda seen: jnp.interp(seen, jnp.array([0.0, 1e6]),
-      ...                                             jnp.array([1e3, 8e3])))
+      >>> ramp = mm.token_budget(lambda seen: jnp.interp(seen, jnp.array([0.0, 1e6]),
+      ...                                                jnp.array([1e3, 8e3])))
     """
     return _token_budget(budget, by, max_microbatches, "`budget`")._replace(
         name=_call(
@@ -690,11 +691,13 @@ def norm_test(
       at ``N = 128`` it closes:
 
       >>> import jax.numpy as jnp
-      >>> policy = norm_test(0.5)
+      >>> import masked_multistep as mm
+      >>> policy = mm.norm_test(0.5)
       >>> def scalars(n):
-      ...     return WindowScalars(jnp.int32(4), jnp.float32(n), jnp.int32(0),
-      ...                          counted=jnp.int32(4), grad_sq_norm=jnp.float32(0.1),
-      ...                          grad_var_trace=jnp.float32(2.0))
+      ...     return mm.WindowScalars(jnp.int32(4), jnp.float32(n), jnp.int32(0),
+      ...                             counted=jnp.int32(4),
+      ...                             grad_sq_norm=jnp.float32(0.1),
+      ...                             grad_var_trace=jnp.float32(2.0))
       >>> print(policy.closes((), scalars(64)), policy.closes((), scalars(128)))
       False True
 

@@ -137,6 +137,13 @@ def test_microbatching_keywords_of_other_apis_are_explained():
         mm.data_parallel_value_and_grad(loss, mesh, k=2)
     with pytest.raises(TypeError, match=r"'accumulation_steps': the microbatches per"):
         mm.per_device_value_and_grad(loss, mesh, accumulation_steps=2)
+    # `k=` alone was Python's "missing 1 required positional argument".
+    with pytest.raises(TypeError, match=r"'k': the number of microbatches is"):
+        mm.microbatched_value_and_grad(loss, k=2)  # pyright: ignore
+    with pytest.raises(TypeError, match=r"needs the number of microbatches"):
+        mm.microbatched_value_and_grad(loss)  # pyright: ignore
+    with pytest.raises(TypeError, match=r"'with_stats': each device's gradient"):
+        mm.per_device_value_and_grad(loss, mesh, with_stats=True)  # pyright: ignore
 
 
 @pytest.mark.parametrize("keyword", ["k", "num_microbatches", "accumulation_steps"])
@@ -895,3 +902,32 @@ def test_a_schedule_that_takes_no_argument_is_named_when_built():
         optax.sgd(1.0), every_k_schedule=optax.linear_schedule(1, 8, 10)
     )
     mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=lambda seen, extra=1: 1e3)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_mask_passed_as_the_count_says_to_sum_it(jit):
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    params = {"w": jnp.zeros(2)}
+    update = jax.jit(tx.update) if jit else tx.update
+    mask = jnp.array([[True, False], [True, True]])
+    for count in (mask, mask.sum(-1)):
+        with pytest.raises(
+            ValueError,
+            match=r"^`count` must be a scalar \(a token count\), got shape \(2, ?2?\): "
+            r"the microbatch's total, e.g. `mask.sum\(\)`",
+        ):
+            update(params, tx.init(params), params, count=count)
+
+
+def test_linen_variables_for_params_are_named():
+    # `TrainState.create(params=model.init(...))`, the variables dict, with
+    # gradients of variables["params"] (or the other way round).
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    inner = {"kernel": jnp.zeros(2), "bias": jnp.zeros(())}
+    variables = {"params": inner}
+    with pytest.raises(
+        ValueError, match=r"build it for variables\['params'\] \(TrainState.create"
+    ):
+        tx.update(inner, tx.init(variables), variables, count=1)
+    with pytest.raises(ValueError, match=r"These are \{'params': \.\.\.\}.*pass the"):
+        tx.update(variables, tx.init(inner), inner, count=1)

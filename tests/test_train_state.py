@@ -264,6 +264,14 @@ def test_create_names_missing_params_and_fields_it_lacks():
         mm.TrainState.create(apply_fn=None, params=None, tx=optax.sgd(1.0))
     with pytest.raises(
         TypeError,
+        match=r"^`tx` must be an optax GradientTransformation, got NoneType: build "
+        r"one, e.g. mm.MaskedMultiSteps\(optax.adam",
+    ):
+        mm.TrainState.create(apply_fn=None, params=jnp.zeros(2), tx=None)
+    with pytest.raises(TypeError, match=r"got NoneType: build one, e.g. optax.adam"):
+        mm.MaskedMultiSteps(None, 2)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
         match=r"TrainState\.create got unexpected keyword argument\(s\) "
         r"'batch_stats'.*`class State\(mm\.TrainState\): batch_stats: Any",
     ):
@@ -294,3 +302,17 @@ def test_a_plain_optimizers_count_is_checked_as_the_wrappers(count, error, match
     step = jax.jit(lambda s, n: s.apply_gradients(grads={"w": jnp.ones(2)}, count=n))
     for n in (3, jnp.float32(-1.0)):  # traced: not checked, as the wrapper's
         assert float(step(state, n).params["w"][0]) == -1.0
+
+
+def test_positional_or_missing_gradients_say_how_to_call():
+    # Python's own "takes 1 positional argument but 3 were given" before.
+    state = _state()
+    with pytest.raises(
+        TypeError,
+        match=r"^_StateWithStats.apply_gradients takes keyword arguments only, as "
+        r"flax's does, got 2 positional: call `state.apply_gradients\(grads=grads, "
+        r"count=n\)`",
+    ):
+        state.apply_gradients(jax.tree.map(jnp.ones_like, state.params), 3)
+    with pytest.raises(TypeError, match=r"needs the microbatch's gradients"):
+        state.apply_gradients(count=3)
