@@ -209,13 +209,14 @@ HELP = {
     "num_heads": "attention heads",
     "num_layers": "transformer blocks",
     "learning_rate": "peak learning rate of the warmup-cosine schedule",
-    "warmup": "windows of linear warmup from 0 (the first window's update uses a "
-    "learning rate of 0), then cosine decay to 10%% of the peak; unless given, at "
-    "most --windows - 1",
+    "warmup": "windows of linear warmup, the learning rate rising from 0 (the "
+    "first window's) to the peak, then cosine decay to 10%% of the peak (default "
+    "10, or --windows - 1 if that is smaller)",
     "weight_decay": "adamw weight decay",
     "clip_norm": "clip each window's full-batch gradient to this global norm",
     "skew": "length skew between microbatches: 0 = random, 1 = sorted by length "
-    "(the logged noise scale is meaningful at 0 only)",
+    "(the logged noise scale B_simple assumes exchangeable microbatches: read it "
+    "with --skew 0; above 0 it is biased, and often n/a)",
     "seed": "data and initialisation seed",
     "devices": "data-parallel devices, each with its own running mean, reduced once "
     "per window (on CPU, run with JAX_NUM_CPU_DEVICES=N; the logged noise scale "
@@ -630,7 +631,9 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
         metrics.write_text("".join(s + "\n" for s in kept))
     else:
         if args.resume:
-            print_fn(f"--resume: no checkpoint in {out}: starting afresh")
+            print_fn(
+                f"--resume: NO CHECKPOINT in {out} (is --out right?): starting afresh"
+            )
         if metrics.exists():
             metrics.unlink()
 
