@@ -97,6 +97,19 @@ class GradFnWithStats(Protocol[ParamsT, BatchT_contra]):
     ) -> tuple[Any, ParamsT, _stats.WindowStats[jax.Array]]: ...
 
 
+class GradFnWithLeafStats(Protocol[ParamsT, BatchT_contra]):
+    """What :func:`microbatched_value_and_grad` returns with ``with_stats=True,
+    per_leaf_stats=True``: the statistics' per-leaf figures are pytrees."""
+
+    def __call__(
+        self,
+        params: ParamsT,
+        batch: BatchT_contra,
+        *,
+        rng: jax.typing.ArrayLike | None = None,
+    ) -> tuple[Any, ParamsT, _stats.WindowStats[Any]]: ...
+
+
 def _batch_size(batch: Any, num_microbatches: int) -> int:
     """The common leading size of ``batch``'s leaves, checked against ``k``."""
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
@@ -608,7 +621,20 @@ def microbatched_value_and_grad(
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
     with_stats: Literal[True],
+    per_leaf_stats: Literal[False] = False,
 ) -> GradFnWithStats[ParamsT, BatchT]: ...
+
+
+@overload
+def microbatched_value_and_grad(
+    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    num_microbatches: int | np.integer,
+    *,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: Literal[True],
+    per_leaf_stats: Literal[True],
+) -> GradFnWithLeafStats[ParamsT, BatchT]: ...
 
 
 def microbatched_value_and_grad(
@@ -620,10 +646,15 @@ def microbatched_value_and_grad(
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
     with_stats: bool = False,
+    per_leaf_stats: bool = False,
     # Typed Never so that a type checker flags a misspelt keyword; at run time
     # it gets an error with a hint.
     **unknown: Never,
-) -> GradFn[ParamsT, BatchT] | GradFnWithStats[ParamsT, BatchT]:
+) -> (
+    GradFn[ParamsT, BatchT]
+    | GradFnWithStats[ParamsT, BatchT]
+    | GradFnWithLeafStats[ParamsT, BatchT]
+):
     """``jax.value_and_grad`` of a masked mean loss, one microbatch at a time.
 
     ``loss_fn(params, microbatch)`` returns the microbatch's mean loss and its
@@ -743,7 +774,14 @@ def microbatched_value_and_grad(
         ``‖ḡ‖²`` and the gradient noise scale ``B_simple`` with its parts. It
         costs one squared-norm reduction of each microbatch's gradient.
         ``smoothed_noise_scale`` is this call's ``noise_scale``; smooth over
-        calls with your own moving averages.
+        calls with your own moving averages. With ``per_leaf_stats=True`` as
+        well, each parameter leaf's: ``grad_sq_norm``, ``grad_var_trace``,
+        ``true_grad_sq_norm``, ``noise_scale`` and ``smoothed_noise_scale``
+        are then pytrees shaped like the gradients (as
+        ``mm.window_stats(state, per_leaf=True)`` reads a wrapper's), the
+        other fields the call's. A group of leaves' noise scale is the sum of
+        its leaves' ``grad_var_trace`` over the sum of their
+        ``true_grad_sq_norm`` (both add up over leaves; noise scales do not).
 
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
@@ -758,6 +796,8 @@ def microbatched_value_and_grad(
         pytree prefix of ``aux`` with those leaves. Required when ``aux`` has a
         floating leaf; integer leaves default to ``"sum"``.
       with_stats: also return the call's :class:`WindowStats`.
+      per_leaf_stats: with ``with_stats=True``, each parameter leaf's
+        statistics (the squared norms are taken leaf by leaf anyway).
 
     Returns:
       ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``, or
@@ -771,7 +811,8 @@ def microbatched_value_and_grad(
 
     Raises:
       TypeError: if ``loss_fn`` is not callable, ``num_microbatches`` is not an
-        integer, ``has_aux`` or ``with_stats`` is not a bool, an
+        integer, ``has_aux``, ``with_stats`` or ``per_leaf_stats`` is not a
+        bool, ``per_leaf_stats=True`` comes without ``with_stats=True``, an
         ``aux_reduction`` leaf is not a string; when called, if ``params`` has
         a leaf that is not floating (the error names it) or holds, below its
         top level, an NNX module with state other than ``nnx.Param`` (the
@@ -880,6 +921,7 @@ def microbatched_value_and_grad(
     k, has_aux, with_stats = _check_args(
         loss_fn, num_microbatches, has_aux, aux_reduction, with_stats
     )
+    per_leaf = check_per_leaf_stats(per_leaf_stats, with_stats)
     return _grad_fn(
         loss_fn,
         k,
@@ -887,7 +929,19 @@ def microbatched_value_and_grad(
         aux_reduction,
         "window" if with_stats else None,
         module_state=True,
+        per_leaf=per_leaf,
     )
+
+
+def check_per_leaf_stats(per_leaf_stats: Any, with_stats: bool) -> bool:
+    """``per_leaf_stats`` checked: a bool, and only with ``with_stats=True``."""
+    per_leaf = check_flag(per_leaf_stats, "`per_leaf_stats`")
+    if per_leaf and not with_stats:
+        raise TypeError(
+            "`per_leaf_stats=True` reads each leaf's share of the statistics the "
+            "call returns with `with_stats=True`: pass both"
+        )
+    return per_leaf
 
 
 def _check_args(
@@ -918,6 +972,7 @@ def _grad_fn(
     aux_reduction: AuxReduction,
     stats: Literal["window", "sums"] | None,
     module_state: bool = False,
+    per_leaf: bool = False,
 ) -> Any:
     """:func:`microbatched_value_and_grad`'s function, arguments checked.
 
@@ -927,6 +982,7 @@ def _grad_fn(
     ``module_state``: an NNX module passed whole may hold state other than its
     parameters (RNG streams, batch statistics), threaded through the
     microbatches in order and written back (:class:`_nnx_state.ModuleState`).
+    ``per_leaf``: the statistics (or sums) of each parameter leaf as well.
     """
 
     def normalized_loss(params, microbatch, key, rest, *, module):
@@ -1025,6 +1081,7 @@ def _grad_fn(
                     # at least float32, before `finalize` casts them back.
                     window_of=lambda c: (c[0][0], c[2], c[0][2]),
                     sums_only=stats == "sums",
+                    per_leaf=per_leaf,
                 )
 
             def body(j, carry):

@@ -40,6 +40,7 @@ from masked_multistep._microbatch import (
     MICROBATCH_KEYWORDS,
     BatchT,
     GradFn,
+    GradFnWithLeafStats,
     GradFnWithStats,
     ParamsT,
     _aux_reductions,
@@ -48,6 +49,7 @@ from masked_multistep._microbatch import (
     _check_rng,
     _grad_fn,
     _sum_dtype,
+    check_per_leaf_stats,
 )
 from masked_multistep._reduction import (
     any_explicit,
@@ -201,15 +203,22 @@ def _per_device(
     has_aux: bool | np.bool_,
     aux_reduction: Any,
     stats_sums: bool = False,
+    per_leaf: bool = False,
 ) -> Callable[..., Any]:
     """:func:`per_device_value_and_grad`; with ``stats_sums`` each device also
-    returns its microbatches' ``(Σ nᵢ‖gᵢ‖², K)`` (shape ``(D,)`` each)."""
+    returns its microbatches' ``(Σ nᵢ‖gᵢ‖², K)`` (shape ``(D,)`` each; with
+    ``per_leaf``, each leaf's sums instead of the total, shape ``(D, L)``)."""
     axes, num_devices = check_mesh_axes(mesh, axis_name)
     k, has_aux, stats_sums = _check_args(
         loss_fn, num_microbatches, has_aux, aux_reduction, stats_sums
     )
     grad_fn = _grad_fn(
-        loss_fn, k, has_aux, aux_reduction, "sums" if stats_sums else None
+        loss_fn,
+        k,
+        has_aux,
+        aux_reduction,
+        "sums" if stats_sums else None,
+        per_leaf=per_leaf,
     )
     spec = P(axes[0] if len(axes) == 1 else axes)
 
@@ -373,7 +382,22 @@ def data_parallel_value_and_grad(
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
     with_stats: Literal[True],
+    per_leaf_stats: Literal[False] = False,
 ) -> GradFnWithStats[ParamsT, BatchT]: ...
+
+
+@overload
+def data_parallel_value_and_grad(
+    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: Any = None,
+    with_stats: Literal[True],
+    per_leaf_stats: Literal[True],
+) -> GradFnWithLeafStats[ParamsT, BatchT]: ...
 
 
 def data_parallel_value_and_grad(
@@ -385,8 +409,13 @@ def data_parallel_value_and_grad(
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
     with_stats: bool = False,
+    per_leaf_stats: bool = False,
     **unknown: Never,  # a misspelt keyword: flagged by a type checker, hinted
-) -> GradFn[ParamsT, BatchT] | GradFnWithStats[ParamsT, BatchT]:
+) -> (
+    GradFn[ParamsT, BatchT]
+    | GradFnWithStats[ParamsT, BatchT]
+    | GradFnWithLeafStats[ParamsT, BatchT]
+):
     """In-jit microbatching over data-parallel devices, reduced once per call.
 
     The result is that of :func:`microbatched_value_and_grad` (``jax.value_and_grad``
@@ -420,6 +449,9 @@ def data_parallel_value_and_grad(
         microbatch a small batch of its own (``K`` counts the ``D·k``
         device microbatches with tokens). Each device keeps its own
         ``Σ nᵢ‖gᵢ‖²`` and ``K``; their sums (8 bytes) join the one reduction.
+      per_leaf_stats: with ``with_stats=True``, each parameter leaf's
+        statistics, as in :func:`microbatched_value_and_grad` (each device
+        keeps one sum per leaf: 4 bytes per leaf join the reduction).
 
     Returns:
       ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``
@@ -429,7 +461,8 @@ def data_parallel_value_and_grad(
       third element: the :class:`WindowStats`.
 
     Raises:
-      TypeError: if ``with_stats`` is not a bool; and as
+      TypeError: if ``with_stats`` or ``per_leaf_stats`` is not a bool, or
+        ``per_leaf_stats=True`` comes without ``with_stats=True``; and as
         :func:`per_device_value_and_grad`.
       ValueError: as :func:`per_device_value_and_grad`.
 
@@ -471,8 +504,16 @@ def data_parallel_value_and_grad(
     )
     has_aux = check_flag(has_aux, "`has_aux`")
     with_stats = check_flag(with_stats, "`with_stats`")
+    per_leaf = check_per_leaf_stats(per_leaf_stats, with_stats)
     per_device = _per_device(
-        loss_fn, mesh, axis_name, num_microbatches, has_aux, aux_reduction, with_stats
+        loss_fn,
+        mesh,
+        axis_name,
+        num_microbatches,
+        has_aux,
+        aux_reduction,
+        with_stats,
+        per_leaf,
     )
 
     def grad_fn(

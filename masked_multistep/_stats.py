@@ -1162,25 +1162,55 @@ def one_window_stats(
     tokens: jax.Array,
     mean: Any,
     loss: jax.Array,
-) -> WindowStats[jax.Array]:
+) -> WindowStats[Any]:
     """The :class:`WindowStats` of a window that is one call (in-jit
     microbatching): from its running sums ``(Σ nᵢ‖gᵢ‖², K)``, token total
     ``N``, mean gradient ``ḡ`` and mean loss (``smoothed_noise_scale`` is the
-    window's own ``noise_scale``)."""
-    weighted_sq_norms, microbatches = sums
-    state = init_window_stats(jnp.result_type(tokens))._replace(
+    window's own ``noise_scale``). With each leaf's sums as well, ``(Σ nᵢ‖gᵢ‖²,
+    K, each leaf's Σ nᵢ‖gᵢ,ₗ‖²)``, each leaf's statistics: the
+    :data:`PER_GROUP` fields are then pytrees shaped like ``mean``, as
+    ``mm.window_stats(state, per_leaf=True)`` reads them."""
+    weighted_sq_norms, microbatches, *per_leaf = sums
+    leaf_sums = per_leaf[0] if per_leaf else None
+    state = init_window_stats(
+        jnp.result_type(tokens),
+        None if leaf_sums is None else jnp.shape(leaf_sums)[-1],
+    )._replace(
         weighted_sq_norms=jnp.asarray(weighted_sq_norms, _F32),
         microbatches=jnp.asarray(microbatches, jnp.int32),
     )
+    leaf_sq_norms = None
+    if leaf_sums is None:
+        grad_sq_norm = tree_sq_norm(mean)
+    else:
+        # As the wrapper closes a window with leaf statistics: the total is
+        # the leaves' sum.
+        leaf_sq_norms = _sq_norms(mean, False, (), per_leaf=True)
+        grad_sq_norm = jnp.sum(leaf_sq_norms)
+        state = state._replace(
+            leaves=cast(LeafSums, state.leaves)._replace(
+                weighted_sq_norms=jnp.asarray(leaf_sums, _F32)
+            )
+        )
     state = close_window_stats(
         state,
         tokens=tokens,
-        grad_sq_norm=tree_sq_norm(mean),
+        grad_sq_norm=grad_sq_norm,
         loss=loss,
         loss_tokens=tokens,
         decay=0.0,
+        leaf_sq_norms=leaf_sq_norms,
     )
-    return read_window_stats(state)
+    if leaf_sums is None:
+        return read_window_stats(state)
+    leaves, treedef = jax.tree.flatten(mean)
+    read = _read_leaves(state, tuple(range(len(leaves))))
+    return read._replace(
+        **{
+            name: jax.tree.unflatten(treedef, list(getattr(read, name)))
+            for name in PER_GROUP
+        }
+    )
 
 
 def materialized_on_gpu(tree: Any) -> Any:
@@ -1271,6 +1301,7 @@ def with_window_stats(
     window_of: Callable[[Any], tuple[jax.Array, jax.Array, Any]],
     *,
     sums_only: bool = False,
+    per_leaf: bool = False,
 ) -> optax.microbatching.Accumulator:
     """``accumulator`` with the window statistics of its microbatches beside it.
 
@@ -1288,11 +1319,15 @@ def with_window_stats(
       window_of: the wrapped carry -> ``(mean loss, weight total, mean
         gradient)``, in the precision they were accumulated in.
       sums_only: return the running sums instead of the :class:`WindowStats`.
+      per_leaf: keep each leaf's share too: the :class:`WindowStats` is then
+        each leaf's (:func:`one_window_stats`), and the running sums
+        ``(each leaf's Σ nᵢ‖gᵢ,ₗ‖², K)``.
     """
 
     def init(value):
-        _, weight = grads_and_weight(value)
-        return accumulator.init(value), init_window_stats(weight.dtype)
+        grads, weight = grads_and_weight(value)
+        leaves = len(jax.tree.leaves(grads)) if per_leaf else None
+        return accumulator.init(value), init_window_stats(weight.dtype, leaves)
 
     def update(carry, value, index):
         inner, stats = carry
@@ -1304,7 +1339,13 @@ def with_window_stats(
     def finalize(carry):
         inner, stats = carry
         out = cast("tuple[Any, ...]", accumulator.finalize(inner))
-        sums = (stats.weighted_sq_norms, stats.microbatches)
+        if per_leaf:
+            leaf_sums = cast(LeafSums, stats.leaves).weighted_sq_norms
+            if sums_only:  # `sum_over_devices` adds up the total from these
+                return (*out, (leaf_sums, stats.microbatches))
+            sums = (stats.weighted_sq_norms, stats.microbatches, leaf_sums)
+        else:
+            sums = (stats.weighted_sq_norms, stats.microbatches)
         if sums_only:
             return (*out, sums)
         loss, total, mean = window_of(inner)

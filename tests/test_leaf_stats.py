@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import masked_multistep as mm
 from masked_multistep import _stats
@@ -741,3 +742,114 @@ def test_a_label_function_that_reads_values_is_told_it_sees_shapes():
         "matrices",
         "vectors",
     }
+
+
+# In-jit microbatching: one call is one window.
+
+
+def _lm_loss(params, mb):
+    hidden = jnp.tanh(mb["x"] @ params["enc"]["w"] + params["enc"]["b"][None])
+    pred = hidden @ params["dec"]["w"]
+    return mm.masked_mean(jnp.sum((pred - mb["y"]) ** 2, -1), mb["mask"])
+
+
+def _lm_batch(rows=24, seed=0):
+    rng = np.random.default_rng(seed)
+    mask = rng.random(rows) < 0.6
+    mask[1::4] = False  # microbatch 1 of k = 4 holds padding only
+    return {
+        "x": jnp.asarray(rng.normal(size=(rows, 4)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(rows, 2)), jnp.float32),
+        "mask": jnp.asarray(mask),
+    }
+
+
+def _lm_params(seed=1):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), _params()
+    )
+
+
+def _wrapper_fed(microbatches, params):
+    """A wrapper's per-leaf read of one window of ``microbatches``."""
+    tx = mm.MaskedMultiSteps(optax.sgd(0.0), len(microbatches), per_leaf_stats=True)
+    state = tx.init(params)
+    grad = jax.value_and_grad(_lm_loss, has_aux=True)
+    for mb in microbatches:
+        (loss, n), g = grad(params, mb)
+        _, state = tx.update(g, state, params, count=n, value=loss)
+    return mm.window_stats(state, per_leaf=True)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_in_jit_microbatching_returns_each_leafs_statistics(jit):
+    k, params, batch = 4, _lm_params(), _lm_batch()
+    grad_fn = mm.microbatched_value_and_grad(
+        _lm_loss, k, with_stats=True, per_leaf_stats=True
+    )
+    grad_fn = jax.jit(grad_fn) if jit else grad_fn
+    (loss, count), grads, stats = grad_fn(params, batch)
+    # The wrapper fed the same microbatches (batch[j::k]) reads the same.
+    microbatches = [jax.tree.map(lambda x, j=j: x[j::k], batch) for j in range(k)]
+    expected = _wrapper_fed(microbatches, params)
+    _close_stats(stats, expected)
+    for name in SHARED:
+        np.testing.assert_allclose(getattr(stats, name), getattr(expected, name))
+    assert int(stats.microbatches) == k - 1  # the padding-only one is no batch
+    # Each leaf's figures are shaped like the gradients, and S, ‖ḡ‖² and |G|²̂
+    # add up over the leaves to the call's totals (without leaf statistics).
+    assert jax.tree.structure(stats.noise_scale) == jax.tree.structure(grads)
+    totals = mm.microbatched_value_and_grad(_lm_loss, k, with_stats=True)
+    _, _, total = totals(params, batch)
+    for name in ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm"):
+        summed = sum(jax.tree.leaves(getattr(stats, name)))
+        np.testing.assert_allclose(summed, getattr(total, name), rtol=RTOL[name])
+
+
+def test_data_parallel_returns_each_leafs_statistics_in_the_one_reduction():
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AUTO,))
+    k, params, batch = 2, _lm_params(), _lm_batch(rows=32)
+    batch["mask"] = batch["mask"].at[:8].set(False)  # device 0: padding only
+    sharded = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
+
+    def grad_fn(per_leaf):
+        return jax.jit(
+            mm.data_parallel_value_and_grad(
+                _lm_loss,
+                mesh,
+                "data",
+                num_microbatches=k,
+                with_stats=True,
+                per_leaf_stats=per_leaf,
+            )
+        )
+
+    _, _, stats = grad_fn(True)(params, sharded)
+    # Device d's microbatch j holds its rows j, j + k, ... : each a small batch.
+    microbatches = [
+        jax.tree.map(lambda x, d=d, j=j: x[8 * d : 8 * (d + 1)][j::k], batch)
+        for d in range(4)
+        for j in range(k)
+    ]
+    _close_stats(stats, _wrapper_fed(microbatches, params))
+    # The leaves' sums join the call's one gradient reduction.
+    reductions = [
+        _all_reduces(grad_fn(per_leaf).lower(params, sharded).compile().as_text())
+        for per_leaf in (False, True)
+    ]
+    assert len(reductions[0]) == len(reductions[1])
+
+
+def _all_reduces(hlo):
+    return [line for line in hlo.splitlines() if " all-reduce(" in line]
+
+
+def test_in_jit_leaf_statistics_need_the_statistics():
+    with pytest.raises(TypeError, match=r"`per_leaf_stats=True` reads .*pass both"):
+        mm.microbatched_value_and_grad(_lm_loss, 2, per_leaf_stats=True)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AUTO,))
+    with pytest.raises(TypeError, match=r"`per_leaf_stats` must be a bool"):
+        mm.data_parallel_value_and_grad(
+            _lm_loss, mesh, with_stats=True, per_leaf_stats="yes"
+        )

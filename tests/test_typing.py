@@ -137,6 +137,13 @@ def test_window_stats_are_typed():
     assert_type(grads, dict[str, jax.Array])
     assert_type(stats, mm.WindowStats[jax.Array])
     assert int(stats.tokens) == int(count) == 3
+    # Each leaf's figures are shaped like the gradients.
+    leaf_fn = mm.microbatched_value_and_grad(
+        loss_fn, 2, with_stats=True, per_leaf_stats=True
+    )
+    _, _, leaf_stats = leaf_fn({"w": jnp.ones(())}, batch)
+    assert_type(leaf_stats, mm.WindowStats[Any])
+    assert set(leaf_stats.noise_scale) == {"w"}
 
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=1, per_leaf_stats=True)
     opt_state = optax.chain(optax.identity(), tx).init({"w": jnp.zeros(())})
