@@ -123,6 +123,15 @@ def load_average() -> list[float] | None:
         return None
 
 
+def minor_faults() -> int:
+    """This process's minor page faults so far (0 where not counted)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def memory_figures(compiled: Any) -> dict[str, int]:
     m = compiled.memory_analysis()
     return {
@@ -162,15 +171,24 @@ class Runner:
             cache[key] = self.compiled, self.compile_s
         self.memory = memory_figures(self.compiled)
         self.memory["state_bytes"] = steps.tree_bytes(comp.opt_state(self.carry))
+        self.faults: list[int] = []
 
     def window(self) -> float:
-        """Seconds for one window (``calls_per_window`` calls, all done)."""
+        """Seconds for one window (``calls_per_window`` calls, all done).
+
+        Also notes the window's minor page faults in ``self.faults``: a step
+        whose scratch buffers are large enough for the allocator to map fresh
+        memory on every call pays for touching it (XLA:CPU with glibc's
+        malloc, buffers above its mmap threshold), which shows in its time.
+        """
         carry = self.carry
+        faults = minor_faults()
         t0 = time.perf_counter()
         for batch in self.batches:
             carry = self.compiled(carry, batch)
         jax.block_until_ready(carry)
         elapsed = time.perf_counter() - t0
+        self.faults.append(minor_faults() - faults)
         self.carry = carry
         return elapsed
 
@@ -183,18 +201,24 @@ def interleave(
     """Round-robin windows: one warm-up each, then ``repeats`` rounds (of
     anything with a ``window() -> seconds`` method, a :class:`Runner` here).
 
-    ``before`` runs, untimed, before every window (several processes: a
-    barrier, so that no window's time includes waiting for a process that is
-    still finishing the previous competitor's).
+    Round ``i`` starts with the ``i``-th competitor and goes on in order, so
+    that each takes every place in the round as often as the others (a place
+    may matter: the first after another's large allocations, say); the order
+    depends only on ``i``, the same in every process. ``before`` runs,
+    untimed, before every window (several processes: a barrier, so that no
+    window's time includes waiting for a process that is still finishing the
+    previous competitor's).
     """
     for r in runners.values():
         before()
         r.window()
     times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(repeats):
-        for name, r in runners.items():
+    names = list(runners)
+    for i in range(repeats):
+        shift = i % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
             before()
-            times[name].append(r.window())
+            times[name].append(runners[name].window())
     return times
 
 
@@ -235,6 +259,10 @@ def bench_windows(width: int, ks: list[int], repeats: int) -> list[dict[str, Any
                     "ms_per_microbatch": 1e3 * statistics.median(per_mb[name]),
                     "ms_per_microbatch_min": 1e3 * min(per_mb[name]),
                     "ms_per_microbatch_all": [1e3 * t for t in per_mb[name]],
+                    # The timed windows' (the warm-up's is the runner's first).
+                    "minor_faults_per_microbatch": statistics.median(
+                        f / k for f in r.faults[1:]
+                    ),
                     "x_floor": median_ratio(per_mb[name], per_mb["floor"]),
                     "x_optax_multisteps": median_ratio(per_mb[name], per_mb[REFERENCE]),
                     # The same step without window statistics.
@@ -345,7 +373,7 @@ def print_window_table(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'params':>16} {'k':>3}  {'competitor':<34} {'ms/mb':>8} {'x floor':>8} "
         f"{'x optax':>8} {'temp MiB':>8} {'temp/P':>7} {'state/P':>8} "
-        f"{'arg MiB':>7} {'out MiB':>7} {'alias MiB':>9}"
+        f"{'arg MiB':>7} {'out MiB':>7} {'alias MiB':>9} {'faults/mb':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -362,7 +390,8 @@ def print_window_table(rows: list[dict[str, Any]]) -> None:
             f"{r['temp_bytes'] / MiB:>8.1f} {r['temp_bytes'] / r['param_bytes']:>7.2f} "
             f"{r['state_bytes'] / r['param_bytes']:>8.2f} "
             f"{r['argument_bytes'] / MiB:>7.1f} {r['output_bytes'] / MiB:>7.1f} "
-            f"{r['alias_bytes'] / MiB:>9.1f}"
+            f"{r['alias_bytes'] / MiB:>9.1f} "
+            f"{r.get('minor_faults_per_microbatch', float('nan')):>9.0f}"
         )
 
 

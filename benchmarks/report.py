@@ -91,6 +91,25 @@ def memory(result: dict[str, Any]) -> str:
     return _table(header, body)
 
 
+def faults(result: dict[str, Any]) -> str:
+    """Minor page faults per microbatch at the largest k, one column per size
+    (results that predate the figure have none: an empty string)."""
+    k = max(result["config"]["ks"])
+    rows = [r for r in result["windows"] if r["k"] == k]
+    if not rows or any("minor_faults_per_microbatch" not in r for r in rows):
+        return ""
+    widths = sorted({r["width"] for r in rows})
+    names = list(dict.fromkeys(r["competitor"] for r in rows))
+    cell = {(r["competitor"], r["width"]): r for r in rows}
+    header = [f"page faults per microbatch, k={k}"] + [f"{w}²" for w in widths]
+    body = [
+        [name]
+        + [f"{cell[(name, w)]['minor_faults_per_microbatch']:,.0f}" for w in widths]
+        for name in names
+    ]
+    return _table(header, body)
+
+
 def microbatching(result: dict[str, Any]) -> str:
     body = [
         [
@@ -116,6 +135,9 @@ def main() -> None:
     print()
     print(memory(result))
     print()
+    if faults(result):
+        print(faults(result))
+        print()
     print(microbatching(result))
 
 

@@ -200,6 +200,8 @@ def test_window_rows_divide_by_k_and_take_each_ratio_against_its_reference(
     class Timed:
         def __init__(self, comp, params, batches, cache):
             self.comp, self.compile_s, self.memory = comp, 0.0, {"temp_bytes": 0}
+            # Page faults of the warm-up window, then of three timed ones.
+            self.faults = [1000, 2, 8, 6]
 
     # Seconds per window of k = 2 microbatches, three rounds.
     windows = {"floor": [0.002, 0.004, 0.006], bench.REFERENCE: [0.008, 0.008, 0.012]}
@@ -224,6 +226,73 @@ def test_window_rows_divide_by_k_and_take_each_ratio_against_its_reference(
     stats = rows["MaskedMultiSteps update+stats"]
     assert stats["baseline"] == "MaskedMultiSteps update"
     assert stats["x_without_stats"] == pytest.approx(1.0)
+    # The median of the timed windows' page faults, per microbatch.
+    assert floor["minor_faults_per_microbatch"] == pytest.approx(3.0)
+
+
+def test_each_round_starts_with_the_next_competitor():
+    (bench,) = _import_benchmarks("bench")
+    order = []
+
+    class Window:
+        def __init__(self, name):
+            self.name = name
+
+        def window(self):
+            order.append(self.name)
+            return 1.0
+
+    times = bench.interleave({n: Window(n) for n in "abc"}, repeats=4)
+    assert order[:3] == list("abc")  # the warm-up windows
+    assert order[3:] == list("abcbcacababc")
+    assert times == dict.fromkeys("abc", [1.0] * 4)
+
+
+def test_the_window_competitors_close_one_window_per_k_calls_alike():
+    # Every timed window holds one window's close, and the token-weighted
+    # competitors, fed the same microbatches, train alike.
+    bench, steps = _import_benchmarks("bench", "steps")
+    import jax
+    import numpy as np
+
+    import masked_multistep as mm
+
+    workload, k = steps.Workload(width=16), 2
+    params = {}
+    for make in steps.WINDOW_COMPETITORS:
+        comp = make(workload, k)
+        if comp.calls_per_window == 1:
+            batches = [workload.batch(0, rows=k * workload.rows)]
+        else:
+            batches = [workload.batch(i) for i in range(k)]
+        runner = bench.Runner(comp, workload.params(), batches, {})
+        for _ in range(2):
+            runner.window()
+        carry = runner.carry
+        params[comp.name] = getattr(carry, "params", None) or carry[0]
+        state = comp.opt_state(carry)
+        if comp.name == "floor":
+            continue
+        if comp.name in ("adam", "in-jit microbatched"):  # an update per call
+            steps_taken = int(jax.tree.leaves(state)[0])
+            assert steps_taken == 2 * comp.calls_per_window, comp.name
+        elif comp.name == bench.REFERENCE:
+            assert int(state.gradient_step) == 2
+        else:
+            assert int(mm.find_state(state).gradient_step) == 2, comp.name
+    masked = [name for name in params if "MaskedMultiSteps" in name or "Train" in name]
+    assert len(masked) >= 5, masked
+    for name in masked:
+        for a, b in zip(
+            jax.tree.leaves(params[name]),
+            jax.tree.leaves(params["MaskedMultiSteps update"]),
+            strict=True,
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=name)
+    # optax.MultiSteps weighs the microbatches alike: another update.
+    assert not np.allclose(
+        params[bench.REFERENCE]["w0"], params["MaskedMultiSteps update"]["w0"]
+    )
 
 
 def _bench_result():
@@ -283,6 +352,14 @@ def test_report_renders_a_bench_result_at_the_largest_k(tmp_path):
     assert "| floor | 0.25 (0.50) | 1.00 |" in out
     assert "| optax.MultiSteps | 1.50 (3.00) | 3.00 |" in out
     assert "| value_and_grad (full batch) | 2.0 | 1.00 | 1.0 |" in out
+    assert "page faults" not in out  # the result predates them
+    with_faults = _bench_result()
+    for row in with_faults["windows"]:
+        row["minor_faults_per_microbatch"] = 24628.0 if row["k"] == 4 else 1.0
+    path.write_text(json.dumps(with_faults))
+    out = run("report.py", path).stdout
+    assert "| page faults per microbatch, k=4 | 64² |" in out
+    assert "| optax.MultiSteps | 24,628 |" in out
 
 
 def test_memory_checks_say_whether_the_state_adds_up(capsys):
