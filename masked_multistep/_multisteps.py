@@ -893,7 +893,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             raise ValueError(
                 "`state` was built by a MaskedMultiSteps with other settings "
                 "(window_stats, the window rule or the reduction differ from "
-                f"{self!r}): use the state that this wrapper's `init` returned"
+                f"{self!r}): use the state that this wrapper's `init` returned; "
+                "to carry a running state over to new settings, "
+                "`mm.from_other_settings(state, tx.init(params))` (a new `init` "
+                "alone would drop the inner optimizer's state and the pending "
+                "window)"
             )
         # A restore against another wrapper's state keeps that state's dtypes
         # (flax.serialization does): its tokens would be counted, or its mean
@@ -903,7 +907,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             raise ValueError(
                 f"`state` counts tokens in {counts}, but this wrapper's "
                 f"count_dtype is {self._count_dtype} ({self!r}): use the state "
-                "that this wrapper's `init` returned (restore against it)"
+                "that this wrapper's `init` returned (restore against it), or "
+                "carry it over with `mm.from_other_settings(state, "
+                "tx.init(params))`"
             )
         for path, acc in jax.tree_util.tree_flatten_with_path(state.acc_grads)[0]:
             dtype = jnp.result_type(acc)

@@ -194,7 +194,10 @@ class TrainState(_flax_train_state.TrainState):
         Args:
           grads: the microbatch's *mean* gradients, with the structure of
             ``params`` (as in flax, ``{"params": ..., OVERWRITE_WITH_GRADIENT:
-            ...}`` for fp8 params is supported).
+            ...}`` for fp8 params is supported: those variables take the
+            microbatch's value, as in flax, on every microbatch, one without
+            tokens included; hold them with ``jnp.where(count > 0, new, old)``
+            if an empty microbatch's must not count).
           count: the number of real tokens behind ``grads`` (a scalar; pass a
             ``jax.Array``, e.g. the count from :func:`masked_mean`, to a jitted
             step). Required.
@@ -319,9 +322,13 @@ class TrainState(_flax_train_state.TrainState):
                 # with_extra_args_support would drop the count silently.
                 raise TypeError(_OPTAX_MULTISTEPS)
             tx = optax.with_extra_args_support(self.tx)
-            updates, new_opt_state = tx.update(
-                grads_with_opt, self.opt_state, params_with_opt, **extra_args
-            )
+            try:
+                updates, new_opt_state = tx.update(
+                    grads_with_opt, self.opt_state, params_with_opt, **extra_args
+                )
+            except (ValueError, TypeError, AttributeError) as err:
+                _note_other_state(err, self.tx, self.opt_state, params_with_opt)
+                raise
             new_params_with_opt = optax.apply_updates(params_with_opt, updates)
 
         if owg is not None:
@@ -387,6 +394,23 @@ class TrainState(_flax_train_state.TrainState):
                 f"TrainState.{attribute} reads the MaskedMultiSteps state in "
                 f"`opt_state`: {err}"
             ) from None
+
+
+def _note_other_state(err: Exception, tx: Any, opt_state: Any, params: Any) -> None:
+    """Adds a note to ``err`` (raised by ``tx.update``) where ``opt_state`` is
+    not the state ``tx.init`` builds: a ``tx`` replaced without its state."""
+    try:
+        expected = jax.tree.structure(jax.eval_shape(tx.init, params))
+    except Exception:  # noqa: BLE001 - the original error is the one to raise
+        return
+    if expected != jax.tree.structure(opt_state):
+        err.add_note(
+            "`opt_state` is not the state `tx.init` builds (a `tx` replaced "
+            "without its state?): replace both, `state.replace(tx=new_tx, "
+            "opt_state=new_tx.init(state.params))`, or carry a wrapper's running "
+            "state over with mm.from_other_settings(state.opt_state, "
+            "new_tx.init(state.params))"
+        )
 
 
 def _warn_chained_around(tx: Any) -> None:

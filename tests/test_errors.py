@@ -547,7 +547,11 @@ def test_a_state_from_another_optimizer_or_settings_is_refused():
                 ValueError, match="built by a MaskedMultiSteps with other"
             ):
                 update(grads, other.init(params), params, count=3)
-    with pytest.raises(ValueError, match="built by a MaskedMultiSteps with other"):
+    with pytest.raises(
+        ValueError,
+        match=r"built by a MaskedMultiSteps with other.*to carry a running state "
+        r"over to new settings, `mm.from_other_settings\(state, tx.init\(params\)\)`",
+    ):
         with_stats.update(grads, tx.init(params), params, count=3)
 
 
@@ -567,7 +571,11 @@ def test_a_state_with_other_dtypes_or_skip_function_is_refused(jit):
     bf16, ints = wrapper(accumulator_dtype=jnp.bfloat16), wrapper(count_dtype=jnp.int32)
     refused(wrapper(), bf16, r"accumulates \['w'\] in bfloat16.*at least float32")
     refused(bf16, wrapper(), r"accumulates \['w'\] in float32.*is bfloat16")
-    refused(ints, wrapper(), "counts tokens in float32.*count_dtype is int32")
+    refused(
+        ints,
+        wrapper(),
+        "counts tokens in float32.*count_dtype is int32.*mm.from_other_settings",
+    )
     refused(wrapper(), ints, "counts tokens in int32.*count_dtype is float32")
     skips = wrapper(should_skip_update_fn=optax.skip_not_finite)
     refused(skips, wrapper(), "`state.skip_state` is not what `should_skip_update_fn`")

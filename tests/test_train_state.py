@@ -316,3 +316,20 @@ def test_positional_or_missing_gradients_say_how_to_call():
         state.apply_gradients(jax.tree.map(jnp.ones_like, state.params), 3)
     with pytest.raises(TypeError, match=r"needs the microbatch's gradients"):
         state.apply_gradients(count=3)
+
+
+def test_a_tx_replaced_without_its_state_is_named():
+    # optax's own "The number of updates and states has to be the same in
+    # chain!" said nothing of the state left over from the old `tx`.
+    state = mm.TrainState.create(
+        apply_fn=None,
+        params={"w": jnp.zeros(2)},
+        tx=mm.MaskedMultiSteps(optax.sgd(1.0), 2),
+    )
+    state = state.replace(tx=optax.sgd(0.1))
+    with pytest.raises(ValueError) as info:
+        state.apply_gradients(grads={"w": jnp.ones(2)}, count=2)
+    assert any(
+        "`opt_state` is not the state `tx.init` builds" in note
+        for note in getattr(info.value, "__notes__", [])
+    )
