@@ -27,5 +27,9 @@ else
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi -L || true
 "$python" -c 'import jax, optax, masked_multistep as mm; print("jax", jax.__version__, jax.devices(), "optax", optax.__version__, "masked_multistep", mm.__version__)'
-timeout 300 "$python" benchmarks/bench.py "${reference[@]}" --out "$out/gpu_reference.json" 2>&1 | tee "$out/gpu_reference.log"
-timeout 240 "$python" benchmarks/bench.py "${table[@]}" --out "$out/gpu_table.json" 2>&1 | tee "$out/gpu_table.log"
+# Each run may fail or time out on its own: the other still runs, and the
+# script's status says whether both succeeded.
+status=0
+timeout 300 "$python" benchmarks/bench.py "${reference[@]}" --out "$out/gpu_reference.json" 2>&1 | tee "$out/gpu_reference.log" || status=$?
+timeout 240 "$python" benchmarks/bench.py "${table[@]}" --out "$out/gpu_table.json" 2>&1 | tee "$out/gpu_table.log" || status=$?
+exit "$status"
