@@ -277,6 +277,7 @@ class Runner:
         self.compile_s = time.perf_counter() - t0
         self.temp_bytes = int(self.compiled.memory_analysis().temp_size_in_bytes)
         self.reductions = reductions(self.compiled.as_text(), k)
+        self.faults: list[int] = []  # each window's page faults, as bench's
 
     # Seconds for one window: the same timing as the single-process benchmark.
     window = bench.Runner.window
