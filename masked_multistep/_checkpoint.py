@@ -284,6 +284,11 @@ def from_state_0_1(
             "`template` must be the concrete state `tx.init(params)`, got one with "
             "ShapeDtypeStruct leaves (the abstract form is for `state_0_1_target`)"
         )
+    if isinstance(restored, MaskedMultiStepsState):
+        raise TypeError(
+            "`restored` is already a MaskedMultiStepsState of this version: use "
+            "it as it is (no conversion needed)"
+        )
     if not isinstance(restored, Mapping) and hasattr(restored, "_asdict"):
         # The 0.1 state as a NamedTuple of its fields (flax.serialization
         # restores into the target's type).

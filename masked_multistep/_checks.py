@@ -387,6 +387,25 @@ def real_array(x: Any, what: str, *, scalar: bool = False) -> jax.Array:
 PARAM_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex)
 
 
+def refuse_state_as_params(params: Any, argument: str = "`params`") -> None:
+    """A ``TypeError`` where ``params`` is a training or optimizer state (a
+    flax ``TrainState``, an ``nnx.Optimizer``, an optimizer's state) rather
+    than the model's parameters, saying what to pass instead: their leaves are
+    arrays too, and the error that follows would be about something else."""
+    name = type(params).__name__
+    if hasattr(params, "opt_state") and hasattr(params, "params"):
+        fix = "its `.params`"  # a flax TrainState
+    elif hasattr(params, "opt_state") and hasattr(params, "wrt"):  # nnx.Optimizer
+        fix = "nnx.state(model, nnx.Param), or the model itself where a module goes"
+    elif hasattr(params, "inner_opt_state") and hasattr(params, "acc_grads"):
+        fix = "the model's parameters (this is the wrapper's state)"
+    else:
+        return
+    raise TypeError(
+        f"{argument} must be the model's parameters, got {name}: pass {fix}"
+    )
+
+
 def check_param_leaves(params: Any, wanted: str = "arrays (or Python numbers)") -> None:
     """Refuses a params leaf that is not an array or a Python number (the
     error says the params must hold ``wanted``): the accumulator's dtype comes
@@ -640,17 +659,47 @@ def check_takes_one(fn: Callable[..., Any], what: str, argument: str) -> None:
     """A ``TypeError`` naming ``what`` if ``fn`` cannot be called with one
     positional argument (``argument``, what it will get); callables whose
     signature Python cannot read pass unchecked."""
+    check_takes(fn, what, "one argument", 1, argument)
+
+
+def check_takes(
+    fn: Callable[..., Any],
+    what: str,
+    count: str,
+    n: int,
+    arguments: str,
+    hint: str = "",
+) -> None:
+    """A ``TypeError`` naming ``what`` if ``fn`` cannot be called with ``n``
+    positional arguments (``count`` in words, ``arguments`` what they are;
+    ``hint`` follows the message); callables whose signature Python cannot
+    read pass unchecked."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return
     try:
-        signature.bind(None)
+        signature.bind(*[None] * n)
     except TypeError:
+        if "rng" in signature.parameters:
+            # `loss_fn(params, microbatch, *, rng)`: called with a key.
+            try:
+                signature.bind(*[None] * n, rng=None)
+                return
+            except TypeError:
+                pass
         name = getattr(fn, "__name__", type(fn).__name__)
+        # Its parameters without their annotations (optax's are long).
+        bare = signature.replace(
+            parameters=[
+                q.replace(annotation=inspect.Parameter.empty)
+                for q in signature.parameters.values()
+            ],
+            return_annotation=inspect.Signature.empty,
+        )
         raise TypeError(
-            f"{what} must be a callable of one argument ({argument}), got "
-            f"{name}{signature}"
+            f"{what} must be a callable of {count} ({arguments}), got "
+            f"{name}{bare}{hint}"
         ) from None
 
 

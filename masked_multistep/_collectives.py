@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from masked_multistep._checks import count_weight
+from masked_multistep._checks import PARAM_LEAF_TYPES, count_weight
 from masked_multistep._running_mean import compute_dtype, safe_fraction
 
 __all__ = ["weighted_mean_across", "weighted_sum_across"]
@@ -126,6 +126,12 @@ def weighted_mean_across(
     count = count_weight(count, "`count` (this shard's token count)")
     names = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(leaf, PARAM_LEAF_TYPES):  # a string is read as a dtype
+            raise TypeError(
+                "`tree` leaves must be floating arrays, got "
+                f"{type(leaf).__name__} {leaf!r:.40} at "
+                f"tree{jax.tree_util.keystr(path)}"
+            )
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
             raise TypeError(
                 "`tree` leaves must be floating (or complex), got dtype "

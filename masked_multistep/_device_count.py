@@ -642,6 +642,12 @@ def from_device_count(restored: Any, template: Any) -> Any:
             "from_device_count reads the restored token counts to check them, so "
             "it must be called eagerly (outside jit), once, after restoring"
         )
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(restored)):
+        raise TypeError(
+            "`restored` holds jax.ShapeDtypeStructs, a restore target: restore "
+            "the checkpoint against it (`checkpointer.restore(path, target)`), "
+            "then pass what the restore returns"
+        )
     at = _state_path(template, "template")
     if _state_path(restored, "restored") != at:
         raise ValueError(

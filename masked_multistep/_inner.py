@@ -281,6 +281,10 @@ def window_shapes(
     if known is not None:
         return known
     operands = (jax.eval_shape(mean_of, window), inner_state, params, dynamic_args)
+    # A state of another inner optimizer's structure is refused before its
+    # update runs: one whose update ignores the state's surplus (plain sgd
+    # given momentum sgd's) would take it silently.
+    explain_other_state(opt, inner_state, operands[0])
 
     def shapes(with_value: bool) -> Any:
         update = inner_update(
@@ -302,13 +306,13 @@ def explain_other_state(
     opt: optax.GradientTransformation,
     inner_state: Any,
     params_like: Any,
-    err: Exception,
+    err: Exception | None = None,
 ) -> None:
     """Where ``inner_state`` is not of the structure ``opt.init`` builds (a
     state from a wrapper around another inner optimizer), a ``ValueError``
-    that says so, from ``err`` (the failure it made inside the optimizer).
-    ``params_like`` stands in for the params (their structure and shapes:
-    the window's mean, abstract)."""
+    that says so, from ``err`` (the failure it made inside the optimizer, if
+    any). ``params_like`` stands in for the params (their structure and
+    shapes: the window's mean, abstract)."""
     try:
         want = jax.tree.structure(jax.eval_shape(opt.init, params_like))
     except Exception:  # noqa: BLE001 -- the original error stands

@@ -85,6 +85,11 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
                 ": it holds an optax.MultiStepsState; convert it with "
                 "`mm.from_optax_multisteps(state, tx, params, acc_count=...)`"
             )
+        elif isinstance(opt_state, optax.GradientTransformation):
+            hint = (
+                ": that is the optimizer, not its state; pass the state its "
+                "`init` and `update` return (`opt_state`)"
+            )
         elif has_field_named(opt_state, "acc_grads"):
             hint = (
                 ": it holds the state's fields by name only, as a checkpoint "

@@ -36,6 +36,7 @@ from masked_multistep._checks import (
     check_flag,
     check_microbatches,
     check_param_leaves,
+    check_takes,
     count_weight,
     refuse_unknown_keywords,
 )
@@ -958,6 +959,7 @@ def _check_args(
             f"`loss_fn` must be callable, got {loss_fn!r} of type "
             f"{type(loss_fn).__name__}"
         )
+    check_takes(loss_fn, "`loss_fn`", "two arguments", 2, "params, microbatch")
     k = check_microbatches(num_microbatches, "`num_microbatches`")
     has_aux = check_flag(has_aux, "`has_aux`")
     with_stats = check_flag(with_stats, "`with_stats`")

@@ -222,7 +222,12 @@ def from_optax_multisteps(
     """
     if not isinstance(state, optax.MultiStepsState):
         hint = nested_hint(state, optax.MultiStepsState, "that element")
-        if not hint and has_field_named(state, "acc_grads"):
+        if isinstance(state, MaskedMultiStepsState):
+            hint = (
+                ": it is already this library's state, no conversion needed "
+                "(to change its settings, mm.from_other_settings)"
+            )
+        elif not hint and has_field_named(state, "acc_grads"):
             hint = (
                 ": it holds the state's fields by name only, as a checkpoint "
                 "restored without a target gives them; restore it against the "

@@ -553,6 +553,16 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "`should_skip_update_fn` must be None or a function like "
                 f"optax.skip_not_finite, got {should_skip_update_fn!r}"
             )
+        if should_skip_update_fn is not None:
+            _checks.check_takes(
+                should_skip_update_fn,
+                "`should_skip_update_fn`",
+                "three arguments",
+                3,
+                "updates, gradient_step, params",
+                ": bind the others, e.g. functools.partial("
+                "optax.skip_large_updates, max_squared_norm=...)",
+            )
         if reduction is not None and not isinstance(reduction, Deferred):
             raise TypeError(
                 "`reduction` must be None or mm.deferred(mesh, axis_name), got "
@@ -676,6 +686,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         return optax.GradientTransformationExtraArgs(self.init, self.update)
 
     def _init(self, params: optax.Params) -> MaskedMultiStepsState:
+        _checks.refuse_state_as_params(params)
         _checks.check_param_leaves(params)
         gradient_step = jnp.zeros([], jnp.int32)
         if self._should_skip_update_fn is _no_skip:
@@ -877,6 +888,27 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 hint = (
                     ": `params` is the wrapper's state, so the two are swapped; "
                     "the order is (grads, state, params)"
+                )
+            elif hasattr(state, "opt_state") and hasattr(state, "params"):
+                hint = (
+                    ": a TrainState holds it in `.opt_state`; or call "
+                    "`train_state.apply_gradients(grads=grads, count=n)`"
+                )
+            elif hasattr(state, "opt_state") and hasattr(state, "wrt"):
+                hint = (
+                    ": an nnx.Optimizer runs the wrapper itself: call "
+                    "`optimizer.update(model, grads, count=n)`"
+                )
+            elif any(
+                isinstance(x, MaskedMultiStepsState)
+                for x in jax.tree.leaves(
+                    state, is_leaf=lambda x: isinstance(x, MaskedMultiStepsState)
+                )
+            ):
+                hint = (
+                    ": it holds this wrapper's state among others (an "
+                    "optax.chain's, say): call the update of the transformation "
+                    "that built it"
                 )
             elif has_field_named(state, "acc_grads"):
                 hint = (

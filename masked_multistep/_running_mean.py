@@ -33,6 +33,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, overload
 
 import jax
@@ -290,7 +291,9 @@ def running_mean_update(
         ``count`` with an integer ``total``, and a bfloat16 or float16 one,
         are a ``TypeError``).
         Zero leaves ``mean`` and ``total`` bit-identical, whatever ``value`` holds;
-        so does a weight that is negative, NaN or infinite, or that would take
+        so does an array weight that is negative, NaN or infinite (a Python or
+        numpy number such is a ``ValueError``, as is such a ``total``), or that
+        would take
         ``total`` past its dtype's range (an integer's maximum, a float's
         largest finite value; a Python or numpy integer that does not fit an
         integer ``total``'s dtype is a ``ValueError``), and so does any weight
@@ -340,6 +343,19 @@ def running_mean_update(
       Communications of the ACM 22(9), 1979.
     """
     with_sq_deviation = check_flag(with_sq_deviation, "`with_sq_deviation`")
+    for name, x in (("`total`", total), ("`count`", count)):
+        # A Python or numpy number is known here: negative or non-finite is a
+        # mistake, as `tx.update` says of its count (arrays stay total).
+        if isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(
+            x, bool
+        ):
+            # (A Python int is finite, however large: one beyond float64 is
+            # the documented no-op.)
+            if not (x >= 0 and (isinstance(x, (int, np.integer)) or math.isfinite(x))):
+                raise ValueError(
+                    f"{name} must be a finite number >= 0 (a sum of token "
+                    f"counts), got {x!r}"
+                )
     total = real_array(_host_total(total), "`total`", scalar=True)
     count = real_array(_host_count(count, total.dtype), "`count`", scalar=True)
     refuse_narrow_float(total.dtype, "`total`")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_multistep._checks import check_real, refuse_narrow_float
+from masked_multistep._checks import check_real, check_takes_one, refuse_narrow_float
 
 __all__ = ["tokens_schedule"]
 
@@ -64,6 +64,7 @@ def tokens_schedule(
     """
     if not callable(schedule):
         raise TypeError(f"`schedule` must be callable, got {schedule!r}")
+    check_takes_one(schedule, "`schedule`", "the tokens seen")
     dtype = getattr(tokens_per_step, "dtype", None)
     if dtype is not None:  # jnp.bfloat16(3001) is already 3008
         refuse_narrow_float(dtype, "`tokens_per_step`")

@@ -227,10 +227,16 @@ def token_total(tokens: Any, what: str) -> TokenTotal:
     """A concrete count of tokens (a whole number in ``[0, 2**48]``: a Python
     or numpy integer, or a whole float) as an exact :class:`TokenTotal`.
 
+    A :class:`TokenTotal` (one read from a state) is taken by its value.
+
     Examples:
       >>> print(int(token_total(2**40 + 3, "`tokens_seen`")))
       1099511627779
     """
+    if isinstance(tokens, TokenTotal):
+        # Read from a state (`mm.window_stats(state).tokens_seen`): as exact
+        # as it is, checked as any other count below.
+        tokens = tokens.value()
     if isinstance(tokens, bool) or not isinstance(
         tokens, (numbers.Real, np.ndarray, np.generic, jax.Array)
     ):

@@ -24,6 +24,7 @@ from masked_multistep._checks import (
     first_three,
     in_series,
     instances_in,
+    refuse_state_as_params,
     to_count,
 )
 from masked_multistep._inspect import find_state
@@ -156,6 +157,7 @@ class TrainState(_flax_train_state.TrainState):
             raise TypeError(
                 "`params` must be the model's parameters (a pytree of arrays), got None"
             )
+        refuse_state_as_params(params)
         _refuse_unknown_fields(cls, "create", kwargs, [], "")
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         # `step` placed where `apply_gradients` returns it (replicated on the

@@ -45,6 +45,14 @@ __all__ = [
 
 def _schedule_value(x: Any, what: str) -> jax.Array:
     """A schedule's return value as an array; ``what`` names the schedule."""
+    if callable(x):
+        # `every_k_schedule=optax.constant_schedule`: the factory, called with
+        # the step, returns a schedule.
+        raise TypeError(
+            f"{what} returned a function ({getattr(x, '__name__', type(x).__name__)})"
+            ": was a schedule's factory passed (optax.constant_schedule) instead "
+            "of the schedule it builds? Call it: optax.constant_schedule(4)"
+        )
     try:
         if isinstance(x, (str, bytes)):  # jnp.asarray reads some as dtypes
             raise TypeError
@@ -980,6 +988,23 @@ def window_policy(
       True
     """
     policies = []
+    for keyword, given in [
+        ("every_k_schedule", every_k_schedule),
+        ("tokens_per_window", tokens_per_window),
+        ("norm_test", norm_test),
+    ]:
+        if given is token_budget or given is _norm_test:
+            # The factory itself, not a policy it builds: it would pass for a
+            # schedule of one argument and fail at the first update.
+            call = (
+                "tokens_per_window=mm.token_budget(4096)"
+                if given is token_budget
+                else "norm_test=mm.norm_test(0.5)"
+            )
+            raise TypeError(
+                f"`{keyword}` got the function mm.{given.__name__}: call it, e.g. "
+                f"`{call}`"
+            )
     if isinstance(every_k_schedule, WindowPolicy):
         # (`MaskedMultiSteps(opt, mm.token_budget(4096))`: the second
         # positional argument is the number of microbatches.)

@@ -852,6 +852,17 @@ def test_a_state_of_another_inner_optimizer_is_named(jit):
             ValueError, match="`state.inner_opt_state` was not built.*" + match
         ):
             update(grads, state, params, count=3)
+    # One whose update ignores the state's surplus took it silently: plain sgd
+    # given momentum sgd's state ran without its momentum, and returned a
+    # state that no longer matched its own `init`.
+    sgd = mm.MaskedMultiSteps(optax.sgd(0.1), 2)
+    momentum = mm.MaskedMultiSteps(optax.sgd(0.5, momentum=0.9), 2).init(params)
+    with pytest.raises(
+        ValueError,
+        match=r"`state.inner_opt_state` was not built.*it is \(TraceState, "
+        r"EmptyState\), .* builds \(EmptyState, EmptyState\)",
+    ):
+        (jax.jit(sgd.update) if jit else sgd.update)(grads, momentum, params, count=3)
 
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
@@ -939,3 +950,104 @@ def test_linen_variables_for_params_are_named():
         tx.update(inner, tx.init(variables), variables, count=1)
     with pytest.raises(ValueError, match=r"These are \{'params': \.\.\.\}.*pass the"):
         tx.update(variables, tx.init(inner), inner, count=1)
+
+
+def test_states_and_trainstates_where_params_or_a_state_go_are_named():
+    # Their leaves are arrays too: the errors that followed spoke of nested
+    # accumulators, or of fields restored by name.
+    from flax import nnx
+
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    params, grads = {"w": jnp.zeros(2)}, {"w": jnp.ones(2)}
+    train_state = mm.TrainState.create(apply_fn=None, params=params, tx=tx)
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    for wrong, fix in [
+        (train_state, r"got TrainState: pass its `.params`"),
+        (tx.init(params), r"got MaskedMultiStepsState: pass the model's parameters"),
+        (optimizer, r"got Optimizer: pass nnx.state\(model, nnx.Param\)"),
+    ]:
+        with pytest.raises(TypeError, match=r"^`params` must be the model's .*" + fix):
+            tx.init(wrong)
+    with pytest.raises(TypeError, match=r"got TrainState: pass its `.params`"):
+        mm.TrainState.create(apply_fn=None, params=train_state, tx=tx)
+    for wrong, hint in [
+        (train_state, r"a TrainState holds it in `.opt_state`"),
+        (optimizer, r"call `optimizer.update\(model, grads, count=n\)`"),
+        (optax.chain(optax.clip(1.0), tx).init(params), r"among others"),
+    ]:
+        with pytest.raises(TypeError, match=r"^`state` must be .*" + hint):
+            tx.update(grads, wrong, params, count=1)
+    for read in (mm.window_stats, mm.has_updated):
+        with pytest.raises(ValueError, match=r"that is the optimizer, not its state"):
+            read(tx)
+
+
+def test_conversions_of_a_state_that_needs_none_say_so():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, window_stats=True)
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    with pytest.raises(TypeError, match=r"already this library's state, no conv"):
+        mm.from_optax_multisteps(state, tx, params)
+    with pytest.raises(TypeError, match=r"already a MaskedMultiStepsState of this"):
+        mm.from_state_0_1(state, state)
+    # A restore target where the restored state goes.
+    with pytest.raises(TypeError, match=r"holds jax.ShapeDtypeStructs, a restore t"):
+        mm.from_device_count(jax.eval_shape(lambda: state), state)
+    # The tokens seen read from a state are taken as they are.
+    seen = mm.window_stats(state).tokens_seen
+    moved = mm.from_other_settings(state, state, tokens_seen=seen)
+    assert int(mm.window_stats(moved).tokens_seen) == 0
+
+
+def test_factories_and_callables_of_the_wrong_arity_are_named_when_built():
+    import functools
+
+    with pytest.raises(TypeError, match=r"got the function mm.token_budget: call it"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=mm.token_budget)
+    with pytest.raises(TypeError, match=r"got the function mm.norm_test: call it"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 4, norm_test=mm.norm_test)
+    with pytest.raises(
+        TypeError,
+        match=r"`should_skip_update_fn` must be a callable of three arguments .*"
+        r"got skip_large_updates\(updates, gradient_step, params, max_squared_norm\)"
+        r": bind the others",
+    ):
+        mm.MaskedMultiSteps(
+            optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_large_updates
+        )
+    mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        2,
+        should_skip_update_fn=functools.partial(
+            optax.skip_large_updates, max_squared_norm=1.0
+        ),
+    )
+    with pytest.raises(TypeError, match=r"`schedule` must be a callable of one arg"):
+        mm.tokens_schedule(optax.linear_schedule, 100)
+    with pytest.raises(TypeError, match=r"`loss_fn` must be a callable of two arg"):
+        mm.microbatched_value_and_grad(lambda params: params, 2)
+    # A schedule's factory passed as the schedule: it returns a function.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), optax.constant_schedule)
+    params = {"w": jnp.zeros(2)}
+    with pytest.raises(TypeError, match=r"returned a function .*factory"):
+        tx.update(params, tx.init(params), params, count=1)
+
+
+def test_host_numbers_that_are_no_weights_are_refused_by_the_running_mean():
+    mean, value = jnp.zeros(2), jnp.ones(2)
+    for total, count in [(1.0, -1.0), (1.0, float("nan")), (-1, 1), (1, np.inf)]:
+        with pytest.raises(ValueError, match=r"must be a finite number >= 0"):
+            mm.running_mean_update(mean, total, value, count)
+    # Arrays stay total: the documented no-op.
+    out, total = mm.running_mean_update(mean, jnp.float32(1), value, jnp.float32(-1))
+    assert float(total) == 1.0 and not np.any(np.asarray(out))
+
+
+def test_a_string_leaf_in_weighted_mean_across_is_named():
+    with pytest.raises(
+        TypeError, match=r"`tree` leaves must be floating arrays, got str"
+    ):
+        jax.vmap(lambda n: mm.weighted_mean_across({"a": "x"}, n, "d"), axis_name="d")(
+            jnp.ones(2)
+        )
