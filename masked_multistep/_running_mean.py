@@ -343,7 +343,10 @@ def running_mean_update(
       Communications of the ACM 22(9), 1979.
     """
     with_sq_deviation = check_flag(with_sq_deviation, "`with_sq_deviation`")
-    for name, x in (("`total`", total), ("`count`", count)):
+    for name, x, what in (
+        ("`total`", total, "a sum of weights"),
+        ("`count`", count, "a weight"),
+    ):
         # A Python or numpy number is known here: negative or non-finite is a
         # mistake, as `tx.update` says of its count (arrays stay total).
         if isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(
@@ -353,8 +356,7 @@ def running_mean_update(
             # the documented no-op.)
             if not (x >= 0 and (isinstance(x, (int, np.integer)) or math.isfinite(x))):
                 raise ValueError(
-                    f"{name} must be a finite number >= 0 (a sum of token "
-                    f"counts), got {x!r}"
+                    f"{name} must be a finite number >= 0 ({what}), got {x!r}"
                 )
     total = real_array(_host_total(total), "`total`", scalar=True)
     count = real_array(_host_count(count, total.dtype), "`count`", scalar=True)
