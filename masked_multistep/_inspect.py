@@ -366,7 +366,14 @@ def _labels_by_path(labels: Any, tree: Any) -> list[str]:
         found.append(label)
     problem = ""
     unused = [q for q in given if q not in places]
-    if unmatched:
+    deeper = [q for q in given if unmatched and q[: len(unmatched[0])] == unmatched[0]]
+    if deeper:
+        # `{"w": ["a"]}` for a leaf `w`: a container where one label belongs.
+        problem = (
+            f"the labels for the params' leaf at {_spelt(unmatched[0])} are "
+            f"nested ({_spelt(deeper[0])}): give that leaf one str label"
+        )
+    elif unmatched:
         problem = (
             f"no label for the params' leaf at {_spelt(unmatched[0])} (a None "
             "label is no label)"

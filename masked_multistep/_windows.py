@@ -597,6 +597,12 @@ def _token_budget(
                 )
             )
     else:
+        if isinstance(budget, (int, float, np.number)) and np.isposinf(budget):
+            raise ValueError(
+                f"{what} must be finite and > 0, got inf: for windows with no "
+                "token limit, give every_k_schedule alone (a budget schedule may "
+                "return inf for some steps)"
+            )
         fixed_budget = constant = _token_number(budget, what)
         budget_of = lambda _, s: constant  # noqa: E731
 

@@ -302,6 +302,12 @@ def test_errors_name_the_argument_and_what_was_received():
         mm.window_stats(state, groups={"enc": "e"})
     with pytest.raises(TypeError, match="labels must be str, got 3 of type int"):
         mm.window_stats(state, groups={"enc": 3, "dec": "d"})
+    # A list where a leaf's one label belongs (it said the leaf had none).
+    with pytest.raises(
+        ValueError,
+        match=r"the labels for the params' leaf at \['dec'\]\['w'\] are nested",
+    ):
+        mm.window_stats(state, groups={"enc": "e", "dec": {"w": ["d"]}})
     with pytest.raises(TypeError, match="`per_leaf`"):
         mm.window_stats(state, per_leaf=1)
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)

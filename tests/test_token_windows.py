@@ -411,7 +411,11 @@ def test_at_least_one_window_rule_is_required():
 def test_bad_window_arguments():
     with pytest.raises(ValueError, match="`tokens_per_window` must be finite and > 0"):
         mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=0)
-    with pytest.raises(ValueError, match="`tokens_per_window` must be finite"):
+    with pytest.raises(
+        ValueError,
+        match="`tokens_per_window` must be finite.*got inf: for windows with no "
+        "token limit, give every_k_schedule alone",
+    ):
         mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=float("inf"))
     with pytest.raises(TypeError, match="`tokens_per_window` must be a real number"):
         mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window="4096")
