@@ -597,7 +597,7 @@ def _token_budget(
                 )
             )
     else:
-        if isinstance(budget, (int, float, np.number)) and np.isposinf(budget):
+        if isinstance(budget, (float, np.floating)) and budget == math.inf:
             raise ValueError(
                 f"{what} must be finite and > 0, got inf: for windows with no "
                 "token limit, give every_k_schedule alone (a budget schedule may "
