@@ -387,15 +387,28 @@ def real_array(x: Any, what: str, *, scalar: bool = False) -> jax.Array:
 PARAM_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex)
 
 
+def training_state_kind(x: Any) -> str | None:
+    """``"train_state"`` for a flax ``TrainState`` (it has ``params`` and
+    ``opt_state``), ``"nnx_optimizer"`` for an ``nnx.Optimizer`` (``opt_state``
+    and ``wrt``), else None: what holds an optimizer state where the params,
+    or the state itself, belong."""
+    if hasattr(x, "opt_state") and hasattr(x, "params"):
+        return "train_state"
+    if hasattr(x, "opt_state") and hasattr(x, "wrt"):
+        return "nnx_optimizer"
+    return None
+
+
 def refuse_state_as_params(params: Any, argument: str = "`params`") -> None:
     """A ``TypeError`` where ``params`` is a training or optimizer state (a
     flax ``TrainState``, an ``nnx.Optimizer``, an optimizer's state) rather
     than the model's parameters, saying what to pass instead: their leaves are
     arrays too, and the error that follows would be about something else."""
     name = type(params).__name__
-    if hasattr(params, "opt_state") and hasattr(params, "params"):
-        fix = "its `.params`"  # a flax TrainState
-    elif hasattr(params, "opt_state") and hasattr(params, "wrt"):  # nnx.Optimizer
+    kind = training_state_kind(params)
+    if kind == "train_state":
+        fix = "its `.params`"
+    elif kind == "nnx_optimizer":
         fix = "nnx.state(model, nnx.Param), or the model itself where a module goes"
     elif hasattr(params, "inner_opt_state") and hasattr(params, "acc_grads"):
         fix = "the model's parameters (this is the wrapper's state)"

@@ -10,7 +10,7 @@ dtypes ``init`` gave it).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -72,11 +72,7 @@ def describe(opt: Any, depth: int = 4) -> str:
         inner = describe(wrapper._opt, depth - 1) if wrapper and depth else "..."
         return f"MaskedMultiSteps({inner})"
     parts: list[str] = []
-    for cell in (getattr(update, "__closure__", None) or ()) if depth else ():
-        try:
-            held = cell.cell_contents
-        except ValueError:  # a cell not yet filled
-            continue
+    for held in _closed_over(update) if depth else ():
         if isinstance(held, optax.GradientTransformation):
             if name == "with_extra_args_support":  # optax's adapter, not a step
                 return describe(held, depth)
@@ -102,16 +98,18 @@ _HARMLESS_BEFORE = frozenset({"identity", "scale", "zero_nans"})
 _HARMLESS_AFTER = frozenset({"identity", "scale"})
 
 
-def _held(fn: Any, wanted: Callable[[Any], bool]) -> Any:
-    """The first value in ``fn``'s closure for which ``wanted`` holds, or None."""
+def _closed_over(fn: Any) -> Iterator[Any]:
+    """The values in ``fn``'s closure (none for a function without one)."""
     for cell in getattr(fn, "__closure__", None) or ():
         try:
-            held = cell.cell_contents
+            yield cell.cell_contents
         except ValueError:  # a cell not yet filled
             continue
-        if wanted(held):
-            return held
-    return None
+
+
+def _held(fn: Any, wanted: Callable[[Any], bool]) -> Any:
+    """The first value in ``fn``'s closure for which ``wanted`` holds, or None."""
+    return next((held for held in _closed_over(fn) if wanted(held)), None)
 
 
 def _chain_members(opt: Any) -> list[Any]:
@@ -302,6 +300,17 @@ def window_shapes(
     return needs_value, updates
 
 
+def init_structure(opt: Any, params_like: Any) -> Any:
+    """The tree structure of the state ``opt.init`` builds for params like
+    ``params_like`` (by abstract evaluation), or None where ``init`` cannot
+    run on them (a check made with it is then skipped: the error at hand, if
+    any, stands)."""
+    try:
+        return jax.tree.structure(jax.eval_shape(opt.init, params_like))
+    except Exception:  # noqa: BLE001 -- no structure to compare with
+        return None
+
+
 def explain_other_state(
     opt: optax.GradientTransformation,
     inner_state: Any,
@@ -313,12 +322,9 @@ def explain_other_state(
     that says so, from ``err`` (the failure it made inside the optimizer, if
     any). ``params_like`` stands in for the params (their structure and
     shapes: the window's mean, abstract)."""
-    try:
-        want = jax.tree.structure(jax.eval_shape(opt.init, params_like))
-    except Exception:  # noqa: BLE001 -- the original error stands
-        return
+    want = init_structure(opt, params_like)
     got = jax.tree.structure(inner_state)
-    if got != want:
+    if want is not None and got != want:
         is_, built = (
             _outline(inner_state),
             _outline(want.unflatten([0] * want.num_leaves)),

@@ -14,12 +14,12 @@ from masked_multistep._multisteps import (
     states_in,
 )
 from masked_multistep._stats import (
-    PER_GROUP,
     LeafSums,
     WindowStats,
     WindowStatsState,
     read_leaf_stats,
     read_window_stats,
+    with_groups,
 )
 
 __all__ = ["find_state", "window_stats", "has_updated"]
@@ -248,16 +248,11 @@ def window_stats(
     leaves, treedef = jax.tree.flatten(state.acc_grads)
     if per_leaf:
         read = read_leaf_stats(stats, tuple(range(len(leaves))))
-        return _with_groups(read, lambda x: jax.tree.unflatten(treedef, list(x)))
+        return with_groups(read, lambda x: jax.tree.unflatten(treedef, list(x)))
     labels = leaf_labels(groups, params_like(state))
     names = sorted(set(labels))
     read = read_leaf_stats(stats, tuple(names.index(label) for label in labels))
-    return _with_groups(read, lambda x: dict(zip(names, x, strict=True)))
-
-
-def _with_groups(stats: WindowStats[Any], arrange: Any) -> WindowStats[Any]:
-    """``stats`` with each per-group vector arranged by ``arrange``."""
-    return stats._replace(**{name: arrange(getattr(stats, name)) for name in PER_GROUP})
+    return with_groups(read, lambda x: dict(zip(names, x, strict=True)))
 
 
 def has_deferred_reduction(state: MaskedMultiStepsState) -> bool:

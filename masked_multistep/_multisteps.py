@@ -889,22 +889,17 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                     ": `params` is the wrapper's state, so the two are swapped; "
                     "the order is (grads, state, params)"
                 )
-            elif hasattr(state, "opt_state") and hasattr(state, "params"):
+            elif _checks.training_state_kind(state) == "train_state":
                 hint = (
                     ": a TrainState holds it in `.opt_state`; or call "
                     "`train_state.apply_gradients(grads=grads, count=n)`"
                 )
-            elif hasattr(state, "opt_state") and hasattr(state, "wrt"):
+            elif _checks.training_state_kind(state) == "nnx_optimizer":
                 hint = (
                     ": an nnx.Optimizer runs the wrapper itself: call "
                     "`optimizer.update(model, grads, count=n)`"
                 )
-            elif any(
-                isinstance(x, MaskedMultiStepsState)
-                for x in jax.tree.leaves(
-                    state, is_leaf=lambda x: isinstance(x, MaskedMultiStepsState)
-                )
-            ):
+            elif states_in(state, MaskedMultiStepsState):
                 hint = (
                     ": it holds this wrapper's state among others (an "
                     "optax.chain's, say): call the update of the transformation "

@@ -152,6 +152,7 @@ __all__ = [
     "tree_sq_norm",
     "window_so_far",
     "with_window_stats",
+    "with_groups",
 ]
 
 _F32 = jnp.float32
@@ -215,6 +216,13 @@ PER_GROUP = (
     "noise_scale",
     "smoothed_noise_scale",
 )
+
+
+def with_groups(stats: WindowStats[Any], arrange: Any) -> WindowStats[Any]:
+    """``stats`` (a read of the leaves' shares) with each :data:`PER_GROUP`
+    vector arranged by ``arrange`` (into a tree like the params, a ``dict``
+    by label)."""
+    return stats._replace(**{name: arrange(getattr(stats, name)) for name in PER_GROUP})
 
 
 class LastWindow(NamedTuple):
@@ -1216,12 +1224,7 @@ def one_window_stats(
         return read_window_stats(state)
     leaves, treedef = jax.tree.flatten(mean)
     read = _read_leaves(state, tuple(range(len(leaves))))
-    return read._replace(
-        **{
-            name: jax.tree.unflatten(treedef, list(getattr(read, name)))
-            for name in PER_GROUP
-        }
-    )
+    return with_groups(read, lambda x: jax.tree.unflatten(treedef, list(x)))
 
 
 def materialized_on_gpu(tree: Any) -> Any:

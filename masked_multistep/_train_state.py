@@ -401,11 +401,8 @@ class TrainState(_flax_train_state.TrainState):
 def _note_other_state(err: Exception, tx: Any, opt_state: Any, params: Any) -> None:
     """Adds a note to ``err`` (raised by ``tx.update``) where ``opt_state`` is
     not the state ``tx.init`` builds: a ``tx`` replaced without its state."""
-    try:
-        expected = jax.tree.structure(jax.eval_shape(tx.init, params))
-    except Exception:  # noqa: BLE001 - the original error is the one to raise
-        return
-    if expected != jax.tree.structure(opt_state):
+    expected = _inner.init_structure(tx, params)
+    if expected is not None and expected != jax.tree.structure(opt_state):
         err.add_note(
             "`opt_state` is not the state `tx.init` builds (a `tx` replaced "
             "without its state?): replace both, `state.replace(tx=new_tx, "
