@@ -18,7 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_multistep import _by_name, _stats, _token_total
-from masked_multistep._checks import check_count_dtype, nested_hint, to_count, traced
+from masked_multistep._checks import (
+    check_count_dtype,
+    holds_abstract,
+    nested_hint,
+    to_count,
+    traced,
+)
 from masked_multistep._multisteps import MaskedMultiStepsState
 from masked_multistep._reduction import placed_like
 
@@ -279,7 +285,7 @@ def from_state_0_1(
         )
         return _by_name.named(state, template)
     _check_template(template)
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(template)):
+    if holds_abstract(template):
         raise TypeError(
             "`template` must be the concrete state `tx.init(params)`, got one with "
             "ShapeDtypeStruct leaves (the abstract form is for `state_0_1_target`)"

@@ -387,6 +387,12 @@ def real_array(x: Any, what: str, *, scalar: bool = False) -> jax.Array:
 PARAM_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex)
 
 
+def holds_abstract(tree: Any) -> bool:
+    """Whether ``tree`` holds ``jax.ShapeDtypeStruct`` leaves: a restore target,
+    not the values a restore returns."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
 def training_state_kind(x: Any) -> str | None:
     """``"train_state"`` for a flax ``TrainState`` (it has ``params`` and
     ``opt_state``), ``"nnx_optimizer"`` for an ``nnx.Optimizer`` (``opt_state``
