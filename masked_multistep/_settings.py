@@ -14,7 +14,7 @@ from masked_multistep._checkpoint import (
     like_template,
     same_layout,
 )
-from masked_multistep._checks import traced
+from masked_multistep._checks import holds_abstract, traced
 from masked_multistep._inspect import find_state, has_deferred_reduction
 from masked_multistep._reduction import placed_like
 from masked_multistep._token_total import TokenTotal, token_total, with_tokens_seen
@@ -72,8 +72,9 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
       A state of ``template``'s layout, placement and dtypes.
 
     Raises:
-      TypeError: if ``template`` is not a ``MaskedMultiStepsState``, or the
-        call is traced by ``jit`` (the counts are read and checked).
+      TypeError: if ``template`` is not a ``MaskedMultiStepsState``, if
+        either holds ``jax.ShapeDtypeStruct`` leaves, or if the call is traced
+        by ``jit`` (the counts are read and checked).
       ValueError: if ``state`` holds no wrapper state (or several); if either
         has ``reduction=mm.deferred(...)`` (move the window onto one device
         first with :func:`from_device_count`); if the inner optimizer's state
@@ -112,7 +113,19 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         )
         return _by_name.named(converted, template)
     _check_template(template)
+    if holds_abstract(template):
+        raise TypeError(
+            "`template` must be the concrete state `tx.init(params)` of the "
+            "wrapper that continues, got one with ShapeDtypeStruct leaves "
+            "(`jax.eval_shape`): what `state` does not carry is taken from it"
+        )
     old = _by_name.bare(state) if _by_name.is_named(state) else find_state(state)
+    if holds_abstract(old):
+        raise TypeError(
+            "`state` holds jax.ShapeDtypeStructs, a restore target: restore the "
+            "checkpoint against it (`checkpointer.restore(path, target)`), then "
+            "pass what the restore returns"
+        )
     if traced((old, template)):
         raise TypeError(
             "from_other_settings reads the state's counts to check them, so it "

@@ -129,6 +129,16 @@ def test_what_cannot_carry_over_is_named():
         mm.from_other_settings(state, tx)
     with pytest.raises(TypeError, match=r"must be called eagerly"):
         jax.jit(lambda s: mm.from_other_settings(s, tx.init(PARAMS)))(state)
+    # Abstract trees: a template from jax.eval_shape gave a state with
+    # ShapeDtypeStruct leaves where the running state had none to carry (a
+    # budget's tokens seen), a restore target as the state a dtype error.
+    budget = mm.MaskedMultiSteps(
+        optax.sgd(0.1), tokens_per_window=mm.token_budget(lambda seen: 10)
+    )
+    with pytest.raises(TypeError, match=r"`template` must be the concrete state"):
+        mm.from_other_settings(state, jax.eval_shape(budget.init, PARAMS))
+    with pytest.raises(TypeError, match=r"`state` holds jax\.ShapeDtypeStructs"):
+        mm.from_other_settings(jax.eval_shape(tx.init, PARAMS), budget.init(PARAMS))
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     deferred = mm.MaskedMultiSteps(optax.sgd(0.1), 2, reduction=mm.deferred(mesh))
     with pytest.raises(ValueError, match=r"`state` has reduction=mm\.deferred.*"):
