@@ -256,10 +256,10 @@ def window_shapes(
     *,
     has_value: bool,
     with_grad: bool,
-) -> tuple[bool, Any]:
-    """Whether ``opt`` needs ``value=``, and the shapes of the updates it
-    returns at the window's end, on the window's mean ``mean_of(window)``
-    (all by abstract evaluation).
+) -> tuple[bool, bool, Any]:
+    """Whether ``opt`` needs ``value=``, whether it gets one, and the shapes
+    of the updates it returns at the window's end, on the window's mean
+    ``mean_of(window)`` (all by abstract evaluation).
 
     Statically: an inner optimizer that runs without ``value=`` gets none
     unless this call passes one (a choice between the two at run time would
@@ -267,7 +267,8 @@ def window_shapes(
     one that needs it (reduce_on_plateau, polyak_sgd) gets the window's
     mean, and a window without one (no microbatch passed a value, or its
     mean is not finite) is held like a non-finite mean: a NaN loss would
-    make polyak_sgd's step NaN and every window a plateau.
+    make polyak_sgd's step NaN and every window a plateau. One whose update
+    refuses the keyword gets none, whatever this call passes.
 
     The answer depends on the arguments' abstract values only: an eager
     step (no part traced) remembers it in ``memo``, instead of tracing the
@@ -294,10 +295,22 @@ def window_shapes(
         updates, needs_value = shapes(with_value=False), False
     except TypeError:
         updates, needs_value = None, True
-    if has_value or needs_value:
+    passes_value = has_value or needs_value
+    if needs_value:
         updates = shapes(with_value=True)
-    memo.put(key, (needs_value, updates))
-    return needs_value, updates
+    elif has_value:
+        try:
+            updates = shapes(with_value=True)
+        except TypeError as err:
+            # An inner optimizer that refuses the keyword (optax.contrib.sam
+            # declares extra arguments and takes none) runs without it, as
+            # optax.with_extra_args_support runs one that declares none: the
+            # value stays the wrapper's own (the window's loss).
+            if "unexpected keyword argument 'value'" not in str(err):
+                raise
+            passes_value = False
+    memo.put(key, (needs_value, passes_value, updates))
+    return needs_value, passes_value, updates
 
 
 def init_structure(opt: Any, params_like: Any) -> Any:

@@ -442,7 +442,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         receives the window's mean also when the closing microbatch passes none;
         a window in which no microbatch passed one (a forgotten ``value=``), or
         whose mean is not finite, is held for such an optimizer like a
-        non-finite mean (counted in ``state.num_nonfinite_windows``).
+        non-finite mean (counted in ``state.num_nonfinite_windows``). One
+        whose update refuses the keyword (``optax.contrib.sam``) runs without
+        it; the wrapper keeps the mean for ``mm.window_stats``.
         ``grad=`` (a line search's gradient at the params), if passed, is
         replaced by the window's mean of the gradients this wrapper receives,
         what the inner optimizer gets as its updates (the window's gradient
@@ -1146,7 +1148,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             return self._reduction.mean(w.acc_grads, w.acc_count, w.reduction_state)
 
         try:
-            needs_value, updates_avals = _inner.window_shapes(
+            needs_value, passes_value, updates_avals = _inner.window_shapes(
                 self._opt,
                 self._eager_shapes,
                 mean_of,
@@ -1168,7 +1170,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             self._opt,
             grads,
             static_args,
-            with_value=value is not None or needs_value,
+            with_value=passes_value,
             with_grad=with_grad,
         )
         if needs_value and value is None:

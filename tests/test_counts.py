@@ -678,6 +678,35 @@ def test_inner_that_needs_value_warns_when_a_call_passes_none(inner, jit):
         update(_grads(1.0), state, PARAMS, count=jnp.int32(1), value=jnp.float32(1))
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_inner_that_refuses_value_runs_without_it_and_the_window_loss_is_kept(jit):
+    # optax.contrib.sam declares extra arguments but its update takes none:
+    # `value=` (for the window's loss) was a TypeError from inside sam.
+    def sam():
+        return optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=2)
+
+    with_value = mm.MaskedMultiSteps(sam(), 2, window_stats=True)
+    without = mm.MaskedMultiSteps(sam(), 2, window_stats=True)
+    update_v, update = _run(with_value, jit=jit), _run(without, jit=jit)
+    state_v, state = with_value.init(PARAMS), without.init(PARAMS)
+    calls = [(1.0, 1, 2.0), (3.0, 3, 6.0), (2.0, 2, 1.0), (5.0, 0, jnp.nan)] * 2
+    losses = []
+    for scale, n, value in calls:
+        grads, count = _grads(scale), jnp.int32(n)
+        u_v, state_v = update_v(
+            grads, state_v, PARAMS, count=count, value=jnp.float32(value)
+        )
+        u, state = update(grads, state, PARAMS, count=count)
+        assert_bit_identical(u_v, u)
+        if bool(mm.has_updated(state_v)):
+            losses.append(float(mm.window_stats(state_v).loss))
+    assert_bit_identical(state_v.inner_opt_state, state.inner_opt_state)
+    # The windows' token-weighted losses: (1·2 + 3·6) / 4, then 2 tokens of 1
+    # and an empty microbatch.
+    np.testing.assert_allclose(losses, [5.0, 1.0, 5.0, 1.0], rtol=1e-6)
+    assert np.isnan(float(mm.window_stats(state).loss))
+
+
 # Window schedules.
 
 
