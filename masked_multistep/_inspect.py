@@ -63,6 +63,13 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
       >>> int(mm.find_state(state).mini_step)
       0
     """
+    return unboxed(find_boxed(opt_state))
+
+
+def find_boxed(opt_state: Any) -> MaskedMultiStepsState:
+    """:func:`find_state` without unwrapping NNX variables: a reader of a
+    field or two unwraps those (unwrapping the whole state maps over every
+    parameter leaf, milliseconds per call for thousands of leaves)."""
     holder = opt_state
     if hasattr(opt_state, "opt_state"):
         # A TrainState or an NNX optimizer: the optax state is its `opt_state`
@@ -101,7 +108,7 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
             "`opt_state` must hold exactly one MaskedMultiStepsState, found "
             f"{len(found)} in a {type(holder).__name__}{hint}"
         )
-    return unboxed(found[0])
+    return found[0]
 
 
 def has_updated(opt_state: Any) -> jax.Array:
@@ -129,7 +136,7 @@ def has_updated(opt_state: Any) -> jax.Array:
       False
       True
     """
-    return jax.numpy.asarray(find_state(opt_state).updated)
+    return jax.numpy.asarray(unboxed(find_boxed(opt_state).updated))
 
 
 @overload
@@ -226,8 +233,8 @@ def window_stats(
       >>> print(mm.window_stats(state, groups="all").grad_var_trace["all"])
       24.0
     """
-    state = find_state(opt_state)
-    stats = state.stats
+    boxed = find_boxed(opt_state)
+    stats = unboxed(boxed.stats)
     if not isinstance(stats, WindowStatsState):
         raise ValueError(
             "This MaskedMultiSteps keeps no window statistics: construct it with "
@@ -245,6 +252,7 @@ def window_stats(
             "which this MaskedMultiSteps does not keep: construct it with "
             "`per_leaf_stats=True`."
         )
+    state = unboxed(boxed)
     leaves, treedef = jax.tree.flatten(state.acc_grads)
     if per_leaf:
         read = read_leaf_stats(stats, tuple(range(len(leaves))))

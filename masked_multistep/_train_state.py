@@ -27,7 +27,7 @@ from masked_multistep._checks import (
     refuse_state_as_params,
     to_count,
 )
-from masked_multistep._inspect import find_state
+from masked_multistep._inspect import find_boxed, unboxed
 from masked_multistep._multisteps import (
     MaskedMultiSteps,
     MaskedMultiStepsState,
@@ -376,7 +376,7 @@ class TrainState(_flax_train_state.TrainState):
           ValueError: if ``opt_state`` holds no :class:`MaskedMultiStepsState`,
             or more than one at the outermost level.
         """
-        return self._multisteps_state("gradient_step").gradient_step
+        return self._multisteps_field("gradient_step")
 
     @property
     def mini_step(self) -> jax.Array:
@@ -386,11 +386,11 @@ class TrainState(_flax_train_state.TrainState):
         Raises:
           ValueError: as :attr:`gradient_step`.
         """
-        return self._multisteps_state("mini_step").mini_step
+        return self._multisteps_field("mini_step")
 
-    def _multisteps_state(self, attribute: str) -> MaskedMultiStepsState:
+    def _multisteps_field(self, attribute: str) -> jax.Array:
         try:
-            return find_state(self)
+            return unboxed(getattr(find_boxed(self), attribute))
         except ValueError as err:
             raise ValueError(
                 f"TrainState.{attribute} reads the MaskedMultiSteps state in "
