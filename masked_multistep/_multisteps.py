@@ -279,7 +279,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
       every_k_schedule: microbatches per window: an int in ``[1, 2³¹ − 1]``, or a
         callable of ``gradient_step`` returning one (rounded, clipped to
         ``[1, 2³¹ − 1]``; a Python or numpy value that is NaN or rounds below
-        1 is a ``ValueError``, a traced NaN counts as 1). With
+        1 is a ``ValueError``, a jax array's NaN counts as 1). With
         ``tokens_per_window`` or ``norm_test``, the most microbatches a window
         may hold. At least one of ``every_k_schedule``, ``tokens_per_window``
         and ``norm_test`` is required.
@@ -287,8 +287,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         tokens seen in all completed windows (a float32 scalar) returning the
         budget, for a budget warmup; or :func:`token_budget` (a budget of the
         gradient step, ``by="gradient_step"``). A callable's value, if a
-        Python or numpy number, must not be NaN or negative; a traced one is
-        made total (NaN counts as 0, ``inf`` means no token limit).
+        Python or numpy number, must not be NaN or negative; a jax array
+        (traced, or concrete in an eager step) is made total (NaN counts as
+        0, ``inf`` means no token limit).
       norm_test: close a window once its mean gradient is precise enough by the
         norm test (Byrd et al. 2012): θ, or :func:`norm_test` with its minimum
         and maximum budgets. ``every_k_schedule`` and ``tokens_per_window`` are
@@ -400,9 +401,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         given, whichever comes first: its ``k``-th microbatch
         (``every_k_schedule``); the microbatch whose count brings the window's
         tokens ``Σ nᵢ`` (as ``acc_count`` holds them, in ``count_dtype``) to
-        ``tokens_per_window`` or past it (never a count-0
-        microbatch; the window may overshoot the budget by up to one
-        microbatch's tokens); the microbatch on which the norm test passes
+        ``tokens_per_window`` or past it (a count-0 microbatch only where the
+        window already holds its budget, as a state converted or restored
+        into a smaller budget does; the window may overshoot the budget by up
+        to one microbatch's tokens); the microbatch on which the norm test passes
         (``norm_test``, decided on the window statistics so far, which it
         keeps on). A window whose total cannot take a microbatch's count (an
         int32 ``count_dtype`` near 2³¹ − 1) is full and closes on that

@@ -72,7 +72,8 @@ def _sanitize_k(k: Any, what: str = "`every_k_schedule(step)`") -> jax.Array:
 
     A Python or numpy number (known whenever it is returned, under ``jit``
     too) that is NaN or rounds below 1 is a ``ValueError`` that names the
-    schedule, as a constant ``every_k_schedule`` below 1 is. A traced value is
+    schedule, as a constant ``every_k_schedule`` below 1 is. A jax array
+    (traced, or concrete in an eager step: not read back to check it) is
     made total: NaN counts as 1 (every microbatch closes its own window, so a
     broken schedule shows at once as an update per microbatch instead of a
     window that never closes). Floats are rounded to the nearest integer;
@@ -116,7 +117,7 @@ def every_k(
       every_k_schedule: an integer in ``[1, 2³¹ − 1]`` (checked here), or a
         callable of ``gradient_step`` returning one. A callable's result is made
         total under ``jit``: rounded to the nearest integer, clipped to
-        ``[1, 2³¹ − 1]``, a traced NaN counts as 1; a non-scalar raises at
+        ``[1, 2³¹ − 1]``, a jax array's NaN counts as 1; a non-scalar raises at
         trace time, and so does a Python or numpy number that is NaN or
         rounds below 1 (a ``ValueError``).
 
@@ -345,7 +346,8 @@ def _sanitize_budget(
     A Python or numpy number (known whenever it is returned, under ``jit``
     too) that is NaN or negative is a ``ValueError`` that names the schedule;
     0 closes the window on its first microbatch with tokens (a warmup may
-    start there). A traced value is made total: NaN counts as 0 (so a broken
+    start there). A jax array (traced, or concrete in an eager step) is made
+    total: NaN counts as 0 (so a broken
     schedule shows at once as an update per microbatch instead of a window
     that never closes), and so does a negative value. ``+inf`` means no
     token limit. The value keeps its precision, so that
@@ -503,7 +505,7 @@ def token_budget(
         of the tokens seen in all completed windows (``by="tokens_seen"``, a
         float32 scalar) or of the gradient step (``by="gradient_step"``). A
         callable's value, if a Python or numpy number, must be ``>= 0``
-        (else ``ValueError``); a traced one is made total: NaN and negative
+        (else ``ValueError``); a jax array is made total: NaN and negative
         values count as 0; at 0 every microbatch with tokens closes its
         window; ``inf``
         means no token limit (a window whose total cannot take a
