@@ -600,3 +600,48 @@ def test_an_inner_state_with_a_typed_prng_key_updates_with_and_without_jit(
             )
         else:
             np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_a_window_the_data_leaves_unfinished_closes_on_count_0_microbatches():
+    # The README's recipe for the end of the data: zero gradients with count=0
+    # until mini_step is 0, in mm.TrainState and an nnx.Optimizer under jit.
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    k, lr = 4, 0.5
+    pending = [(jnp.array([1.0, 2.0]), 2), (jnp.array([4.0, -1.0]), 6)]
+    mean = (2 * pending[0][0] + 6 * pending[1][0]) / 8
+    expected = optax.apply_updates(jnp.ones(2), -lr * mean)
+
+    state = mm.TrainState.create(
+        apply_fn=None, params=jnp.ones(2), tx=mm.MaskedMultiSteps(optax.sgd(lr), k)
+    )
+    step = jax.jit(lambda s, g, n: s.apply_gradients(grads=g, count=n))
+    for g, n in pending:
+        state = step(state, g, n)
+    flushes = 0
+    while int(state.mini_step) != 0:
+        state = step(state, jnp.zeros(2), 0)
+        flushes += 1
+    assert flushes == 2 and int(state.gradient_step) == 1
+    np.testing.assert_allclose(state.params, expected, rtol=1e-6)
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(2))
+
+    model = Model()
+    tx = mm.MaskedMultiSteps(optax.sgd(lr), k)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def update(model, optimizer, g, n):
+        grads = jax.tree.map(lambda _: g, nnx.state(model, nnx.Param))
+        optimizer.update(model, grads, count=n)
+
+    for g, n in pending:
+        update(model, optimizer, g, n)
+    while int(mm.find_state(optimizer.opt_state).mini_step) != 0:
+        update(model, optimizer, jnp.zeros(2), 0)
+    assert int(mm.find_state(optimizer.opt_state).gradient_step) == 1
+    np.testing.assert_allclose(model.w[...], expected, rtol=1e-6)
