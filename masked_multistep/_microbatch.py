@@ -1062,6 +1062,16 @@ def _grad_fn(
                     per_microbatch, params, microbatch(0), key(0), rest
                 )
             except Exception as err:
+                if type(err).__name__ == "TraceContextError":
+                    # flax's: a variable (an nnx.Rngs' counter) that `loss_fn`
+                    # closes over is written inside the loop's trace.
+                    err.add_note(
+                        "(`loss_fn` writes an NNX variable it closes over, such "
+                        "as an nnx.Rngs' counter: keep it in the module passed "
+                        "as `params`, which is carried from microbatch to "
+                        "microbatch, or pass a key as grad_fn(..., rng=key))"
+                    )
+                    raise
                 err.add_note(
                     f"(raised while tracing `loss_fn` on one microbatch: "
                     f"num_microbatches={k} splits the batch's {batch_size} rows "

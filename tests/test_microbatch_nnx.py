@@ -606,3 +606,22 @@ class _FillsCache(nnx.Module):
 def test_a_variable_that_gets_its_first_value_in_loss_fn_is_named_with_both_layouts():
     with pytest.raises(TypeError, match=r"changed \.cache \(None -> float32\[2\]\)"):
         mm.microbatched_value_and_grad(_bn_loss, K)(_FillsCache(), _batch())
+
+
+def test_an_rngs_closed_over_by_loss_fn_gets_a_note_saying_where_it_goes():
+    # flax refuses a closed-over nnx.Rngs advanced inside the loop's trace
+    # (TraceContextError); the note said how the batch was split instead.
+    rngs = nnx.Rngs(dropout=1)
+    dropout = nnx.Dropout(0.5)
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+
+    def loss_fn(model, batch):
+        h = dropout(model(batch["x"]), rngs=rngs)[..., 0]
+        return mm.masked_mean(h**2, batch["mask"])
+
+    batch = {"x": jnp.ones((8, 3, 4)), "mask": jnp.ones((8, 3), bool)}
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 4)
+    with pytest.raises(Exception, match="different trace level") as info:
+        grad_fn(model, batch)
+    assert type(info.value).__name__ == "TraceContextError"
+    assert any("keep it in the module" in note for note in info.value.__notes__)
