@@ -163,7 +163,10 @@ _MISSING_COUNT = (
     "GradientTransformationExtraArgs, so the chain forwards it). flax's "
     "`train_state.TrainState.apply_gradients` passes no extra arguments: use "
     "`masked_multistep.TrainState`, whose `apply_gradients(grads=..., count=n)` does. "
-    "With flax NNX: `optimizer.update(model, grads, count=n)`."
+    "With flax NNX: `optimizer.update(model, grads, count=n)`. A "
+    "transformation around the wrapper must forward `count=` to it: "
+    "`optax.lookahead` and `optax.contrib.sam` do not (put sam inside the "
+    "wrapper, `MaskedMultiSteps(optax.contrib.sam(...), k)`)."
 )
 
 

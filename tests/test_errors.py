@@ -1051,3 +1051,13 @@ def test_a_string_leaf_in_weighted_mean_across_is_named():
         jax.vmap(lambda n: mm.weighted_mean_across({"a": "x"}, n, "d"), axis_name="d")(
             jnp.ones(2)
         )
+
+
+def test_a_transformation_around_the_wrapper_that_drops_count_is_named():
+    # optax.contrib.sam refuses `count=` and calls the wrapper without it: the
+    # wrapper's error pointed to optax.chain and flax, not to this.
+    tx = optax.contrib.sam(optax.sgd(0.1), mm.MaskedMultiSteps(optax.sgd(0.1), 2))
+    params = jnp.ones(2)
+    state = tx.init(params)
+    with pytest.raises(TypeError, match=r"must forward `count=`.*put sam inside"):
+        tx.update(jnp.ones(2), state, params)
