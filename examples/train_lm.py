@@ -20,7 +20,8 @@ uses the gradient of the whole batch's token-mean loss. What it shows:
   and ``mm.window_stats``: no host round trip per microbatch, nothing to
   checkpoint beside the state); also appended to ``OUT/metrics.jsonl`` with
   the smoothed gradient noise scale, in tokens (length-sorted microbatches,
-  ``--skew`` above 0, inflate it), and the norm of the window's gradient, in
+  ``--skew`` above 0 as by default, inflate it: read it from a run with
+  ``--skew 0``), and the norm of the window's gradient, in
   all and by layer (``per_leaf_stats=True`` and ``mm.window_stats(...,
   groups=...)``: the embeddings, each block, the final norm), before
   clipping; a window without tokens applies no update and logs ``null`` for
@@ -210,8 +211,8 @@ HELP = {
     "num_layers": "transformer blocks",
     "learning_rate": "peak learning rate of the warmup-cosine schedule",
     "warmup": "windows of linear warmup, the learning rate rising from 0 (the "
-    "first window's) to the peak, then cosine decay to 10%% of the peak (default "
-    "10, or --windows - 1 if that is smaller)",
+    "first window's) to the peak, then cosine decay to 10%% of the peak; "
+    "shrinks to --windows - 1 where that is smaller",
     "weight_decay": "adamw weight decay",
     "clip_norm": "clip each window's full-batch gradient to this global norm",
     "skew": "length skew between microbatches: 0 = random, 1 = sorted by length "
@@ -391,7 +392,8 @@ def make_optimizer(config: Config, deferred: bool = False) -> mm.MaskedMultiStep
     return mm.MaskedMultiSteps(
         inner,
         every_k_schedule=config.microbatches,
-        per_leaf_stats=True,  # the window statistics, and each layer's share
+        window_stats=True,
+        per_leaf_stats=True,  # each layer's share of the window statistics
         reduction=None if mesh is None else mm.deferred(mesh, "data"),
     )
 
@@ -468,7 +470,7 @@ def window_record(window: int, optimizer: nnx.Optimizer) -> dict:
         "loss": finite(stats.loss) if tokens else None,
         "tokens": tokens,
         "learning_rate": finite(learning_rate_used(optimizer)) if updated else None,
-        "noise_scale": finite(stats.smoothed_noise_scale),
+        "smoothed_noise_scale": finite(stats.smoothed_noise_scale),
         "grad_norm": finite(np.sqrt(stats.grad_sq_norm)) if tokens else None,
         "layer_grad_norms": {
             name: finite(np.sqrt(sq)) if tokens else None
@@ -651,6 +653,10 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
             batch = window_batch(corpus, config, window)
         inputs = microbatch(batch, index, k)
         if mesh is not None:
+            # One process holds the whole batch here. On several hosts each
+            # process holds its own rows: build the global array with
+            # jax.make_array_from_process_local_data (README, "Multi-device and
+            # multi-host"), and log and write files from process 0 only.
             inputs = jax.device_put(inputs, rows)
         # No host round trip: the loss and count stay in the optimizer state.
         step_fn(model, optimizer, *inputs)
@@ -660,11 +666,12 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
             loss, rate = record["loss"], record["learning_rate"]
             loss_text = "   n/a" if loss is None else f"{loss:.4f}"
             lr_text = "(no update)" if rate is None else f"{rate:.2e}"
-            scale = record["noise_scale"]
+            scale = record["smoothed_noise_scale"]
             scale_text = "n/a" if scale is None else f"{scale:.3g}"
             print_fn(
                 f"window {record['window']:5d}  loss {loss_text}  "
-                f"tokens {record['tokens']:6d}  lr {lr_text}  B_simple {scale_text}"
+                f"tokens {record['tokens']:6d}  lr {lr_text}  "
+                f"B_simple (smoothed) {scale_text}"
             )
             with metrics.open("a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")

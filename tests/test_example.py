@@ -76,7 +76,7 @@ def test_resume_from_a_mid_window_checkpoint_is_bit_identical(tmp_path, straight
     # It learns: the held-out loss ends below the first window's loss.
     assert straight.heldout_loss < history[0]["loss"] - 0.1
     # The smoothed noise scale, from the window statistics, in tokens.
-    assert all(r["noise_scale"] > 0 for r in history)
+    assert all(r["smoothed_noise_scale"] > 0 for r in history)
     # The window's gradient norm, and each layer's, whose squares add up to it.
     for r in history:
         layers = r["layer_grad_norms"]
