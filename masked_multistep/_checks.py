@@ -677,6 +677,18 @@ def python_scalar(value: Any, what: str, kinds: tuple, noun: str) -> Any:
     return value
 
 
+def refuses_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn``'s signature has neither a parameter ``name`` nor
+    ``**kwargs``; a signature Python cannot read refuses nothing."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name not in parameters and not any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
+
+
 def check_takes_one(fn: Callable[..., Any], what: str, argument: str) -> None:
     """A ``TypeError`` naming ``what`` if ``fn`` cannot be called with one
     positional argument (``argument``, what it will get); callables whose

@@ -19,6 +19,7 @@ import optax
 from optax import tree as otu
 
 from masked_multistep._branch import EagerMemo, eager_key
+from masked_multistep._checks import refuses_keyword
 
 InnerUpdate = Callable[[Any, Any, Any, dict[str, Any]], tuple[Any, Any]]
 """``(mean, inner_state, params, dynamic_args) -> (updates, inner_state)``."""
@@ -267,8 +268,9 @@ def window_shapes(
     one that needs it (reduce_on_plateau, polyak_sgd) gets the window's
     mean, and a window without one (no microbatch passed a value, or its
     mean is not finite) is held like a non-finite mean: a NaN loss would
-    make polyak_sgd's step NaN and every window a plateau. One whose update
-    refuses the keyword gets none, whatever this call passes.
+    make polyak_sgd's step NaN and every window a plateau. One whose
+    update's signature refuses the keyword gets none, whatever this call
+    passes.
 
     The answer depends on the arguments' abstract values only: an eager
     step (no part traced) remembers it in ``memo``, instead of tracing the
@@ -295,20 +297,25 @@ def window_shapes(
         updates, needs_value = shapes(with_value=False), False
     except TypeError:
         updates, needs_value = None, True
-    passes_value = has_value or needs_value
-    if needs_value:
-        updates = shapes(with_value=True)
-    elif has_value:
+    # An inner optimizer whose update refuses the keyword by its signature
+    # (optax.contrib.sam declares extra arguments and takes none) runs without
+    # it, as optax.with_extra_args_support runs one that declares none: the
+    # value stays the wrapper's own (the window's loss).
+    refused = refuses_keyword(opt.update, "value")
+    passes_value = needs_value or (has_value and not refused)
+    if passes_value:
         try:
             updates = shapes(with_value=True)
         except TypeError as err:
-            # An inner optimizer that refuses the keyword (optax.contrib.sam
-            # declares extra arguments and takes none) runs without it, as
-            # optax.with_extra_args_support runs one that declares none: the
-            # value stays the wrapper's own (the window's loss).
-            if "unexpected keyword argument 'value'" not in str(err):
-                raise
-            passes_value = False
+            if "unexpected keyword argument 'value'" in str(err):
+                err.add_note(
+                    "(a transformation inside the inner optimizer refuses the "
+                    "`value=` that the wrapper hands on (the window's mean "
+                    "loss), as optax.contrib.sam does inside optax.chain: wrap "
+                    "such a one as optax.GradientTransformation(t.init, t.update), "
+                    "which optax.chain calls without extra arguments)"
+                )
+            raise
     memo.put(key, (needs_value, passes_value, updates))
     return needs_value, passes_value, updates
 

@@ -252,7 +252,14 @@ def window_stats(
             "which this MaskedMultiSteps does not keep: construct it with "
             "`per_leaf_stats=True`."
         )
-    state = unboxed(boxed)
+    # The accumulator's layout (its leaves, without a deferred reduction's
+    # device axis), not the inner optimizer's state.
+    state = boxed._replace(
+        **{
+            name: unboxed(getattr(boxed, name))
+            for name in ("acc_grads", "acc_count", "reduction_state")
+        }
+    )
     leaves, treedef = jax.tree.flatten(state.acc_grads)
     if per_leaf:
         read = read_leaf_stats(stats, tuple(range(len(leaves))))

@@ -445,8 +445,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         a window in which no microbatch passed one (a forgotten ``value=``), or
         whose mean is not finite, is held for such an optimizer like a
         non-finite mean (counted in ``state.num_nonfinite_windows``). One
-        whose update refuses the keyword (``optax.contrib.sam``) runs without
-        it; the wrapper keeps the mean for ``mm.window_stats``.
+        whose update's signature refuses the keyword (``optax.contrib.sam``)
+        runs without it; the wrapper keeps the mean for ``mm.window_stats``.
         ``grad=`` (a line search's gradient at the params), if passed, is
         replaced by the window's mean of the gradients this wrapper receives,
         what the inner optimizer gets as its updates (the window's gradient

@@ -72,9 +72,11 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
       A state of ``template``'s layout, placement and dtypes.
 
     Raises:
-      TypeError: if ``template`` is not a ``MaskedMultiStepsState``, if
-        either holds ``jax.ShapeDtypeStruct`` leaves, or if the call is traced
-        by ``jit`` (the counts are read and checked).
+      TypeError: if ``template`` is not a ``MaskedMultiStepsState``; if
+        ``state`` holds ``jax.ShapeDtypeStruct`` leaves, or ``template`` does
+        where ``state`` carries nothing over (a token budget's tokens seen,
+        statistics of another kind, a skip function's state); or if the call
+        is traced by ``jit`` (the counts are read and checked).
       ValueError: if ``state`` holds no wrapper state (or several); if either
         has ``reduction=mm.deferred(...)`` (move the window onto one device
         first with :func:`from_device_count`); if the inner optimizer's state
@@ -113,12 +115,6 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         )
         return _by_name.named(converted, template)
     _check_template(template)
-    if holds_abstract(template):
-        raise TypeError(
-            "`template` must be the concrete state `tx.init(params)` of the "
-            "wrapper that continues, got one with ShapeDtypeStruct leaves "
-            "(`jax.eval_shape`): what `state` does not carry is taken from it"
-        )
     old = _by_name.bare(state) if _by_name.is_named(state) else find_state(state)
     if holds_abstract(old):
         raise TypeError(
@@ -171,6 +167,7 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         else:
             # Not the template's statistics: the pending window's mean counts
             # as one microbatch of its tokens.
+            _refuse_abstract(template, ("stats",))
             stats = _stats.accumulate_window_stats(
                 template.stats, new.acc_grads, acc_count
             )
@@ -180,9 +177,26 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         seen = token_total(tokens_seen, "`tokens_seen`")
     if seen is not None:
         new = with_tokens_seen(new, seen)
+    _refuse_abstract(new, new._fields)
     # Placed as the template's leaves are, so that the first jitted step sees
     # the shardings of every later one.
     return jax.tree.map(placed_like, new, template)
+
+
+def _refuse_abstract(state: Any, fields: tuple[str, ...]) -> None:
+    """A ``TypeError`` naming the fields of ``state`` (the template's, or the
+    result taken from it) that hold ``jax.ShapeDtypeStruct`` leaves: values
+    the running state does not carry over, which an abstract template
+    (``jax.eval_shape(tx.init, params)``) cannot give."""
+    abstract = [name for name in fields if holds_abstract(getattr(state, name))]
+    if abstract:
+        raise TypeError(
+            "`template` holds jax.ShapeDtypeStruct leaves in "
+            f"{', '.join(f'`{name}`' for name in abstract)}, which `state` does "
+            "not carry over: pass the concrete state `new_tx.init(params)` (or "
+            "an NNX optimizer's, by name). An abstract template serves where "
+            "`state` carries every field"
+        )
 
 
 def _tokens_seen_of(state: Any) -> TokenTotal | None:

@@ -917,3 +917,37 @@ def test_inner_sees_the_window_loss_in_the_microbatch_loss_dtype():
     assert bool(mm.has_updated(state))
     assert updates.dtype == jnp.bfloat16
     assert jnp.allclose(updates.astype(jnp.float32), 5.0)
+
+
+def test_a_value_refused_deeper_inside_the_inner_optimizer_is_an_error():
+    # Only an update whose own signature refuses `value=` runs without it: a
+    # TypeError from deeper inside (a transformation that forwards it, a chain
+    # holding sam) is not swallowed, which would drop a loss the inner
+    # optimizer reads.
+    inner_adam = optax.scale_by_adam()
+
+    def update(updates, state, params=None, *, value=None, **extra):
+        del value  # read, then forwarded by mistake with the rest
+        return inner_adam.update(updates, state, params, value=1.0, **extra)
+
+    gated = optax.GradientTransformationExtraArgs(inner_adam.init, update)
+    def sam():
+        return optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=2)
+
+    for inner in [gated, optax.chain(sam())]:
+        tx = mm.MaskedMultiSteps(inner, 1)
+        state = tx.init(PARAMS)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'value'") as e:
+            tx.update(_grads(1.0), state, PARAMS, count=1, value=jnp.float32(1.0))
+        assert any(
+            "optax.GradientTransformation(t.init, t.update)" in n
+            for n in getattr(e.value, "__notes__", [])
+        )
+    # The note's way out: wrapped so, optax.chain calls sam without it.
+    wrapped = sam()
+    tx = mm.MaskedMultiSteps(
+        optax.chain(optax.GradientTransformation(wrapped.init, wrapped.update)), 1
+    )
+    state = tx.init(PARAMS)
+    _, state = tx.update(_grads(1.0), state, PARAMS, count=2, value=jnp.float32(3.0))
+    assert int(state.gradient_step) == 1

@@ -131,12 +131,24 @@ def test_what_cannot_carry_over_is_named():
         jax.jit(lambda s: mm.from_other_settings(s, tx.init(PARAMS)))(state)
     # Abstract trees: a template from jax.eval_shape gave a state with
     # ShapeDtypeStruct leaves where the running state had none to carry (a
-    # budget's tokens seen), a restore target as the state a dtype error.
+    # budget's tokens seen; statistics of another kind failed inside), a
+    # restore target as the state a dtype error.
     budget = mm.MaskedMultiSteps(
         optax.sgd(0.1), tokens_per_window=mm.token_budget(lambda seen: 10)
     )
-    with pytest.raises(TypeError, match=r"`template` must be the concrete state"):
+    with pytest.raises(TypeError, match=r"leaves in `policy_state`, which `state`"):
         mm.from_other_settings(state, jax.eval_shape(budget.init, PARAMS))
+    stats = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    with pytest.raises(TypeError, match=r"leaves in `stats`, which `state`"):
+        mm.from_other_settings(state, jax.eval_shape(stats.init, PARAMS))
+    # Where the running state carries every field, an abstract template serves
+    # (no second accumulator and inner state materialised).
+    _, half = tx.update(_grads(0), state, PARAMS, count=jnp.float32(2.0))
+    longer = mm.MaskedMultiSteps(optax.sgd(0.1), 5)
+    assert_bit_identical(
+        mm.from_other_settings(half, jax.eval_shape(longer.init, PARAMS)),
+        mm.from_other_settings(half, longer.init(PARAMS)),
+    )
     with pytest.raises(TypeError, match=r"`state` holds jax\.ShapeDtypeStructs"):
         mm.from_other_settings(jax.eval_shape(tx.init, PARAMS), budget.init(PARAMS))
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
