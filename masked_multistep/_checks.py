@@ -678,10 +678,11 @@ def python_scalar(value: Any, what: str, kinds: tuple, noun: str) -> Any:
 
 
 def refuses_keyword(fn: Callable[..., Any], name: str) -> bool:
-    """Whether ``fn``'s signature has neither a parameter ``name`` nor
-    ``**kwargs``; a signature Python cannot read refuses nothing."""
+    """Whether ``fn``'s own signature has neither a parameter ``name`` nor
+    ``**kwargs`` (a decorator's, not the function it wraps: one may add the
+    keyword); a signature Python cannot read refuses nothing."""
     try:
-        parameters = inspect.signature(fn).parameters
+        parameters = inspect.signature(fn, follow_wrapped=False).parameters
     except (TypeError, ValueError):
         return False
     return name not in parameters and not any(

@@ -293,15 +293,18 @@ def window_shapes(
         )
         return jax.eval_shape(update, *operands)[0]
 
-    try:
-        updates, needs_value = shapes(with_value=False), False
-    except TypeError:
-        updates, needs_value = None, True
     # An inner optimizer whose update refuses the keyword by its signature
     # (optax.contrib.sam declares extra arguments and takes none) runs without
     # it, as optax.with_extra_args_support runs one that declares none: the
-    # value stays the wrapper's own (the window's loss).
+    # value stays the wrapper's own (the window's loss). Its TypeError without
+    # one is its own, not a sign that it needs one.
     refused = refuses_keyword(opt.update, "value")
+    try:
+        updates, needs_value = shapes(with_value=False), False
+    except TypeError:
+        if refused:
+            raise
+        updates, needs_value = None, True
     passes_value = needs_value or (has_value and not refused)
     if passes_value:
         try:

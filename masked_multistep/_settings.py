@@ -179,8 +179,13 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         new = with_tokens_seen(new, seen)
     _refuse_abstract(new, new._fields)
     # Placed as the template's leaves are, so that the first jitted step sees
-    # the shardings of every later one.
-    return jax.tree.map(placed_like, new, template)
+    # the shardings of every later one; an abstract template places nothing,
+    # and the counts made on the host go where the running state's are.
+    new = jax.tree.map(placed_like, new, template)
+    return new._replace(
+        acc_count=placed_like(new.acc_count, old.acc_count),
+        value_count=placed_like(new.value_count, old.value_count),
+    )
 
 
 def _refuse_abstract(state: Any, fields: tuple[str, ...]) -> None:

@@ -931,6 +931,7 @@ def test_a_value_refused_deeper_inside_the_inner_optimizer_is_an_error():
         return inner_adam.update(updates, state, params, value=1.0, **extra)
 
     gated = optax.GradientTransformationExtraArgs(inner_adam.init, update)
+
     def sam():
         return optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=2)
 
@@ -951,3 +952,26 @@ def test_a_value_refused_deeper_inside_the_inner_optimizer_is_an_error():
     state = tx.init(PARAMS)
     _, state = tx.update(_grads(1.0), state, PARAMS, count=2, value=jnp.float32(3.0))
     assert int(state.gradient_step) == 1
+
+
+def test_value_reaches_an_update_whose_decorator_adds_the_keyword():
+    # The signature read is the decorator's own (functools.wraps would show
+    # the wrapped function's, which refuses `value=`): it was withheld.
+    import functools
+
+    seen = []
+    base = optax.sgd(1.0)
+
+    def plain_update(updates, state, params=None):
+        return base.update(updates, state, params)
+
+    @functools.wraps(plain_update)
+    def update(updates, state, params=None, value=None):
+        seen.append(value)
+        return plain_update(updates, state, params)
+
+    inner = optax.GradientTransformationExtraArgs(base.init, update)
+    tx = mm.MaskedMultiSteps(inner, 1)
+    state = tx.init(PARAMS)
+    tx.update(_grads(1.0), state, PARAMS, count=2, value=jnp.float32(7.0))
+    assert seen[-1] is not None and float(seen[-1]) == 7.0  # the eager run's

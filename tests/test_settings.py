@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import masked_multistep as mm
 from tests._helpers import assert_bit_identical
@@ -149,6 +150,18 @@ def test_what_cannot_carry_over_is_named():
         mm.from_other_settings(half, jax.eval_shape(longer.init, PARAMS)),
         mm.from_other_settings(half, longer.init(PARAMS)),
     )
+    # Placed as the concrete template's, on a mesh too: the counts made on
+    # the host were left uncommitted on one device.
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    on_mesh = jax.device_put(PARAMS, jax.sharding.NamedSharding(mesh, P()))
+    running = tx.init(on_mesh)
+    _, running = tx.update(_grads(0), running, on_mesh, count=jnp.float32(2.0))
+    for template in (jax.eval_shape(longer.init, on_mesh), longer.init(on_mesh)):
+        carried = mm.from_other_settings(running, template)
+        for leaf in (carried.acc_count, carried.value_count):
+            assert leaf.committed and leaf.sharding.is_equivalent_to(
+                running.acc_count.sharding, 0
+            )
     with pytest.raises(TypeError, match=r"`state` holds jax\.ShapeDtypeStructs"):
         mm.from_other_settings(jax.eval_shape(tx.init, PARAMS), budget.init(PARAMS))
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
