@@ -56,13 +56,21 @@ def times(result: dict[str, Any]) -> str:
     return _table(header, body)
 
 
-def against_optax(result: dict[str, Any]) -> str:
-    """Ratio to optax.MultiSteps at the largest k, one column per size."""
+def _at_largest_k(
+    result: dict[str, Any],
+) -> tuple[int, list[int], list[str], dict[tuple[str, int], dict[str, Any]]]:
+    """The windows rows at the largest k: ``(k, widths, competitors, cell)``,
+    ``cell[(competitor, width)]`` the row."""
     k = max(result["config"]["ks"])
     rows = [r for r in result["windows"] if r["k"] == k]
     widths = sorted({r["width"] for r in rows})
     names = list(dict.fromkeys(r["competitor"] for r in rows))
-    cell = {(r["competitor"], r["width"]): r for r in rows}
+    return k, widths, names, {(r["competitor"], r["width"]): r for r in rows}
+
+
+def against_optax(result: dict[str, Any]) -> str:
+    """Ratio to optax.MultiSteps at the largest k, one column per size."""
+    k, widths, names, cell = _at_largest_k(result)
     header = [f"x optax.MultiSteps, k={k}"] + [f"{w}²" for w in widths]
     body = [
         [name] + [f"{cell[(name, w)]['x_optax_multisteps']:.2f}" for w in widths]
@@ -72,10 +80,7 @@ def against_optax(result: dict[str, Any]) -> str:
 
 
 def memory(result: dict[str, Any]) -> str:
-    rows = [r for r in result["windows"] if r["k"] == max(result["config"]["ks"])]
-    widths = sorted({r["width"] for r in rows})
-    names = list(dict.fromkeys(r["competitor"] for r in rows))
-    cell = {(r["competitor"], r["width"]): r for r in rows}
+    _, widths, names, cell = _at_largest_k(result)
     header = ["temp: x P (x adam's)"] + [f"{w}²" for w in widths] + ["state/P"]
     body = []
     for name in names:
@@ -94,13 +99,9 @@ def memory(result: dict[str, Any]) -> str:
 def faults(result: dict[str, Any]) -> str:
     """Minor page faults per microbatch at the largest k, one column per size
     (results that predate the figure have none: an empty string)."""
-    k = max(result["config"]["ks"])
-    rows = [r for r in result["windows"] if r["k"] == k]
-    if not rows or any("minor_faults_per_microbatch" not in r for r in rows):
+    k, widths, names, cell = _at_largest_k(result)
+    if not cell or any("minor_faults_per_microbatch" not in r for r in cell.values()):
         return ""
-    widths = sorted({r["width"] for r in rows})
-    names = list(dict.fromkeys(r["competitor"] for r in rows))
-    cell = {(r["competitor"], r["width"]): r for r in rows}
     header = [f"page faults per microbatch, k={k}"] + [f"{w}²" for w in widths]
     body = [
         [name]
@@ -135,8 +136,9 @@ def main() -> None:
     print()
     print(memory(result))
     print()
-    if faults(result):
-        print(faults(result))
+    faults_table = faults(result)
+    if faults_table:
+        print(faults_table)
         print()
     print(microbatching(result))
 

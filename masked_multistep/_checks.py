@@ -396,6 +396,18 @@ def holds_abstract(tree: Any) -> bool:
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
+def refuse_restore_target(tree: Any, what: str) -> None:
+    """A ``TypeError`` where ``tree`` (the argument ``what``) holds
+    ``jax.ShapeDtypeStruct`` leaves: a restore target passed where the state
+    that a restore returns belongs."""
+    if holds_abstract(tree):
+        raise TypeError(
+            f"{what} holds jax.ShapeDtypeStructs, a restore target: restore the "
+            "checkpoint against it (`checkpointer.restore(path, target)`), then "
+            "pass what the restore returns"
+        )
+
+
 def training_state_kind(x: Any) -> str | None:
     """``"train_state"`` for a flax ``TrainState`` (it has ``params`` and
     ``opt_state``), ``"nnx_optimizer"`` for an ``nnx.Optimizer`` (``opt_state``

@@ -42,7 +42,11 @@ from masked_multistep._by_name import get as _get
 from masked_multistep._by_name import is_named
 from masked_multistep._by_name import like as _like
 from masked_multistep._checkpoint import check_matches, like_template
-from masked_multistep._checks import check_microbatches, holds_abstract, traced
+from masked_multistep._checks import (
+    check_microbatches,
+    refuse_restore_target,
+    traced,
+)
 from masked_multistep._deferred import _exact_sums
 from masked_multistep._multisteps import MaskedMultiStepsState
 from masked_multistep._reduction import _from_host, mean_over_devices, placed_like
@@ -642,12 +646,7 @@ def from_device_count(restored: Any, template: Any) -> Any:
             "from_device_count reads the restored token counts to check them, so "
             "it must be called eagerly (outside jit), once, after restoring"
         )
-    if holds_abstract(restored):
-        raise TypeError(
-            "`restored` holds jax.ShapeDtypeStructs, a restore target: restore "
-            "the checkpoint against it (`checkpointer.restore(path, target)`), "
-            "then pass what the restore returns"
-        )
+    refuse_restore_target(restored, "`restored`")
     at = _state_path(template, "template")
     if _state_path(restored, "restored") != at:
         raise ValueError(

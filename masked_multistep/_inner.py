@@ -338,13 +338,12 @@ def explain_other_state(
     opt: optax.GradientTransformation,
     inner_state: Any,
     params_like: Any,
-    err: Exception | None = None,
 ) -> None:
     """Where ``inner_state`` is not of the structure ``opt.init`` builds (a
     state from a wrapper around another inner optimizer), a ``ValueError``
-    that says so, from ``err`` (the failure it made inside the optimizer, if
-    any). ``params_like`` stands in for the params (their structure and
-    shapes: the window's mean, abstract)."""
+    that says so, before the inner update runs on it. ``params_like`` stands
+    in for the params (their structure and shapes: the window's mean,
+    abstract)."""
     want = init_structure(opt, params_like)
     got = jax.tree.structure(inner_state)
     if want is not None and got != want:
@@ -359,7 +358,7 @@ def explain_other_state(
             f"optimizer: it is {is_}, but the inner optimizer's `init` builds "
             f"{built}. Use the state that this wrapper's `init` returned "
             "(restore a checkpoint against it)"
-        ) from err
+        )
 
 
 def _outline(state: Any, depth: int = 3) -> str:

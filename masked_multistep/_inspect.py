@@ -17,6 +17,7 @@ from masked_multistep._stats import (
     LeafSums,
     WindowStats,
     WindowStatsState,
+    each_leaf,
     read_leaf_stats,
     read_window_stats,
     with_groups,
@@ -260,10 +261,8 @@ def window_stats(
             for name in ("acc_grads", "acc_count", "reduction_state")
         }
     )
-    leaves, treedef = jax.tree.flatten(state.acc_grads)
     if per_leaf:
-        read = read_leaf_stats(stats, tuple(range(len(leaves))))
-        return with_groups(read, lambda x: jax.tree.unflatten(treedef, list(x)))
+        return each_leaf(state.acc_grads, lambda groups: read_leaf_stats(stats, groups))
     labels = leaf_labels(groups, params_like(state))
     names = sorted(set(labels))
     read = read_leaf_stats(stats, tuple(names.index(label) for label in labels))

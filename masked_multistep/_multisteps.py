@@ -1149,25 +1149,20 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         def mean_of(w: _Window) -> Any:
             return self._reduction.mean(w.acc_grads, w.acc_count, w.reduction_state)
 
-        try:
-            needs_value, passes_value, updates_avals = _inner.window_shapes(
-                self._opt,
-                self._eager_shapes,
-                mean_of,
-                window,
-                grads,
-                static_args,
-                state.inner_opt_state,
-                params,
-                dynamic_args,
-                has_value=value is not None,
-                with_grad=with_grad,
-            )
-        except Exception as err:
-            _inner.explain_other_state(
-                self._opt, state.inner_opt_state, jax.eval_shape(mean_of, window), err
-            )
-            raise
+        # (It refuses an inner state of another optimizer's structure first.)
+        needs_value, passes_value, updates_avals = _inner.window_shapes(
+            self._opt,
+            self._eager_shapes,
+            mean_of,
+            window,
+            grads,
+            static_args,
+            state.inner_opt_state,
+            params,
+            dynamic_args,
+            has_value=value is not None,
+            with_grad=with_grad,
+        )
         inner_update = _inner.inner_update(
             self._opt,
             grads,

@@ -14,7 +14,7 @@ from masked_multistep._checkpoint import (
     like_template,
     same_layout,
 )
-from masked_multistep._checks import holds_abstract, traced
+from masked_multistep._checks import holds_abstract, refuse_restore_target, traced
 from masked_multistep._inspect import find_state, has_deferred_reduction
 from masked_multistep._reduction import placed_like
 from masked_multistep._token_total import TokenTotal, token_total, with_tokens_seen
@@ -116,12 +116,7 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         return _by_name.named(converted, template)
     _check_template(template)
     old = _by_name.bare(state) if _by_name.is_named(state) else find_state(state)
-    if holds_abstract(old):
-        raise TypeError(
-            "`state` holds jax.ShapeDtypeStructs, a restore target: restore the "
-            "checkpoint against it (`checkpointer.restore(path, target)`), then "
-            "pass what the restore returns"
-        )
+    refuse_restore_target(old, "`state`")
     if traced((old, template)):
         raise TypeError(
             "from_other_settings reads the state's counts to check them, so it "

@@ -153,6 +153,7 @@ __all__ = [
     "window_so_far",
     "with_window_stats",
     "with_groups",
+    "each_leaf",
 ]
 
 _F32 = jnp.float32
@@ -223,6 +224,18 @@ def with_groups(stats: WindowStats[Any], arrange: Any) -> WindowStats[Any]:
     vector arranged by ``arrange`` (into a tree like the params, a ``dict``
     by label)."""
     return stats._replace(**{name: arrange(getattr(stats, name)) for name in PER_GROUP})
+
+
+def each_leaf(
+    tree: Any, read: Callable[[tuple[int, ...]], WindowStats[Any]]
+) -> WindowStats[Any]:
+    """Each leaf of ``tree``'s statistics, ``read`` with one group per leaf,
+    the :data:`PER_GROUP` fields arranged like ``tree``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return with_groups(
+        read(tuple(range(len(leaves)))),
+        lambda x: jax.tree.unflatten(treedef, list(x)),
+    )
 
 
 class LastWindow(NamedTuple):
@@ -1222,9 +1235,7 @@ def one_window_stats(
     )
     if leaf_sums is None:
         return read_window_stats(state)
-    leaves, treedef = jax.tree.flatten(mean)
-    read = _read_leaves(state, tuple(range(len(leaves))))
-    return with_groups(read, lambda x: jax.tree.unflatten(treedef, list(x)))
+    return each_leaf(mean, lambda groups: _read_leaves(state, groups))
 
 
 def materialized_on_gpu(tree: Any) -> Any:
