@@ -775,6 +775,37 @@ def check_flag(value: Any, what: str) -> bool:
     )
 
 
+def close_flag(value: Any) -> jax.Array | None:
+    """``close_window=``'s flag: ``None`` where it is statically false (absent,
+    ``False``: the update's program is the one without it), else a boolean
+    scalar, traced or not.
+
+    Raises:
+      TypeError: for a value that is not a bool or a boolean array (``1``,
+        ``"yes"``), naming the argument and showing what came.
+      ValueError: for a boolean array that is not a scalar (one flag per
+        device: every device closes its window on the same microbatch).
+    """
+    if value is None or (isinstance(value, (bool, np.bool_)) and not value):
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        return jnp.asarray(True)
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or dtype != np.bool_:
+        raise TypeError(
+            "`close_window` must be a bool or a boolean scalar array (whether "
+            f"this microbatch ends its window), got {value!r:.60} of type "
+            f"{type(value).__name__}" + ("" if dtype is None else f" and dtype {dtype}")
+        )
+    if np.shape(value) != ():
+        raise ValueError(
+            "`close_window` must be a boolean scalar, the same for every "
+            f"device (they close their windows together), got shape "
+            f"{np.shape(value)}"
+        )
+    return jnp.asarray(value)
+
+
 def check_real(value: Any, what: str, *, positive: bool = True) -> float | int:
     """A concrete real number, finite and > 0 (or >= 0); ints stay ints."""
     value = python_scalar(value, what, (jnp.integer, jnp.floating), "number")
@@ -826,7 +857,7 @@ def check_microbatches(value: Any, what: str) -> int:
 
 # The wrapper's own keywords; an extra argument this close to one is taken for
 # a misspelling rather than forwarded (and dropped) to the inner optimizer.
-_OWN_KEYWORDS = ("count", "value")
+_OWN_KEYWORDS = ("count", "value", "close_window")
 # Names of the microbatch's loss, which goes in `value=`: forwarded, the inner
 # optimizer would drop it, or get the closing microbatch's alone.
 LOSS_KEYWORDS = ("loss", "losses", "mean_loss", "loss_value")

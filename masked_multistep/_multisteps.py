@@ -396,6 +396,18 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
       -4.0 1
       -2.0 2
 
+      The data ends two microbatches into a window of 3: ``close_window=True``
+      on the last one applies what the window holds, ``(1·3 + 5·1) / 4 = 2``:
+
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=3)
+      >>> state = tx.init(params)
+      >>> for g, n, last in [(1.0, 3, False), (5.0, 1, True)]:
+      ...     updates, state = tx.update({"w": jnp.array(g)}, state, params,
+      ...                                count=jnp.array(n), close_window=last)
+      ...     print(updates["w"], int(state.gradient_step), int(state.mini_step))
+      0.0 0 1
+      -2.0 1 0
+
     Semantics:
       * A window closes on the microbatch that completes it by any of the rules
         given, whichever comes first: its ``k``-th microbatch
@@ -414,6 +426,24 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ``reduction=mm.deferred(...)`` all devices close on the same
         microbatch; the rules' state (the tokens seen, for a budget
         that depends on them) is ``policy_state``.
+      * ``close_window=True`` (``update``, :meth:`apply_gradients`,
+        :class:`TrainState`'s and ``nnx.Optimizer``'s ``update``) closes the
+        window on this microbatch whatever its rules say: for the last
+        microbatch of the data (of an epoch, or of the run), whose window
+        would otherwise wait for microbatches that never come (in
+        ``optax.MultiSteps`` too). The window closes as its rules would close
+        it, also where this microbatch is skipped or its count invalid: the
+        inner optimizer runs on the token mean of what the window holds, its
+        statistics are recorded, a budget's tokens seen advance, and the next
+        window starts empty. A window that ``close_window`` alone closes
+        without tokens (``tx.update(zeros, state, params, count=0,
+        close_window=True)`` right after a window closed, when the data ended
+        on a window's boundary) is dropped: no update, no window completed
+        (the last one's statistics stay readable); only ``mini_step`` (0),
+        ``updated`` (False) and the invalid counts it held change. A bool or a
+        boolean scalar array, traced under ``jit`` too (``False`` or ``None``
+        compile the program without it); with ``reduction=mm.deferred(...)``
+        one flag for all devices.
       * Between windows the returned updates are zeros (structure and dtype of the
         inner optimizer's updates); the inner optimizer runs only at the end of a
         window, so its state, step count, schedules and weight decay advance once
@@ -579,9 +609,24 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         def init(params: optax.Params) -> MaskedMultiStepsState:
             return self._init(params)
 
-        def update(updates, state, params=None, *args, count=None, **extra_args):
+        def update(
+            updates,
+            state,
+            params=None,
+            *args,
+            count=None,
+            close_window=None,
+            **extra_args,
+        ):
             _refuse_positional_count("update", args)
-            return self._update(updates, state, params, count=count, **extra_args)
+            return self._update(
+                updates,
+                state,
+                params,
+                count=count,
+                close_window=close_window,
+                **extra_args,
+            )
 
         # What `help(tx.init)` and `help(tx.update)` show.
         init.__qualname__ = "MaskedMultiSteps.init"
@@ -768,6 +813,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         params: optax.Params | None = None,
         *,
         count: jax.typing.ArrayLike | None = None,
+        close_window: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, MaskedMultiStepsState]:
         """Folds in one microbatch; at the window's end, runs the inner optimizer.
@@ -781,6 +827,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
           params: the current params, passed to the inner optimizer.
           count: the number of real tokens behind ``updates`` (or any non-negative
             weight), a real scalar. Required.
+          close_window: ``True`` to end the window with this microbatch,
+            whatever the window's rules say (the last microbatch of the data;
+            the class's semantics say what closes); a bool or a boolean scalar
+            array, traced under ``jit`` as well.
           **extra_args: ``value=`` (the microbatch's mean loss) is token-averaged
             over the window; ``grad=`` (a line search's) is replaced by the
             window's mean gradient; everything else goes to the inner optimizer
@@ -806,7 +856,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             gradients do not match the state's tree; if that flag is not a
             scalar.
         """
-        return self._step(updates, state, params, count, extra_args, apply_params=False)
+        return self._step(
+            updates, state, params, count, close_window, extra_args, apply_params=False
+        )
 
     def apply_gradients(  # pyright: ignore[reportRedeclaration]
         self,
@@ -815,6 +867,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         params: _ParamsT,
         *args: Any,
         count: jax.typing.ArrayLike | None = None,
+        close_window: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[_ParamsT, MaskedMultiStepsState]:
         """:meth:`update` followed by ``optax.apply_updates``, fused.
@@ -837,7 +890,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
           -2.0
         """
         _refuse_positional_count("apply_gradients", args)
-        return self._step(grads, state, params, count, extra_args, apply_params=True)
+        return self._step(
+            grads, state, params, count, close_window, extra_args, apply_params=True
+        )
 
     if TYPE_CHECKING:
         # What a type checker sees: `count` is required. At run time it
@@ -850,6 +905,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             params: _ParamsT,
             *,
             count: jax.typing.ArrayLike,
+            close_window: jax.typing.ArrayLike | None = None,
             **extra_args: Any,
         ) -> tuple[_ParamsT, MaskedMultiStepsState]: ...
 
@@ -1055,14 +1111,17 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
 
     def _close_now(
-        self, state, gate, microbatches, acc_grads, acc_count, stats
-    ) -> tuple[jax.Array, Any]:
+        self, state, gate, microbatches, acc_grads, acc_count, stats, forced
+    ) -> tuple[jax.Array, Any, jax.Array | None]:
         """Asks the window policy whether the window closes on this microbatch.
 
         Only a counted microbatch can close a window, or one whose count the
-        window's total cannot take (the window is full); the policy sees the
-        window as it is with this microbatch folded in (``microbatches``; for
-        the norm test, the window statistics so far).
+        window's total cannot take (the window is full), or ``forced``
+        (``close_window=``; ``None`` where it is statically false); the policy
+        sees the window as it is with this microbatch folded in
+        (``microbatches``; for the norm test, the window statistics so far).
+        Returns ``(closes, policy_state, forced_only)``, ``forced_only``
+        (``None`` without ``forced``) where ``close_window=`` alone closes it.
         """
         scalars = _windows.WindowScalars(
             microbatches=microbatches,
@@ -1079,15 +1138,21 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         verdict = _windows.verdict(self._policy, state.policy_state, scalars)
         closes = (gate.counted & verdict) | gate.full
         # A microbatch that does not count leaves the policy state as it was,
-        # unless it closes a full window.
+        # unless it closes a full window or `close_window=` closes it.
+        keep = gate.counted | gate.full
+        forced_only = None
+        if forced is not None:
+            forced_only = forced & ~closes
+            closes = closes | forced
+            keep = keep | forced
         policy_state = jax.tree.map(
-            lambda new, old: jnp.where(gate.counted | gate.full, new, old),
+            lambda new, old: jnp.where(keep, new, old),
             self._policy.update(state.policy_state, scalars, closes),
             state.policy_state,
         )
-        return closes, policy_state
+        return closes, policy_state, forced_only
 
-    def _step(self, grads, state, params, count, extra_args, *, apply_params):
+    def _step(self, grads, state, params, count, close, extra_args, *, apply_params):
         """Shared body of :meth:`update` and :meth:`apply_gradients`.
 
         Accumulates outside the window's conditional (one fused pass over the
@@ -1098,6 +1163,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ``(new_params, state)``.
         """
         _checks.check_extra_args(extra_args, count)
+        forced = _checks.close_flag(close)  # `close_window=`
         self._check_state(state, params)
         self._reduction.check_grads(grads, state.acc_grads)
         grads = self._reduction.place_inputs(grads, state.acc_grads)
@@ -1119,8 +1185,14 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             mini_step = jnp.where(
                 gate.counted, optax.safe_increment(state.mini_step), state.mini_step
             ).astype(jnp.int32)
-            window_done, policy_state = self._close_now(
-                state, gate, mini_step, window.acc_grads, window.acc_count, window.stats
+            window_done, policy_state, forced_only = self._close_now(
+                state,
+                gate,
+                mini_step,
+                window.acc_grads,
+                window.acc_count,
+                window.stats,
+                forced,
             )
 
         # The window's loss in the dtype of the microbatches' (floating: the
@@ -1248,6 +1320,16 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 loss_tokens=totals.value_count,
                 sums=totals.stats_sums,
             )
+            if forced_only is not None:
+                # A window that `close_window=` alone closes without tokens
+                # (the data ended on a window's boundary) completes no window:
+                # the last one's statistics stay readable.
+                discard = forced_only & ~has_tokens
+                stats = jax.tree.map(
+                    lambda kept, closed: jnp.where(discard, kept, closed),
+                    carry.stats,
+                    stats,
+                )
             before = carry.counters
             counters = _Counters(
                 mini_step=jnp.zeros_like(before.mini_step),

@@ -188,6 +188,7 @@ class TrainState(_flax_train_state.TrainState):
         grads: optax.Updates | None = None,
         count: jax.typing.ArrayLike | None = None,
         value: jax.typing.ArrayLike | None = None,
+        close_window: jax.typing.ArrayLike | None = None,
         extra_args: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> Self:
@@ -206,6 +207,9 @@ class TrainState(_flax_train_state.TrainState):
           value: optionally the microbatch's mean loss; token-averaged by
             :class:`MaskedMultiSteps` and passed to its inner optimizer as
             ``value=`` at the end of the window.
+          close_window: ``True`` to end the window with this microbatch
+            whatever its rule says (the last microbatch of the data), as
+            :meth:`MaskedMultiSteps.update` takes it.
           extra_args: further keyword arguments for the optimizer's update
             (e.g. ``{"scale": s}`` for an inner optimizer that takes
             ``scale=``); a :class:`MaskedMultiSteps` hands them to its inner
@@ -273,7 +277,7 @@ class TrainState(_flax_train_state.TrainState):
             type(self),
             "apply_gradients",
             kwargs,
-            ["count", "value", "extra_args"],
+            ["count", "value", "close_window", "extra_args"],
             " Arguments for the optimizer go in `extra_args={...}`.",
         )
         if count is None:
@@ -293,7 +297,7 @@ class TrainState(_flax_train_state.TrainState):
                 f"optimizer's update, got {type(extra_args).__name__}"
             )
         extra_args = dict(extra_args or {})
-        clash = [k for k in ("count", "value") if k in extra_args]
+        clash = [k for k in ("count", "value", "close_window") if k in extra_args]
         if clash:
             raise TypeError(
                 f"Pass {', '.join(clash)} to apply_gradients directly, not in "
@@ -303,6 +307,8 @@ class TrainState(_flax_train_state.TrainState):
         extra_args["count"] = count
         if value is not None:
             extra_args["value"] = value
+        if close_window is not None:
+            extra_args["close_window"] = close_window
 
         # The gradients of fp8 params, `{"params": ..., OVERWRITE_WITH_GRADIENT: ...}`.
         owg: Mapping[Any, Any] | None = (
@@ -360,6 +366,7 @@ class TrainState(_flax_train_state.TrainState):
             grads: optax.Updates,
             count: jax.typing.ArrayLike,
             value: jax.typing.ArrayLike | None = None,
+            close_window: jax.typing.ArrayLike | None = None,
             extra_args: Mapping[str, Any] | None = None,
             **kwargs: Any,
         ) -> Self: ...

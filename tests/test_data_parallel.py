@@ -1707,3 +1707,71 @@ def test_microbatched_value_and_grad_inside_shard_map_with_the_replication_check
     assert int(count) == int(f_count)
     assert int(rows) == int(f_aux["rows"])
     chex.assert_trees_all_close((loss, grads), (f_loss, f_grads), **TOL)
+
+
+@pytest.mark.parametrize("synced", [False, True], ids=["per-window", "synced"])
+def test_close_window_ends_a_deferred_window_early_as_on_one_device(mesh, synced):
+    """``close_window=True`` on the sixth microbatch closes the second window on
+    its two microbatches on every device at once, equal to one device's
+    full-batch run closed there; a flush with no tokens then changes nothing
+    but ``updated``. The one gradient-sized reduction stays in the window's
+    close."""
+    batches = _microbatches()[: K + 2]
+    skip = optax.skip_not_finite if synced else None
+    tx = _tx(mm.deferred(mesh, "data"), should_skip_update_fn=skip, window_stats=True)
+    grad_fn = mm.per_device_value_and_grad(_loss, mesh, "data")
+    data = NamedSharding(mesh, P("data"))
+
+    @jax.jit
+    def step(params, state, mb, last):
+        (loss, count), grads = grad_fn(params, mb)
+        return tx.apply_gradients(
+            grads, state, params, count=count, value=loss, close_window=last
+        )
+
+    params = jax.device_put(_params(), NamedSharding(mesh, P()))
+    state = tx.init(params)
+    flag = jnp.asarray(False)
+    _assert_once_per_window(
+        step.lower(params, state, jax.device_put(batches[0], data), flag)
+        .compile()
+        .as_text(),
+        synced_counts=synced,
+    )
+    for i, mb in enumerate(batches):
+        last = jnp.asarray(i == len(batches) - 1)
+        params, state = step(params, state, jax.device_put(mb, data), last)
+    assert (int(state.gradient_step), int(state.mini_step)) == (2, 0)
+    assert not np.asarray(state.reduction_state.counts).any()
+
+    ref_tx = _tx(window_stats=True)
+    device = jax.devices()[0]
+    ref_params = jax.device_put(_params(), device)
+    ref_state = ref_tx.init(ref_params)
+    for i, mb in enumerate(batches):
+        (loss, count), grads = _jitted_value_and_grad(_loss, True)(
+            ref_params, jax.device_put(mb, device)
+        )
+        ref_params, ref_state = ref_tx.apply_gradients(
+            grads,
+            ref_state,
+            ref_params,
+            count=count,
+            value=loss,
+            close_window=i == len(batches) - 1,
+        )
+    chex.assert_trees_all_close(params, ref_params, **TOL, strict=True)
+    stats, ref_stats = mm.window_stats(state), mm.window_stats(ref_state)
+    tokens = sum(int(mb["mask"].sum()) for mb in batches[K:])
+    assert float(stats.tokens) == float(ref_stats.tokens) == tokens
+    assert int(stats.windows) == 2
+    np.testing.assert_allclose(stats.loss, ref_stats.loss, **TOL)
+
+    # The data ended on the boundary: a count-0 flush is dropped.
+    empty = _microbatches()[EMPTY_MICROBATCH]
+    after, flushed = step(params, state, jax.device_put(empty, data), jnp.asarray(True))
+    chex.assert_trees_all_equal(after, params)
+    chex.assert_trees_all_equal(
+        flushed._replace(updated=state.updated), state, strict=True
+    )
+    assert not bool(flushed.updated)
