@@ -82,9 +82,10 @@ def test_demo_outputs_show_masked_equals_full_batch(tmp_path):
     assert abs(runs["optax_multisteps"]["heldout_loss"] - ref["heldout_loss"]) > 1e-3
     # The masked run reports the final smoothed gradient noise scale.
     assert "gradient noise scale B_simple" in printed
-    noise = runs["masked_multisteps"]["noise_scale"]
+    noise = runs["masked_multisteps"]["smoothed_noise_scale"]
     assert (
-        len(noise) == 3 and noise[-1] == runs["masked_multisteps"]["final_noise_scale"]
+        len(noise) == 3
+        and noise[-1] == runs["masked_multisteps"]["final_smoothed_noise_scale"]
     )
     assert noise[-1] > 0
     # The first microbatch holds the short sequences, the last the long ones.
@@ -116,7 +117,7 @@ def test_demo_outputs_show_masked_equals_full_batch(tmp_path):
     np.testing.assert_array_equal(
         noise, [float(stats.smoothed_noise_scale) for stats in read[1:]]
     )
-    assert "noise_scale" not in runs["full_batch"]
+    assert "smoothed_noise_scale" not in runs["full_batch"]
 
 
 def _summary(steps, run):
@@ -141,7 +142,7 @@ def test_the_footer_follows_the_run():
             "grad_rel_error_max": 0.0,
             "final_train_loss": 1.0,
             "heldout_loss": 1.0,
-            "final_noise_scale": 10.0,
+            "final_smoothed_noise_scale": 10.0,
         },
     )
     summary["runs"]["optax_multisteps"].update(
@@ -199,8 +200,8 @@ def test_an_undefined_noise_scale_is_said_and_written_as_null(tmp_path):
         "heldout_loss": 1.0,
         "train_loss": [1.0],
         "grad_rel_error": [0.0],
-        "noise_scale": [float("nan")],
-        "final_noise_scale": float("nan"),
+        "smoothed_noise_scale": [float("nan")],
+        "final_smoothed_noise_scale": float("nan"),
     }
     summary = {
         "config": {
@@ -224,7 +225,10 @@ def test_an_undefined_noise_scale_is_said_and_written_as_null(tmp_path):
 
     written = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
     masked = written["runs"]["masked_multisteps"]
-    assert masked["noise_scale"] == [None] and masked["final_noise_scale"] is None
+    assert (
+        masked["smoothed_noise_scale"] == [None]
+        and masked["final_smoothed_noise_scale"] is None
+    )
 
 
 def test_skew_controls_length_order():
@@ -361,7 +365,7 @@ def test_summary_takes_mean_and_max_over_steps_and_the_loss_of_the_last_10():
         assert run["grad_rel_error_mean"] == pytest.approx(0.65)
         assert run["grad_rel_error_max"] == pytest.approx(1.2)
         assert run["final_train_loss"] == pytest.approx(6.5)
-    assert summary["runs"]["masked_multisteps"]["final_noise_scale"] == 40.0
+    assert summary["runs"]["masked_multisteps"]["final_smoothed_noise_scale"] == 40.0
 
 
 def test_the_table_prints_each_runs_mean_and_max_error_in_their_columns():
@@ -374,7 +378,7 @@ def test_the_table_prints_each_runs_mean_and_max_error_in_their_columns():
             "grad_rel_error_max": 0.75,
             "final_train_loss": 1.0,
             "heldout_loss": 1.0,
-            "final_noise_scale": float("nan"),
+            "final_smoothed_noise_scale": float("nan"),
         },
     )
     text = report.format_table(summary)

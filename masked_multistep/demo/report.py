@@ -48,8 +48,8 @@ def summarize(
             "grad_rel_error": [float(x) for x in r.grad_rel_error],
         }
         if r.noise_scale is not None:
-            runs[name]["noise_scale"] = [float(x) for x in r.noise_scale]
-            runs[name]["final_noise_scale"] = float(r.noise_scale[-1])
+            runs[name]["smoothed_noise_scale"] = [float(x) for x in r.noise_scale]
+            runs[name]["final_smoothed_noise_scale"] = float(r.noise_scale[-1])
     return {
         "config": config._asdict(),
         "tokens_per_microbatch_first_batch": [int(n) for n in token_counts],
@@ -111,7 +111,7 @@ def format_table(summary: dict[str, Any]) -> str:
     )
     lines += ["", *textwrap.wrap(verdict, width=_WIDTH)]
     tokens_per_step = summary["mean_tokens_per_batch"]
-    noise_scale = summary["runs"]["masked_multisteps"]["final_noise_scale"]
+    noise_scale = summary["runs"]["masked_multisteps"]["final_smoothed_noise_scale"]
     stats = "mm.MaskedMultiSteps window statistics: gradient noise scale B_simple "
     if not math.isfinite(noise_scale):
         reason = (
