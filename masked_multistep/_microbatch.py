@@ -611,6 +611,7 @@ def microbatched_value_and_grad(
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
     with_stats: Literal[False] = False,
+    wrt: Any = None,
 ) -> GradFn[ParamsT, BatchT]: ...
 
 
@@ -623,6 +624,7 @@ def microbatched_value_and_grad(
     aux_reduction: AuxReduction = None,
     with_stats: Literal[True],
     per_leaf_stats: Literal[False] = False,
+    wrt: Any = None,
 ) -> GradFnWithStats[ParamsT, BatchT]: ...
 
 
@@ -635,6 +637,7 @@ def microbatched_value_and_grad(
     aux_reduction: AuxReduction = None,
     with_stats: Literal[True],
     per_leaf_stats: Literal[True],
+    wrt: Any = None,
 ) -> GradFnWithLeafStats[ParamsT, BatchT]: ...
 
 
@@ -648,6 +651,7 @@ def microbatched_value_and_grad(
     aux_reduction: AuxReduction = None,
     with_stats: bool = False,
     per_leaf_stats: bool = False,
+    wrt: Any = None,
     # Typed Never so that a type checker flags a misspelt keyword; at run time
     # it gets an error with a hint.
     **unknown: Never,
@@ -768,7 +772,13 @@ def microbatched_value_and_grad(
         ``nnx.merge(graphdef, params, rest, copy=True)``; state that such a
         ``loss_fn`` writes is not returned (``nnx.reseed(module,
         default=rng, dropout=rng)`` with ``rng=`` gives each microbatch its
-        own dropout key).
+        own dropout key). ``wrt=`` (an ``nnx`` filter, as
+        ``nnx.Optimizer(..., wrt=...)`` takes it: ``nnx.LoRAParam`` for LoRA
+        adapters) differentiates a module passed whole in those variables
+        only: the gradients come back as an ``nnx.State`` of them, the
+        module's other ``nnx.Param`` variables are held fixed (no gradient
+        of theirs is computed or kept, nor counted in the statistics), and
+        its other state is carried as above.
       * ``with_stats=True`` also returns the call's :class:`WindowStats`, the
         statistics :class:`MaskedMultiSteps` keeps per window (the call is one
         window of ``k`` microbatches): tokens, microbatches with tokens, loss,
@@ -799,6 +809,9 @@ def microbatched_value_and_grad(
       with_stats: also return the call's :class:`WindowStats`.
       per_leaf_stats: with ``with_stats=True``, each parameter leaf's
         statistics (the squared norms are taken leaf by leaf anyway).
+      wrt: for an NNX module passed whole as ``params``, an ``nnx`` filter of
+        the variables to differentiate (default: its ``nnx.Param``
+        variables); a pytree ``params`` takes none.
 
     Returns:
       ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``, or
@@ -814,7 +827,10 @@ def microbatched_value_and_grad(
       TypeError: if ``loss_fn`` is not callable, ``num_microbatches`` is not an
         integer, ``has_aux``, ``with_stats`` or ``per_leaf_stats`` is not a
         bool, ``per_leaf_stats=True`` comes without ``with_stats=True``, an
-        ``aux_reduction`` leaf is not a string; when called, if ``params`` has
+        ``aux_reduction`` leaf is not a string, ``wrt`` is not an ``nnx``
+        filter; when called, if ``wrt`` is given with ``params`` that is not
+        an NNX module, or selects none of its variables or ones that are not
+        parameters, if ``params`` has
         a leaf that is not floating (the error names it) or holds, below its
         top level, an NNX module with state other than ``nnx.Param`` (the
         error names its variables), ``loss_fn`` changes the variables of a
@@ -931,6 +947,7 @@ def microbatched_value_and_grad(
         "window" if with_stats else None,
         module_state=True,
         per_leaf=per_leaf,
+        wrt=_nnx_state.check_wrt(wrt),
     )
 
 
@@ -975,6 +992,7 @@ def _grad_fn(
     stats: Literal["window", "sums"] | None,
     module_state: bool = False,
     per_leaf: bool = False,
+    wrt: Any = None,
 ) -> Any:
     """:func:`microbatched_value_and_grad`'s function, arguments checked.
 
@@ -985,6 +1003,8 @@ def _grad_fn(
     parameters (RNG streams, batch statistics), threaded through the
     microbatches in order and written back (:class:`_nnx_state.ModuleState`).
     ``per_leaf``: the statistics (or sums) of each parameter leaf as well.
+    ``wrt``: an ``nnx`` filter of a module's variables to differentiate (with
+    ``module_state``); its other ``nnx.Param`` variables are held fixed.
     """
 
     def normalized_loss(params, microbatch, key, rest, *, module):
@@ -1028,7 +1048,13 @@ def _grad_fn(
                 'pytree, e.g. grad_fn(params, {"x": x, "mask": mask}) (loss_fn '
                 "gets each microbatch of it), and pass a PRNG key as rng=key"
             )
-        module = _nnx_state.ModuleState.of(params) if module_state else None
+        if wrt is not None and not _nnx_state.is_module(params):
+            raise TypeError(
+                f"`wrt={wrt!r}` selects variables of an NNX module passed whole "
+                f"as `params`, got {type(params).__name__}: pass the module, or "
+                "leave `wrt` out and pass the pytree of what to differentiate"
+            )
+        module = _nnx_state.ModuleState.of(params, wrt) if module_state else None
         if module is not None:
             params = module.params
         per_microbatch = value_and_grad(module)

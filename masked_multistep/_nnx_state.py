@@ -115,6 +115,37 @@ def check_nnx_modules(params: Any, whole_ok: bool = False) -> None:
         )
 
 
+def check_wrt(wrt: Any) -> Any:
+    """``wrt=``, an ``nnx`` filter of the variables to differentiate (as
+    ``nnx.Optimizer``'s ``wrt`` and ``nnx.DiffState`` take it): ``None``, or
+    one that ``nnx`` can read (a ``Variable`` type, a tag string, ``nnx.All``,
+    ...); a ``TypeError`` naming it otherwise."""
+    if wrt is None:
+        return None
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        raise TypeError(
+            f"`wrt` filters the variables of an NNX module, got {wrt!r} with "
+            "flax.nnx not imported"
+        )
+    try:
+        nnx.filterlib.to_predicate(wrt)
+    except Exception as err:  # flax's own error for an unreadable filter
+        raise TypeError(
+            f"`wrt` must be an nnx filter of the variables to differentiate "
+            f"(e.g. nnx.LoRAParam, as nnx.Optimizer takes it), got {wrt!r} of "
+            f"type {type(wrt).__name__}"
+        ) from err
+    return wrt
+
+
+def is_module(x: Any) -> bool:
+    """Whether ``x`` is an NNX module (``False`` where flax.nnx was never
+    imported)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Module)
+
+
 def holds_nnx(params: Any) -> bool:
     """Whether ``params`` is or holds an NNX module, variable or state."""
     nnx = sys.modules.get("flax.nnx")
@@ -151,15 +182,43 @@ class ModuleState(NamedTuple):
     graphdef: Any
     params: Any
     rest: Any
+    # With `wrt=`: the `nnx.Param` variables it leaves out (frozen: the same
+    # for every microbatch, neither differentiated nor carried); else None.
+    frozen: Any = None
+    wrt: Any = None
 
     @classmethod
-    def of(cls, params: Any) -> ModuleState | None:
+    def of(cls, params: Any, wrt: Any = None) -> ModuleState | None:
         """The split of ``params`` if it is an NNX module holding state other
-        than ``nnx.Param``; ``None`` otherwise (a pytree of params, or a
-        module of parameters only, differentiated as a pytree)."""
+        than ``nnx.Param``, or any NNX module with ``wrt`` (an ``nnx`` filter
+        of the variables to differentiate, :func:`check_wrt`'s); ``None``
+        otherwise (a pytree of params, or a module of parameters only,
+        differentiated as a pytree)."""
         nnx = sys.modules.get("flax.nnx")
         if nnx is None or not isinstance(params, nnx.Module):
             return None
+        if wrt is not None:
+            graphdef, diff, frozen, rest = nnx.split(params, wrt, nnx.Param, ...)
+            if not jax.tree.leaves(diff):
+                raise TypeError(
+                    f"`wrt={wrt!r}` selects none of the variables of the module "
+                    f"passed as `params` ({type(params).__name__}): pass the "
+                    "filter that nnx.Optimizer(..., wrt=...) takes for it"
+                )
+            untrainable = (nnx.BatchStat, nnx.Cache, nnx.Intermediate, nnx.RngState)
+            chosen = [
+                f"{type(v).__name__} at params{nnx_path(path)}"
+                for path, v in nnx.to_flat_state(diff)
+                if isinstance(v, untrainable)
+            ]
+            if chosen:
+                raise TypeError(
+                    f"`wrt={wrt!r}` selects variables that are not parameters "
+                    f"({first_three(chosen)}): differentiate nnx.Param variables "
+                    "(or a subclass, e.g. nnx.LoRAParam); the rest of the "
+                    "module is carried from microbatch to microbatch"
+                )
+            return cls(params, graphdef, diff, rest, frozen, wrt)
         if not nnx.to_flat_state(nnx.state(params, nnx.Not(nnx.Param))):
             return None
         graphdef, param_state, rest = nnx.split(params, nnx.Param, ...)
@@ -168,11 +227,15 @@ class ModuleState(NamedTuple):
     def merge(self, params: Any, rest: Any) -> Any:
         """The module of ``params`` and ``rest``, for one ``loss_fn`` call."""
         nnx = sys.modules["flax.nnx"]
+        if self.wrt is not None:
+            return nnx.merge(self.graphdef, params, self.frozen, rest, copy=True)
         return nnx.merge(self.graphdef, params, rest, copy=True)
 
     def rest_of(self, module: Any) -> Any:
         """The rest of ``module``'s state after a ``loss_fn`` call."""
         nnx = sys.modules["flax.nnx"]
+        if self.wrt is not None:
+            return nnx.split(module, self.wrt, nnx.Param, ...)[3]
         return nnx.split(module, nnx.Param, ...)[2]
 
     def held_without_tokens(self, weight: Any, after: Any, before: Any) -> Any:

@@ -80,6 +80,12 @@ _HINTS = {
     **dict.fromkeys(
         MICROBATCH_KEYWORDS, "the microbatches per device are `num_microbatches=`"
     ),
+    "wrt": (
+        "an NNX module's subset to differentiate goes in as its own state: pass "
+        "`params` from `graphdef, params, rest = nnx.split(model, nnx.LoRAParam, "
+        "...)` and rebuild the module in `loss_fn` with `nnx.merge(graphdef, "
+        "params, rest)` (microbatched_value_and_grad takes `wrt=`)"
+    ),
 }
 
 

@@ -157,7 +157,7 @@ def test_module_in_place_of_params_with_dropout_per_microbatch():
     )
 
 
-def _looped(loss_fn, model, batch, k=K):
+def _looped(loss_fn, model, batch, k=K, wrt=nnx.Param):
     """k calls of ``nnx.value_and_grad`` one after the other on the
     microbatches (rows j, j + k, ...), the module's state carried between
     them, except that a microbatch without tokens leaves every variable but
@@ -167,7 +167,9 @@ def _looped(loss_fn, model, batch, k=K):
     for j in range(k):
         microbatch = jax.tree.map(lambda x, j=j: x[j::k], batch)
         before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Not(nnx.RngState)))
-        (loss, count), g = nnx.value_and_grad(loss_fn, has_aux=True)(model, microbatch)
+        (loss, count), g = nnx.value_and_grad(
+            loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True
+        )(model, microbatch)
         if not count:
             nnx.update(model, before)
         losses.append(float(loss))
@@ -625,3 +627,119 @@ def test_an_rngs_closed_over_by_loss_fn_gets_a_note_saying_where_it_goes():
         grad_fn(model, batch)
     assert type(info.value).__name__ == "TraceContextError"
     assert any("keep it in the module" in note for note in info.value.__notes__)
+
+
+class _LoRAWithBatchNorm(nnx.Module):
+    """A frozen base layer with LoRA adapters, batch statistics and dropout."""
+
+    def __init__(self, rngs, width=D_OUT):
+        base = nnx.Linear(D_IN, width, rngs=rngs)
+        self.lin = nnx.LoRA(D_IN, 2, width, base_module=base, rngs=rngs)
+        self.bn = nnx.BatchNorm(width, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x, rng=None):
+        del rng
+        return self.drop(self.bn(self.lin(x)))
+
+
+@pytest.mark.parametrize("jit", ["eager", "jax.jit", "nnx.jit"])
+def test_wrt_differentiates_the_filtered_variables_only(jit):
+    """wrt=nnx.LoRAParam: gradients of the adapters alone, equal to nnx's own
+    with respect to them over the k microbatches in order (dropout streams and
+    batch statistics carried from one to the next), the base weights held
+    fixed; an nnx.Optimizer(..., wrt=nnx.LoRAParam) takes them."""
+    model = _LoRAWithBatchNorm(nnx.Rngs(0))
+    reference = nnx.clone(model)
+    batch = _batch()
+    grad_fn = mm.microbatched_value_and_grad(_token_loss, K, wrt=nnx.LoRAParam)
+    if jit == "jax.jit":
+        got, model = jax.jit(lambda m, b: (grad_fn(m, b), m))(model, batch)
+    else:
+        got = (nnx.jit(grad_fn) if jit == "nnx.jit" else grad_fn)(model, batch)
+    want = _looped(_token_loss, reference, batch, wrt=nnx.LoRAParam)
+    _assert_same_as_looped(got, want)
+    (_, count), grads = got
+    assert jax.tree.structure(grads) == jax.tree.structure(
+        nnx.state(reference, nnx.LoRAParam)
+    )
+    # The batch statistics end where k calls leave them; dropout advanced.
+    chex.assert_trees_all_close(
+        nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat)
+    )
+    chex.assert_trees_all_equal(
+        nnx.state(model, nnx.RngState), nnx.state(reference, nnx.RngState)
+    )
+
+    optimizer = nnx.Optimizer(
+        model, mm.MaskedMultiSteps(optax.sgd(0.1), 1), wrt=nnx.LoRAParam
+    )
+    base = np.asarray(model.lin.base_module.kernel[...])
+    adapter = np.asarray(model.lin.lora_b[...])  # (lora_a's gradient is 0 at first)
+    optimizer.update(model, grads, count=count)
+    np.testing.assert_array_equal(model.lin.base_module.kernel[...], base)
+    assert not np.allclose(model.lin.lora_b[...], adapter)
+
+
+class _WideLoRA(nnx.Module):
+    """A wide frozen base (1 MiB) under small adapters."""
+
+    def __init__(self, rngs, width=512):
+        self.embed = nnx.Linear(D_IN, width, rngs=rngs)
+        base = nnx.Linear(width, width, rngs=rngs)
+        self.lin = nnx.LoRA(width, 2, width, base_module=base, rngs=rngs)
+        self.out = nnx.Linear(width, D_OUT, rngs=rngs)
+
+    def __call__(self, x, rng=None):
+        del rng
+        return self.out(jnp.tanh(self.lin(self.embed(x))))
+
+
+def test_wrt_keeps_no_gradient_of_the_frozen_weights():
+    """The frozen weights' gradients are neither computed, accumulated nor
+    returned (compiled scratch and output bytes), and the statistics count
+    the adapters alone."""
+    model = _WideLoRA(nnx.Rngs(0))
+    batch = _batch()
+
+    def footprint(**kwargs):
+        grad_fn = mm.microbatched_value_and_grad(_token_loss, K, **kwargs)
+        memory = nnx.jit(grad_fn).lower(model, batch).compile().memory_analysis()
+        return memory.temp_size_in_bytes, memory.output_size_in_bytes
+
+    base_bytes = 4 * 512 * 512
+    (temp, out), (temp_wrt, out_wrt) = footprint(), footprint(wrt=nnx.LoRAParam)
+    # Without wrt, a microbatch's gradient of the base in scratch and the
+    # window's in the output; with it, no buffer of the base's size.
+    assert temp >= base_bytes and out - out_wrt >= base_bytes
+    assert temp_wrt < base_bytes / 4
+
+    grad_fn = mm.microbatched_value_and_grad(
+        _token_loss, K, wrt=nnx.LoRAParam, with_stats=True, per_leaf_stats=True
+    )
+    _, grads, stats = grad_fn(model, batch)
+    assert jax.tree.structure(stats.grad_sq_norm) == jax.tree.structure(grads)
+    np.testing.assert_allclose(
+        sum(jax.tree.leaves(stats.grad_sq_norm)),
+        sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)),
+        rtol=1e-5,
+    )
+
+
+@pytest.mark.parametrize(
+    ("params", "wrt", "match"),
+    [
+        ("pytree", nnx.LoRAParam, "selects variables of an NNX module passed whole"),
+        ("linear", nnx.LoRAParam, "selects none of the variables"),
+        ("lora", nnx.BatchStat, "selects variables that are not parameters"),
+        ("lora", 3, "`wrt` must be an nnx filter"),
+    ],
+)
+def test_wrt_errors_name_the_filter(params, wrt, match):
+    given = {
+        "pytree": {"w": jnp.ones(2)},
+        "linear": nnx.Linear(D_IN, D_OUT, rngs=nnx.Rngs(0)),
+        "lora": _LoRAWithBatchNorm(nnx.Rngs(0)),
+    }[params]
+    with pytest.raises(TypeError, match=match):
+        mm.microbatched_value_and_grad(_token_loss, K, wrt=wrt)(given, _batch())
