@@ -580,6 +580,7 @@ class DeferredPerWindow(Deferred):
             value_count=value_total.astype(so_far.value_count.dtype),
             num_invalid=num_invalid,
             stats_sums=stats_sums,
+            overflowed=~kept,
         )
 
     def reset(self, reduction_state: Any):  # type: ignore[override]

@@ -439,8 +439,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         without tokens (``tx.update(zeros, state, params, count=0,
         close_window=True)`` right after a window closed, when the data ended
         on a window's boundary) is dropped: no update, no window completed
-        (the last one's statistics stay readable); only ``mini_step`` (0),
-        ``updated`` (False) and the invalid counts it held change. A bool or a
+        (the last one's statistics stay readable, the rules' state is as
+        without the flag): the call changes only what the microbatch itself
+        changes without the flag (a skip function's state, the invalid
+        counts, also those the window held), ``mini_step`` (0) and
+        ``updated`` (False). A bool or a
         boolean scalar array, traced under ``jit`` too (``False`` or ``None``
         compile the program without it); with ``reduction=mm.deferred(...)``
         one flag for all devices.
@@ -854,7 +857,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
           ValueError: if ``count`` is not a scalar, or is concretely negative,
             non-finite or too large; if ``value`` is not a scalar; if the
             gradients do not match the state's tree; if that flag is not a
-            scalar.
+            scalar; if ``close_window`` is a boolean array that is not a
+            scalar (a ``TypeError`` if it is not a bool at all).
         """
         return self._step(
             updates, state, params, count, close_window, extra_args, apply_params=False
@@ -1141,13 +1145,20 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # unless it closes a full window or `close_window=` closes it.
         keep = gate.counted | gate.full
         forced_only = None
+        closed = closes  # as the policy is told
         if forced is not None:
             forced_only = forced & ~closes
+            # A window that the flag alone closes without tokens is dropped:
+            # the policy is told nothing closed. (`acc_count` is the window's
+            # global total; where a deferred reduction forms it only at the
+            # window's end, the rule is k microbatches, which keeps no state.)
+            taken = forced & ~(forced_only & ~(acc_count > 0))
+            closed = closes | taken
+            keep = keep | taken
             closes = closes | forced
-            keep = keep | forced
         policy_state = jax.tree.map(
             lambda new, old: jnp.where(keep, new, old),
-            self._policy.update(state.policy_state, scalars, closes),
+            self._policy.update(state.policy_state, scalars, closed),
             state.policy_state,
         )
         return closes, policy_state, forced_only
@@ -1323,8 +1334,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             if forced_only is not None:
                 # A window that `close_window=` alone closes without tokens
                 # (the data ended on a window's boundary) completes no window:
-                # the last one's statistics stay readable.
+                # the last one's statistics stay readable. (One whose tokens
+                # a deferred reduction could not total held tokens: it
+                # completes, dropped, as its rule would close it.)
                 discard = forced_only & ~has_tokens
+                if totals.overflowed is not None:
+                    discard = discard & ~totals.overflowed
                 stats = jax.tree.map(
                     lambda kept, closed: jnp.where(discard, kept, closed),
                     carry.stats,

@@ -216,6 +216,10 @@ class WindowTotals(NamedTuple):
       stats_sums: ``(Σ nᵢ‖gᵢ‖², K)`` of the window statistics (float32, int32)
         where the reduction keeps their per-device shares until the window
         closes (``keeps_stats``); ``()`` otherwise.
+      overflowed: whether the window held tokens whose total could not be
+        formed (``tokens`` is then 0), a boolean scalar; ``None`` where totals
+        are formed as microbatches arrive (a count that does not fit closes
+        the window it would overflow, which keeps its tokens).
     """
 
     tokens: jax.Array
@@ -223,6 +227,7 @@ class WindowTotals(NamedTuple):
     value_count: jax.Array
     num_invalid: jax.Array
     stats_sums: Any = ()
+    overflowed: Any = None
 
 
 class KnownTotals:

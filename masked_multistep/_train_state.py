@@ -21,6 +21,7 @@ import optax
 from masked_multistep import _inner
 from masked_multistep._checks import (
     LOSS_KEYWORDS,
+    close_flag,
     first_three,
     in_series,
     instances_in,
@@ -308,6 +309,8 @@ class TrainState(_flax_train_state.TrainState):
         if value is not None:
             extra_args["value"] = value
         if close_window is not None:
+            # Checked here too: a plain optimizer (no wrapper) would drop it.
+            close_flag(close_window)
             extra_args["close_window"] = close_window
 
         # The gradients of fp8 params, `{"params": ..., OVERWRITE_WITH_GRADIENT: ...}`.

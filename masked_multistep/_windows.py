@@ -223,9 +223,12 @@ class WindowPolicy(NamedTuple):
       update: ``(policy_state, scalars, closed) -> policy_state``, called after
         every microbatch with whether it closed the window. Its result is
         kept only for a microbatch that counts: a skipped one (or an invalid
-        count) leaves the policy state as it was, except one whose count the
-        window's total cannot take, which closes the full window (``closed``
-        is True, and ``scalars`` describe the window without it). The
+        count) leaves the policy state as it was, except one that closes the
+        window all the same: one whose count the window's total cannot take,
+        which closes the full window, or one passed with
+        ``close_window=True`` (``closed`` is True, and ``scalars`` describe
+        the window without it). A window that ``close_window=True`` alone
+        closes without tokens is dropped: ``closed`` is then False. The
         policies here change their state only when a window closes.
       needs_stats: whether ``closes`` reads ``counted``, ``grad_sq_norm`` and
         ``grad_var_trace``.

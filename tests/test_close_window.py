@@ -287,3 +287,44 @@ def test_a_misspelt_flag_is_named():
         state.apply_gradients(grads=ZEROS, count=1, close_windows=True)
     with pytest.raises(TypeError, match="Pass close_window to apply_gradients"):
         state.apply_gradients(grads=ZEROS, count=1, extra_args={"close_window": True})
+
+
+def _counting_policy():
+    """A window rule whose state counts the closes it is told of."""
+    return mm.WindowPolicy(
+        init=lambda: jnp.int32(0),
+        closes=lambda state, scalars: scalars.microbatches >= 4,
+        update=lambda state, scalars, closed: state + closed.astype(jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_window_rule_is_told_of_the_closes_the_flag_makes(jit):
+    """A custom rule sees the flag's closes, a skipped microbatch's included,
+    but not the windows it drops (an empty flush)."""
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        tokens_per_window=_counting_policy(),
+        should_skip_update_fn=optax.skip_not_finite,
+    )
+    step = _step(tx, "apply_gradients", jit)
+    params, state = PARAMS, tx.init(PARAMS)
+    params, state = step(ZEROS, state, params, jnp.asarray(3), _flag(True, jit))
+    assert (int(state.policy_state), int(state.gradient_step)) == (1, 1)
+    for _ in range(3):  # flushes of an empty window: dropped
+        params, state = step(ZEROS, state, params, jnp.asarray(0), _flag(True, jit))
+    assert (int(state.policy_state), int(state.gradient_step)) == (1, 1)
+    # A microbatch the skip function rejects, closing a window with tokens.
+    params, state = step(ZEROS, state, params, jnp.asarray(3), _flag(False, jit))
+    inf = {"w": jnp.full(2, jnp.inf)}
+    params, state = step(inf, state, params, jnp.asarray(3), _flag(True, jit))
+    assert (int(state.policy_state), int(state.gradient_step)) == (2, 2)
+    assert bool(state.skip_state["should_skip"])
+
+
+def test_train_state_checks_the_flag_for_a_plain_optimizer_too():
+    state = mm.TrainState.create(apply_fn=None, params=PARAMS, tx=optax.sgd(1.0))
+    with pytest.raises(TypeError, match="`close_window` must be a bool"):
+        state.apply_gradients(grads=ZEROS, count=1, close_window="yes")
+    state = state.apply_gradients(grads=ZEROS, count=1, close_window=True)
+    assert int(state.step) == 1

@@ -1775,3 +1775,33 @@ def test_close_window_ends_a_deferred_window_early_as_on_one_device(mesh, synced
         flushed._replace(updated=state.updated), state, strict=True
     )
     assert not bool(flushed.updated)
+
+
+def test_close_window_completes_a_window_whose_combined_total_overflows(mesh):
+    """Every device's count fits, their int32 sum does not: the window is
+    dropped whole at its end, and still completes (one invalid count), whether
+    its rule or close_window=True closes it (the flag drops only windows that
+    held no tokens)."""
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        2,
+        count_dtype=jnp.int32,
+        reduction=mm.deferred(mesh, "data"),
+        window_stats=True,
+    )
+    step = jax.jit(
+        lambda g, s, p, n, last: tx.apply_gradients(g, s, p, count=n, close_window=last)
+    )
+    data = NamedSharding(mesh, P("data"))
+    params = jax.device_put({"w": jnp.zeros(2)}, NamedSharding(mesh, P()))
+    grads = {"w": jax.device_put(np.ones((NDEV, 2), np.float32), data)}
+    big = jax.device_put(np.full(NDEV, 2**28, np.int32), data)  # sum 2**31
+    zero = jax.device_put(np.zeros(NDEV, np.int32), data)
+    for flag in (False, True):
+        state = tx.init(params)
+        _, state = step(grads, state, params, big, jnp.asarray(flag))
+        if not flag:
+            _, state = step(grads, state, params, zero, jnp.asarray(False))
+        stats = mm.window_stats(state)
+        assert (int(state.num_invalid_counts), int(stats.windows)) == (1, 1)
+        assert (int(state.gradient_step), int(state.mini_step)) == (0, 0)

@@ -24,7 +24,10 @@ the documented semantics (``MaskedMultiSteps`` and ``masked_multistep._checks``)
   and returns zeros otherwise;
 * ``value`` is token-averaged over the microbatches that pass one; an inner
   optimizer that requires ``value=`` (here an ``sgd(1.0)`` that records it)
-  receives that average, NaN if no microbatch of the window passed one.
+  receives that average, NaN if no microbatch of the window passed one;
+* ``close_window=True`` closes the window on its microbatch whatever ``k``
+  says, also where that microbatch is skipped or its traced count invalid
+  (a concrete invalid count still raises first).
 
 The expected params and updates are those of ``sgd(1.0)``: minus the window's
 token-weighted mean gradient. Tolerances are float32's (1e-5 relative).
@@ -213,7 +216,7 @@ class Model:
     def mean(self):
         return {k: v / self.weight for k, v in self.weighted.items()}
 
-    def step(self, grads, count, value, *, eager):
+    def step(self, grads, count, value, *, eager, close=False):
         """Folds in one microbatch; returns the update (None: zeros) or raises."""
         c = _count_value(count)
         c32 = np.float32(c)
@@ -232,7 +235,7 @@ class Model:
             if verdict is not None:
                 self.skip_state = verdict
             if not valid:
-                return None
+                return self._close_window() if close else None
             # A usable count the window's total cannot take: the full window
             # closes on it, with the tokens it holds.
             return self._close_window()
@@ -243,7 +246,7 @@ class Model:
                 self.skip_state = verdict
             counted = verdict is None or not verdict[0]
         if not counted:
-            return None
+            return self._close_window() if close else None
         if c32 > 0:
             self.acc_count = self.acc_count + c32
             self.weight += c
@@ -255,7 +258,7 @@ class Model:
                 self.value_weight += c
                 self.value_sum += c * float(value)
         k = self.k_of_step(self.gradient_step)
-        if self.mini_step < k - 1:
+        if self.mini_step < k - 1 and not close:
             self.mini_step += 1
             return None
         return self._close_window()
@@ -306,10 +309,13 @@ class MaskedMultiStepsMachine(RuleBasedStateMachine):
         self.params = PARAMS
         self.model = Model(skip, SCHEDULES[schedule][1], needs_value)
 
-    def check_microbatch(self, grads, count, value):
+    def check_microbatch(self, grads, count, value, close=False):
         """One `update` (or `apply_gradients`) call, checked against the model."""
         count = _make_count(*count)
         kwargs = {} if value is None else {"value": jnp.float32(value)}
+        # Under jit, always passed (traced): one program for both values.
+        if close or self.JIT:
+            kwargs["close_window"] = jnp.asarray(close) if self.JIT else close
         jgrads = jax.tree.map(jnp.asarray, grads)
         if getattr(count, "dtype", None) in (jnp.bfloat16, jnp.float16):
             # Refused by dtype (already rounded past 256 or 2048), also traced.
@@ -318,7 +324,9 @@ class MaskedMultiStepsMachine(RuleBasedStateMachine):
             self._check_state()
             return
         try:
-            expected = self.model.step(grads, count, value, eager=not self.JIT)
+            expected = self.model.step(
+                grads, count, value, eager=not self.JIT, close=close
+            )
         except ValueError:
             with pytest.raises(ValueError, match="`count` must"):
                 self.step_fn(jgrads, self.state, self.params, count=count, **kwargs)
@@ -372,6 +380,8 @@ class MaskedMultiStepsMachine(RuleBasedStateMachine):
 
 
 _VALUES = st.one_of(st.none(), _FINITE)
+# `close_window=`: mostly absent (windows of k), now and then the data's end.
+_CLOSES = st.sampled_from([False, False, False, False, False, True])
 
 
 class JitMachine(MaskedMultiStepsMachine):
@@ -383,9 +393,9 @@ class JitMachine(MaskedMultiStepsMachine):
     def setup(self, skip, fused):
         self.configure(skip, "cycle", fused)
 
-    @rule(grads=_grads(), count=_count_strategy(jit=True), value=_VALUES)
-    def microbatch(self, grads, count, value):
-        self.check_microbatch(grads, count, value)
+    @rule(grads=_grads(), count=_count_strategy(jit=True), value=_VALUES, close=_CLOSES)
+    def microbatch(self, grads, count, value, close):
+        self.check_microbatch(grads, count, value, close)
 
 
 class EagerMachine(MaskedMultiStepsMachine):
@@ -399,9 +409,11 @@ class EagerMachine(MaskedMultiStepsMachine):
     def setup(self, skip, schedule, fused):
         self.configure(skip, schedule, fused)
 
-    @rule(grads=_grads(), count=_count_strategy(jit=False), value=_VALUES)
-    def microbatch(self, grads, count, value):
-        self.check_microbatch(grads, count, value)
+    @rule(
+        grads=_grads(), count=_count_strategy(jit=False), value=_VALUES, close=_CLOSES
+    )
+    def microbatch(self, grads, count, value, close):
+        self.check_microbatch(grads, count, value, close)
 
 
 TestUnderJit = JitMachine.TestCase
