@@ -775,10 +775,12 @@ def microbatched_value_and_grad(
         own dropout key). ``wrt=`` (an ``nnx`` filter, as
         ``nnx.Optimizer(..., wrt=...)`` takes it: ``nnx.LoRAParam`` for LoRA
         adapters) differentiates a module passed whole in those variables
-        only: the gradients come back as an ``nnx.State`` of them, the
-        module's other ``nnx.Param`` variables are held fixed (no gradient
-        of theirs is computed or kept, nor counted in the statistics), and
-        its other state is carried as above.
+        only (``nnx.Param`` variables, or a subclass): the gradients come
+        back as an ``nnx.State`` of them, the module's other ``nnx.Param``
+        variables are held fixed (no gradient of theirs is computed or kept,
+        nor counted in the statistics; like the differentiated ones, a value
+        that ``loss_fn`` writes to one is not kept), and its other state is
+        carried as above.
       * ``with_stats=True`` also returns the call's :class:`WindowStats`, the
         statistics :class:`MaskedMultiSteps` keeps per window (the call is one
         window of ``k`` microbatches): tokens, microbatches with tokens, loss,

@@ -122,6 +122,13 @@ def check_wrt(wrt: Any) -> Any:
     ...); a ``TypeError`` naming it otherwise."""
     if wrt is None:
         return None
+    if wrt is Ellipsis or wrt is True:
+        raise TypeError(
+            f"`wrt={wrt!r}` selects every variable of the module, RNG streams "
+            "and batch statistics included: pass the parameters to "
+            "differentiate (nnx.Param, the default, or a subset such as "
+            "nnx.LoRAParam)"
+        )
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         raise TypeError(
@@ -205,11 +212,10 @@ class ModuleState(NamedTuple):
                     f"passed as `params` ({type(params).__name__}): pass the "
                     "filter that nnx.Optimizer(..., wrt=...) takes for it"
                 )
-            untrainable = (nnx.BatchStat, nnx.Cache, nnx.Intermediate, nnx.RngState)
             chosen = [
                 f"{type(v).__name__} at params{nnx_path(path)}"
                 for path, v in nnx.to_flat_state(diff)
-                if isinstance(v, untrainable)
+                if not isinstance(v, nnx.Param)
             ]
             if chosen:
                 raise TypeError(

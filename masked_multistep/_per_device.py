@@ -84,7 +84,7 @@ _HINTS = {
         "an NNX module's subset to differentiate goes in as its own state: pass "
         "`params` from `graphdef, params, rest = nnx.split(model, nnx.LoRAParam, "
         "...)` and rebuild the module in `loss_fn` with `nnx.merge(graphdef, "
-        "params, rest)` (microbatched_value_and_grad takes `wrt=`)"
+        "params, rest, copy=True)` (microbatched_value_and_grad takes `wrt=`)"
     ),
 }
 

@@ -743,3 +743,19 @@ def test_wrt_errors_name_the_filter(params, wrt, match):
     }[params]
     with pytest.raises(TypeError, match=match):
         mm.microbatched_value_and_grad(_token_loss, K, wrt=wrt)(given, _batch())
+
+
+class _Counter(nnx.Variable):
+    pass
+
+
+def test_wrt_refuses_variables_that_are_not_parameters_and_every_variable():
+    model = _LoRAWithBatchNorm(nnx.Rngs(0))
+    model.calls = _Counter(jnp.zeros(()))
+    with pytest.raises(TypeError, match="not parameters .*_Counter at params.calls"):
+        mm.microbatched_value_and_grad(
+            _token_loss, K, wrt=nnx.Any(nnx.LoRAParam, _Counter)
+        )(model, _batch())
+    for every in (..., True):
+        with pytest.raises(TypeError, match="selects every variable"):
+            mm.microbatched_value_and_grad(_token_loss, K, wrt=every)
