@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "CLOSE_KEYWORDS",
     "INT32_MAX",
     "LOSS_KEYWORDS",
     "PARAM_LEAF_TYPES",
@@ -861,6 +862,25 @@ _OWN_KEYWORDS = ("count", "value", "close_window")
 # Names of the microbatch's loss, which goes in `value=`: forwarded, the inner
 # optimizer would drop it, or get the closing microbatch's alone.
 LOSS_KEYWORDS = ("loss", "losses", "mean_loss", "loss_value")
+# Names a user may guess for `close_window=` (other trainers' among them:
+# Hugging Face Accelerate's `sync_gradients`, Keras' `end_of_epoch`).
+CLOSE_KEYWORDS = (
+    "close",
+    "flush",
+    "last",
+    "is_last",
+    "end_window",
+    "window_end",
+    "end_of_window",
+    "window_close",
+    "close_now",
+    "end_of_data",
+    "end_of_epoch",
+    "last_microbatch",
+    "force_update",
+    "apply_now",
+    "sync_gradients",
+)
 
 
 def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
@@ -872,6 +892,14 @@ def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
     and the inner optimizer get the window's NaN loss.
     """
     for key in extra_args:
+        if key in CLOSE_KEYWORDS:
+            raise TypeError(
+                f"MaskedMultiSteps got the keyword argument {key!r}: to close "
+                "the window on this microbatch whatever its rule (the last "
+                "microbatch of the data), pass `close_window=True`. (Other "
+                "keywords go to the inner optimizer, which drops those it "
+                "does not take.)"
+            )
         if key in LOSS_KEYWORDS:
             raise TypeError(
                 f"MaskedMultiSteps got the keyword argument {key!r}: the "

@@ -20,6 +20,7 @@ import optax
 
 from masked_multistep import _inner
 from masked_multistep._checks import (
+    CLOSE_KEYWORDS,
     LOSS_KEYWORDS,
     close_flag,
     first_three,
@@ -67,13 +68,14 @@ def _refuse_unknown_fields(
     unknown = [k for k in kwargs if k not in field_names]
     if not unknown:
         return
-    close = (
-        ["value"]
-        if unknown[0] in LOSS_KEYWORDS and "value" in keywords
-        else difflib.get_close_matches(
+    if unknown[0] in LOSS_KEYWORDS and "value" in keywords:
+        close = ["value"]
+    elif unknown[0] in CLOSE_KEYWORDS and "close_window" in keywords:
+        close = ["close_window"]
+    else:
+        close = difflib.get_close_matches(
             unknown[0], [*keywords, *field_names], n=1, cutoff=0.8
         )
-    )
     hint = (
         f" Did you mean {close[0]!r}?"
         if close

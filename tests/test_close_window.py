@@ -328,3 +328,15 @@ def test_train_state_checks_the_flag_for_a_plain_optimizer_too():
         state.apply_gradients(grads=ZEROS, count=1, close_window="yes")
     state = state.apply_gradients(grads=ZEROS, count=1, close_window=True)
     assert int(state.step) == 1
+
+
+@pytest.mark.parametrize("guess", ["flush", "is_last", "sync_gradients", "close"])
+def test_a_guessed_name_for_the_flag_points_to_it(guess):
+    """Other keywords go to the inner optimizer, which would drop these: the
+    window would stay open without a word."""
+    tx = _tx("k")
+    with pytest.raises(TypeError, match="pass `close_window=True`"):
+        tx.update(ZEROS, tx.init(PARAMS), PARAMS, count=1, **{guess: True})
+    state = mm.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+    with pytest.raises(TypeError, match="Did you mean 'close_window'"):
+        state.apply_gradients(grads=ZEROS, count=1, **{guess: True})
