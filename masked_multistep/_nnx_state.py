@@ -153,6 +153,32 @@ def is_module(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.Module)
 
 
+def refuse_module_state(params: Any, wrt: Any) -> None:
+    """Refuses ``wrt`` with ``params`` that is not an NNX module, or one
+    holding state other than parameters (where each device's call cannot
+    carry it: :func:`per_device_value_and_grad`)."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None or not isinstance(params, nnx.Module):
+        raise TypeError(
+            f"`wrt={wrt!r}` selects variables of an NNX module passed whole "
+            f"as `params`, got {type(params).__name__}: pass the module, or "
+            "leave `wrt` out and pass the pytree of what to differentiate"
+        )
+    others = nnx.to_flat_state(nnx.state(params, nnx.Not(nnx.Param)))
+    if others:
+        found = first_three(
+            [f"{type(v).__name__} at params{nnx_path(p)}" for p, v in others]
+        )
+        raise TypeError(
+            f"`params` is an NNX module ({type(params).__name__}) holding state "
+            f"other than nnx.Param ({found}), which cannot be carried from "
+            "microbatch to microbatch on every device apart: pass `params` from "
+            f"`graphdef, params, rest = nnx.split(model, {wrt!r}, ...)` and "
+            "rebuild the module in `loss_fn` with `nnx.merge(graphdef, params, "
+            "rest, copy=True)`"
+        )
+
+
 def holds_nnx(params: Any) -> bool:
     """Whether ``params`` is or holds an NNX module, variable or state."""
     nnx = sys.modules.get("flax.nnx")

@@ -51,6 +51,7 @@ from masked_multistep._microbatch import (
     _sum_dtype,
     check_per_leaf_stats,
 )
+from masked_multistep._nnx_state import check_wrt, refuse_module_state
 from masked_multistep._reduction import (
     any_explicit,
     check_mesh_axes,
@@ -80,12 +81,6 @@ _HINTS = {
     **dict.fromkeys(
         MICROBATCH_KEYWORDS, "the microbatches per device are `num_microbatches=`"
     ),
-    "wrt": (
-        "an NNX module's subset to differentiate goes in as its own state: pass "
-        "`params` from `graphdef, params, rest = nnx.split(model, nnx.LoRAParam, "
-        "...)` and rebuild the module in `loss_fn` with `nnx.merge(graphdef, "
-        "params, rest, copy=True)` (microbatched_value_and_grad takes `wrt=`)"
-    ),
 }
 
 
@@ -97,6 +92,7 @@ def per_device_value_and_grad(
     num_microbatches: int | np.integer = 1,
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
+    wrt: Any = None,
     **unknown: Never,  # a misspelt keyword: flagged by a type checker, hinted
 ) -> GradFn[ParamsT, BatchT]:
     """Every device's own ``value_and_grad`` of a masked mean loss, unreduced.
@@ -122,9 +118,12 @@ def per_device_value_and_grad(
     gathered on entry, and every device's gradient is then a full-size buffer.
     Other mesh axes keep the compiler's automatic sharding. ``params`` may be
     an NNX module whose state is only ``nnx.Param`` (its gradients come back
-    as a module of the same class); a module that also holds RNG streams or
-    batch statistics is refused with the ``nnx.split`` recipe, as state
-    carried from one microbatch to the next cannot be split over devices.
+    as a module of the same class; with ``wrt=``, an ``nnx.State`` of the
+    variables it selects, the others held fixed, as in
+    :func:`microbatched_value_and_grad`); a module that also holds RNG
+    streams or batch statistics is refused with the ``nnx.split`` recipe, as
+    state carried from one microbatch to the next cannot be split over
+    devices.
 
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
@@ -141,6 +140,9 @@ def per_device_value_and_grad(
       aux_reduction: as in :func:`microbatched_value_and_grad`: ``"sum"``,
         ``"mean"`` or a pytree prefix of ``aux`` with those leaves (required
         for floating ``aux`` leaves).
+      wrt: for an NNX module of parameters passed as ``params``, an ``nnx``
+        filter of the variables to differentiate (``nnx.LoRAParam``), as in
+        :func:`microbatched_value_and_grad`.
 
     Returns:
       ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``
@@ -197,7 +199,15 @@ def per_device_value_and_grad(
     )
     return cast(
         GradFn[ParamsT, BatchT],
-        _per_device(loss_fn, mesh, axis_name, num_microbatches, has_aux, aux_reduction),
+        _per_device(
+            loss_fn,
+            mesh,
+            axis_name,
+            num_microbatches,
+            has_aux,
+            aux_reduction,
+            wrt=check_wrt(wrt),
+        ),
     )
 
 
@@ -210,10 +220,12 @@ def _per_device(
     aux_reduction: Any,
     stats_sums: bool = False,
     per_leaf: bool = False,
+    wrt: Any = None,
 ) -> Callable[..., Any]:
     """:func:`per_device_value_and_grad`; with ``stats_sums`` each device also
     returns its microbatches' ``(Σ nᵢ‖gᵢ‖², K)`` (shape ``(D,)`` each; with
-    ``per_leaf``, each leaf's sums instead of the total, shape ``(D, L)``)."""
+    ``per_leaf``, each leaf's sums instead of the total, shape ``(D, L)``).
+    ``wrt``: a checked ``nnx`` filter (:func:`_nnx_state.check_wrt`)."""
     axes, num_devices = check_mesh_axes(mesh, axis_name)
     k, has_aux, stats_sums = _check_args(
         loss_fn, num_microbatches, has_aux, aux_reduction, stats_sums
@@ -225,6 +237,10 @@ def _per_device(
         aux_reduction,
         "sums" if stats_sums else None,
         per_leaf=per_leaf,
+        # With `wrt`, the module is split inside each device's call; a module
+        # holding state besides parameters is refused before (`per_device`).
+        module_state=wrt is not None,
+        wrt=wrt,
     )
     spec = P(axes[0] if len(axes) == 1 else axes)
 
@@ -259,6 +275,8 @@ def _per_device(
         params: optax.Params, batch: Any, *, rng: jax.typing.ArrayLike | None = None
     ) -> tuple[Any, optax.Updates]:
         _check_batch(batch, num_devices, k)
+        if wrt is not None:
+            refuse_module_state(params, wrt)
         key = None if rng is None else _check_rng(rng)
         with jax.named_scope("masked_multistep/per_device"):
             return mapped(
@@ -375,6 +393,7 @@ def data_parallel_value_and_grad(
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
     with_stats: Literal[False] = False,
+    wrt: Any = None,
 ) -> GradFn[ParamsT, BatchT]: ...
 
 
@@ -389,6 +408,7 @@ def data_parallel_value_and_grad(
     aux_reduction: Any = None,
     with_stats: Literal[True],
     per_leaf_stats: Literal[False] = False,
+    wrt: Any = None,
 ) -> GradFnWithStats[ParamsT, BatchT]: ...
 
 
@@ -403,6 +423,7 @@ def data_parallel_value_and_grad(
     aux_reduction: Any = None,
     with_stats: Literal[True],
     per_leaf_stats: Literal[True],
+    wrt: Any = None,
 ) -> GradFnWithLeafStats[ParamsT, BatchT]: ...
 
 
@@ -416,6 +437,7 @@ def data_parallel_value_and_grad(
     aux_reduction: Any = None,
     with_stats: bool = False,
     per_leaf_stats: bool = False,
+    wrt: Any = None,
     **unknown: Never,  # a misspelt keyword: flagged by a type checker, hinted
 ) -> (
     GradFn[ParamsT, BatchT]
@@ -458,6 +480,9 @@ def data_parallel_value_and_grad(
       per_leaf_stats: with ``with_stats=True``, each parameter leaf's
         statistics, as in :func:`microbatched_value_and_grad` (each device
         keeps one sum per leaf: 4 bytes per leaf join the reduction).
+      wrt: for an NNX module of parameters passed as ``params``, an ``nnx``
+        filter of the variables to differentiate, as in
+        :func:`per_device_value_and_grad`.
 
     Returns:
       ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``
@@ -520,6 +545,7 @@ def data_parallel_value_and_grad(
         aux_reduction,
         with_stats,
         per_leaf,
+        wrt=check_wrt(wrt),
     )
 
     def grad_fn(

@@ -1805,3 +1805,84 @@ def test_close_window_completes_a_window_whose_combined_total_overflows(mesh):
         stats = mm.window_stats(state)
         assert (int(state.num_invalid_counts), int(stats.windows)) == (1, 1)
         assert (int(state.gradient_step), int(state.mini_step)) == (0, 0)
+
+
+def _lora_model():
+    from flax import nnx
+
+    base = nnx.Linear(D, H, rngs=nnx.Rngs(0))
+    model = nnx.LoRA(D, 2, H, base_module=base, rngs=nnx.Rngs(1))
+    model.lora_b[...] = 0.1 * jnp.ones((2, H))  # (a zero lora_b: lora_a's grad 0)
+    return model
+
+
+def _lora_loss(model, mb):
+    x = jnp.where(mb["mask"][..., None], mb["x"], 0)
+    pred = jnp.sum(jnp.tanh(model(x)), axis=-1)
+    return mm.masked_mean((pred - mb["y"]) ** 2, mb["mask"])
+
+
+def test_wrt_takes_the_lora_adapters_on_every_device_and_trains_deferred(mesh):
+    """per_device/data_parallel_value_and_grad(..., wrt=nnx.LoRAParam): the
+    adapters' gradients alone (every device's own, or reduced once), equal to
+    one device's full batch, and a deferred nnx.Optimizer(wrt=nnx.LoRAParam)
+    trains them as one device does, the base weights untouched."""
+    from flax import nnx
+
+    data = NamedSharding(mesh, P("data"))
+    batch = _batch(NDEV * ROWS * K, seed=3, empty_device=2)
+    full = mm.microbatched_value_and_grad(_lora_loss, 1, wrt=nnx.LoRAParam)
+    model = _lora_model()
+    (f_loss, f_count), f_grads = full(model, batch)
+
+    reduced = jax.jit(
+        mm.data_parallel_value_and_grad(
+            _lora_loss, mesh, "data", num_microbatches=K, wrt=nnx.LoRAParam
+        )
+    )
+    (loss, count), grads = reduced(model, jax.device_put(batch, data))
+    assert jax.tree.structure(grads) == jax.tree.structure(f_grads)
+    chex.assert_trees_all_close((loss, count, grads), (f_loss, f_count, f_grads), **TOL)
+
+    grad_fn = mm.per_device_value_and_grad(_lora_loss, mesh, "data", wrt=nnx.LoRAParam)
+    tx = mm.MaskedMultiSteps(optax.adam(1e-2), K, reduction=mm.deferred(mesh, "data"))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+    ref_model = _lora_model()
+    ref_optimizer = nnx.Optimizer(
+        ref_model, mm.MaskedMultiSteps(optax.adam(1e-2), K), wrt=nnx.LoRAParam
+    )
+    base = np.asarray(model.base_module.kernel[...])
+    adapter = np.asarray(model.lora_a[...])
+
+    @nnx.jit
+    def step(model, optimizer, mb):
+        (_, count), grads = grad_fn(model, mb)
+        assert jax.tree.leaves(grads)[0].shape[0] == NDEV
+        optimizer.update(model, grads, count=count)
+
+    for mb in _microbatches()[:K]:
+        step(model, optimizer, jax.device_put(mb, data))
+        (_, n), g = full(ref_model, mb)
+        ref_optimizer.update(ref_model, g, count=n)
+    assert int(optimizer.opt_state.gradient_step[...]) == 1
+    chex.assert_trees_all_close(
+        nnx.state(model, nnx.LoRAParam), nnx.state(ref_model, nnx.LoRAParam), **TOL
+    )
+    np.testing.assert_array_equal(model.base_module.kernel[...], base)
+    assert not np.allclose(model.lora_a[...], adapter)
+
+
+def test_wrt_on_every_device_refuses_a_module_with_other_state(mesh):
+    from flax import nnx
+
+    model = nnx.Sequential(_lora_model(), nnx.BatchNorm(H, rngs=nnx.Rngs(0)))
+    batch = jax.device_put(_batch(NDEV * ROWS, seed=4), NamedSharding(mesh, P("data")))
+    grad_fn = mm.per_device_value_and_grad(
+        lambda m, mb: _lora_loss(m.layers[0], mb), mesh, "data", wrt=nnx.LoRAParam
+    )
+    with pytest.raises(
+        TypeError, match="BatchStat at params.layers.1..mean.*nnx.split"
+    ):
+        grad_fn(model, batch)
+    with pytest.raises(TypeError, match="selects variables of an NNX module"):
+        grad_fn(_params(), batch)
