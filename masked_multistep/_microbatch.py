@@ -1050,12 +1050,8 @@ def _grad_fn(
                 'pytree, e.g. grad_fn(params, {"x": x, "mask": mask}) (loss_fn '
                 "gets each microbatch of it), and pass a PRNG key as rng=key"
             )
-        if wrt is not None and not _nnx_state.is_module(params):
-            raise TypeError(
-                f"`wrt={wrt!r}` selects variables of an NNX module passed whole "
-                f"as `params`, got {type(params).__name__}: pass the module, or "
-                "leave `wrt` out and pass the pytree of what to differentiate"
-            )
+        if wrt is not None:
+            _nnx_state.refuse_non_module(params, wrt)
         module = _nnx_state.ModuleState.of(params, wrt) if module_state else None
         if module is not None:
             params = module.params

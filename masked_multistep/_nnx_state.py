@@ -153,17 +153,22 @@ def is_module(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.Module)
 
 
-def refuse_module_state(params: Any, wrt: Any) -> None:
-    """Refuses ``wrt`` with ``params`` that is not an NNX module, or one
-    holding state other than parameters (where each device's call cannot
-    carry it: :func:`per_device_value_and_grad`)."""
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None or not isinstance(params, nnx.Module):
+def refuse_non_module(params: Any, wrt: Any) -> None:
+    """Refuses ``wrt`` with ``params`` that is not an NNX module."""
+    if not is_module(params):
         raise TypeError(
             f"`wrt={wrt!r}` selects variables of an NNX module passed whole "
             f"as `params`, got {type(params).__name__}: pass the module, or "
             "leave `wrt` out and pass the pytree of what to differentiate"
         )
+
+
+def refuse_module_state(params: Any, wrt: Any) -> None:
+    """Refuses ``wrt`` with ``params`` that is not an NNX module, or one
+    holding state other than parameters (where each device's call cannot
+    carry it: :func:`per_device_value_and_grad`)."""
+    refuse_non_module(params, wrt)
+    nnx = sys.modules["flax.nnx"]
     others = nnx.to_flat_state(nnx.state(params, nnx.Not(nnx.Param)))
     if others:
         found = first_three(
