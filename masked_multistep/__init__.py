@@ -114,11 +114,15 @@ if _importlib_util.find_spec("flax") is not None:
     __all__.append("TrainState")
 
 
-def __getattr__(name: str):
-    if name == "TrainState":
-        # Without flax this raises an ImportError that says what to install.
-        from masked_multistep._train_state import TrainState
+if not TYPE_CHECKING:
+    # Hidden from type checkers, which see `TrainState` imported above: a
+    # module-level `__getattr__` would make every misspelt `mm.` name pass.
 
-        globals()["TrainState"] = TrainState
-        return TrainState
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __getattr__(name: str):
+        if name == "TrainState":
+            # Without flax this raises an ImportError that says what to install.
+            from masked_multistep._train_state import TrainState
+
+            globals()["TrainState"] = TrainState
+            return TrainState
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -158,6 +158,12 @@ def window_stats(
 ) -> WindowStats[dict[str, jax.Array]]: ...
 
 
+@overload
+def window_stats(
+    opt_state: Any, *, per_leaf: bool, groups: None = None
+) -> WindowStats[Any]: ...
+
+
 def window_stats(
     opt_state: Any, *, per_leaf: bool = False, groups: Any = None
 ) -> WindowStats[Any]:

@@ -66,11 +66,11 @@ KEYWORD_HINTS = {
     "rng": "pass the key to the returned function: grad_fn(params, batch, rng=key)",
 }
 
-# The types of `loss_fn`'s arguments: the gradients have the params' type (the
-# same pytree), and the batch the microbatches' (the same pytree, k times the
-# rows).
+# The gradients have the params' type (the same pytree; an NNX module passed
+# whole with other state, or with `wrt=`, gives an `nnx.State` instead). The
+# batch is typed by the call, not by `loss_fn`, which sees jax arrays where a
+# loader may hand numpy ones.
 ParamsT = TypeVar("ParamsT")
-BatchT = TypeVar("BatchT")
 BatchT_contra = TypeVar("BatchT_contra", contravariant=True)
 
 
@@ -605,19 +605,19 @@ def _token_weighted_accumulator(
 
 @overload
 def microbatched_value_and_grad(
-    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    loss_fn: Callable[Concatenate[ParamsT, ...], Any],
     num_microbatches: int | np.integer,
     *,
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
     with_stats: Literal[False] = False,
     wrt: Any = None,
-) -> GradFn[ParamsT, BatchT]: ...
+) -> GradFn[ParamsT, Any]: ...
 
 
 @overload
 def microbatched_value_and_grad(
-    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    loss_fn: Callable[Concatenate[ParamsT, ...], Any],
     num_microbatches: int | np.integer,
     *,
     has_aux: bool | np.bool_ = False,
@@ -625,12 +625,12 @@ def microbatched_value_and_grad(
     with_stats: Literal[True],
     per_leaf_stats: Literal[False] = False,
     wrt: Any = None,
-) -> GradFnWithStats[ParamsT, BatchT]: ...
+) -> GradFnWithStats[ParamsT, Any]: ...
 
 
 @overload
 def microbatched_value_and_grad(
-    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    loss_fn: Callable[Concatenate[ParamsT, ...], Any],
     num_microbatches: int | np.integer,
     *,
     has_aux: bool | np.bool_ = False,
@@ -638,11 +638,28 @@ def microbatched_value_and_grad(
     with_stats: Literal[True],
     per_leaf_stats: Literal[True],
     wrt: Any = None,
-) -> GradFnWithLeafStats[ParamsT, BatchT]: ...
+) -> GradFnWithLeafStats[ParamsT, Any]: ...
+
+
+@overload
+def microbatched_value_and_grad(  # flags known at run time only (`cfg.stats`)
+    loss_fn: Callable[Concatenate[ParamsT, ...], Any],
+    num_microbatches: int | np.integer,
+    *,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: bool,
+    per_leaf_stats: bool = False,
+    wrt: Any = None,
+) -> (
+    GradFn[ParamsT, Any]
+    | GradFnWithStats[ParamsT, Any]
+    | GradFnWithLeafStats[ParamsT, Any]
+): ...
 
 
 def microbatched_value_and_grad(
-    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    loss_fn: Callable[Concatenate[ParamsT, ...], Any],
     # Required (the overloads above say so); None at run time, so that
     # `k=4` alone gets the hint below rather than Python's "missing argument".
     num_microbatches: int | np.integer | None = None,
@@ -656,9 +673,9 @@ def microbatched_value_and_grad(
     # it gets an error with a hint.
     **unknown: Never,
 ) -> (
-    GradFn[ParamsT, BatchT]
-    | GradFnWithStats[ParamsT, BatchT]
-    | GradFnWithLeafStats[ParamsT, BatchT]
+    GradFn[ParamsT, Any]
+    | GradFnWithStats[ParamsT, Any]
+    | GradFnWithLeafStats[ParamsT, Any]
 ):
     """``jax.value_and_grad`` of a masked mean loss, one microbatch at a time.
 

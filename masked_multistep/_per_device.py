@@ -38,7 +38,6 @@ from masked_multistep._checks import check_flag, refuse_unknown_keywords, type_s
 from masked_multistep._microbatch import (
     KEYWORD_HINTS,
     MICROBATCH_KEYWORDS,
-    BatchT,
     GradFn,
     GradFnWithLeafStats,
     GradFnWithStats,
@@ -85,7 +84,7 @@ _HINTS = {
 
 
 def per_device_value_and_grad(
-    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    loss_fn: Callable[Concatenate[ParamsT, ...], Any],
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable] = "data",
     *,
@@ -94,7 +93,7 @@ def per_device_value_and_grad(
     aux_reduction: Any = None,
     wrt: Any = None,
     **unknown: Never,  # a misspelt keyword: flagged by a type checker, hinted
-) -> GradFn[ParamsT, BatchT]:
+) -> GradFn[ParamsT, Any]:
     """Every device's own ``value_and_grad`` of a masked mean loss, unreduced.
 
     The batch's leading axis is split over the mesh axes ``axis_name`` (``D``
@@ -198,7 +197,7 @@ def per_device_value_and_grad(
         },
     )
     return cast(
-        GradFn[ParamsT, BatchT],
+        GradFn[ParamsT, Any],
         _per_device(
             loss_fn,
             mesh,
@@ -385,7 +384,7 @@ def _combine(out: Any, has_aux: bool, aux_reduction: Any) -> tuple[Any, optax.Up
 
 @overload
 def data_parallel_value_and_grad(
-    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    loss_fn: Callable[Concatenate[ParamsT, ...], Any],
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable] = "data",
     *,
@@ -394,12 +393,12 @@ def data_parallel_value_and_grad(
     aux_reduction: Any = None,
     with_stats: Literal[False] = False,
     wrt: Any = None,
-) -> GradFn[ParamsT, BatchT]: ...
+) -> GradFn[ParamsT, Any]: ...
 
 
 @overload
 def data_parallel_value_and_grad(
-    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    loss_fn: Callable[Concatenate[ParamsT, ...], Any],
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable] = "data",
     *,
@@ -409,12 +408,12 @@ def data_parallel_value_and_grad(
     with_stats: Literal[True],
     per_leaf_stats: Literal[False] = False,
     wrt: Any = None,
-) -> GradFnWithStats[ParamsT, BatchT]: ...
+) -> GradFnWithStats[ParamsT, Any]: ...
 
 
 @overload
 def data_parallel_value_and_grad(
-    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    loss_fn: Callable[Concatenate[ParamsT, ...], Any],
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable] = "data",
     *,
@@ -424,11 +423,30 @@ def data_parallel_value_and_grad(
     with_stats: Literal[True],
     per_leaf_stats: Literal[True],
     wrt: Any = None,
-) -> GradFnWithLeafStats[ParamsT, BatchT]: ...
+) -> GradFnWithLeafStats[ParamsT, Any]: ...
+
+
+@overload
+def data_parallel_value_and_grad(  # flags known at run time only (`cfg.stats`)
+    loss_fn: Callable[Concatenate[ParamsT, ...], Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: Any = None,
+    with_stats: bool,
+    per_leaf_stats: bool = False,
+    wrt: Any = None,
+) -> (
+    GradFn[ParamsT, Any]
+    | GradFnWithStats[ParamsT, Any]
+    | GradFnWithLeafStats[ParamsT, Any]
+): ...
 
 
 def data_parallel_value_and_grad(
-    loss_fn: Callable[Concatenate[ParamsT, BatchT, ...], Any],
+    loss_fn: Callable[Concatenate[ParamsT, ...], Any],
     mesh: jax.sharding.Mesh,
     axis_name: Hashable | Sequence[Hashable] = "data",
     *,
@@ -440,9 +458,9 @@ def data_parallel_value_and_grad(
     wrt: Any = None,
     **unknown: Never,  # a misspelt keyword: flagged by a type checker, hinted
 ) -> (
-    GradFn[ParamsT, BatchT]
-    | GradFnWithStats[ParamsT, BatchT]
-    | GradFnWithLeafStats[ParamsT, BatchT]
+    GradFn[ParamsT, Any]
+    | GradFnWithStats[ParamsT, Any]
+    | GradFnWithLeafStats[ParamsT, Any]
 ):
     """In-jit microbatching over data-parallel devices, reduced once per call.
 
@@ -549,7 +567,7 @@ def data_parallel_value_and_grad(
     )
 
     def grad_fn(
-        params: ParamsT, batch: BatchT, *, rng: jax.typing.ArrayLike | None = None
+        params: ParamsT, batch: Any, *, rng: jax.typing.ArrayLike | None = None
     ) -> Any:
         out = per_device(params, batch, rng=rng)
         with jax.named_scope("masked_multistep/combine_devices"):

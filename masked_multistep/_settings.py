@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import jax
 
@@ -18,6 +18,9 @@ from masked_multistep._checks import holds_abstract, refuse_restore_target, trac
 from masked_multistep._inspect import find_state, has_deferred_reduction
 from masked_multistep._reduction import placed_like
 from masked_multistep._token_total import TokenTotal, token_total, with_tokens_seen
+
+if TYPE_CHECKING:
+    from masked_multistep._multisteps import MaskedMultiStepsState
 
 __all__ = ["from_other_settings"]
 
@@ -35,6 +38,14 @@ _CARRIED = (
 )
 
 
+@overload
+def from_other_settings(
+    state: Any, template: MaskedMultiStepsState, *, tokens_seen: Any = None
+) -> MaskedMultiStepsState: ...
+@overload
+def from_other_settings(
+    state: Any, template: Any, *, tokens_seen: Any = None
+) -> Any: ...
 def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -> Any:
     """``state`` of a running :class:`MaskedMultiSteps`, continued by one with
     other settings: another ``k`` or schedule, a token budget or the norm

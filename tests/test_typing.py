@@ -28,6 +28,7 @@ import pytest
 from flax import nnx
 
 import masked_multistep as mm
+from masked_multistep._microbatch import GradFn, GradFnWithLeafStats, GradFnWithStats
 from masked_multistep._train_state import TrainState
 
 TYPECHECK = pathlib.Path(__file__).resolve().parent.parent / "tools" / "typecheck.py"
@@ -156,6 +157,48 @@ def test_window_stats_are_typed():
     )
     assert_type(mm.find_state(opt_state), mm.MaskedMultiStepsState)
     assert_type(mm.has_updated(opt_state), jax.Array)
+
+
+def test_flags_known_at_run_time_and_numpy_batches_type_check():
+    """A flag in a plain ``bool`` variable (a config's) picks no Literal
+    overload: the result is the union of what each value gives. A batch of
+    numpy arrays is taken where ``loss_fn`` annotates the jax arrays it
+    receives. ``mm.TokenTotal`` takes its fields by keyword (under mypy too)."""
+
+    def loss_fn(
+        params: dict[str, jax.Array], batch: dict[str, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        return mm.masked_mean(batch["x"] * params["w"], batch["mask"])
+
+    log_stats, per_layer = bool(np.int8(1)), bool(np.int8(0))
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 2, with_stats=log_stats)
+    batch: dict[str, np.ndarray] = {
+        "x": np.arange(4.0, dtype=np.float32),
+        "mask": np.ones(4, bool),
+    }
+    out = grad_fn({"w": jnp.ones(())}, batch)
+    assert len(out) == 3
+    assert_type(
+        mm.microbatched_value_and_grad(
+            loss_fn, 2, with_stats=True, per_leaf_stats=per_layer
+        ),
+        GradFn[dict[str, jax.Array], Any]
+        | GradFnWithStats[dict[str, jax.Array], Any]
+        | GradFnWithLeafStats[dict[str, jax.Array], Any],
+    )
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1, window_stats=True)
+    state = tx.init({"w": jnp.zeros(())})
+    assert_type(mm.window_stats(state, per_leaf=per_layer), mm.WindowStats[Any])
+    new = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    moved = mm.from_other_settings(state, new.init({"w": jnp.zeros(())}))
+    assert_type(moved, mm.MaskedMultiStepsState)
+    seen = mm.TokenTotal(hi=jnp.float32(2**24), lo=jnp.float32(1))
+    assert float(seen.value()) == 2**24 + 1
+
+
+def test_a_misspelt_public_name_is_reported_by_the_checker():
+    with pytest.raises(AttributeError, match="window_statss"):
+        mm.window_statss  # pyright: ignore[reportAttributeAccessIssue]  # noqa: B018
 
 
 def test_data_parallel_value_and_grad_is_typed_like_microbatched_value_and_grad():
