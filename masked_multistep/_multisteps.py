@@ -864,7 +864,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             updates, state, params, count, close_window, extra_args, apply_params=False
         )
 
-    def apply_gradients(  # pyright: ignore[reportRedeclaration]
+    def _apply_gradients(
         self,
         grads: optax.Updates,
         state: MaskedMultiStepsState,
@@ -901,7 +901,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     if TYPE_CHECKING:
         # What a type checker sees: `count` is required. At run time it
         # defaults to None, so that a missing or misspelt one gets the
-        # wrapper's own error, which names the keywords it got instead.
+        # wrapper's own error, which names the keywords it got instead. (The
+        # run-time method is defined under another name, and aliased below:
+        # mypy would keep a first definition of the same name.)
         def apply_gradients(
             self,
             grads: optax.Updates,
@@ -914,6 +916,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ) -> tuple[_ParamsT, MaskedMultiStepsState]: ...
 
     else:
+        apply_gradients = _apply_gradients
+        _apply_gradients.__name__ = "apply_gradients"
+        _apply_gradients.__qualname__ = "MaskedMultiSteps.apply_gradients"
         # The tuple's two fields, read through properties that carry the
         # docstrings: `help(mm.MaskedMultiSteps.update)` on the class shows
         # them, not "Alias for field number 1".

@@ -185,7 +185,7 @@ class TrainState(_flax_train_state.TrainState):
         _warn_chained_around(tx)
         return cast(Self, state)
 
-    def apply_gradients(  # pyright: ignore[reportRedeclaration]
+    def _apply_gradients(
         self,
         *args: Any,
         grads: optax.Updates | None = None,
@@ -361,10 +361,16 @@ class TrainState(_flax_train_state.TrainState):
             **replace,
         )
 
-    if TYPE_CHECKING:
+    if not TYPE_CHECKING:
+        apply_gradients = _apply_gradients
+        _apply_gradients.__name__ = "apply_gradients"
+        _apply_gradients.__qualname__ = "TrainState.apply_gradients"
+    else:
         # What a type checker sees: `count` is required. At run time it
         # defaults to None, so that a missing or misspelt one gets this
-        # class's own error, which says what to pass.
+        # class's own error, which says what to pass. (The run-time method is
+        # defined under another name and aliased: mypy would keep a first
+        # definition of the same name.)
         def apply_gradients(
             self,
             *,
