@@ -611,7 +611,7 @@ def microbatched_value_and_grad(
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
     with_stats: Literal[False] = False,
-    wrt: Any = None,
+    wrt: None = None,
 ) -> GradFn[ParamsT, Any]: ...
 
 
@@ -624,7 +624,7 @@ def microbatched_value_and_grad(
     aux_reduction: AuxReduction = None,
     with_stats: Literal[True],
     per_leaf_stats: Literal[False] = False,
-    wrt: Any = None,
+    wrt: None = None,
 ) -> GradFnWithStats[ParamsT, Any]: ...
 
 
@@ -637,7 +637,7 @@ def microbatched_value_and_grad(
     aux_reduction: AuxReduction = None,
     with_stats: Literal[True],
     per_leaf_stats: Literal[True],
-    wrt: Any = None,
+    wrt: None = None,
 ) -> GradFnWithLeafStats[ParamsT, Any]: ...
 
 
@@ -650,12 +650,63 @@ def microbatched_value_and_grad(  # flags known at run time only (`cfg.stats`)
     aux_reduction: AuxReduction = None,
     with_stats: bool,
     per_leaf_stats: bool = False,
-    wrt: Any = None,
+    wrt: None = None,
 ) -> (
     GradFn[ParamsT, Any]
     | GradFnWithStats[ParamsT, Any]
     | GradFnWithLeafStats[ParamsT, Any]
 ): ...
+
+
+@overload
+def microbatched_value_and_grad(  # with `wrt`: the gradients are an nnx.State
+    loss_fn: Callable[..., Any],
+    num_microbatches: int | np.integer,
+    *,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: Literal[False] = False,
+    wrt: Any,
+) -> GradFn[Any, Any]: ...
+
+
+@overload
+def microbatched_value_and_grad(
+    loss_fn: Callable[..., Any],
+    num_microbatches: int | np.integer,
+    *,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: Literal[True],
+    per_leaf_stats: Literal[False] = False,
+    wrt: Any,
+) -> GradFnWithStats[Any, Any]: ...
+
+
+@overload
+def microbatched_value_and_grad(
+    loss_fn: Callable[..., Any],
+    num_microbatches: int | np.integer,
+    *,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: Literal[True],
+    per_leaf_stats: Literal[True],
+    wrt: Any,
+) -> GradFnWithLeafStats[Any, Any]: ...
+
+
+@overload
+def microbatched_value_and_grad(
+    loss_fn: Callable[..., Any],
+    num_microbatches: int | np.integer,
+    *,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: bool,
+    per_leaf_stats: bool = False,
+    wrt: Any,
+) -> GradFn[Any, Any] | GradFnWithStats[Any, Any] | GradFnWithLeafStats[Any, Any]: ...
 
 
 def microbatched_value_and_grad(

@@ -153,6 +153,21 @@ def is_module(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.Module)
 
 
+def selected_state(module: Any, wrt: Any) -> Any:
+    """The ``nnx.State`` of ``module``'s variables that ``wrt`` selects (the
+    structure of the gradients taken with respect to them)."""
+    return sys.modules["flax.nnx"].state(module, wrt)
+
+
+def filter_text(wrt: Any) -> str:
+    """``wrt`` as code names it: ``nnx.LoRAParam`` for flax's variable types,
+    a class's own name for others, the ``repr`` of any other filter."""
+    if isinstance(wrt, type):
+        module = getattr(wrt, "__module__", "")
+        return f"nnx.{wrt.__name__}" if module.startswith("flax.nnx") else wrt.__name__
+    return repr(wrt)
+
+
 def refuse_non_module(params: Any, wrt: Any) -> None:
     """Refuses ``wrt`` with ``params`` that is not an NNX module."""
     if not is_module(params):
@@ -177,10 +192,10 @@ def refuse_module_state(params: Any, wrt: Any) -> None:
         raise TypeError(
             f"`params` is an NNX module ({type(params).__name__}) holding state "
             f"other than nnx.Param ({found}), which cannot be carried from "
-            "microbatch to microbatch on every device apart: pass `params` from "
-            f"`graphdef, params, rest = nnx.split(model, {wrt!r}, ...)` and "
-            "rebuild the module in `loss_fn` with `nnx.merge(graphdef, params, "
-            "rest, copy=True)`"
+            "microbatch to microbatch on every device apart: leave `wrt` out, "
+            "pass `params` from `graphdef, params, rest = nnx.split(model, "
+            f"{filter_text(wrt)}, ...)` and rebuild the module in `loss_fn` with "
+            "`nnx.merge(graphdef, params, rest, copy=True)`"
         )
 
 

@@ -50,7 +50,7 @@ from masked_multistep._microbatch import (
     _sum_dtype,
     check_per_leaf_stats,
 )
-from masked_multistep._nnx_state import check_wrt, refuse_module_state
+from masked_multistep._nnx_state import check_wrt, refuse_module_state, selected_state
 from masked_multistep._reduction import (
     any_explicit,
     check_mesh_axes,
@@ -83,6 +83,32 @@ _HINTS = {
 }
 
 
+@overload
+def per_device_value_and_grad(
+    loss_fn: Callable[Concatenate[ParamsT, ...], Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: Any = None,
+    wrt: None = None,
+) -> GradFn[ParamsT, Any]: ...
+
+
+@overload
+def per_device_value_and_grad(  # with `wrt`: the gradients are an nnx.State
+    loss_fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: Any = None,
+    wrt: Any,
+) -> GradFn[Any, Any]: ...
+
+
 def per_device_value_and_grad(
     loss_fn: Callable[Concatenate[ParamsT, ...], Any],
     mesh: jax.sharding.Mesh,
@@ -93,7 +119,7 @@ def per_device_value_and_grad(
     aux_reduction: Any = None,
     wrt: Any = None,
     **unknown: Never,  # a misspelt keyword: flagged by a type checker, hinted
-) -> GradFn[ParamsT, Any]:
+) -> GradFn[ParamsT, Any] | GradFn[Any, Any]:
     """Every device's own ``value_and_grad`` of a masked mean loss, unreduced.
 
     The batch's leading axis is split over the mesh axes ``axis_name`` (``D``
@@ -392,7 +418,7 @@ def data_parallel_value_and_grad(
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
     with_stats: Literal[False] = False,
-    wrt: Any = None,
+    wrt: None = None,
 ) -> GradFn[ParamsT, Any]: ...
 
 
@@ -407,7 +433,7 @@ def data_parallel_value_and_grad(
     aux_reduction: Any = None,
     with_stats: Literal[True],
     per_leaf_stats: Literal[False] = False,
-    wrt: Any = None,
+    wrt: None = None,
 ) -> GradFnWithStats[ParamsT, Any]: ...
 
 
@@ -422,7 +448,7 @@ def data_parallel_value_and_grad(
     aux_reduction: Any = None,
     with_stats: Literal[True],
     per_leaf_stats: Literal[True],
-    wrt: Any = None,
+    wrt: None = None,
 ) -> GradFnWithLeafStats[ParamsT, Any]: ...
 
 
@@ -437,12 +463,71 @@ def data_parallel_value_and_grad(  # flags known at run time only (`cfg.stats`)
     aux_reduction: Any = None,
     with_stats: bool,
     per_leaf_stats: bool = False,
-    wrt: Any = None,
+    wrt: None = None,
 ) -> (
     GradFn[ParamsT, Any]
     | GradFnWithStats[ParamsT, Any]
     | GradFnWithLeafStats[ParamsT, Any]
 ): ...
+
+
+@overload
+def data_parallel_value_and_grad(  # with `wrt`: the gradients are an nnx.State
+    loss_fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: Any = None,
+    with_stats: Literal[False] = False,
+    wrt: Any,
+) -> GradFn[Any, Any]: ...
+
+
+@overload
+def data_parallel_value_and_grad(
+    loss_fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: Any = None,
+    with_stats: Literal[True],
+    per_leaf_stats: Literal[False] = False,
+    wrt: Any,
+) -> GradFnWithStats[Any, Any]: ...
+
+
+@overload
+def data_parallel_value_and_grad(
+    loss_fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: Any = None,
+    with_stats: Literal[True],
+    per_leaf_stats: Literal[True],
+    wrt: Any,
+) -> GradFnWithLeafStats[Any, Any]: ...
+
+
+@overload
+def data_parallel_value_and_grad(
+    loss_fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: Any = None,
+    with_stats: bool,
+    per_leaf_stats: bool = False,
+    wrt: Any,
+) -> GradFn[Any, Any] | GradFnWithStats[Any, Any] | GradFnWithLeafStats[Any, Any]: ...
 
 
 def data_parallel_value_and_grad(
@@ -554,6 +639,7 @@ def data_parallel_value_and_grad(
     has_aux = check_flag(has_aux, "`has_aux`")
     with_stats = check_flag(with_stats, "`with_stats`")
     per_leaf = check_per_leaf_stats(per_leaf_stats, with_stats)
+    wrt = check_wrt(wrt)
     per_device = _per_device(
         loss_fn,
         mesh,
@@ -563,7 +649,7 @@ def data_parallel_value_and_grad(
         aux_reduction,
         with_stats,
         per_leaf,
-        wrt=check_wrt(wrt),
+        wrt=wrt,
     )
 
     def grad_fn(
@@ -572,7 +658,9 @@ def data_parallel_value_and_grad(
         out = per_device(params, batch, rng=rng)
         with jax.named_scope("masked_multistep/combine_devices"):
             (value, grads) = _combine(out[:2], has_aux, aux_reduction)
-            combined = value, _placed_like(grads, params)
+            # (With `wrt`, laid out as the variables it selects are.)
+            template = params if wrt is None else selected_state(params, wrt)
+            combined = value, _placed_like(grads, template)
         if not with_stats:
             return combined
         (loss, rest), grads = combined

@@ -1886,3 +1886,29 @@ def test_wrt_on_every_device_refuses_a_module_with_other_state(mesh):
         grad_fn(model, batch)
     with pytest.raises(TypeError, match="selects variables of an NNX module"):
         grad_fn(_params(), batch)
+
+
+def test_wrt_gradients_are_laid_out_as_the_selected_params_on_an_explicit_axis():
+    """FSDP-style adapters (sharded over the data axis, explicitly): their
+    combined gradients come back sharded as they are, as without wrt."""
+    from flax import nnx
+
+    grid = jax.make_mesh((NDEV,), ("data",), axis_types=(EXPLICIT,))
+    model = _lora_model()
+    adapters = nnx.state(model, nnx.LoRAParam)
+    adapters["lora_b"] = jax.device_put(
+        adapters["lora_b"], NamedSharding(grid, P(None, "data"))
+    )
+    nnx.update(model, adapters)
+    assert jax.typeof(model.lora_b[...]).sharding.spec == P(None, "data")
+    batch = jax.device_put(
+        _batch(NDEV * ROWS * K, seed=5), NamedSharding(grid, P("data"))
+    )
+    grad_fn = jax.jit(
+        mm.data_parallel_value_and_grad(
+            _lora_loss, grid, "data", num_microbatches=K, wrt=nnx.LoRAParam
+        )
+    )
+    _, grads = grad_fn(model, batch)
+    assert jax.typeof(grads["lora_b"][...]).sharding.spec == P(None, "data")
+    assert jax.typeof(grads["lora_a"][...]).sharding.spec == P(None, None)

@@ -196,6 +196,25 @@ def test_flags_known_at_run_time_and_numpy_batches_type_check():
     assert float(seen.value()) == 2**24 + 1
 
 
+def test_gradients_with_respect_to_a_filter_are_typed_as_a_state():
+    """With ``wrt=``, the gradients are an ``nnx.State`` of the selected
+    variables, not the module: typed ``Any``, not the module's class."""
+
+    def loss_fn(model: nnx.LoRA, batch: dict[str, jax.Array]) -> Any:
+        return mm.masked_mean(jnp.sum(model(batch["x"]), -1), batch["mask"])
+
+    base = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    model = nnx.LoRA(2, 1, 2, base_module=base, rngs=nnx.Rngs(1))
+    batch = {"x": jnp.ones((4, 2)), "mask": jnp.ones(4, bool)}
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 2, wrt=nnx.LoRAParam)
+    _, grads = grad_fn(model, batch)
+    assert_type(grads, Any)
+    state: nnx.State = grads
+    assert isinstance(state, nnx.State) and len(nnx.to_flat_state(state)) == 2
+    _, whole = mm.microbatched_value_and_grad(loss_fn, 2)(model, batch)
+    assert_type(whole, nnx.LoRA)  # a module of parameters, passed whole
+
+
 def test_a_misspelt_public_name_is_reported_by_the_checker():
     with pytest.raises(AttributeError, match="window_statss"):
         mm.window_statss  # pyright: ignore[reportAttributeAccessIssue]  # noqa: B018
