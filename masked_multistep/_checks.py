@@ -52,13 +52,12 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "CLOSE_KEYWORDS",
     "INT32_MAX",
-    "LOSS_KEYWORDS",
     "PARAM_LEAF_TYPES",
     "check_accumulator_dtype",
     "check_count_dtype",
     "check_extra_args",
+    "guessed_keyword",
     "check_flag",
     "check_grads_match",
     "check_microbatches",
@@ -883,6 +882,16 @@ CLOSE_KEYWORDS = (
 )
 
 
+def guessed_keyword(key: str) -> str | None:
+    """The wrapper's own keyword that ``key`` guesses at by another name
+    (``loss=`` for ``value=``, ``flush=`` for ``close_window=``), or None."""
+    if key in LOSS_KEYWORDS:
+        return "value"
+    if key in CLOSE_KEYWORDS:
+        return "close_window"
+    return None
+
+
 def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
     """Refuses an extra keyword that looks like a misspelt ``count``/``value``,
     and a missing ``count`` (naming the keywords that came instead).
@@ -892,7 +901,8 @@ def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
     and the inner optimizer get the window's NaN loss.
     """
     for key in extra_args:
-        if key in CLOSE_KEYWORDS:
+        meant = guessed_keyword(key)
+        if meant == "close_window":
             raise TypeError(
                 f"MaskedMultiSteps got the keyword argument {key!r}: to close "
                 "the window on this microbatch whatever its rule (the last "
@@ -900,7 +910,7 @@ def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
                 "keywords go to the inner optimizer, which drops those it "
                 "does not take.)"
             )
-        if key in LOSS_KEYWORDS:
+        if meant == "value":
             raise TypeError(
                 f"MaskedMultiSteps got the keyword argument {key!r}: the "
                 "microbatch's mean loss goes in `value=`, which the wrapper "

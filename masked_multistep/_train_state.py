@@ -20,10 +20,9 @@ import optax
 
 from masked_multistep import _inner
 from masked_multistep._checks import (
-    CLOSE_KEYWORDS,
-    LOSS_KEYWORDS,
     close_flag,
     first_three,
+    guessed_keyword,
     in_series,
     instances_in,
     refuse_state_as_params,
@@ -68,10 +67,9 @@ def _refuse_unknown_fields(
     unknown = [k for k in kwargs if k not in field_names]
     if not unknown:
         return
-    if unknown[0] in LOSS_KEYWORDS and "value" in keywords:
-        close = ["value"]
-    elif unknown[0] in CLOSE_KEYWORDS and "close_window" in keywords:
-        close = ["close_window"]
+    meant = guessed_keyword(unknown[0])
+    if meant in keywords:
+        close = [meant]
     else:
         close = difflib.get_close_matches(
             unknown[0], [*keywords, *field_names], n=1, cutoff=0.8
