@@ -446,7 +446,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ``updated`` (False). A bool or a
         boolean scalar array, traced under ``jit`` too (``False`` or ``None``
         compile the program without it); with ``reduction=mm.deferred(...)``
-        one flag for all devices.
+        one flag for all devices. On several processes it must be the same
+        on each, as every input a step's program takes replicated: derive it
+        from a count all processes share (the step, the dataset's global
+        size), not from one process's own loader running out, or processes
+        that disagree stop closing windows together (with a deferred
+        reduction, one waits in the window's all-reduce for the others).
       * Between windows the returned updates are zeros (structure and dtype of the
         inner optimizer's updates); the inner optimizer runs only at the end of a
         window, so its state, step count, schedules and weight decay advance once
