@@ -111,20 +111,6 @@ class GradFnWithLeafStats(Protocol[ParamsT, BatchT_contra]):
     ) -> tuple[Any, ParamsT, _stats.WindowStats[Any]]: ...
 
 
-class GradFnOfState(Protocol):
-    """What :func:`microbatched_value_and_grad` returns with ``wrt=``: the
-    gradients are an ``nnx.State`` of the selected variables (``Any`` here),
-    followed by the :class:`WindowStats` with ``with_stats=True``."""
-
-    def __call__(
-        self,
-        params: Any,
-        batch: Any,
-        *,
-        rng: jax.typing.ArrayLike | None = None,
-    ) -> tuple[Any, ...]: ...
-
-
 def _batch_size(batch: Any, num_microbatches: int) -> int:
     """The common leading size of ``batch``'s leaves, checked against ``k``."""
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
@@ -679,10 +665,48 @@ def microbatched_value_and_grad(  # with `wrt`: the gradients are an nnx.State
     *,
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
-    with_stats: bool = False,
+    with_stats: Literal[False] = False,
+    wrt: Any,
+) -> GradFn[Any, Any]: ...
+
+
+@overload
+def microbatched_value_and_grad(
+    loss_fn: Callable[..., Any],
+    num_microbatches: int | np.integer,
+    *,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: Literal[True],
+    per_leaf_stats: Literal[False] = False,
+    wrt: Any,
+) -> GradFnWithStats[Any, Any]: ...
+
+
+@overload
+def microbatched_value_and_grad(
+    loss_fn: Callable[..., Any],
+    num_microbatches: int | np.integer,
+    *,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: Literal[True],
+    per_leaf_stats: Literal[True],
+    wrt: Any,
+) -> GradFnWithLeafStats[Any, Any]: ...
+
+
+@overload
+def microbatched_value_and_grad(
+    loss_fn: Callable[..., Any],
+    num_microbatches: int | np.integer,
+    *,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: AuxReduction = None,
+    with_stats: bool,
     per_leaf_stats: bool = False,
     wrt: Any,
-) -> GradFnOfState: ...
+) -> GradFn[Any, Any] | GradFnWithStats[Any, Any] | GradFnWithLeafStats[Any, Any]: ...
 
 
 def microbatched_value_and_grad(
@@ -703,7 +727,6 @@ def microbatched_value_and_grad(
     GradFn[ParamsT, Any]
     | GradFnWithStats[ParamsT, Any]
     | GradFnWithLeafStats[ParamsT, Any]
-    | GradFnOfState
 ):
     """``jax.value_and_grad`` of a masked mean loss, one microbatch at a time.
 

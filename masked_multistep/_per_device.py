@@ -39,7 +39,6 @@ from masked_multistep._microbatch import (
     KEYWORD_HINTS,
     MICROBATCH_KEYWORDS,
     GradFn,
-    GradFnOfState,
     GradFnWithLeafStats,
     GradFnWithStats,
     ParamsT,
@@ -481,10 +480,54 @@ def data_parallel_value_and_grad(  # with `wrt`: the gradients are an nnx.State
     num_microbatches: int | np.integer = 1,
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
-    with_stats: bool = False,
+    with_stats: Literal[False] = False,
+    wrt: Any,
+) -> GradFn[Any, Any]: ...
+
+
+@overload
+def data_parallel_value_and_grad(
+    loss_fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: Any = None,
+    with_stats: Literal[True],
+    per_leaf_stats: Literal[False] = False,
+    wrt: Any,
+) -> GradFnWithStats[Any, Any]: ...
+
+
+@overload
+def data_parallel_value_and_grad(
+    loss_fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: Any = None,
+    with_stats: Literal[True],
+    per_leaf_stats: Literal[True],
+    wrt: Any,
+) -> GradFnWithLeafStats[Any, Any]: ...
+
+
+@overload
+def data_parallel_value_and_grad(
+    loss_fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable] = "data",
+    *,
+    num_microbatches: int | np.integer = 1,
+    has_aux: bool | np.bool_ = False,
+    aux_reduction: Any = None,
+    with_stats: bool,
     per_leaf_stats: bool = False,
     wrt: Any,
-) -> GradFnOfState: ...
+) -> GradFn[Any, Any] | GradFnWithStats[Any, Any] | GradFnWithLeafStats[Any, Any]: ...
 
 
 def data_parallel_value_and_grad(
@@ -503,7 +546,6 @@ def data_parallel_value_and_grad(
     GradFn[ParamsT, Any]
     | GradFnWithStats[ParamsT, Any]
     | GradFnWithLeafStats[ParamsT, Any]
-    | GradFnOfState
 ):
     """In-jit microbatching over data-parallel devices, reduced once per call.
 
