@@ -124,8 +124,8 @@ def check_wrt(wrt: Any) -> Any:
         return None
     if wrt is Ellipsis or wrt is True:
         raise TypeError(
-            f"`wrt={wrt!r}` selects every variable of the module, RNG streams "
-            "and batch statistics included: pass the parameters to "
+            f"`wrt={filter_text(wrt)}` selects every variable of the module, "
+            "RNG streams and batch statistics included: pass the parameters to "
             "differentiate (nnx.Param, the default, or a subset such as "
             "nnx.LoRAParam)"
         )
@@ -160,11 +160,46 @@ def selected_state(module: Any, wrt: Any) -> Any:
 
 
 def filter_text(wrt: Any) -> str:
-    """``wrt`` as code names it: ``nnx.LoRAParam`` for flax's variable types,
-    a class's own name for others, the ``repr`` of any other filter."""
+    """``wrt`` as code names it, for an error's recipe: ``nnx.LoRAParam`` for
+    flax's variable types, a class's own name for others, flax's filter
+    objects as their constructors (``nnx.All(nnx.Param, nnx.PathContains('a'))``),
+    strings and other values by ``repr``."""
+    nnx = sys.modules.get("flax.nnx")
+    if wrt is Ellipsis:
+        return "..."
     if isinstance(wrt, type):
-        module = getattr(wrt, "__module__", "")
-        return f"nnx.{wrt.__name__}" if module.startswith("flax.nnx") else wrt.__name__
+        if (
+            wrt.__module__.startswith("flax.")
+            and getattr(nnx, wrt.__name__, None) is wrt
+        ):
+            return f"nnx.{wrt.__name__}"
+        return wrt.__name__
+    if isinstance(wrt, (tuple, list)):
+        inner = ", ".join(filter_text(f) for f in wrt)
+        return (
+            f"({inner},)"
+            if isinstance(wrt, tuple) and len(wrt) == 1
+            else (f"({inner})" if isinstance(wrt, tuple) else f"[{inner}]")
+        )
+    if nnx is None:
+        return repr(wrt)
+    fl = nnx.filterlib
+    if isinstance(wrt, fl.OfType):
+        return filter_text(wrt.type)
+    if isinstance(wrt, (fl.Any, fl.All)):
+        parts = ", ".join(filter_text(p) for p in wrt.predicates)
+        return f"nnx.{type(wrt).__name__}({parts})"
+    if isinstance(wrt, fl.Not):
+        return f"nnx.Not({filter_text(wrt.predicate)})"
+    if isinstance(wrt, fl.PathContains):
+        exact = "" if wrt.exact else ", exact=False"
+        return f"nnx.PathContains({wrt.key!r}{exact})"
+    if isinstance(wrt, fl.WithTag):
+        return repr(wrt.tag)
+    if isinstance(wrt, fl.Everything):
+        return "..."
+    if isinstance(wrt, fl.Nothing):
+        return "None"
     return repr(wrt)
 
 
@@ -172,7 +207,7 @@ def refuse_non_module(params: Any, wrt: Any) -> None:
     """Refuses ``wrt`` with ``params`` that is not an NNX module."""
     if not is_module(params):
         raise TypeError(
-            f"`wrt={wrt!r}` selects variables of an NNX module passed whole "
+            f"`wrt={filter_text(wrt)}` selects variables of an NNX module passed whole "
             f"as `params`, got {type(params).__name__}: pass the module, or "
             "leave `wrt` out and pass the pytree of what to differentiate"
         )
@@ -254,9 +289,9 @@ class ModuleState(NamedTuple):
             graphdef, diff, frozen, rest = nnx.split(params, wrt, nnx.Param, ...)
             if not jax.tree.leaves(diff):
                 raise TypeError(
-                    f"`wrt={wrt!r}` selects none of the variables of the module "
-                    f"passed as `params` ({type(params).__name__}): pass the "
-                    "filter that nnx.Optimizer(..., wrt=...) takes for it"
+                    f"`wrt={filter_text(wrt)}` selects none of the variables of "
+                    f"the module passed as `params` ({type(params).__name__}): "
+                    "pass the filter that nnx.Optimizer(..., wrt=...) takes for it"
                 )
             chosen = [
                 f"{type(v).__name__} at params{nnx_path(path)}"
@@ -265,9 +300,9 @@ class ModuleState(NamedTuple):
             ]
             if chosen:
                 raise TypeError(
-                    f"`wrt={wrt!r}` selects variables that are not parameters "
-                    f"({first_three(chosen)}): differentiate nnx.Param variables "
-                    "(or a subclass, e.g. nnx.LoRAParam); the rest of the "
+                    f"`wrt={filter_text(wrt)}` selects variables that are not "
+                    f"parameters ({first_three(chosen)}): differentiate nnx.Param "
+                    "variables (or a subclass, e.g. nnx.LoRAParam); the rest of the "
                     "module is carried from microbatch to microbatch"
                 )
             return cls(params, graphdef, diff, rest, frozen, wrt)

@@ -759,3 +759,24 @@ def test_wrt_refuses_variables_that_are_not_parameters_and_every_variable():
     for every in (..., True):
         with pytest.raises(TypeError, match="selects every variable"):
             mm.microbatched_value_and_grad(_token_loss, K, wrt=every)
+
+
+def test_errors_name_the_filter_as_code():
+    from masked_multistep._nnx_state import filter_text
+
+    class Adapter(nnx.Param):
+        pass
+
+    assert filter_text(nnx.LoRAParam) == "nnx.LoRAParam"
+    assert filter_text(Adapter) == "Adapter"
+    assert filter_text("lora") == "'lora'"
+    assert (
+        filter_text(nnx.All(nnx.Param, nnx.PathContains("lora_a")))
+        == "nnx.All(nnx.Param, nnx.PathContains('lora_a'))"
+    )
+    assert filter_text(nnx.Any(nnx.LoRAParam, "x")) == "nnx.Any(nnx.LoRAParam, 'x')"
+    assert filter_text((nnx.LoRAParam, ...)) == "(nnx.LoRAParam, ...)"
+    with pytest.raises(TypeError, match=r"`wrt=nnx\.LoRAParam` selects none"):
+        mm.microbatched_value_and_grad(_token_loss, K, wrt=nnx.LoRAParam)(
+            nnx.Linear(D_IN, D_OUT, rngs=nnx.Rngs(0)), _batch()
+        )

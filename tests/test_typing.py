@@ -213,6 +213,14 @@ def test_gradients_with_respect_to_a_filter_are_typed_as_a_state():
     assert isinstance(state, nnx.State) and len(nnx.to_flat_state(state)) == 2
     _, whole = mm.microbatched_value_and_grad(loss_fn, 2)(model, batch)
     assert_type(whole, nnx.LoRA)  # a module of parameters, passed whole
+    # With statistics, three values, the statistics typed as without wrt.
+    stats_fn = mm.microbatched_value_and_grad(
+        loss_fn, 2, with_stats=True, wrt=nnx.LoRAParam
+    )
+    _, _, stats = stats_fn(model, batch)
+    assert_type(stats, mm.WindowStats[jax.Array])
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        (_, _), _ = stats_fn(model, batch)  # pyright: ignore[reportAssignmentType]
 
 
 def test_a_misspelt_public_name_is_reported_by_the_checker():
