@@ -976,6 +976,20 @@ def microbatched_value_and_grad(
       >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
       >>> _ = optimizer.update(model, grads)  # updates `model` in place
 
+      LoRA adapters alone: ``wrt=`` takes the filter ``nnx.Optimizer`` does,
+      and the frozen base gets no gradient:
+
+      >>> lora = nnx.LoRA(1, 1, 1, base_module=nnx.Linear(1, 1, rngs=nnx.Rngs(0)),
+      ...                 rngs=nnx.Rngs(1))
+      >>> def lora_loss(model, mb):
+      ...     return mm.masked_mean(model(mb["x"][..., None])[..., 0] ** 2, mb["mask"])
+      >>> lora_fn = mm.microbatched_value_and_grad(lora_loss, 2, wrt=nnx.LoRAParam)
+      >>> _, grads = lora_fn(lora, batch)
+      >>> sorted(str(path[0]) for path, _ in nnx.to_flat_state(grads))
+      ['lora_a', 'lora_b']
+      >>> adapters = nnx.Optimizer(lora, optax.sgd(0.1), wrt=nnx.LoRAParam)
+      >>> _ = adapters.update(lora, grads)  # the base weights stay as they were
+
       With ``with_stats=True`` the call also returns its :class:`WindowStats`.
       Here microbatch 0 (rows 0, 2) has 4 tokens of ``x = 1`` and microbatch 1
       (rows 1, 3) 4 tokens of ``x = 3``: gradients 1 and 3, mean 2, spread
