@@ -1158,13 +1158,14 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         closed = closes  # as the policy is told
         if forced is not None:
             forced_only = forced & ~closes
-            # A window that the flag alone closes without tokens is dropped:
-            # the policy is told nothing closed. (`acc_count` is the window's
-            # global total; where a deferred reduction forms it only at the
-            # window's end, the rule is k microbatches, which keeps no state.)
-            taken = forced & ~(forced_only & ~(acc_count > 0))
-            closed = closes | taken
-            keep = keep | taken
+            # The policy is told of the flag's close where the window holds
+            # tokens: one that the flag alone closes without them is dropped.
+            # (`acc_count` is the window's global total; where a deferred
+            # reduction forms it only at the window's end, the rule is k
+            # microbatches, which keeps no state.)
+            told = forced & (acc_count > 0)
+            closed = closes | told
+            keep = keep | told
             closes = closes | forced
         policy_state = jax.tree.map(
             lambda new, old: jnp.where(keep, new, old),
