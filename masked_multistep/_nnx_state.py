@@ -34,6 +34,24 @@ def nnx_path(path: tuple[Any, ...]) -> str:
     return "".join(f".{key}" if isinstance(key, str) else f"[{key!r}]" for key in path)
 
 
+def non_parameters(module: Any) -> list[tuple[Any, Any]]:
+    """``(path, variable)`` of every variable of ``module`` (or of an
+    ``nnx.State``) that is not an ``nnx.Param``."""
+    nnx = sys.modules["flax.nnx"]
+    if isinstance(module, nnx.Module):
+        return list(nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param))))
+    return [
+        (path, v)
+        for path, v in nnx.to_flat_state(module)
+        if not isinstance(v, nnx.Param)
+    ]
+
+
+def located(variables: list[tuple[Any, Any]], where: str = "params") -> list[str]:
+    """``BatchStat at params.bn.mean`` for each ``(path, variable)``."""
+    return [f"{type(v).__name__} at {where}{nnx_path(p)}" for p, v in variables]
+
+
 def check_nnx_modules(params: Any, whole_ok: bool = False) -> None:
     """Refuses NNX modules in ``params`` that hold state other than ``nnx.Param``.
 
@@ -92,7 +110,7 @@ def check_nnx_modules(params: Any, whole_ok: bool = False) -> None:
             continue
         where = f"params{jax.tree_util.keystr(prefix)}"
         by_type: dict[str, list[str]] = {}
-        for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param))):
+        for path, variable in non_parameters(module):
             by_type.setdefault(type(variable).__name__, []).append(
                 where + nnx_path(path)
             )
@@ -218,12 +236,9 @@ def refuse_module_state(params: Any, wrt: Any) -> None:
     holding state other than parameters (where each device's call cannot
     carry it: :func:`per_device_value_and_grad`)."""
     refuse_non_module(params, wrt)
-    nnx = sys.modules["flax.nnx"]
-    others = nnx.to_flat_state(nnx.state(params, nnx.Not(nnx.Param)))
+    others = non_parameters(params)
     if others:
-        found = first_three(
-            [f"{type(v).__name__} at params{nnx_path(p)}" for p, v in others]
-        )
+        found = first_three(located(others))
         raise TypeError(
             f"`params` is an NNX module ({type(params).__name__}) holding state "
             f"other than nnx.Param ({found}), which cannot be carried from "
@@ -282,9 +297,9 @@ class ModuleState(NamedTuple):
         of the variables to differentiate, :func:`check_wrt`'s); ``None``
         otherwise (a pytree of params, or a module of parameters only,
         differentiated as a pytree)."""
-        nnx = sys.modules.get("flax.nnx")
-        if nnx is None or not isinstance(params, nnx.Module):
+        if not is_module(params):
             return None
+        nnx = sys.modules["flax.nnx"]
         if wrt is not None:
             graphdef, diff, frozen, rest = nnx.split(params, wrt, nnx.Param, ...)
             if not jax.tree.leaves(diff):
@@ -293,20 +308,16 @@ class ModuleState(NamedTuple):
                     f"the module passed as `params` ({type(params).__name__}): "
                     "pass the filter that nnx.Optimizer(..., wrt=...) takes for it"
                 )
-            chosen = [
-                f"{type(v).__name__} at params{nnx_path(path)}"
-                for path, v in nnx.to_flat_state(diff)
-                if not isinstance(v, nnx.Param)
-            ]
+            chosen = non_parameters(diff)
             if chosen:
                 raise TypeError(
                     f"`wrt={filter_text(wrt)}` selects variables that are not "
-                    f"parameters ({first_three(chosen)}): differentiate nnx.Param "
-                    "variables (or a subclass, e.g. nnx.LoRAParam); the rest of the "
-                    "module is carried from microbatch to microbatch"
+                    f"parameters ({first_three(located(chosen))}): differentiate "
+                    "nnx.Param variables (or a subclass, e.g. nnx.LoRAParam); the "
+                    "rest of the module is carried from microbatch to microbatch"
                 )
             return cls(params, graphdef, diff, rest, frozen, wrt)
-        if not nnx.to_flat_state(nnx.state(params, nnx.Not(nnx.Param))):
+        if not non_parameters(params):
             return None
         graphdef, param_state, rest = nnx.split(params, nnx.Param, ...)
         return cls(params, graphdef, param_state, rest)
