@@ -53,6 +53,7 @@ import numpy as np
 
 __all__ = [
     "INT32_MAX",
+    "OWN_KEYWORDS",
     "PARAM_LEAF_TYPES",
     "check_accumulator_dtype",
     "check_count_dtype",
@@ -857,7 +858,7 @@ def check_microbatches(value: Any, what: str) -> int:
 
 # The wrapper's own keywords; an extra argument this close to one is taken for
 # a misspelling rather than forwarded (and dropped) to the inner optimizer.
-_OWN_KEYWORDS = ("count", "value", "close_window")
+OWN_KEYWORDS = ("count", "value", "close_window")
 # Names of the microbatch's loss, which goes in `value=`: forwarded, the inner
 # optimizer would drop it, or get the closing microbatch's alone.
 LOSS_KEYWORDS = ("loss", "losses", "mean_loss", "loss_value")
@@ -917,7 +918,7 @@ def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
                 "averages over the window's tokens and hands to the inner "
                 "optimizer (and to the window statistics' loss)."
             )
-        close = difflib.get_close_matches(key, _OWN_KEYWORDS, n=1, cutoff=0.8)
+        close = difflib.get_close_matches(key, OWN_KEYWORDS, n=1, cutoff=0.8)
         if close and close[0] != key:
             raise TypeError(
                 f"MaskedMultiSteps got the keyword argument {key!r}: did you mean "

@@ -20,6 +20,7 @@ import optax
 
 from masked_multistep import _inner
 from masked_multistep._checks import (
+    OWN_KEYWORDS,
     close_flag,
     first_three,
     guessed_keyword,
@@ -278,7 +279,7 @@ class TrainState(_flax_train_state.TrainState):
             type(self),
             "apply_gradients",
             kwargs,
-            ["count", "value", "close_window", "extra_args"],
+            [*OWN_KEYWORDS, "extra_args"],
             " Arguments for the optimizer go in `extra_args={...}`.",
         )
         if count is None:
@@ -298,7 +299,7 @@ class TrainState(_flax_train_state.TrainState):
                 f"optimizer's update, got {type(extra_args).__name__}"
             )
         extra_args = dict(extra_args or {})
-        clash = [k for k in ("count", "value", "close_window") if k in extra_args]
+        clash = [k for k in OWN_KEYWORDS if k in extra_args]
         if clash:
             raise TypeError(
                 f"Pass {', '.join(clash)} to apply_gradients directly, not in "
