@@ -1169,7 +1169,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             closes = closes | forced
         policy_state = jax.tree.map(
             lambda new, old: jnp.where(keep, new, old),
-            self._policy.update(state.policy_state, scalars, closed),
+            _windows.updated(self._policy, state.policy_state, scalars, closed),
             state.policy_state,
         )
         return closes, policy_state, forced_only

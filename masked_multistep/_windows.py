@@ -228,8 +228,10 @@ class WindowPolicy(NamedTuple):
         which closes the full window, or one passed with
         ``close_window=True`` (``closed`` is True, and ``scalars`` describe
         the window without it). A window that ``close_window=True`` alone
-        closes without tokens is dropped: ``closed`` is then False. The
-        policies here change their state only when a window closes.
+        closes without tokens is dropped: ``closed`` is then False. It must
+        return a state of the structure, shapes and dtypes that ``init``
+        built (an error names the policy otherwise). The policies here change
+        their state only when a window closes.
       needs_stats: whether ``closes`` reads ``counted``, ``grad_sq_norm`` and
         ``grad_var_trace``.
       bounded: whether the policy sets a maximum window by itself (a number of
@@ -276,6 +278,46 @@ def verdict(policy: WindowPolicy, policy_state: Any, scalars: WindowScalars) -> 
         policy.closes(policy_state, scalars),
         f"The window policy {describe(policy)}'s `closes`",
     )
+
+
+def updated(
+    policy: WindowPolicy, policy_state: Any, scalars: WindowScalars, closed: Any
+) -> Any:
+    """``policy.update(policy_state, scalars, closed)``, checked: a state of the
+    structure, shapes and dtypes that ``policy.init`` built (the state is
+    carried through jit, scan and checkpoints), or an error naming the policy."""
+    new = policy.update(policy_state, scalars, closed)
+    want = jax.tree.structure(policy_state)
+    if jax.tree.structure(new) != want:
+        raise ValueError(
+            f"The window policy {describe(policy)}'s `update` must return a state "
+            f"of the structure its `init` built, {want}; got "
+            f"{jax.tree.structure(new)}"
+        )
+    for got, old in zip(jax.tree.leaves(new), jax.tree.leaves(policy_state)):
+        shapes = (jnp.shape(got), jnp.shape(old))
+        dtypes = (jnp.result_type(got), jnp.result_type(old))
+        if shapes[0] != shapes[1] or dtypes[0] != dtypes[1]:
+            raise ValueError(
+                f"The window policy {describe(policy)}'s `update` must return a "
+                "state of the shapes and dtypes its `init` built: got a leaf of "
+                f"shape {shapes[0]} and dtype {dtypes[0]} where `init` built "
+                f"shape {shapes[1]} and dtype {dtypes[1]}"
+            )
+    return new
+
+
+def check_policy(policy: WindowPolicy, keyword: str) -> WindowPolicy:
+    """``policy`` (a :class:`WindowPolicy` given as ``keyword``), or an error
+    naming the first of its functions that is not callable."""
+    for field in ("init", "closes", "update"):
+        function = getattr(policy, field)
+        if not callable(function):
+            raise TypeError(
+                f"`{keyword}` got a WindowPolicy whose `{field}` is not callable: "
+                f"{function!r:.60} of type {type(function).__name__}"
+            )
+    return policy
 
 
 def _call(function: str, *args: Any, **kwargs: Any) -> str:
@@ -1035,7 +1077,7 @@ def window_policy(
                     "that decides on the window statistics: pass it as "
                     "`norm_test=`"
                 )
-            policies.append(tokens_per_window)
+            policies.append(check_policy(tokens_per_window, "tokens_per_window"))
         else:
             policies.append(_token_budget(tokens_per_window))
     if norm_test is not None:
@@ -1045,7 +1087,9 @@ def window_policy(
                 "statistics: pass it as `tokens_per_window=`"
             )
         test = (
-            norm_test if isinstance(norm_test, WindowPolicy) else _norm_test(norm_test)
+            check_policy(norm_test, "norm_test")
+            if isinstance(norm_test, WindowPolicy)
+            else _norm_test(norm_test)
         )
         _check_consulted(test, every_k_schedule, tokens_per_window, count_dtype)
         policies.append(test)

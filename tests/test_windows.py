@@ -988,6 +988,51 @@ def test_a_custom_policy_whose_closes_is_not_a_boolean_scalar_is_named(
         tx.update(jnp.ones(2), tx.init(p), p, count=jnp.float32(2))
 
 
+@pytest.mark.parametrize(
+    "update, match",
+    [
+        (lambda ps, s, c: ps + 0.5, "leaf of shape \\(\\) and dtype float32 where"),
+        (lambda ps, s, c: jnp.zeros(3, jnp.int32), "leaf of shape \\(3,\\) and"),
+        (lambda ps, s, c: (ps, ps), "of the structure its `init` built"),
+    ],
+    ids=["dtype", "shape", "structure"],
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_custom_policys_update_must_keep_the_state_init_built(update, match, jit):
+    # The state is carried through jit and checkpoints: a float where `init`
+    # built an int32 changed the state's layout (a jitted step compiled
+    # again), a vector was broadcast into it.
+    policy = mm.WindowPolicy(
+        lambda: jnp.int32(0), lambda ps, s: s.microbatches >= 2, update, name="P"
+    )
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=policy)
+    p = jnp.zeros(2)
+    step = lambda s: tx.update(jnp.ones(2), s, p, count=jnp.int32(3))  # noqa: E731
+    with pytest.raises(
+        ValueError, match="policy P's `update` must return a state " + ".*" + match
+    ):
+        (jax.jit(step) if jit else step)(tx.init(p))
+
+
+@pytest.mark.parametrize("field", ["init", "closes", "update"])
+@pytest.mark.parametrize("keyword", ["tokens_per_window", "norm_test"])
+def test_a_custom_policy_whose_functions_are_not_callable_is_refused(field, keyword):
+    functions = {
+        "init": lambda: (),
+        "closes": lambda ps, s: s.microbatches >= 2,
+        "update": lambda ps, s, c: ps,
+    }
+    functions[field] = ()
+    policy = mm.WindowPolicy(**functions, needs_stats=keyword == "norm_test")
+    window = {"every_k_schedule": 4} if keyword == "norm_test" else {}
+    with pytest.raises(
+        TypeError,
+        match=f"`{keyword}` got a WindowPolicy whose `{field}` is not callable: "
+        r"\(\) of type tuple",
+    ):
+        mm.MaskedMultiSteps(optax.sgd(1.0), **window, **{keyword: policy})
+
+
 def test_norm_test_waits_for_min_tokens_before_it_is_consulted():
     # The test is not consulted on a window below its minimum budget.
     # tr Σ̂ = 1 <= 0.5² · N · ‖ḡ‖² = 0.25 · 16 · 1 = 4: the test passes.
