@@ -34,13 +34,13 @@ class TokenTotal(NamedTuple):
     count dtype, far beyond the ``2**24`` of one float32 or the ``2**31`` of an
     int32. ``float(total)`` (or :meth:`value`) gives it as a Python float, exact
     for integer totals below ``2**53``; ``int(total)``, ``round(total)``,
-    formatting (``f"{total:,.0f}"``), arithmetic and comparisons work as on
-    that float (``total / 1e6``, ``total > budget``; traced by ``jit``, on
-    ``hi + lo`` in float32). NumPy and jax take it as the one number it stands
-    for, not as the pair: ``np.asarray(total)`` is that float64, and
-    ``jnp.asarray(total)`` is ``hi + lo``, the total rounded to float32, also
-    under ``jit``; jax.numpy functions take it so, and an optax schedule of
-    the tokens seen takes ``jnp.asarray(total)``.
+    ``bool(total)``, formatting (``f"{total:,.0f}"``), arithmetic and
+    comparisons work as on that float (``total / 1e6``, ``total > budget``;
+    traced by ``jit``, on ``hi + lo`` in float32). NumPy and jax take it as
+    the one number it stands for, not as the pair: ``np.asarray(total)`` is
+    that float64, and ``jnp.asarray(total)`` is ``hi + lo``, the total
+    rounded to float32, also under ``jit``; jax.numpy functions take it so,
+    and an optax schedule of the tokens seen takes ``jnp.asarray(total)``.
 
     Attributes:
       hi: float32, the leading part.
@@ -105,6 +105,12 @@ class TokenTotal(NamedTuple):
     def item(self) -> float:
         """``float(total)``."""
         return float(self)
+
+    def __bool__(self) -> bool:
+        # The number's truth, not the pair's (a tuple of two is always true):
+        # `if seen:` is false for no tokens. Traced, jax's error, as for a
+        # traced float.
+        return bool(self._number() != 0)
 
     def __round__(self, ndigits: int | None = None) -> Any:
         return round(float(self), ndigits)

@@ -1094,6 +1094,17 @@ def test_tokens_seen_does_arithmetic_and_comparisons_on_the_number():
     assert doubled.dtype == jnp.float32 and bool(above)
 
 
+def test_tokens_seen_is_true_where_the_number_is():
+    # As a tuple of two it was always true: `if seen:` took no tokens for some.
+    zero = mm.TokenTotal(jnp.float32(0.0), jnp.float32(0.0))
+    assert not zero and bool(zero) is False
+    assert mm.TokenTotal(jnp.float32(0.0), jnp.float32(1.0))
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    assert not mm.window_stats(tx.init(jnp.zeros(2))).tokens_seen
+    with pytest.raises(jax.errors.TracerBoolConversionError):
+        jax.jit(lambda t: jnp.float32(1.0 if t else 0.0))(zero)
+
+
 def test_tokens_seen_is_one_number_to_numpy_and_jax():
     # As a tuple, the pair would read as [hi, lo] (a metric logger's silent
     # 2-vector); numpy gets the exact float64 total, jax hi + lo in float32.
