@@ -75,6 +75,22 @@ def check_matches(what: str, got: Any, want: Any, hint: str) -> None:
         )
 
 
+STEP_COUNTERS = ("mini_step", "gradient_step", "num_invalid_counts")
+
+
+def check_counters(state: Any, where: str) -> None:
+    """An error naming the first of ``state``'s step counters that is negative
+    (``where.format(name)`` names it): one would stretch the next window
+    (``mini_step`` -2 with k = 3 closes it after 5 microbatches)."""
+    for name in STEP_COUNTERS:
+        counter = int(getattr(state, name))
+        if counter < 0:
+            raise ValueError(
+                f"{where.format(name)} must be an integer in [0, 2**31 - 1], got "
+                f"{counter}"
+            )
+
+
 def like_template(where: str, got: Any, want: Any) -> Any:
     """The restored field ``got`` in the dtypes of the template's ``want``
     (``where``: how the error names ``got``).
@@ -332,15 +348,7 @@ def from_state_0_1(
             if name != "acc_count"
         }
     )
-    for name in ("mini_step", "gradient_step", "num_invalid_counts"):
-        counter = getattr(state, name)
-        if int(counter) < 0:
-            # A negative step counter would stretch the next window (mini_step
-            # -2 with k = 3 closes it after 5 microbatches).
-            raise ValueError(
-                f"`restored[{name!r}]` must be an integer in [0, 2**31 - 1], got "
-                f"{int(counter)}"
-            )
+    check_counters(state, "`restored[{!r}]`")
     acc_count = host_count(
         restored["acc_count"], template.acc_count.dtype, "`restored['acc_count']`"
     )

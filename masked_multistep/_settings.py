@@ -9,6 +9,7 @@ import jax
 from masked_multistep import _by_name, _stats
 from masked_multistep._checkpoint import (
     _check_template,
+    check_counters,
     check_matches,
     host_count,
     like_template,
@@ -93,7 +94,9 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         first with :func:`from_device_count`); if the inner optimizer's state
         or the accumulator differ from the template's in structure or shapes,
         or a field's values do not fit the template's dtypes (a token total
-        beyond an integer ``count_dtype``, a fractional one for it).
+        beyond an integer ``count_dtype``, a fractional one for it), or a step
+        counter (``mini_step``, ``gradient_step``, ``num_invalid_counts``) is
+        negative.
 
     Examples:
       Halfway through a window of 4, switch to windows of 10 tokens:
@@ -157,6 +160,7 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
             for name in _CARRIED
         }
     )
+    check_counters(new, "`state.{}`")
     dtype = template.acc_count.dtype
     acc_count = host_count(old.acc_count, dtype, "`state.acc_count`")
     value_count = host_count(old.value_count, dtype, "`state.value_count`")

@@ -175,6 +175,19 @@ def test_what_cannot_carry_over_is_named():
         mm.from_other_settings(half, counted.init(PARAMS))
 
 
+@pytest.mark.parametrize("name", ["mini_step", "gradient_step", "num_invalid_counts"])
+def test_a_negative_step_counter_is_refused(name):
+    # As from_state_0_1 refuses it: mini_step -3 and num_invalid_counts -7
+    # carried over made the next window of k = 4 take 7 microbatches.
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 4)
+    corrupt = tx.init(PARAMS)._replace(**{name: jnp.int32(-3)})
+    with pytest.raises(
+        ValueError,
+        match=rf"`state\.{name}` must be an integer in \[0, 2\*\*31 - 1\], got -3",
+    ):
+        mm.from_other_settings(corrupt, tx.init(PARAMS))
+
+
 def test_statistics_of_another_kind_start_from_the_pending_mean():
     """Totals only, then each leaf's too: the new statistics count the pending
     window's mean as one microbatch of its tokens, for every leaf, as a wrapper
