@@ -859,37 +859,42 @@ def check_microbatches(value: Any, what: str) -> int:
 # The wrapper's own keywords; an extra argument this close to one is taken for
 # a misspelling rather than forwarded (and dropped) to the inner optimizer.
 OWN_KEYWORDS = ("count", "value", "close_window")
-# Names of the microbatch's loss, which goes in `value=`: forwarded, the inner
-# optimizer would drop it, or get the closing microbatch's alone.
-LOSS_KEYWORDS = ("loss", "losses", "mean_loss", "loss_value")
-# Names a user may guess for `close_window=` (other trainers' among them:
-# Hugging Face Accelerate's `sync_gradients`, Keras' `end_of_epoch`).
-CLOSE_KEYWORDS = (
-    "close",
-    "flush",
-    "last",
-    "is_last",
-    "end_window",
-    "window_end",
-    "end_of_window",
-    "window_close",
-    "close_now",
-    "end_of_data",
-    "end_of_epoch",
-    "last_microbatch",
-    "force_update",
-    "apply_now",
-    "sync_gradients",
-)
+# Names a user may guess for `value=` (the microbatch's loss: forwarded, the
+# inner optimizer would drop it, or get the closing microbatch's alone) and
+# for `close_window=` (other trainers' among them: Hugging Face Accelerate's
+# `sync_gradients`, Keras' `end_of_epoch`): names made of the words of a
+# vocabulary alone, one of them a trigger (`loss_val`, `mb_loss`; `last_batch`,
+# `flush_window`, `end_of_batch`, `force_update`). A name with another word
+# (`loss_scale`, `value_fn`) may be an inner optimizer's own, and is forwarded.
+_GUESSES = {
+    "value": (
+        frozenset(["loss", "losses", "val", "vals", "value", "values"]),
+        frozenset(
+            ["mean", "avg", "average", "mb", "microbatch", "batch", "train"]
+            + ["training", "step", "current", "cur", "total", "scalar"]
+        ),
+    ),
+    "close_window": (
+        frozenset(["close", "closes", "closing", "flush", "last", "final", "end"])
+        | frozenset(["finish", "finished", "sync", "force", "now"]),
+        frozenset(
+            ["is", "of", "the", "window", "windows", "batch", "microbatch", "data"]
+            + ["epoch", "step", "gradients", "grads", "accumulation", "accum"]
+            + ["update", "apply", "do", "should", "microbatches"]
+        ),
+    ),
+}
 
 
 def guessed_keyword(key: str) -> str | None:
     """The wrapper's own keyword that ``key`` guesses at by another name
     (``loss=`` for ``value=``, ``flush=`` for ``close_window=``), or None."""
-    if key in LOSS_KEYWORDS:
-        return "value"
-    if key in CLOSE_KEYWORDS:
-        return "close_window"
+    if key in OWN_KEYWORDS:
+        return None
+    words = set(key.lower().replace("-", "_").split("_")) - {""}
+    for meant, (triggers, others) in _GUESSES.items():
+        if words & triggers and words <= triggers | others:
+            return meant
     return None
 
 
@@ -902,6 +907,13 @@ def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
     and the inner optimizer get the window's NaN loss.
     """
     for key in extra_args:
+        close = difflib.get_close_matches(key, OWN_KEYWORDS, n=1, cutoff=0.8)
+        if close and close[0] != key:
+            raise TypeError(
+                f"MaskedMultiSteps got the keyword argument {key!r}: did you mean "
+                f"{close[0]!r}? (Other keywords go to the inner optimizer; one "
+                f"this close to {close[0]!r} is taken for a misspelling.)"
+            )
         meant = guessed_keyword(key)
         if meant == "close_window":
             raise TypeError(
@@ -917,13 +929,6 @@ def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
                 "microbatch's mean loss goes in `value=`, which the wrapper "
                 "averages over the window's tokens and hands to the inner "
                 "optimizer (and to the window statistics' loss)."
-            )
-        close = difflib.get_close_matches(key, OWN_KEYWORDS, n=1, cutoff=0.8)
-        if close and close[0] != key:
-            raise TypeError(
-                f"MaskedMultiSteps got the keyword argument {key!r}: did you mean "
-                f"{close[0]!r}? (Other keywords go to the inner optimizer; one "
-                f"this close to {close[0]!r} is taken for a misspelling.)"
             )
     if count is None:
         others = [k for k in extra_args if k != "value"]

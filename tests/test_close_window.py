@@ -330,7 +330,11 @@ def test_train_state_checks_the_flag_for_a_plain_optimizer_too():
     assert int(state.step) == 1
 
 
-@pytest.mark.parametrize("guess", ["flush", "is_last", "sync_gradients", "close"])
+@pytest.mark.parametrize(
+    "guess",
+    ["flush", "is_last", "sync_gradients", "close", "last_batch", "flush_window"]
+    + ["end_of_batch", "force_update", "is_final_microbatch"],
+)
 def test_a_guessed_name_for_the_flag_points_to_it(guess):
     """Other keywords go to the inner optimizer, which would drop these: the
     window would stay open without a word."""

@@ -234,7 +234,7 @@ def test_the_loss_under_its_own_name_is_sent_to_value():
     # was NaN, and reduce_on_plateau inside never applied a window.
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
     state = tx.init(PARAMS)
-    for name in ("loss", "mean_loss"):
+    for name in ("loss", "mean_loss", "val", "vals", "loss_val", "mb_loss"):
         with pytest.raises(TypeError, match=rf"{name!r}: .* goes in `value=`"):
             tx.update(GRADS, state, PARAMS, count=3, **{name: jnp.float32(0.7)})
     train_state = mm.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
@@ -242,6 +242,22 @@ def test_the_loss_under_its_own_name_is_sent_to_value():
         train_state.apply_gradients(grads=GRADS, count=3, loss=0.7)
     with pytest.raises(TypeError, match=r"'loss': .* goes in `value=`"):
         train_state.apply_gradients(grads=GRADS, count=3, extra_args={"loss": 0.7})
+
+
+def test_names_with_words_of_their_own_go_to_the_inner_optimizer():
+    # Guesses are names made of a guess's words alone: `loss_scale=` or
+    # `end_value=` may be an inner optimizer's own, and reach it.
+    seen = {}
+
+    def update(updates, state, params=None, **extra_args):
+        seen.update(extra_args)
+        return updates, state
+
+    inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+    tx = mm.MaskedMultiSteps(inner, 1)
+    extra = {"loss_scale": 2.0, "end_value": 3.0, "last_lr": 4.0, "value_fn": 5.0}
+    tx.update(GRADS, tx.init(PARAMS), PARAMS, count=3, **extra)
+    assert seen == extra
 
 
 def test_an_integer_array_value_is_taken_for_a_swapped_count():
