@@ -116,6 +116,39 @@ def _state_path(tree: Any, what: str) -> tuple[Any, ...]:
     return found[0]
 
 
+def _progress(node: Any) -> dict[str, int] | None:
+    """A state's step counters, where they are concrete (None for an abstract
+    template)."""
+    counters = {}
+    for name in ("gradient_step", "mini_step"):
+        x = _array(_get(node, name))
+        if isinstance(x, jax.Array):
+            # (A replicated scalar: every process holds it whole.)
+            x = x.addressable_data(0)
+        elif not isinstance(x, (np.ndarray, np.generic, int)):
+            return None
+        counters[name] = int(np.asarray(x))
+    return counters
+
+
+def _refuse_swapped(restored: Any, template: Any) -> None:
+    """An error where the template holds a run in progress and ``restored``
+    none: the arguments swapped, which would keep the fresh state's values
+    (the checkpoint's window and optimizer state lost, without a word where
+    both have the same number of devices)."""
+    got, want = _progress(restored), _progress(template)
+    if got is None or want is None or any(got.values()) or not any(want.values()):
+        return
+    raise ValueError(
+        "`template` holds a run in progress ("
+        + ", ".join(f"{k}={v}" for k, v in want.items())
+        + ") and `restored` a state that has taken no step: are the arguments "
+        "swapped? from_device_count(restored, template) keeps `restored`'s "
+        "values in `template`'s layout: pass the restored checkpoint first, and "
+        "`tx.init(params)` (or its abstract form) as the template"
+    )
+
+
 def _where(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
@@ -606,7 +639,9 @@ def from_device_count(restored: Any, template: Any) -> Any:
         dtype is of another kind or holds values its template dtype cannot,
         or the restored counts are negative, not finite (or its invalid
         counts, microbatches or squared norms are), or
-        (for an integer ``count_dtype``) add up beyond it on a new device.
+        (for an integer ``count_dtype``) add up beyond it on a new device, or
+        ``template`` has taken steps and ``restored`` none (the arguments
+        swapped).
 
     Examples:
       Two devices' halves of a window (2 tokens of mean 1, 6 tokens of mean 3)
@@ -671,6 +706,7 @@ def from_device_count(restored: Any, template: Any) -> Any:
         )
     # Where the wrapper's scalars are: replicated over the template's devices.
     state = next(x for path, x in t_outside if path == at)
+    _refuse_swapped(next(x for path, x in r_outside if path == at), state)
     replicated = _array(_get(state, "acc_count")).sharding
     out = []
     for (path, t), (_, r) in zip(t_outside, r_outside):

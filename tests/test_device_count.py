@@ -190,6 +190,27 @@ def test_onto_the_same_devices_the_run_continues_bit_for_bit():
     assert int(state.gradient_step) == 2
 
 
+@pytest.mark.parametrize("devices", [4, 8])
+def test_swapped_arguments_are_named(devices):
+    """`from_device_count(template, restored)` kept the fresh state's values:
+    on the same devices the checkpoint's window and optimizer state were lost
+    without a word."""
+    params = {"w": jnp.zeros(H)}
+    tx = _tx(4)
+    running = tx.init(params)
+    for i in range(K + 1):
+        _, running = _step(tx, params, running, i % K, 4)
+    restored = mm.from_device_count(running, _tx(devices).init(params))
+    with pytest.raises(
+        ValueError,
+        match=r"holds a run in progress \(gradient_step=1, "
+        r"mini_step=1\).*are the arguments swapped\?",
+    ):
+        mm.from_device_count(_tx(devices).init(params), restored)
+    # A template in progress with a restored state in progress too is taken.
+    mm.from_device_count(running, running)
+
+
 @pytest.mark.parametrize("new", [4, 3])
 def test_orbax_restores_into_the_target_and_converts(tmp_path, new):
     """Restored on 4 of 8 devices the old axis stays sharded (two running
