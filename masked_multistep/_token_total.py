@@ -271,9 +271,10 @@ def token_total(tokens: Any, what: str) -> TokenTotal:
 
 def with_tokens_seen(tree: Any, seen: TokenTotal) -> Any:
     """``tree`` with every :class:`TokenTotal` in it (a token budget's tokens
-    seen, the window statistics' ``tokens_seen``) set to ``seen``."""
+    seen, the window statistics' ``tokens_seen``) set to ``seen``, each a copy
+    of its own: a donated state may not hold one buffer twice."""
     return jax.tree.map(
-        lambda x: seen if isinstance(x, TokenTotal) else x,
+        lambda x: jax.tree.map(jnp.copy, seen) if isinstance(x, TokenTotal) else x,
         tree,
         is_leaf=lambda x: isinstance(x, TokenTotal),
     )

@@ -66,6 +66,48 @@ def test_init_state_has_no_shared_buffers():
     assert len(set(pointers)) == len(pointers)
 
 
+def _converted(how):
+    """A state with statistics and a budget of the tokens seen (two
+    `TokenTotal`s), as each conversion returns it."""
+    tx = mm.MaskedMultiSteps(
+        optax.adam(1e-3),
+        tokens_per_window=lambda seen: 8.0 + 0 * seen,
+        window_stats=True,
+    )
+    running = tx.init(PARAMS)
+    _, running = tx.update(PARAMS, running, PARAMS, count=jnp.int32(3))
+    if how == "from_other_settings":
+        return tx, mm.from_other_settings(running, tx.init(PARAMS), tokens_seen=100)
+    if how == "from_optax_multisteps":
+        old = optax.MultiSteps(optax.adam(1e-3), 4)
+        _, old_state = old.update(PARAMS, old.init(PARAMS), PARAMS)
+        return tx, mm.from_optax_multisteps(
+            old_state, tx, PARAMS, acc_count=4, tokens_seen=100
+        )
+    if how == "from_state_0_1":
+        saved = mm.state_0_1_target(running)
+        return tx, mm.from_state_0_1(saved, tx.init(PARAMS), tokens_seen=100)
+    return tx, mm.from_device_count(running, tx.init(PARAMS))
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["from_other_settings", "from_optax_multisteps", "from_state_0_1"]
+    + ["from_device_count"],
+)
+def test_a_converted_state_has_no_shared_buffers_and_can_be_donated(how):
+    # The tokens seen were set as one TokenTotal in both places that hold one
+    # (the budget's, the statistics'): "Attempt to donate the same buffer twice".
+    tx, state = _converted(how)
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)]
+    assert len(set(pointers)) == len(pointers)
+    step = jax.jit(
+        lambda s: tx.update(PARAMS, s, PARAMS, count=jnp.int32(3))[1],
+        donate_argnums=0,
+    )
+    step(state)
+
+
 def test_state_can_be_donated_every_step():
     tx = mm.MaskedMultiSteps(optax.adam(1e-3), 2)
 
