@@ -63,8 +63,9 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
     :func:`from_optax_multisteps` counts it). The tokens seen (for a budget
     that is a function of them, and the statistics' ``tokens_seen``) are
     ``state``'s where it kept them, else
-    ``tokens_seen``, else 0. A skip function's state carries over where it has
-    the template's layout, else it starts afresh.
+    ``tokens_seen``, else 0. A skip function's state, and a custom window
+    policy's (:class:`WindowPolicy`), carry over where they have the
+    template's layout, else they start afresh.
 
     Args:
       state: the running wrapper's state, or a tree holding it (an
@@ -169,6 +170,14 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         new = new._replace(
             skip_state=like_template(
                 "`state.skip_state`", old.skip_state, template.skip_state
+            )
+        )
+    if same_layout(old.policy_state, template.policy_state):
+        # A custom window policy's state (a budget's tokens seen are set
+        # below, to `state`'s or `tokens_seen`).
+        new = new._replace(
+            policy_state=like_template(
+                "`state.policy_state`", old.policy_state, template.policy_state
             )
         )
     if isinstance(template.stats, _stats.WindowStatsState):

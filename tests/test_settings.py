@@ -93,6 +93,27 @@ def test_the_same_settings_continue_bit_identically():
     )
 
 
+def test_a_custom_policys_state_carries_over():
+    # Windows of 2 + (windows closed so far) % 3 microbatches: the policy's
+    # state was reset to its init, and later windows closed elsewhere.
+    policy = mm.WindowPolicy(
+        init=lambda: jnp.int32(0),
+        closes=lambda ps, s: s.microbatches >= 2 + ps % 3,
+        update=lambda ps, s, closed: ps + closed.astype(jnp.int32),
+    )
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), tokens_per_window=policy)
+    state = tx.init(PARAMS)
+    step = jax.jit(tx.update)
+    for i in range(6):
+        _, state = step(_grads(i), state, PARAMS, count=jnp.float32(2))
+    assert int(state.policy_state) == 2 and int(state.mini_step) == 1
+    assert_bit_identical(mm.from_other_settings(state, tx.init(PARAMS)), state)
+    # Onto a rule of another layout, the template's.
+    budget = mm.MaskedMultiSteps(optax.sgd(0.1), tokens_per_window=lambda seen: 8.0)
+    moved = mm.from_other_settings(state, budget.init(PARAMS))
+    assert float(moved.policy_state) == 0.0
+
+
 def test_tokens_seen_carry_into_a_budget_warmup_and_the_statistics():
     old = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
     state = old.init(PARAMS)
