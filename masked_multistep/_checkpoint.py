@@ -64,10 +64,42 @@ def same_layout(a: Any, b: Any) -> bool:
     )
 
 
+def _container_types(tree: Any) -> set[type]:
+    """The types of the pytree nodes in ``tree`` (``dict``, ``tuple``, an
+    optax state's NamedTuple, ...)."""
+    found: set[type] = set()
+
+    def walk(treedef: Any) -> None:
+        data = treedef.node_data()
+        if data is not None:
+            found.add(data[0])
+        for child in treedef.children():
+            walk(child)
+
+    walk(jax.tree.structure(tree))
+    return found
+
+
+# What a checkpoint restored without a target is built of.
+_PLAIN = {dict, list, type(None)}
+
+
 def check_matches(what: str, got: Any, want: Any, hint: str) -> None:
     """Refuses a restored field ``got`` whose tree structure or shapes are not
-    the template's ``want`` (``what`` names it; ``hint`` says what to do)."""
+    the template's ``want`` (``what`` names it; ``hint`` says what to do).
+
+    Where ``got`` is built of plain dicts and lists alone and the template is
+    not, the hint is to restore against a target first: that is what a
+    checkpoint restored without one gives."""
     if not same_layout(got, want):
+        got_types = _container_types(got)
+        if got_types <= _PLAIN and not _container_types(want) <= _PLAIN:
+            hint = (
+                "it is built of plain dicts and lists where the template has "
+                "tuples and optimizer states, as a checkpoint restored without "
+                "a target gives it: restore against the target (orbax: "
+                "`checkpointer.restore(path, target)`), then convert. Else, " + hint
+            )
         raise ValueError(
             f"{what} does not match the template's (structure or shapes: got "
             f"{jax.tree.map(np.shape, got)}, template "

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 from flax import serialization
 
 import masked_multistep as mm
@@ -79,6 +80,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)  # as in the test process
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from flax import serialization
 import masked_multistep as mm
 import test_checkpoint as t
@@ -141,3 +143,29 @@ def test_resume_mid_window_in_a_fresh_process_is_bit_identical(tmp_path):
             got = resumed[f"{name}_{j}"]
             assert got.dtype == want.dtype and got.shape == want.shape, (name, j)
             assert np.array_equal(got, want), (name, j, got, want)
+
+
+def test_a_checkpoint_restored_without_a_target_says_so_to_every_converter(tmp_path):
+    # Orbax without a target gives plain dicts and lists: the converters took
+    # them for a state held by name and blamed the template ("the template
+    # must come from `tx.init(params)` ...") where the template was right.
+    params = {"w": jnp.zeros(3)}
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 3)
+    _, state = tx.update({"w": jnp.ones(3)}, tx.init(params), params, count=2)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "c", {"opt_state": state})
+        checkpointer.wait_until_finished()
+        raw = checkpointer.restore(tmp_path / "c")["opt_state"]
+    budget = mm.MaskedMultiSteps(optax.adam(0.1), tokens_per_window=8)
+    saved_0_1 = {name: raw[name] for name in mm.STATE_0_1_FIELDS}
+    for convert in (
+        lambda: mm.from_other_settings(raw, budget.init(params)),
+        lambda: mm.from_device_count(raw, tx.init(params)),
+        lambda: mm.from_state_0_1(saved_0_1, tx.init(params)),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=r"built of plain dicts and lists .* restored without a target.*"
+            r"restore against the target",
+        ):
+            convert()
