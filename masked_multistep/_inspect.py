@@ -81,12 +81,19 @@ def find_boxed(opt_state: Any) -> MaskedMultiStepsState:
         hint = ""
         if found:
             where = "state" if holder is opt_state else "state.opt_state"
+            is_state = lambda x: isinstance(x, MaskedMultiStepsState)  # noqa: E731
+            paths = [
+                f"`{where}{jax.tree_util.keystr(path)}`"
+                for path, x in jax.tree_util.tree_flatten_with_path(
+                    opt_state, is_leaf=is_state
+                )[0]
+                if is_state(x)
+            ]
             hint = (
-                ": pass the part of the state that holds the one you mean, e.g. "
-                f"`{where}.inner_states['name']` for one branch of "
-                "optax.multi_transform. (Two wrappers in one optax.chain are a "
-                "mistake: the second would average the first's in-window zeros "
-                "as microbatches; chain the transformations inside one wrapper.)"
+                f" (at {', '.join(paths)}): pass the one you mean. (Two "
+                "wrappers in one optax.chain are a mistake: the second would "
+                "average the first's in-window zeros as microbatches; chain "
+                "the transformations inside one wrapper.)"
             )
         elif states_in(opt_state, optax.MultiStepsState):
             hint = (

@@ -533,7 +533,9 @@ def test_window_stats_and_has_updated_find_nested_states():
         assert int(stats.tokens) == 2 and int(stats.windows) == 1, name
 
     with pytest.raises(
-        ValueError, match="exactly one MaskedMultiStepsState.*found 2.*pass the part"
+        ValueError,
+        match=r"exactly one MaskedMultiStepsState, found 2 in a tuple \(at "
+        r"`state\[0\]`, `state\[1\]`\): pass the one you mean",
     ):
         mm.window_stats((mmtx.init(params), mmtx.init(params)))
     with pytest.raises(
@@ -1314,7 +1316,8 @@ def test_window_stats_errors_say_where_to_look():
     state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
     with pytest.raises(
         ValueError,
-        match=r"found 2 in a TrainState: .*`state\.opt_state\.inner_states\['name'\]`",
+        match=r"found 2 in a TrainState \(at `state\.opt_state\.inner_states\['a'\]"
+        r"\.inner_state`, `state\.opt_state\.inner_states\['b'\]\.inner_state`\)",
     ):
         mm.window_stats(state)
     stats = mm.window_stats(state.opt_state.inner_states["a"])

@@ -200,7 +200,7 @@ def test_two_wrapped_branches_say_which_part_of_the_state_to_read():
     )
     state = mm.TrainState.create(apply_fn=None, params=params, tx=tx)
     state = state.apply_gradients(grads=jax.tree.map(jnp.ones_like, params), count=1)
-    hint = r"found 2 in a TrainState: .*`state.opt_state.inner_states\['name'\]`"
+    hint = r"found 2 in a TrainState \(at `state.opt_state.inner_states\['x'\]"
     with pytest.raises(ValueError, match=r"TrainState.gradient_step reads .*" + hint):
         _ = state.gradient_step
     with pytest.raises(ValueError, match=hint):
