@@ -50,8 +50,7 @@ def from_other_settings(
 def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -> Any:
     """``state`` of a running :class:`MaskedMultiSteps`, continued by one with
     other settings: another ``k`` or schedule, a token budget or the norm
-    test, the window statistics turned on or off, another ``count_dtype``
-    (where both keep statistics, the same one).
+    test, the window statistics turned on or off, another ``count_dtype``.
 
     The window in progress carries over (its mean gradient, tokens, mean
     ``value`` and microbatches, which count toward the new rule: a window
@@ -182,7 +181,19 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         )
     if isinstance(template.stats, _stats.WindowStatsState):
         if same_layout(old.stats, template.stats):
-            stats = like_template("`state.stats`", old.stats, template.stats)
+            # The last window's token totals, in the count dtype, convert as
+            # the window's own do (a fractional total refused for integers).
+            last = old.stats.last._replace(
+                tokens=host_count(
+                    old.stats.last.tokens, dtype, "`state.stats.last.tokens`"
+                ),
+                loss_tokens=host_count(
+                    old.stats.last.loss_tokens, dtype, "`state.stats.last.loss_tokens`"
+                ),
+            )
+            stats = like_template(
+                "`state.stats`", old.stats._replace(last=last), template.stats
+            )
         else:
             # Not the template's statistics: the pending window's mean counts
             # as one microbatch of its tokens.

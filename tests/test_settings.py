@@ -93,6 +93,50 @@ def test_the_same_settings_continue_bit_identically():
     )
 
 
+@pytest.mark.parametrize(
+    "old_dtype, new_dtype", [(jnp.float32, jnp.int32), (jnp.int32, jnp.float32)]
+)
+def test_statistics_carry_over_into_another_count_dtype(old_dtype, new_dtype):
+    # The last window's token totals are in the count dtype: statistics on
+    # both sides were refused ("holds dtype float32 where the template has
+    # int32").
+    counts = [3, 0, 5, 2, 4, 1, 6, 2]
+    old = mm.MaskedMultiSteps(
+        optax.adam(0.1), 3, window_stats=True, count_dtype=old_dtype
+    )
+    new = mm.MaskedMultiSteps(
+        optax.adam(0.1), 3, window_stats=True, count_dtype=new_dtype
+    )
+
+    def run(tx, state, items):
+        for i in items:
+            _, state = tx.update(_grads(i), state, PARAMS, count=counts[i])
+        return state
+
+    state = run(old, old.init(PARAMS), range(4))
+    moved = mm.from_other_settings(state, new.init(PARAMS))
+    assert moved.stats.last.tokens.dtype == new_dtype
+    for a, b in zip(mm.window_stats(moved), mm.window_stats(state)):
+        np.testing.assert_array_equal(
+            np.asarray(a, np.float64), np.asarray(b, np.float64)
+        )
+    # The run continues as one counted in the new dtype from the start.
+    want = run(new, new.init(PARAMS), range(8))
+    got = run(new, moved, range(4, 8))
+    for a, b in zip(mm.window_stats(got), mm.window_stats(want)):
+        np.testing.assert_allclose(
+            np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-6
+        )
+    # A fractional total does not fit an integer count dtype.
+    if new_dtype == jnp.int32:
+        last = state.stats.last._replace(tokens=jnp.float32(2.5))
+        fractional = state._replace(stats=state.stats._replace(last=last))
+        with pytest.raises(
+            ValueError, match=r"`state\.stats\.last\.tokens` is fractional"
+        ):
+            mm.from_other_settings(fractional, new.init(PARAMS))
+
+
 def test_a_custom_policys_state_carries_over():
     # Windows of 2 + (windows closed so far) % 3 microbatches: the policy's
     # state was reset to its init, and later windows closed elsewhere.
