@@ -66,6 +66,13 @@ KEYWORD_HINTS = {
     "rng": "pass the key to the returned function: grad_fn(params, batch, rng=key)",
 }
 
+# Keywords a user may pass the returned grad_fn, which takes `rng=` alone.
+CALL_HINTS: dict[str, str] = dict.fromkeys(
+    ["key", "rngs", "prng_key", "dropout_rng", "seed"],
+    "a PRNG key goes in grad_fn(params, batch, rng=key) (loss_fn gets each "
+    "microbatch's as its `rng` keyword)",
+)
+
 # The gradients have the params' type (the same pytree; an NNX module passed
 # whole with other state, or with `wrt=`, gives an `nnx.State` instead). The
 # batch is typed by the call, not by `loss_fn`, which sees jax arrays where a
@@ -1119,7 +1126,9 @@ def _grad_fn(
         batch: Any,
         *args: Any,
         rng: jax.typing.ArrayLike | None = None,
+        **keywords: Any,
     ) -> tuple[Any, ...]:
+        refuse_unknown_keywords("grad_fn", keywords, grad_fn, CALL_HINTS)
         if len(args) == 1 and _is_single_key(args[0]):
             raise TypeError(
                 "grad_fn takes the PRNG key as a keyword: grad_fn(params, batch, "

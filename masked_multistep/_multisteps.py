@@ -943,7 +943,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             )
         )
 
-    def _check_state(self, state: Any, params: Any) -> None:
+    def _check_state(self, state: Any, params: Any, grads: Any = None) -> None:
         """Refuses a state that this wrapper's ``init`` did not build.
 
         The fields that the settings shape (window statistics, the window rule's
@@ -961,6 +961,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             if isinstance(params, MaskedMultiStepsState):
                 hint = (
                     ": `params` is the wrapper's state, so the two are swapped; "
+                    "the order is (grads, state, params)"
+                )
+            elif isinstance(grads, MaskedMultiStepsState):
+                hint = (
+                    ": `grads` is the wrapper's state, so the two are swapped; "
                     "the order is (grads, state, params)"
                 )
             elif _checks.training_state_kind(state) == "train_state":
@@ -1186,7 +1191,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         """
         _checks.check_extra_args(extra_args, count)
         forced = _checks.close_flag(close)  # `close_window=`
-        self._check_state(state, params)
+        self._check_state(state, params, grads)
+        if params is not None:
+            _checks.refuse_state_as_params(params)
         self._reduction.check_grads(grads, state.acc_grads)
         grads = self._reduction.place_inputs(grads, state.acc_grads)
         if apply_params or params is not None:

@@ -34,8 +34,13 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from masked_multistep import _stats
-from masked_multistep._checks import check_flag, refuse_unknown_keywords, type_spec
+from masked_multistep._checks import (
+    check_flag,
+    refuse_unknown_keywords,
+    type_spec,
+)
 from masked_multistep._microbatch import (
+    CALL_HINTS,
     KEYWORD_HINTS,
     MICROBATCH_KEYWORDS,
     GradFn,
@@ -297,8 +302,13 @@ def _per_device(
     )
 
     def per_device(
-        params: optax.Params, batch: Any, *, rng: jax.typing.ArrayLike | None = None
+        params: optax.Params,
+        batch: Any,
+        *,
+        rng: jax.typing.ArrayLike | None = None,
+        **keywords: Any,
     ) -> tuple[Any, optax.Updates]:
+        refuse_unknown_keywords("grad_fn", keywords, per_device, CALL_HINTS)
         _check_batch(batch, num_devices, k)
         if wrt is not None:
             refuse_module_state(params, wrt)
@@ -653,8 +663,13 @@ def data_parallel_value_and_grad(
     )
 
     def grad_fn(
-        params: ParamsT, batch: Any, *, rng: jax.typing.ArrayLike | None = None
+        params: ParamsT,
+        batch: Any,
+        *,
+        rng: jax.typing.ArrayLike | None = None,
+        **keywords: Any,
     ) -> Any:
+        refuse_unknown_keywords("grad_fn", keywords, grad_fn, CALL_HINTS)
         out = per_device(params, batch, rng=rng)
         with jax.named_scope("masked_multistep/combine_devices"):
             (value, grads) = _combine(out[:2], has_aux, aux_reduction)

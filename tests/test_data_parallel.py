@@ -281,6 +281,11 @@ def test_per_device_rng_gives_every_device_its_own_key(mesh):
     )
     assert float(count[d]) == float(own_count)
     chex.assert_trees_all_close(jax.tree.map(lambda g: g[d], grads), own, **TOL)
+    # The key under another name is named (Python's error named an inner
+    # function, and not `rng=`).
+    for make in (mm.per_device_value_and_grad, mm.data_parallel_value_and_grad):
+        with pytest.raises(TypeError, match=r"'key': a PRNG key goes in grad_fn"):
+            make(noisy, mesh, "data", num_microbatches=2)(_params(), sharded, key=key)
 
 
 def test_all_devices_empty_gives_zeros(mesh):

@@ -538,6 +538,16 @@ def test_a_state_of_fields_by_name_or_swapped_with_params_says_so(tx, method):
     # The state and the params passed in each other's place.
     with pytest.raises(TypeError, match=r"got dict: `params` is .* swapped"):
         step(GRADS, PARAMS, state, count=1)
+    # The state and the grads; the state as the params too (a long structure
+    # dump named neither).
+    with pytest.raises(TypeError, match=r"got dict: `grads` is .* swapped"):
+        step(state, GRADS, PARAMS, count=1)
+    with pytest.raises(
+        TypeError,
+        match=r"`params` must be the model's parameters, "
+        r"got MaskedMultiStepsState",
+    ):
+        step(GRADS, state, state, count=1)
     # Anything else is named, without a guess.
     with pytest.raises(TypeError, match=r"returned, got dict$"):
         step(GRADS, {"w": 1}, PARAMS, count=1)

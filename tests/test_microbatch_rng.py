@@ -78,6 +78,13 @@ def test_rng_errors():
         grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)}, jax.random.key(0))
     with pytest.raises(TypeError, match=r"takes the PRNG key as a keyword.*rng=key"):
         grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)}, jax.random.PRNGKey(0))
+    # Another name for the key, or a misspelt `rng`: Python's error named
+    # `_grad_fn.<locals>.grad_fn()` and said nothing of `rng=`.
+    for name in ("key", "rngs"):
+        with pytest.raises(TypeError, match=rf"{name!r}: a PRNG key goes in grad_fn"):
+            grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)}, **{name: 0})
+    with pytest.raises(TypeError, match=r"'rgn': did you mean 'rng'\?"):
+        grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)}, rgn=0)
     # Data as more arguments (it said "takes the PRNG key as a keyword").
     with pytest.raises(
         TypeError, match=r"got 2 more positional .*pack the batch's arrays into one"
