@@ -10,23 +10,9 @@ import jax.numpy as jnp
 
 from masked_multistep._checks import PARAM_LEAF_TYPES, count_weight
 from masked_multistep._running_mean import compute_dtype, safe_fraction
+from masked_multistep._shards import varying_axes
 
 __all__ = ["weighted_mean_across", "weighted_sum_across"]
-
-
-def varying_axes_of_type(aval: Any) -> frozenset:
-    """The manual mesh axes over which a value of type ``aval`` (``jax.typeof``
-    of it, or a ``jax.ShapeDtypeStruct`` from ``jax.eval_shape``) differs:
-    empty outside shard_map."""
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))  # the older jax spelling
-
-
-def varying_axes(x: Any) -> frozenset:
-    """The manual mesh axes over which ``x`` differs (empty outside shard_map)."""
-    return varying_axes_of_type(jax.typeof(x))
 
 
 def reduced_leaf(

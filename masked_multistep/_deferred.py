@@ -612,9 +612,13 @@ def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:
     invalid counts and the loss's tokens, beside the gradients', which with
     window statistics also carries their sums of every device's ``nᵈ‖gᵈ‖²`` and
     microbatches): between window ends a step has no cross-device communication
-    at all, and a slow device holds the others up once per window, not on every
-    microbatch. Then the state's ``acc_count``, ``acc_value`` and
-    ``value_count`` stay 0 (every device's own figures are in
+    over the data axis at all, and a slow device holds the others up once per
+    window, not on every microbatch. (Parameters sharded over an
+    ``AxisType.Explicit`` model axis are gathered over it and sliced again where
+    :func:`per_device_value_and_grad`'s ``shard_map`` begins, on every step:
+    jax's boundary of a ``shard_map`` manual over the data axis alone; an
+    ``Auto`` model axis has none of it.) Then the state's ``acc_count``,
+    ``acc_value`` and ``value_count`` stay 0 (every device's own figures are in
     ``state.reduction_state``), and a traced invalid count on one device drops
     that device's share of the microbatch and is added to ``num_invalid_counts``
     when the window closes, and the microbatch counts toward ``k`` even when

@@ -40,12 +40,12 @@ from masked_multistep._checks import (
     count_weight,
     refuse_unknown_keywords,
 )
-from masked_multistep._collectives import varying_axes, varying_axes_of_type
 from masked_multistep._running_mean import (
     compute_dtype,
     promote_types,
     running_mean_update,
 )
+from masked_multistep._shards import varying_axes, varying_axes_of_type
 
 __all__ = ["microbatched_value_and_grad"]
 

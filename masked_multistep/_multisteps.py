@@ -32,6 +32,7 @@ from masked_multistep._running_mean import (
     all_finite,
     fits,
 )
+from masked_multistep._shards import over_slices
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
 
@@ -1063,6 +1064,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             state.gradient_step,
             params,
         )
+        # Inside shard_map with the params split over a mesh axis, the skip
+        # function saw this shard's slices: the microbatch is skipped where
+        # any shard's says so, and the state's numbers are the shards' sums.
+        should_skip = over_slices(should_skip, n)
+        skip_state = jax.tree.map(lambda x: over_slices(x, n), skip_state)
         room = fits(state.acc_count, n)
         valid_count = count_ok & room
         # A window whose total cannot take this count is full: it closes on
@@ -1323,7 +1329,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             mean_sq_norm = self._recorder.read_mean(mean, has_tokens)
             # A non-finite mean never reaches the inner optimizer: a stateful
             # one (adam's moments) would carry the NaN into every later update.
-            finite = all_finite(mean, self._recorder.total(mean_sq_norm))
+            finite = all_finite(mean, self._recorder.total(mean_sq_norm), has_tokens)
             if needs_value:
                 finite = finite & jnp.isfinite(window_loss)
             # Where the mean is the accumulator itself, `run` reads it from the

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from masked_multistep._checks import first_three
-from masked_multistep._collectives import varying_axes
+from masked_multistep._shards import varying_axes
 
 SPLIT_RECIPE = (
     "pass `params` from `graphdef, params, rest = nnx.split(model, nnx.Param, "

@@ -48,6 +48,7 @@ from masked_multistep._checks import (
     real_array,
     refuse_narrow_float,
 )
+from masked_multistep._shards import over_slices, varying_axes, varying_like
 
 __all__ = [
     "accumulator_dtype",
@@ -164,7 +165,7 @@ def sq_norm(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(x))
 
 
-def all_finite(tree: Any, reduced: Any = ()) -> jax.Array:
+def all_finite(tree: Any, reduced: Any = (), count: Any = None) -> jax.Array:
     """Whether every element of every leaf of ``tree`` is finite (exact).
 
     ``x - x`` is 0 for every finite ``x`` and NaN for an inf or NaN, and a sum
@@ -179,6 +180,10 @@ def all_finite(tree: Any, reduced: Any = ()) -> jax.Array:
       reduced: optionally, a scalar already reduced from every element of
         ``tree`` by sums of finite terms (e.g. its squared norm); where it is
         finite the leaves are not read again.
+      count: the window's token count (or a flag made from it): inside
+        ``shard_map``, a leaf that varies over a manual axis over which
+        ``count`` does not is a slice of the gradient, and the shards answer
+        together (see ``_shards``).
 
     Returns:
       A boolean scalar.
@@ -199,12 +204,22 @@ def all_finite(tree: Any, reduced: Any = ()) -> jax.Array:
         return jnp.ones([], jnp.bool_)
 
     def sums_of_zeros(leaves):
-        return jnp.isfinite(sum_scalars(jnp.sum(x - x) for x in leaves))
+        return jnp.isfinite(
+            sum_scalars(over_slices(jnp.sum(x - x), count) for x in leaves)
+        )
 
     if isinstance(reduced, tuple):
         return sums_of_zeros(leaves)
+    # Inside shard_map, the leaves' answer varies as they do over the axes
+    # that are not combined (those of the count): the constant too.
+    axes = frozenset().union(*(varying_axes(x) for x in leaves))
+    if count is not None:
+        axes &= varying_axes(count)
     return cond(
-        jnp.isfinite(reduced), lambda _: jnp.ones([], jnp.bool_), sums_of_zeros, leaves
+        jnp.isfinite(reduced),
+        lambda _: varying_like(jnp.ones([], jnp.bool_), axes),
+        sums_of_zeros,
+        leaves,
     )
 
 
@@ -448,7 +463,7 @@ def running_mean_update(
         delta = g_c - jnp.where(first, g_c, m_c)
         new = jnp.where(first, g_c, m_c + delta / ratio.astype(dtype))
         if with_sq_deviation:
-            sq_devs.append(sq_norm(delta))
+            sq_devs.append(over_slices(sq_norm(delta), count))
         return jnp.where(take, new, m_c).astype(m.dtype)
 
     with jax.named_scope("masked_multistep/running_mean"):

@@ -127,6 +127,7 @@ from masked_multistep._running_mean import (
     sq_norm,
     sum_scalars,
 )
+from masked_multistep._shards import over_slices
 from masked_multistep._token_total import TokenTotal, add_tokens
 
 __all__ = [
@@ -367,8 +368,10 @@ def init_window_stats(
     )
 
 
-def tree_sq_norm(tree: Any) -> jax.Array:
-    """``Σ_leaves ‖leaf‖²`` in at least float32 (real, for complex leaves too).
+def tree_sq_norm(tree: Any, count: Any = None) -> jax.Array:
+    """``Σ_leaves ‖leaf‖²`` in at least float32 (real, for complex leaves too);
+    inside ``shard_map``, a leaf's summed over the shards that hold slices of
+    it, ``count`` (the window's tokens) the same on each (see ``_shards``).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -376,25 +379,34 @@ def tree_sq_norm(tree: Any) -> jax.Array:
       >>> print(tree_sq_norm({"a": jnp.array([3.0, 4.0]), "b": jnp.array(1.0)}))
       26.0
     """
-    leaves = [sq_norm(jnp.asarray(x)) for x in jax.tree.leaves(tree)]
+    leaves = [
+        over_slices(sq_norm(jnp.asarray(x)), count) for x in jax.tree.leaves(tree)
+    ]
     return sum_scalars(leaves, result_type(_F32, *(x.dtype for x in leaves)))
 
 
 def _sq_norms(
-    tree: Any, rows: bool, shape: tuple[int, ...], per_leaf: bool = False
+    tree: Any,
+    rows: bool,
+    shape: tuple[int, ...],
+    per_leaf: bool = False,
+    count: Any = None,
 ) -> jax.Array:
-    """``tree_sq_norm(tree)``, or with ``rows`` each leading-axis row's (the
-    rows' count in ``shape``, which also holds with no leaves at all); with
-    ``per_leaf`` each leaf's apart, float32, stacked along a last axis."""
+    """``tree_sq_norm(tree, count)``, or with ``rows`` each leading-axis row's
+    (the rows' count in ``shape``, which also holds with no leaves at all);
+    with ``per_leaf`` each leaf's apart, float32, stacked along a last axis."""
     if not rows and not per_leaf:
-        return tree_sq_norm(tree)
+        return tree_sq_norm(tree, count)
     if rows:
         parts = [
             jnp.sum(jnp.square(jnp.abs(x).astype(_F32)), axis=tuple(range(1, x.ndim)))
             for x in jax.tree.leaves(tree)
         ]
     else:
-        parts = [sq_norm(jnp.asarray(x)).astype(_F32) for x in jax.tree.leaves(tree)]
+        parts = [
+            over_slices(sq_norm(jnp.asarray(x)).astype(_F32), count)
+            for x in jax.tree.leaves(tree)
+        ]
     if per_leaf:
         return _stacked(parts, shape)
     return sum(parts, jnp.zeros(shape, _F32))
@@ -434,7 +446,7 @@ def _taken_sq_norm_custom(
     writes the selected gradient to a temporary buffer as large as the
     gradient; the custom derivative keeps the forward pass a bare reduction.
     """
-    return _sq_norms(tree, rows, jnp.shape(take), per_leaf)
+    return _sq_norms(tree, rows, jnp.shape(take), per_leaf, take)
 
 
 @_taken_sq_norm_custom.defjvp
@@ -442,7 +454,7 @@ def _taken_sq_norm_jvp(rows, per_leaf, primals, tangents):
     tree, take = primals
     d_tree, _ = tangents
     shape = jnp.shape(take)
-    out = _sq_norms(tree, rows, shape, per_leaf)
+    out = _sq_norms(tree, rows, shape, per_leaf, take)
 
     def inner(g, dg):
         g, dg = jnp.asarray(g), jnp.asarray(dg)
@@ -457,7 +469,8 @@ def _taken_sq_norm_jvp(rows, per_leaf, primals, tangents):
         g, dg = g.astype(dtype), dg.astype(dtype)
         prod = jnp.conj(g) * dg if jnp.iscomplexobj(g) else g * dg
         axes = tuple(range(1, g.ndim)) if rows else None
-        return jnp.sum(jnp.real(prod), axis=axes).astype(out.dtype)
+        dot = jnp.sum(jnp.real(prod), axis=axes).astype(out.dtype)
+        return over_slices(dot, take)
 
     dots = [
         inner(g, dg) for g, dg in zip(jax.tree.leaves(tree), jax.tree.leaves(d_tree))
@@ -727,7 +740,7 @@ def window_so_far(
     """
     with jax.named_scope("masked_multistep/window_stats"):
         tokens = jnp.asarray(tokens)
-        g2, s = _sq_norm_and_deviation(state, tokens, tree_sq_norm(mean))
+        g2, s = _sq_norm_and_deviation(state, tokens, tree_sq_norm(mean, tokens))
         k = state.microbatches
         var, _, _, ok, _ = _estimates(s, k, tokens, g2)
         g2, var = undefined_as_nan((g2, var), (tokens > 0, ok))
@@ -1213,11 +1226,11 @@ def one_window_stats(
     )
     leaf_sq_norms = None
     if leaf_sums is None:
-        grad_sq_norm = tree_sq_norm(mean)
+        grad_sq_norm = tree_sq_norm(mean, tokens)
     else:
         # As the wrapper closes a window with leaf statistics: the total is
         # the leaves' sum.
-        leaf_sq_norms = _sq_norms(mean, False, (), per_leaf=True)
+        leaf_sq_norms = _sq_norms(mean, False, (), per_leaf=True, count=tokens)
         grad_sq_norm = jnp.sum(leaf_sq_norms)
         state = state._replace(
             leaves=cast(LeafSums, state.leaves)._replace(
