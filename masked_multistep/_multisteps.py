@@ -32,7 +32,7 @@ from masked_multistep._running_mean import (
     all_finite,
     fits,
 )
-from masked_multistep._shards import over_slices
+from masked_multistep._shards import check_inner_update, one_copy, over_slices
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
 
@@ -1059,14 +1059,15 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 f"grads, count, {axes[0]!r})` of each shard's own gradient "
                 "and count"
             )
+        # Inside shard_map with the params split over a mesh axis, the skip
+        # function sees this shard's slices (and the leaves the same on every
+        # shard on the first one alone): the microbatch is skipped where any
+        # shard's says so, and the state's numbers are the shards' sums.
         should_skip, skip_state = self._skip_verdict(
-            self._reduction.skip_view(grads, local_counts, n),
+            one_copy(self._reduction.skip_view(grads, local_counts, n), n),
             state.gradient_step,
             params,
         )
-        # Inside shard_map with the params split over a mesh axis, the skip
-        # function saw this shard's slices: the microbatch is skipped where
-        # any shard's says so, and the state's numbers are the shards' sums.
         should_skip = over_slices(should_skip, n)
         skip_state = jax.tree.map(lambda x: over_slices(x, n), skip_state)
         room = fits(state.acc_count, n)
@@ -1306,6 +1307,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             if mean is None:  # the accumulator is the mean
                 mean = acc_grads
             updates, new_inner = inner_update(mean, inner_state, params, dynamic_args)
+            check_inner_update(updates, mean, params, dynamic_args)
             if reuse_acc:
                 return (updates, new_inner, ()), ()
             if apply_params:

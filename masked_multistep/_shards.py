@@ -16,8 +16,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["over_slices", "varying_axes", "varying_axes_of_type", "varying_like"]
+__all__ = [
+    "check_inner_update",
+    "one_copy",
+    "over_slices",
+    "varying_axes",
+    "varying_axes_of_type",
+    "varying_like",
+]
 
 
 def varying_axes_of_type(aval: Any) -> frozenset:
@@ -73,3 +81,68 @@ def varying_like(value: jax.Array, axes: frozenset) -> jax.Array:
     if not missing:
         return value
     return jax.lax.pcast(value, tuple(sorted(missing, key=str)), to="varying")
+
+
+def one_copy(tree: Any, count: Any) -> Any:
+    """``tree`` (a gradient) as a function that sums over all its leaves sees
+    it on one shard of the whole gradient: a leaf the same on every shard of
+    an axis that other leaves are split over (combined, as :func:`over_slices`
+    combines) is kept on that axis' first shard and zero on the others, so the
+    shards' sums count it once, not once per shard."""
+    if count is None:
+        return tree
+    leaves = jax.tree.leaves(tree)
+    split = frozenset().union(*(varying_axes(x) for x in leaves)) - varying_axes(count)
+    if not split:
+        return tree
+
+    def leaf(x: Any) -> Any:
+        copies = sorted(split - varying_axes(x), key=str)
+        if not copies:
+            return x
+        first = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in copies]))
+        return jnp.where(first, x, jnp.zeros_like(x))
+
+    return jax.tree.map(leaf, tree)
+
+
+def check_inner_update(updates: Any, grads: Any, params: Any, window: Any) -> None:
+    """A ``ValueError`` where a leaf of the inner optimizer's ``updates``
+    varies over a manual mesh axis over which neither its gradient, its
+    parameter, nor the window's figures (``window``: the count, the loss)
+    do: a transformation that reduces over all leaves (a global norm) saw
+    each shard's slices of the others, and the shards would part."""
+    if jax.tree.structure(updates) != jax.tree.structure(grads):
+        return
+    param_leaves = (
+        jax.tree.leaves(params)
+        if params is not None
+        and jax.tree.structure(params) == jax.tree.structure(grads)
+        else [None] * len(jax.tree.leaves(grads))
+    )
+    allowed = frozenset().union(
+        *(varying_axes(x) for x in jax.tree.leaves(window) if _is_value(x))
+    )
+    paths = jax.tree_util.tree_flatten_with_path(updates)[0]
+    for (path, u), g, p in zip(paths, jax.tree.leaves(grads), param_leaves):
+        extra = varying_axes(u) - varying_axes(g) - allowed
+        if p is not None:
+            extra -= varying_axes(p)
+        if extra:
+            axes = sorted(extra, key=str)
+            raise ValueError(
+                f"The inner optimizer's update of grads"
+                f"{jax.tree_util.keystr(path)} differs between the shards of "
+                f"{axes} while that gradient and its parameter do not: inside "
+                f"shard_map with parameters split over {axes}, a transformation "
+                "that reduces over all leaves (optax.clip_by_global_norm, say) "
+                "sees each shard's slices of the others. Combine such a "
+                "reduction over the shards yourself (jax.lax.psum of the "
+                "slices' squared norms), or run the wrapper outside shard_map"
+            )
+
+
+def _is_value(x: Any) -> bool:
+    """Whether ``x`` is an array or a number (an extra argument may be a
+    function: a line search's ``value_fn``)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))

@@ -3,9 +3,10 @@
 Tensor parallelism by hand: each shard holds slices of the parameters, of the
 state and of the gradients, and the window's token count is the same on every
 shard. The window's finiteness, the statistics' squared norms and a skip
-function's verdict are the whole gradient's, so every shard's slices end as one
-device's run on the whole arrays; along an axis where the count differs too,
-each shard keeps a window of its own.
+function's verdict and state are the whole gradient's, so every shard's slices
+end as one device's run on the whole arrays (for an inner optimizer without
+reductions over all leaves); along an axis where the count differs too, each
+shard keeps a window of its own.
 """
 
 import chex
@@ -134,6 +135,52 @@ def test_a_skip_functions_verdict_and_state_are_the_shards_together():
     _assert_same_run(got, want)
     assert int(got[1].gradient_step) == 2 and int(got[1].num_nonfinite_windows) == 0
     chex.assert_trees_all_equal(got[1].skip_state, want[1].skip_state)
+
+
+@pytest.mark.parametrize("leaf", ["w", "b"])
+def test_a_skip_function_counts_a_replicated_leaf_once(leaf):
+    # `b` is the same on every shard: summed over the shards, a NaN in it was
+    # counted 8 times (`num_not_finite`), and its squared norm 8 times in
+    # skip_large_updates' `norm_squared`.
+    def nan_at(i):
+        g = _grads(i)
+        if i == 2:
+            g[leaf] = g[leaf].at[(5, 1) if leaf == "w" else 1].set(jnp.nan)
+        return g
+
+    schedule = [(nan_at(i), 3) for i in range(3)]
+    tx = mm.MaskedMultiSteps(
+        optax.adam(0.1), 2, should_skip_update_fn=optax.skip_not_finite
+    )
+    got, want = _sharded_run(tx, schedule), _one_device_run(tx, schedule)
+    _assert_same_run(got, want)
+    chex.assert_trees_all_equal(got[1].skip_state, want[1].skip_state)
+    assert int(got[1].skip_state["num_not_finite"]) == 1
+
+    def large(g, s, p):
+        return optax.skip_large_updates(g, s, p, max_squared_norm=1e6)
+
+    schedule = [(_grads(i), 3) for i in range(3)]
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2, should_skip_update_fn=large)
+    got, want = _sharded_run(tx, schedule), _one_device_run(tx, schedule)
+    np.testing.assert_allclose(
+        got[1].skip_state["norm_squared"], want[1].skip_state["norm_squared"], 1e-6
+    )
+
+
+def test_an_inner_global_norm_over_slices_is_named():
+    # optax.clip_by_global_norm inside the wrapper sees each shard's slices:
+    # the replicated `b`'s update would differ between the shards. It failed
+    # in jax's cond ("branches must have equal output types ... pcast").
+    tx = mm.MaskedMultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)), 2
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"update of grads\['b'\] differs between the shards of \['model'\] "
+        r"while that gradient and its parameter do not.*clip_by_global_norm",
+    ):
+        _sharded_run(tx, [(_grads(0), 3)])
 
 
 def test_the_norm_test_decides_on_the_whole_gradient():
