@@ -231,10 +231,13 @@ class Deferred(KnownTotals):
                 ndim = jnp.ndim(box.value) - 1
                 return box.replace(names=self._leading_names(box.names, ndim))
             if isinstance(box, box_types):  # an NNX variable, made by the map
-                names = box.get_metadata().get("out_sharding")
-                if isinstance(names, (tuple, list)):  # PartitionSpec included
-                    ndim = jnp.ndim(box.get_value()) - 1
-                    box.set_metadata(out_sharding=self._leading_names(names, ndim))
+                # (`nnx.Optimizer` makes a variable's `optimizer_sharding` its
+                # state's `out_sharding`: both lead with the device axis.)
+                ndim = jnp.ndim(box.get_value()) - 1
+                for key in ("out_sharding", "optimizer_sharding"):
+                    names = box.get_metadata().get(key)
+                    if isinstance(names, (tuple, list)):  # PartitionSpec included
+                        box.set_metadata(**{key: self._leading_names(names, ndim)})
             return box
 
         return jax.tree.map(rename, tree, is_leaf=lambda x: isinstance(x, box_types))

@@ -950,6 +950,30 @@ def test_deferred_accumulator_names_its_device_axis_in_flax_metadata():
         assert acc.get_metadata()["out_sharding"] == tuple(want)
         assert acc[...].sharding.spec == want and acc[...].shape == (2, 8, 4)
 
+        # Names for the optimizer state alone (`optimizer_sharding`, which
+        # nnx.Optimizer makes its state's `out_sharding`): the accumulator's
+        # lead with the device axis too. Without it, flax split the device
+        # axis over "model" (jax's IndivisibleError for 2 devices over 4).
+        class OptimizerNames(nnx.Module):
+            def __init__(self, names=names):
+                self.w = nnx.Param(
+                    jnp.ones((8, 4)),
+                    out_sharding=(None, None),
+                    optimizer_sharding=names,
+                )
+
+        with jax.set_mesh(mesh):
+            optimizer = nnx.Optimizer(OptimizerNames(), tx, wrt=nnx.Param)
+        acc = optimizer.opt_state.acc_grads["w"]
+        assert acc.get_metadata()["out_sharding"] == tuple(want)
+        assert acc[...].shape == (2, 8, 4)
+        assert (
+            nnx.get_partition_spec(nnx.state(optimizer))["opt_state"]["acc_grads"][
+                "w"
+            ].get_value()
+            == want
+        )
+
 
 @both_axis_types
 def test_fsdp_reduce_every_microbatch_or_defer_is_a_memory_choice(mesh):
