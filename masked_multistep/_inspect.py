@@ -81,14 +81,7 @@ def find_boxed(opt_state: Any) -> MaskedMultiStepsState:
         hint = ""
         if found:
             where = "state" if holder is opt_state else "state.opt_state"
-            is_state = lambda x: isinstance(x, MaskedMultiStepsState)  # noqa: E731
-            paths = [
-                f"`{where}{jax.tree_util.keystr(path)}`"
-                for path, x in jax.tree_util.tree_flatten_with_path(
-                    opt_state, is_leaf=is_state
-                )[0]
-                if is_state(x)
-            ]
+            paths = [f"`{path}`" for path in state_paths(opt_state, where)]
             hint = (
                 f" (at {', '.join(paths)}): pass the one you mean. (Two "
                 "wrappers in one optax.chain are a mistake: the second would "
@@ -117,6 +110,17 @@ def find_boxed(opt_state: Any) -> MaskedMultiStepsState:
             f"{len(found)} in a {type(holder).__name__}{hint}"
         )
     return found[0]
+
+
+def state_paths(tree: Any, where: str) -> list[str]:
+    """Where each :class:`MaskedMultiStepsState` in ``tree`` is, spelt from
+    ``where`` (``"state.opt_state"`` gives ``state.opt_state[0]``...)."""
+    is_state = lambda x: isinstance(x, MaskedMultiStepsState)  # noqa: E731
+    return [
+        where + jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]
+        if is_state(x)
+    ]
 
 
 def has_updated(opt_state: Any) -> jax.Array:

@@ -29,7 +29,7 @@ from masked_multistep._checks import (
     refuse_state_as_params,
     to_count,
 )
-from masked_multistep._inspect import find_boxed, unboxed
+from masked_multistep._inspect import find_boxed, state_paths, unboxed
 from masked_multistep._multisteps import (
     MaskedMultiSteps,
     MaskedMultiStepsState,
@@ -391,7 +391,8 @@ class TrainState(_flax_train_state.TrainState):
 
         Raises:
           ValueError: if ``opt_state`` holds no :class:`MaskedMultiStepsState`,
-            or more than one at the outermost level.
+            or more than one (in ``optax.multi_transform``'s branches, say: the
+            error names where each is, to read with :func:`find_state`).
         """
         return self._multisteps_field("gradient_step")
 
@@ -406,6 +407,15 @@ class TrainState(_flax_train_state.TrainState):
         return self._multisteps_field("mini_step")
 
     def _multisteps_field(self, attribute: str) -> jax.Array:
+        paths = state_paths(self.opt_state, "state.opt_state")
+        if len(paths) > 1:
+            # (A property takes no argument: say how to read each.)
+            raise ValueError(
+                f"TrainState.{attribute} reads the one MaskedMultiSteps state in "
+                f"`opt_state`, which holds {len(paths)} (at "
+                f"{', '.join(f'`{p}`' for p in paths)}): read the one you mean, "
+                f"e.g. `mm.find_state({paths[0]}).{attribute}`"
+            )
         try:
             return unboxed(getattr(find_boxed(self), attribute))
         except ValueError as err:

@@ -200,11 +200,19 @@ def test_two_wrapped_branches_say_which_part_of_the_state_to_read():
     )
     state = mm.TrainState.create(apply_fn=None, params=params, tx=tx)
     state = state.apply_gradients(grads=jax.tree.map(jnp.ones_like, params), count=1)
-    hint = r"found 2 in a TrainState \(at `state.opt_state.inner_states\['x'\]"
-    with pytest.raises(ValueError, match=r"TrainState.gradient_step reads .*" + hint):
+    # (A property takes no argument: "pass the one you mean" did not apply.)
+    with pytest.raises(
+        ValueError,
+        match=r"TrainState.gradient_step reads the one MaskedMultiSteps state in "
+        r"`opt_state`, which holds 2 \(at `state.opt_state.inner_states\['x'\]"
+        r"\.inner_state`, .*\): read the one you mean, e\.g\. `mm.find_state\("
+        r"state.opt_state.inner_states\['x'\].inner_state\).gradient_step`",
+    ):
         _ = state.gradient_step
+    hint = r"found 2 in a TrainState \(at `state.opt_state.inner_states\['x'\]"
     with pytest.raises(ValueError, match=hint):
         mm.has_updated(state)
+    assert int(mm.find_state(state.opt_state.inner_states["x"].inner_state).mini_step)
     # The hint's path works.
     assert int(mm.find_state(state.opt_state.inner_states["x"]).mini_step) == 1
 
