@@ -1209,6 +1209,9 @@ def _grad_fn(
                     window_of=lambda c: (c[0][0], c[2], c[0][2]),
                     sums_only=stats == "sums",
                     per_leaf=per_leaf,
+                    # (Inside shard_map, the loss tells split parameters'
+                    # slices, which it is the same for, from shards' own.)
+                    window=lambda value: value[0],
                 )
 
             def body(j, carry):

@@ -32,7 +32,13 @@ from masked_multistep._running_mean import (
     all_finite,
     fits,
 )
-from masked_multistep._shards import check_inner_update, one_copy, over_slices
+from masked_multistep._shards import (
+    check_inner_update,
+    check_reduced,
+    one_copy,
+    over_slices,
+    window_flag,
+)
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
 
@@ -1042,7 +1048,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             )
         return _checks.returned_flag(out[0], "`should_skip_update_fn`"), out[1]
 
-    def _gate(self, grads, state, params, count) -> _Gate:
+    def _gate(self, grads, state, params, count, value) -> _Gate:
         """Whether this microbatch counts, and with how many tokens."""
         n, count_ok, local_counts = self._reduction.to_count(count, self._count_dtype)
         if reduced := reduced_leaf(grads, count):
@@ -1059,17 +1065,20 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 f"grads, count, {axes[0]!r})` of each shard's own gradient "
                 "and count"
             )
+        # The window's figures: inside shard_map, what tells split params'
+        # slices (the same window on every shard) from shards of their own.
+        figures = (state.acc_count, n, value)
         # Inside shard_map with the params split over a mesh axis, the skip
         # function sees this shard's slices (and the leaves the same on every
         # shard on the first one alone): the microbatch is skipped where any
         # shard's says so, and the state's numbers are the shards' sums.
         should_skip, skip_state = self._skip_verdict(
-            one_copy(self._reduction.skip_view(grads, local_counts, n), n),
+            one_copy(self._reduction.skip_view(grads, local_counts, n), figures),
             state.gradient_step,
             params,
         )
-        should_skip = over_slices(should_skip, n)
-        skip_state = jax.tree.map(lambda x: over_slices(x, n), skip_state)
+        should_skip = over_slices(should_skip, figures)
+        skip_state = jax.tree.map(lambda x: over_slices(x, figures), skip_state)
         room = fits(state.acc_count, n)
         valid_count = count_ok & room
         # A window whose total cannot take this count is full: it closes on
@@ -1130,7 +1139,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         stats = state.stats
         if not self._reduction.keeps_stats:
             stats = self._recorder.accumulate(
-                stats, for_norms, gate.n, gate.local_counts
+                stats, for_norms, gate.n, gate.local_counts, (state.acc_count, value)
             )
         return _Window(
             acc_grads, acc_count, acc_value, value_count, reduction_state, stats
@@ -1208,12 +1217,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             _checks.check_params_match(
                 params, state.acc_grads, self._reduction.device_axes
             )
+            check_reduced(grads, params)
         with_grad, raw_value, static_args, dynamic_args = _inner.split_extra_args(
             extra_args
         )
 
         with jax.named_scope("masked_multistep/accumulate"):
-            gate = self._gate(grads, state, params, count)
+            gate = self._gate(grads, state, params, count, raw_value)
             value = self._reduction.value(raw_value, gate.local_counts, gate.n)
             window = self._accumulate(state, grads, gate, value)
             # The window's microbatches, this one included if it counts (one
@@ -1328,10 +1338,15 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # ‖ḡ‖² for the statistics (`()` without them), read before the
             # inner optimizer overwrites the mean. (A window without tokens
             # has no mean: its norm is not used, nor differentiated.)
-            mean_sq_norm = self._recorder.read_mean(mean, has_tokens)
+            # (Inside shard_map, the window's figures tell split parameters'
+            # slices from shards of their own: see `_shards`.)
+            figures = (has_tokens, window_loss)
+            mean_sq_norm = self._recorder.read_mean(
+                mean, window_flag(has_tokens, figures)
+            )
             # A non-finite mean never reaches the inner optimizer: a stateful
             # one (adam's moments) would carry the NaN into every later update.
-            finite = all_finite(mean, self._recorder.total(mean_sq_norm), has_tokens)
+            finite = all_finite(mean, self._recorder.total(mean_sq_norm), figures)
             if needs_value:
                 finite = finite & jnp.isfinite(window_loss)
             # Where the mean is the accumulator itself, `run` reads it from the

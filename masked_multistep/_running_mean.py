@@ -48,7 +48,12 @@ from masked_multistep._checks import (
     real_array,
     refuse_narrow_float,
 )
-from masked_multistep._shards import over_slices, varying_axes, varying_like
+from masked_multistep._shards import (
+    over_slices,
+    varying_axes,
+    varying_like,
+    window_axes,
+)
 
 __all__ = [
     "accumulator_dtype",
@@ -180,10 +185,10 @@ def all_finite(tree: Any, reduced: Any = (), count: Any = None) -> jax.Array:
       reduced: optionally, a scalar already reduced from every element of
         ``tree`` by sums of finite terms (e.g. its squared norm); where it is
         finite the leaves are not read again.
-      count: the window's token count (or a flag made from it): inside
-        ``shard_map``, a leaf that varies over a manual axis over which
-        ``count`` does not is a slice of the gradient, and the shards answer
-        together (see ``_shards``).
+      count: the window's figures (its token count and loss, or a flag made
+        from them): inside ``shard_map``, a leaf that varies over a manual
+        axis over which none of them does is a slice of the gradient, and the
+        shards answer together (see ``_shards``).
 
     Returns:
       A boolean scalar.
@@ -214,7 +219,7 @@ def all_finite(tree: Any, reduced: Any = (), count: Any = None) -> jax.Array:
     # that are not combined (those of the count): the constant too.
     axes = frozenset().union(*(varying_axes(x) for x in leaves))
     if count is not None:
-        axes &= varying_axes(count)
+        axes &= window_axes(count)
     return cond(
         jnp.isfinite(reduced),
         lambda _: varying_like(jnp.ones([], jnp.bool_), axes),
@@ -463,7 +468,7 @@ def running_mean_update(
         delta = g_c - jnp.where(first, g_c, m_c)
         new = jnp.where(first, g_c, m_c + delta / ratio.astype(dtype))
         if with_sq_deviation:
-            sq_devs.append(over_slices(sq_norm(delta), count))
+            sq_devs.append(sq_norm(delta))
         return jnp.where(take, new, m_c).astype(m.dtype)
 
     with jax.named_scope("masked_multistep/running_mean"):

@@ -3,11 +3,12 @@ window-wide reductions of a gradient whose parameters are split over them.
 
 With parameters sharded over a mesh axis inside ``shard_map`` (tensor
 parallelism by hand), each shard holds a slice of every gradient while the
-window's token count is the same on all of them: the gradient's squared norm,
-or whether it is finite, is then the shards' together. Over an axis along
-which the count differs as well, the shards hold windows of their own
-(replicas, ensemble members) and are not combined. Outside ``shard_map``,
-and with ``check_vma=False`` (where jax tracks no variance), nothing is.
+window (its token counts, its loss, the wrapper's own counters) is the same on
+every shard: the gradient's squared norm, or whether it is finite, is then the
+shards' together. Over an axis along which the window differs (data-parallel
+shards with losses of their own, replicas, ensemble members), the shards are
+not combined. Outside ``shard_map``, and with ``check_vma=False`` (where jax
+tracks no variance), nothing is.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import numpy as np
 
 __all__ = [
     "check_inner_update",
+    "check_reduced",
     "one_copy",
     "over_slices",
     "varying_axes",
     "varying_axes_of_type",
     "varying_like",
+    "window_axes",
+    "window_flag",
 ]
 
 
@@ -43,12 +47,20 @@ def varying_axes(x: Any) -> frozenset:
     return varying_axes_of_type(jax.typeof(x))
 
 
-def over_slices(value: Any, count: Any) -> Any:
+def window_axes(window: Any) -> frozenset:
+    """The manual mesh axes over which any value in ``window`` (a pytree of the
+    window's figures: counts, losses, counters) varies."""
+    return frozenset().union(
+        *(varying_axes(x) for x in jax.tree.leaves(window) if _is_value(x))
+    )
+
+
+def over_slices(value: Any, window: Any) -> Any:
     """``value``, computed from the shard's slices of the gradient (a leaf's
     squared norm, a skip function's verdict), combined over the manual mesh
-    axes over which it varies and ``count`` (the token count, or a flag made
-    from it) does not: summed, or for a boolean, whether any shard's holds.
-    ``count=None`` combines nothing.
+    axes over which it varies and nothing in ``window`` (the window's token
+    count and loss, or a flag made from them) does: summed, or for a boolean,
+    whether any shard's holds. ``window=None`` combines nothing.
 
     Examples:
       Each shard holds a slice of ``arange(8)``; the count is the window's:
@@ -63,15 +75,21 @@ def over_slices(value: Any, count: Any) -> Any:
       >>> print(f(jnp.arange(8.0)))
       140.0
     """
-    if count is None:
+    if window is None:
         return value
-    axes = varying_axes(value) - varying_axes(count)
+    axes = varying_axes(value) - window_axes(window)
     if not axes:
         return value
     names = tuple(sorted(axes, key=str))
     if jnp.result_type(value) == jnp.bool_:
         return jax.lax.psum(jnp.asarray(value, jnp.int32), names) > 0
     return jax.lax.psum(value, names)
+
+
+def window_flag(flag: jax.Array, window: Any) -> jax.Array:
+    """``flag`` typed as varying wherever ``window`` does: a ``take`` flag
+    that, as :func:`over_slices`' ``window``, keeps those axes apart."""
+    return varying_like(flag, window_axes(window))
 
 
 def varying_like(value: jax.Array, axes: frozenset) -> jax.Array:
@@ -83,16 +101,16 @@ def varying_like(value: jax.Array, axes: frozenset) -> jax.Array:
     return jax.lax.pcast(value, tuple(sorted(missing, key=str)), to="varying")
 
 
-def one_copy(tree: Any, count: Any) -> Any:
+def one_copy(tree: Any, window: Any) -> Any:
     """``tree`` (a gradient) as a function that sums over all its leaves sees
     it on one shard of the whole gradient: a leaf the same on every shard of
     an axis that other leaves are split over (combined, as :func:`over_slices`
     combines) is kept on that axis' first shard and zero on the others, so the
     shards' sums count it once, not once per shard."""
-    if count is None:
+    if window is None:
         return tree
     leaves = jax.tree.leaves(tree)
-    split = frozenset().union(*(varying_axes(x) for x in leaves)) - varying_axes(count)
+    split = frozenset().union(*(varying_axes(x) for x in leaves)) - window_axes(window)
     if not split:
         return tree
 
@@ -120,9 +138,7 @@ def check_inner_update(updates: Any, grads: Any, params: Any, window: Any) -> No
         and jax.tree.structure(params) == jax.tree.structure(grads)
         else [None] * len(jax.tree.leaves(grads))
     )
-    allowed = frozenset().union(
-        *(varying_axes(x) for x in jax.tree.leaves(window) if _is_value(x))
-    )
+    allowed = window_axes(window)
     paths = jax.tree_util.tree_flatten_with_path(updates)[0]
     for (path, u), g, p in zip(paths, jax.tree.leaves(grads), param_leaves):
         extra = varying_axes(u) - varying_axes(g) - allowed
@@ -146,3 +162,25 @@ def _is_value(x: Any) -> bool:
     """Whether ``x`` is an array or a number (an extra argument may be a
     function: a line search's ``value_fn``)."""
     return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))
+
+
+def check_reduced(grads: Any, params: Any) -> None:
+    """A ``ValueError`` where a gradient leaf varies over a manual mesh axis
+    over which its parameter does not: a data-parallel gradient not yet
+    reduced over the shards (a slice of a split parameter varies with it)."""
+    if params is None or jax.tree.structure(params) != jax.tree.structure(grads):
+        return
+    paths = jax.tree_util.tree_flatten_with_path(grads)[0]
+    for (path, g), p in zip(paths, jax.tree.leaves(params)):
+        if not _is_value(p):
+            continue
+        unreduced = varying_axes(g) - varying_axes(p)
+        if unreduced:
+            axes = sorted(unreduced, key=str)
+            raise ValueError(
+                f"grads{jax.tree_util.keystr(path)} differs between the shards of "
+                f"{axes} while its parameter does not: a gradient not yet "
+                "reduced over the shards. Pass the token-weighted mean over them "
+                f"and its total count, `grads, count = mm.weighted_mean_across("
+                f"grads, count, {axes[0]!r})`"
+            )

@@ -134,7 +134,7 @@ from masked_multistep._running_mean import (
     sq_norm,
     sum_scalars,
 )
-from masked_multistep._shards import over_slices
+from masked_multistep._shards import over_slices, window_flag
 from masked_multistep._token_total import TokenTotal, add_tokens
 
 __all__ = [
@@ -488,7 +488,7 @@ def _taken_sq_norm_jvp(rows, per_leaf, primals, tangents):
 
 
 def accumulate_window_stats(
-    state: WindowStatsState, grads: Any, count: jax.Array
+    state: WindowStatsState, grads: Any, count: jax.Array, window: Any = None
 ) -> WindowStatsState:
     """Folds one microbatch's ``n ‖g‖²`` into the current window.
 
@@ -497,6 +497,10 @@ def accumulate_window_stats(
       grads: the microbatch's mean gradient (a pytree).
       count: its weight ``n`` (already zeroed for skipped microbatches). Zero
         leaves ``state`` bit-identical, whatever ``grads`` holds.
+      window: the window's other figures (its loss, the wrapper's counters):
+        inside ``shard_map``, the squared norms are combined over the axes
+        over which the gradient varies and neither these nor ``count`` do
+        (slices of split parameters, see ``_shards``).
 
     Returns:
       The new state.
@@ -512,7 +516,7 @@ def accumulate_window_stats(
       15.0 1
     """
     with jax.named_scope("masked_multistep/window_stats"):
-        take = count > 0
+        take = window_flag(count > 0, (count, window))
         n = jnp.where(take, jnp.asarray(count).astype(_F32), 0)
         leaves = state.leaves
         if isinstance(leaves, LeafSums):
@@ -1064,13 +1068,15 @@ class Recorder(NamedTuple):
         grads: Any,
         count: jax.Array,
         local_counts: jax.Array | None = None,
+        window: Any = None,
     ) -> Any:
         """``local_counts`` (shape ``(D,)``): ``grads`` are every device's own,
-        stacked (``reduction=mm.deferred(...)``); each is a small batch."""
+        stacked (``reduction=mm.deferred(...)``); each is a small batch.
+        ``window``: as :func:`accumulate_window_stats` takes it."""
         if not self.enabled:
             return ()
         if local_counts is None:
-            return accumulate_window_stats(state, grads, count)
+            return accumulate_window_stats(state, grads, count, window)
         return accumulate_window_stats_per_device(state, grads, count, local_counts)
 
     def read_mean(self, mean: Any, take: jax.Array) -> Any:
@@ -1233,11 +1239,11 @@ def one_window_stats(
     )
     leaf_sq_norms = None
     if leaf_sums is None:
-        grad_sq_norm = tree_sq_norm(mean, tokens)
+        grad_sq_norm = tree_sq_norm(mean, (tokens, loss))
     else:
         # As the wrapper closes a window with leaf statistics: the total is
         # the leaves' sum.
-        leaf_sq_norms = _sq_norms(mean, False, (), per_leaf=True, count=tokens)
+        leaf_sq_norms = _sq_norms(mean, False, (), per_leaf=True, count=(tokens, loss))
         grad_sq_norm = jnp.sum(leaf_sq_norms)
         state = state._replace(
             leaves=cast(LeafSums, state.leaves)._replace(
@@ -1347,6 +1353,7 @@ def with_window_stats(
     *,
     sums_only: bool = False,
     per_leaf: bool = False,
+    window: Callable[[Any], Any] | None = None,
 ) -> optax.microbatching.Accumulator:
     """``accumulator`` with the window statistics of its microbatches beside it.
 
@@ -1367,6 +1374,8 @@ def with_window_stats(
       per_leaf: keep each leaf's share too: the :class:`WindowStats` is then
         each leaf's (:func:`one_window_stats`), and the running sums
         ``(each leaf's Σ nᵢ‖gᵢ,ₗ‖², K)``.
+      window: a microbatch's value -> its other figures (its loss), as
+        :func:`accumulate_window_stats` takes them.
     """
 
     def init(value):
@@ -1378,7 +1387,8 @@ def with_window_stats(
         inner, stats = carry
         value = in_compute_precision(materialized_on_gpu(value))
         grads, weight = grads_and_weight(value)
-        stats = accumulate_window_stats(stats, grads, weight)
+        figures = None if window is None else window(value)
+        stats = accumulate_window_stats(stats, grads, weight, figures)
         return accumulator.update(inner, value, index), stats
 
     def finalize(carry):

@@ -1,12 +1,13 @@
 """The wrapper inside ``jax.shard_map`` with the parameters split over a mesh axis.
 
 Tensor parallelism by hand: each shard holds slices of the parameters, of the
-state and of the gradients, and the window's token count is the same on every
-shard. The window's finiteness, the statistics' squared norms and a skip
-function's verdict and state are the whole gradient's, so every shard's slices
-end as one device's run on the whole arrays (for an inner optimizer without
-reductions over all leaves); along an axis where the count differs too, each
-shard keeps a window of its own.
+state and of the gradients, and the window (its token counts, its loss) is the
+same on every shard. The window's finiteness, the statistics' squared norms and a
+skip function's verdict and state are the whole gradient's, so every shard's
+slices end as one device's run on the whole arrays (for an inner optimizer that
+reduces within no leaf and over no leaves: adam, sgd); along an axis where the
+window differs (counts, losses or states of the shards' own), nothing is
+combined.
 """
 
 import chex
@@ -291,3 +292,127 @@ def test_shards_with_counts_of_their_own_keep_windows_of_their_own():
             rtol=1e-6,
         )
     assert np.asarray(s.num_nonfinite_windows).tolist() == [0, 0, 0, 1]
+
+
+def _data_mesh(n=4):
+    return jax.make_mesh(
+        (n,),
+        ("data",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=jax.devices()[:n],
+    )
+
+
+def test_data_parallel_shards_with_a_constant_count_keep_their_own_statistics():
+    # A scalar mask makes the count the same on every shard while each shard's
+    # gradients are its own: the shards' losses differ, so they are not slices
+    # of one gradient (their squared norms were summed over "data").
+    n = 4
+    mesh = _data_mesh(n)
+
+    def loss_fn(w, batch):
+        return mm.masked_mean((batch["x"] @ w - batch["y"]) ** 2, True)
+
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 2, with_stats=True)
+
+    def shard(w, batch):
+        (_, _), _, stats = grad_fn(jax.lax.pcast(w, "data", to="varying"), batch)
+        return jnp.asarray(stats.grad_sq_norm)[None]
+
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(4 * n, 3)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(4 * n,)), jnp.float32),
+    }
+    w = jnp.ones(3)
+    got = jax.jit(
+        jax.shard_map(shard, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+    )(w, batch)
+    want = []
+    for d in range(n):
+        rows = {key: x[4 * d : 4 * d + 4] for key, x in batch.items()}
+        want.append(float(grad_fn(w, rows)[2].grad_sq_norm))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_ensemble_members_fed_one_batch_skip_alone():
+    # The count is the shared batch's, the same for every member: the members'
+    # states (their windows) differ, so a NaN in member 3's gradient skips
+    # member 3's microbatch alone (every member skipped it).
+    m = 4
+    mesh = jax.make_mesh(
+        (m,),
+        ("ens",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=jax.devices()[:m],
+    )
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0),
+        2,
+        window_stats=True,
+        should_skip_update_fn=optax.skip_not_finite,
+    )
+    params = jax.device_put(jnp.zeros((m, 3)), NamedSharding(mesh, P("ens")))
+    state = jax.vmap(tx.init)(params)
+    specs = P("ens"), jax.tree.map(lambda _: P("ens"), state)
+
+    def body(p, s, g, n):
+        u, s = tx.update(g[0], jax.tree.map(lambda x: x[0], s), p[0], count=n)
+        return p + u[None], jax.tree.map(lambda x: x[None], s)
+
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(*specs, P("ens"), P()), out_specs=specs
+        )
+    )
+    rng = np.random.default_rng(0)
+    grads = [rng.normal(size=(m, 3)).astype(np.float32) for _ in range(4)]
+    grads[0][3, 0] = np.nan
+    counts = [3, 5, 2, 4]
+    p, s = params, state
+    for g, n in zip(grads, counts):
+        p, s = step(p, s, jnp.asarray(g), jnp.float32(n))
+    for member in range(m):
+        q, t = jnp.zeros(3), tx.init(jnp.zeros(3))
+        for g, n in zip(grads, counts):
+            u, t = tx.update(jnp.asarray(g[member]), t, q, count=jnp.float32(n))
+            q = q + u
+        np.testing.assert_allclose(np.asarray(p)[member], q, rtol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(s.stats.last.sq_deviation)[member],
+            t.stats.last.sq_deviation,
+            rtol=1e-6,
+        )
+
+
+def test_a_data_parallel_gradient_left_unreduced_is_named():
+    # The count summed over the shards, the gradients forgotten: each replica
+    # would apply its own shard's gradient to the replicated parameters.
+    n = 4
+    mesh = _data_mesh(n)
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 1)
+
+    def shard_step(w, state, batch):
+        def loss_fn(w):
+            return mm.masked_mean((batch["x"] @ w - batch["y"]) ** 2, batch["mask"])
+
+        wv = jax.lax.pcast(w, "data", to="varying")
+        (_, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(wv)
+        return tx.update(grads, state, w, count=jax.lax.psum(count, "data"))
+
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(4 * n, 8, 3)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(4 * n, 8)), jnp.float32),
+        "mask": jnp.asarray(rng.random((4 * n, 8)) < 0.5),
+    }
+    w = jnp.ones(3)
+    step = jax.shard_map(
+        shard_step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P())
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"grads differs between the shards of \['data'\] while its parameter "
+        r"does not: a gradient not yet reduced.*weighted_mean_across",
+    ):
+        jax.jit(step)(w, tx.init(w), batch)
