@@ -892,6 +892,10 @@ def guessed_keyword(key: str) -> str | None:
     if key in OWN_KEYWORDS:
         return None
     words = set(key.lower().replace("-", "_").split("_")) - {""}
+    if key.lower().startswith(("val_", "eval")) or words & {"validation", "test"}:
+        # (Keras' `val_loss`: a validation loss, which an inner transformation
+        # of the user's may take; not this microbatch's.)
+        return None
     for meant, (triggers, others) in _GUESSES.items():
         if words & triggers and words <= triggers | others:
             return meant

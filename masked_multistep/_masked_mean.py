@@ -73,8 +73,8 @@ def masked_mean(
         non-finite one makes the count NaN or infinite, an invalid count for
         :class:`MaskedMultiSteps` (counted in ``num_invalid_counts`` and left
         out). The weighted sum ``Σ mask·values`` is formed in the mean's
-        dtype: weights and values whose products sum beyond its range (weights
-        of 1e34 beside values of a few hundred, in float32) make the mean
+        dtype: weights and values whose products sum beyond its range (500
+        weights of 1e34 beside values of 300, in float32) make the mean
         infinite; scale such weights down (the mean does not depend on their
         scale, the count does).
 

@@ -45,7 +45,7 @@ from masked_multistep._running_mean import (
     promote_types,
     running_mean_update,
 )
-from masked_multistep._shards import varying_axes, varying_axes_of_type
+from masked_multistep._shards import varying_axes_of_type, varying_like
 
 __all__ = ["microbatched_value_and_grad"]
 
@@ -445,14 +445,9 @@ def _vary_like(tree: Any, types: Any) -> Any:
     carry must keep its type: zeros built from shapes are the same on every
     shard, while the values folded into them (a shard's own gradients) vary.
     """
-
-    def leaf(x: Any, t: Any) -> Any:
-        missing = varying_axes_of_type(t) - varying_axes(x)
-        if not missing:
-            return x
-        return jax.lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
-
-    return jax.tree.map(leaf, tree, types)
+    return jax.tree.map(
+        lambda x, t: varying_like(x, varying_axes_of_type(t)), tree, types
+    )
 
 
 def _raw_key_shape() -> tuple[int, ...]:

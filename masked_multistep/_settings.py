@@ -50,7 +50,9 @@ def from_other_settings(
 def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -> Any:
     """``state`` of a running :class:`MaskedMultiSteps`, continued by one with
     other settings: another ``k`` or schedule, a token budget or the norm
-    test, the window statistics turned on or off, another ``count_dtype``.
+    test, the window statistics turned on or off, another ``count_dtype`` (the
+    token totals convert by value: a fractional one is refused for an integer
+    dtype, and an integer one beyond 2**24 rounds to float32).
 
     The window in progress carries over (its mean gradient, tokens, mean
     ``value`` and microbatches, which count toward the new rule: a window
@@ -182,7 +184,8 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
     if isinstance(template.stats, _stats.WindowStatsState):
         if same_layout(old.stats, template.stats):
             # The last window's token totals, in the count dtype, convert as
-            # the window's own do (a fractional total refused for integers).
+            # the window's own do (a fractional total refused for integers;
+            # an int32 total beyond 2**24 rounded to float32).
             last = old.stats.last._replace(
                 tokens=host_count(
                     old.stats.last.tokens, dtype, "`state.stats.last.tokens`"

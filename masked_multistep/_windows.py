@@ -297,7 +297,12 @@ def updated(
     for got, old in zip(jax.tree.leaves(new), jax.tree.leaves(policy_state)):
         shapes = (jnp.shape(got), jnp.shape(old))
         dtypes = (jnp.result_type(got), jnp.result_type(old))
-        if shapes[0] != shapes[1] or dtypes[0] != dtypes[1]:
+        # (A weakly typed number from `init`, `lambda: 0`, takes the width
+        # that `update` gives it, as jax's promotion would: int64 under x64
+        # against int32; not another kind.)
+        weak = isinstance(old, (int, float)) or jax.typeof(old).weak_type
+        promoted = weak and dtypes[0].kind == dtypes[1].kind
+        if shapes[0] != shapes[1] or (dtypes[0] != dtypes[1] and not promoted):
             raise ValueError(
                 f"The window policy {describe(policy)}'s `update` must return a "
                 "state of the shapes and dtypes its `init` built: got a leaf of "

@@ -256,6 +256,7 @@ def test_names_with_words_of_their_own_go_to_the_inner_optimizer():
     inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
     tx = mm.MaskedMultiSteps(inner, 1)
     extra = {"loss_scale": 2.0, "end_value": 3.0, "last_lr": 4.0, "value_fn": 5.0}
+    extra |= {"val_loss": 6.0, "eval_loss": 7.0, "validation_loss": 8.0}
     tx.update(GRADS, tx.init(PARAMS), PARAMS, count=3, **extra)
     assert seen == extra
 

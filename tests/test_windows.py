@@ -1014,6 +1014,31 @@ def test_a_custom_policys_update_must_keep_the_state_init_built(update, match, j
         (jax.jit(step) if jit else step)(tx.init(p))
 
 
+def test_a_custom_policys_weakly_typed_init_takes_the_width_update_gives_it():
+    # `init=lambda: 0` is int64 under x64, and `update` returns the int32 its
+    # arithmetic with an int32 gives: taken (as jax promotes it), not another
+    # kind.
+    with jax.enable_x64(True):
+        for init in (lambda: 0, lambda: jnp.asarray(0)):
+            policy = mm.WindowPolicy(
+                init,
+                lambda ps, s: s.microbatches >= 2,
+                lambda ps, s, c: ps + c.astype(jnp.int32),
+            )
+            tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=policy)
+            p = jnp.zeros(2)
+            state = tx.init(p)
+            for _ in range(4):
+                _, state = jax.jit(tx.update)(jnp.ones(2), state, p, count=2)
+            assert int(state.policy_state) == 2
+        floats = mm.WindowPolicy(
+            lambda: 0, lambda ps, s: s.microbatches >= 2, lambda ps, s, c: ps + 0.5
+        )
+        tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=floats)
+        with pytest.raises(ValueError, match="dtype float64 where `init` built"):
+            tx.update(jnp.ones(2), tx.init(p), p, count=2)
+
+
 @pytest.mark.parametrize("field", ["init", "closes", "update"])
 @pytest.mark.parametrize("keyword", ["tokens_per_window", "norm_test"])
 def test_a_custom_policy_whose_functions_are_not_callable_is_refused(field, keyword):
