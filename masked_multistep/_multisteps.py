@@ -35,6 +35,7 @@ from masked_multistep._running_mean import (
 from masked_multistep._shards import (
     check_inner_update,
     check_reduced,
+    check_window,
     one_copy,
     over_slices,
     window_flag,
@@ -1217,12 +1218,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             _checks.check_params_match(
                 params, state.acc_grads, self._reduction.device_axes
             )
-            check_reduced(grads, params)
+        check_reduced(grads, state.acc_grads, params)
         with_grad, raw_value, static_args, dynamic_args = _inner.split_extra_args(
             extra_args
         )
 
         with jax.named_scope("masked_multistep/accumulate"):
+            check_window(state.acc_count, count, raw_value)
             gate = self._gate(grads, state, params, count, raw_value)
             value = self._reduction.value(raw_value, gate.local_counts, gate.n)
             window = self._accumulate(state, grads, gate, value)

@@ -17,11 +17,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = [
     "check_inner_update",
     "check_reduced",
+    "check_window",
     "one_copy",
     "over_slices",
     "varying_axes",
@@ -75,7 +75,7 @@ def over_slices(value: Any, window: Any) -> Any:
       >>> print(f(jnp.arange(8.0)))
       140.0
     """
-    if window is None:
+    if window is None or not _is_value(value):
         return value
     axes = varying_axes(value) - window_axes(window)
     if not axes:
@@ -159,28 +159,59 @@ def check_inner_update(updates: Any, grads: Any, params: Any, window: Any) -> No
 
 
 def _is_value(x: Any) -> bool:
-    """Whether ``x`` is an array or a number (an extra argument may be a
-    function: a line search's ``value_fn``)."""
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))
+    """Whether ``x`` is a jax array (traced or not), the only values that vary
+    over manual axes: a host number is the same on every shard (and one too
+    large for jax is not typed), an extra argument may be a function (a line
+    search's ``value_fn``)."""
+    return isinstance(x, jax.Array)
 
 
-def check_reduced(grads: Any, params: Any) -> None:
+def check_reduced(grads: Any, acc_grads: Any, params: Any) -> None:
     """A ``ValueError`` where a gradient leaf varies over a manual mesh axis
-    over which its parameter does not: a data-parallel gradient not yet
-    reduced over the shards (a slice of a split parameter varies with it)."""
-    if params is None or jax.tree.structure(params) != jax.tree.structure(grads):
+    over which neither its accumulator (the state's) nor its parameter does: a
+    data-parallel gradient not yet reduced over the shards. (A slice of a
+    split parameter varies with it; a shard's window of its own has an
+    accumulator that varies.)"""
+    if jax.tree.structure(acc_grads) != jax.tree.structure(grads):
         return
+    param_leaves = (
+        jax.tree.leaves(params)
+        if params is not None
+        and jax.tree.structure(params) == jax.tree.structure(grads)
+        else [None] * len(jax.tree.leaves(grads))
+    )
     paths = jax.tree_util.tree_flatten_with_path(grads)[0]
-    for (path, g), p in zip(paths, jax.tree.leaves(params)):
-        if not _is_value(p):
+    for (path, g), acc, p in zip(paths, jax.tree.leaves(acc_grads), param_leaves):
+        if not _is_value(g):
             continue
-        unreduced = varying_axes(g) - varying_axes(p)
+        unreduced = varying_axes(g) - window_axes((acc, p))
         if unreduced:
             axes = sorted(unreduced, key=str)
             raise ValueError(
                 f"grads{jax.tree_util.keystr(path)} differs between the shards of "
-                f"{axes} while its parameter does not: a gradient not yet "
-                "reduced over the shards. Pass the token-weighted mean over them "
-                f"and its total count, `grads, count = mm.weighted_mean_across("
-                f"grads, count, {axes[0]!r})`"
+                f"{axes} while its parameter and the wrapper's state do not: a "
+                "gradient not yet reduced over the shards. Pass the "
+                "token-weighted mean over them and its total count, `grads, "
+                f"count = mm.weighted_mean_across(grads, count, {axes[0]!r})`"
+            )
+
+
+def check_window(state_count: Any, count: Any, value: Any) -> None:
+    """A ``ValueError`` where the microbatch's ``count`` or ``value`` varies
+    over a manual mesh axis over which the wrapper's state (``state_count``,
+    its token total) does not: one window for all shards cannot take figures
+    of each shard's own."""
+    same = window_axes(state_count)
+    for name, figure in (("count", count), ("value", value)):
+        own = window_axes(figure) - same
+        if own:
+            axes = sorted(own, key=str)
+            raise ValueError(
+                f"`{name}` differs between the shards of {axes} while the "
+                "wrapper's state is the same on every shard: its window is all "
+                "the shards'. Pass the token-weighted mean over them and the "
+                f"total count (`mm.weighted_mean_across(loss, count, {axes[0]!r})`"
+                "); or, for windows of each shard's own (an ensemble), a state "
+                f"of each shard's own (passed in sharded over {axes[0]!r}, or "
+                "`jax.lax.pcast(state, ..., to='varying')`)"
             )

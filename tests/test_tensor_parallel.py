@@ -385,9 +385,11 @@ def test_ensemble_members_fed_one_batch_skip_alone():
         )
 
 
-def test_a_data_parallel_gradient_left_unreduced_is_named():
-    # The count summed over the shards, the gradients forgotten: each replica
-    # would apply its own shard's gradient to the replicated parameters.
+@pytest.mark.parametrize("mistake", ["grads", "grads, params=None", "value"])
+def test_a_data_parallel_figure_left_unreduced_is_named(mistake):
+    # The count summed over the shards, the gradients (or the loss) forgotten:
+    # each replica would apply its own shard's gradient to the replicated
+    # parameters, or the one window take each shard's own loss.
     n = 4
     mesh = _data_mesh(n)
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 1)
@@ -397,8 +399,12 @@ def test_a_data_parallel_gradient_left_unreduced_is_named():
             return mm.masked_mean((batch["x"] @ w - batch["y"]) ** 2, batch["mask"])
 
         wv = jax.lax.pcast(w, "data", to="varying")
-        (_, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(wv)
-        return tx.update(grads, state, w, count=jax.lax.psum(count, "data"))
+        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(wv)
+        if mistake == "value":
+            grads, total = mm.weighted_mean_across(grads, count, "data")
+            return tx.update(grads, state, w, count=total, value=loss)
+        params = None if "None" in mistake else w
+        return tx.update(grads, state, params, count=jax.lax.psum(count, "data"))
 
     rng = np.random.default_rng(0)
     batch = {
@@ -410,9 +416,42 @@ def test_a_data_parallel_gradient_left_unreduced_is_named():
     step = jax.shard_map(
         shard_step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P())
     )
-    with pytest.raises(
-        ValueError,
-        match=r"grads differs between the shards of \['data'\] while its parameter "
-        r"does not: a gradient not yet reduced.*weighted_mean_across",
-    ):
+    match = (
+        r"`value` differs between the shards of \['data'\] while the wrapper's "
+        r"state is the same on every shard.*weighted_mean_across\(loss, count"
+        if mistake == "value"
+        else r"grads differs between the shards of \['data'\] while its parameter "
+        r"and the wrapper's state do not: a gradient not yet reduced.*"
+        r"weighted_mean_across"
+    )
+    with pytest.raises(ValueError, match=match):
         jax.jit(step)(w, tx.init(w), batch)
+
+
+def test_shards_with_windows_of_their_own_and_replicated_params_run():
+    # Each data shard keeps a window of its own (its state sharded over
+    # "data"), the params replicated, the updates averaged at the window's
+    # end by hand: the gradient varies where its accumulator does.
+    n = 4
+    mesh = _data_mesh(n)
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2)
+    w = jnp.ones(3)
+    state = jax.vmap(lambda _: tx.init(w))(jnp.arange(n))
+    specs = jax.tree.map(lambda _: P("data"), state)
+
+    def shard_step(w, state, g):
+        u, state = tx.update(g[0], jax.tree.map(lambda x: x[0], state), w, count=3)
+        return w + jax.lax.pmean(u, "data"), jax.tree.map(lambda x: x[None], state)
+
+    step = jax.jit(
+        jax.shard_map(
+            shard_step,
+            mesh=mesh,
+            in_specs=(P(), specs, P("data")),
+            out_specs=(P(), specs),
+        )
+    )
+    grads = jnp.asarray(np.random.default_rng(0).normal(size=(n, 3)), jnp.float32)
+    for _ in range(2):
+        w, state = step(w, state, grads)
+    np.testing.assert_allclose(w, 1 - 0.1 * grads.mean(0), rtol=1e-6)
