@@ -1066,6 +1066,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 f"grads, count, {axes[0]!r})` of each shard's own gradient "
                 "and count"
             )
+        check_window(state.acc_count, count, value)
         # The window's figures: inside shard_map, what tells split params'
         # slices (the same window on every shard) from shards of their own.
         figures = (state.acc_count, n, value)
@@ -1224,7 +1225,6 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
 
         with jax.named_scope("masked_multistep/accumulate"):
-            check_window(state.acc_count, count, raw_value)
             gate = self._gate(grads, state, params, count, raw_value)
             value = self._reduction.value(raw_value, gate.local_counts, gate.n)
             window = self._accumulate(state, grads, gate, value)
