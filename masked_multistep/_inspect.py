@@ -82,12 +82,15 @@ def find_boxed(opt_state: Any) -> MaskedMultiStepsState:
         if found:
             where = "state" if holder is opt_state else "state.opt_state"
             paths = [f"`{path}`" for path in state_paths(opt_state, where)]
-            hint = (
-                f" (at {', '.join(paths)}): pass the one you mean. (Two "
-                "wrappers in one optax.chain are a mistake: the second would "
-                "average the first's in-window zeros as microbatches; chain "
-                "the transformations inside one wrapper.)"
-            )
+            hint = f" (at {', '.join(paths)}): pass the one you mean."
+            if not states_in(opt_state, optax.PartitionState):
+                # (One wrapper per optax.multi_transform branch is right.)
+                hint += (
+                    " (Two wrappers in one optax.chain are a mistake: the "
+                    "second would average the first's in-window zeros as "
+                    "microbatches; chain the transformations inside one "
+                    "wrapper.)"
+                )
         elif states_in(opt_state, optax.MultiStepsState):
             hint = (
                 ": it holds an optax.MultiStepsState; convert it with "
