@@ -132,12 +132,7 @@ def check_inner_update(updates: Any, grads: Any, params: Any, window: Any) -> No
     each shard's slices of the others, and the shards would part."""
     if jax.tree.structure(updates) != jax.tree.structure(grads):
         return
-    param_leaves = (
-        jax.tree.leaves(params)
-        if params is not None
-        and jax.tree.structure(params) == jax.tree.structure(grads)
-        else [None] * len(jax.tree.leaves(grads))
-    )
+    param_leaves = _leaves_like(params, grads)
     allowed = window_axes(window)
     paths = jax.tree_util.tree_flatten_with_path(updates)[0]
     for (path, u), g, p in zip(paths, jax.tree.leaves(grads), param_leaves):
@@ -158,6 +153,14 @@ def check_inner_update(updates: Any, grads: Any, params: Any, window: Any) -> No
             )
 
 
+def _leaves_like(params: Any, grads: Any) -> list[Any]:
+    """``params``' leaves, one per leaf of ``grads``, or ``None`` for each
+    where ``params`` is missing or of another structure."""
+    if params is not None and jax.tree.structure(params) == jax.tree.structure(grads):
+        return jax.tree.leaves(params)
+    return [None] * len(jax.tree.leaves(grads))
+
+
 def _is_value(x: Any) -> bool:
     """Whether ``x`` is a jax array (traced or not), the only values that vary
     over manual axes: a host number is the same on every shard (and one too
@@ -174,12 +177,7 @@ def check_reduced(grads: Any, acc_grads: Any, params: Any) -> None:
     accumulator that varies.)"""
     if jax.tree.structure(acc_grads) != jax.tree.structure(grads):
         return
-    param_leaves = (
-        jax.tree.leaves(params)
-        if params is not None
-        and jax.tree.structure(params) == jax.tree.structure(grads)
-        else [None] * len(jax.tree.leaves(grads))
-    )
+    param_leaves = _leaves_like(params, grads)
     paths = jax.tree_util.tree_flatten_with_path(grads)[0]
     for (path, g), acc, p in zip(paths, jax.tree.leaves(acc_grads), param_leaves):
         if not _is_value(g):
