@@ -7,7 +7,7 @@ from typing import Any, Literal, TypeVar, overload
 import jax
 import optax
 
-from masked_multistep._checks import check_flag
+from masked_multistep._checks import check_flag, instances_in
 from masked_multistep._multisteps import (
     MaskedMultiStepsState,
     has_field_named,
@@ -118,11 +118,9 @@ def find_boxed(opt_state: Any) -> MaskedMultiStepsState:
 def state_paths(tree: Any, where: str) -> list[str]:
     """Where each :class:`MaskedMultiStepsState` in ``tree`` is, spelt from
     ``where`` (``"state.opt_state"`` gives ``state.opt_state[0]``...)."""
-    is_state = lambda x: isinstance(x, MaskedMultiStepsState)  # noqa: E731
     return [
         where + jax.tree_util.keystr(path)
-        for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]
-        if is_state(x)
+        for path, _ in instances_in(tree, MaskedMultiStepsState)
     ]
 
 

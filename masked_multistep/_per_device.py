@@ -34,11 +34,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from masked_multistep import _stats
-from masked_multistep._checks import (
-    check_flag,
-    refuse_unknown_keywords,
-    type_spec,
-)
+from masked_multistep._checks import check_flag, refuse_unknown_keywords, type_spec
 from masked_multistep._microbatch import (
     CALL_HINTS,
     KEYWORD_HINTS,

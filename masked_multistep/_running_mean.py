@@ -170,7 +170,7 @@ def sq_norm(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(x))
 
 
-def all_finite(tree: Any, reduced: Any = (), count: Any = None) -> jax.Array:
+def all_finite(tree: Any, reduced: Any = (), window: Any = None) -> jax.Array:
     """Whether every element of every leaf of ``tree`` is finite (exact).
 
     ``x - x`` is 0 for every finite ``x`` and NaN for an inf or NaN, and a sum
@@ -185,7 +185,7 @@ def all_finite(tree: Any, reduced: Any = (), count: Any = None) -> jax.Array:
       reduced: optionally, a scalar already reduced from every element of
         ``tree`` by sums of finite terms (e.g. its squared norm); where it is
         finite the leaves are not read again.
-      count: the window's figures (its token count and loss, or a flag made
+      window: the window's figures (its token count and loss, or a flag made
         from them): inside ``shard_map``, a leaf that varies over a manual
         axis over which none of them does is a slice of the gradient, and the
         shards answer together (see ``_shards``).
@@ -210,7 +210,7 @@ def all_finite(tree: Any, reduced: Any = (), count: Any = None) -> jax.Array:
 
     def sums_of_zeros(leaves):
         return jnp.isfinite(
-            sum_scalars(over_slices(jnp.sum(x - x), count) for x in leaves)
+            sum_scalars(over_slices(jnp.sum(x - x), window) for x in leaves)
         )
 
     if isinstance(reduced, tuple):
@@ -218,8 +218,8 @@ def all_finite(tree: Any, reduced: Any = (), count: Any = None) -> jax.Array:
     # Inside shard_map, the leaves' answer varies as they do over the axes
     # that are not combined (those of the count): the constant too.
     axes = frozenset().union(*(varying_axes(x) for x in leaves))
-    if count is not None:
-        axes &= window_axes(count)
+    if window is not None:
+        axes &= window_axes(window)
     return cond(
         jnp.isfinite(reduced),
         lambda _: varying_like(jnp.ones([], jnp.bool_), axes),

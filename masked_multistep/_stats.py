@@ -375,10 +375,11 @@ def init_window_stats(
     )
 
 
-def tree_sq_norm(tree: Any, count: Any = None) -> jax.Array:
+def tree_sq_norm(tree: Any, window: Any = None) -> jax.Array:
     """``Σ_leaves ‖leaf‖²`` in at least float32 (real, for complex leaves too);
     inside ``shard_map``, a leaf's summed over the shards that hold slices of
-    it, ``count`` (the window's tokens) the same on each (see ``_shards``).
+    it, ``window`` (the window's tokens, its loss) the same on each (see
+    ``_shards``).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -387,7 +388,7 @@ def tree_sq_norm(tree: Any, count: Any = None) -> jax.Array:
       26.0
     """
     leaves = [
-        over_slices(sq_norm(jnp.asarray(x)), count) for x in jax.tree.leaves(tree)
+        over_slices(sq_norm(jnp.asarray(x)), window) for x in jax.tree.leaves(tree)
     ]
     return sum_scalars(leaves, result_type(_F32, *(x.dtype for x in leaves)))
 
@@ -397,13 +398,13 @@ def _sq_norms(
     rows: bool,
     shape: tuple[int, ...],
     per_leaf: bool = False,
-    count: Any = None,
+    window: Any = None,
 ) -> jax.Array:
-    """``tree_sq_norm(tree, count)``, or with ``rows`` each leading-axis row's
+    """``tree_sq_norm(tree, window)``, or with ``rows`` each leading-axis row's
     (the rows' count in ``shape``, which also holds with no leaves at all);
     with ``per_leaf`` each leaf's apart, float32, stacked along a last axis."""
     if not rows and not per_leaf:
-        return tree_sq_norm(tree, count)
+        return tree_sq_norm(tree, window)
     if rows:
         parts = [
             jnp.sum(jnp.square(jnp.abs(x).astype(_F32)), axis=tuple(range(1, x.ndim)))
@@ -411,7 +412,7 @@ def _sq_norms(
         ]
     else:
         parts = [
-            over_slices(sq_norm(jnp.asarray(x)).astype(_F32), count)
+            over_slices(sq_norm(jnp.asarray(x)).astype(_F32), window)
             for x in jax.tree.leaves(tree)
         ]
     if per_leaf:
@@ -1243,7 +1244,7 @@ def one_window_stats(
     else:
         # As the wrapper closes a window with leaf statistics: the total is
         # the leaves' sum.
-        leaf_sq_norms = _sq_norms(mean, False, (), per_leaf=True, count=(tokens, loss))
+        leaf_sq_norms = _sq_norms(mean, False, (), per_leaf=True, window=(tokens, loss))
         grad_sq_norm = jnp.sum(leaf_sq_norms)
         state = state._replace(
             leaves=cast(LeafSums, state.leaves)._replace(
