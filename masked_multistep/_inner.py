@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax import tree as otu
 
@@ -244,9 +246,25 @@ def inner_update(
     return update
 
 
+class WindowPlan(NamedTuple):
+    """What :func:`window_shapes` learns of the inner optimizer at a window's
+    end, and the update to run there."""
+
+    needs_value: bool
+    """Whether it fails without ``value=``."""
+    passes_value: bool
+    """Whether it gets one."""
+    updates: Any
+    """The shapes of the updates it returns (as ``jax.ShapeDtypeStruct`` leaves)."""
+    update: InnerUpdate
+    """Its update as :func:`inner_update` builds it; under a trace, the one
+    whose trace gave ``updates``, which the window's end then reuses."""
+
+
 def window_shapes(
     opt: optax.GradientTransformationExtraArgs,
     memo: EagerMemo,
+    built: EagerMemo,
     mean_of: Callable[[Any], Any],
     window: Any,
     grads: Any,
@@ -257,10 +275,10 @@ def window_shapes(
     *,
     has_value: bool,
     with_grad: bool,
-) -> tuple[bool, bool, Any]:
-    """Whether ``opt`` needs ``value=``, whether it gets one, and the shapes
-    of the updates it returns at the window's end, on the window's mean
-    ``mean_of(window)`` (all by abstract evaluation).
+) -> WindowPlan:
+    """Whether ``opt`` needs ``value=``, whether it gets one, the shapes of
+    the updates it returns at the window's end, on the window's mean
+    ``mean_of(window)`` (all by abstract evaluation), and the update to run.
 
     Statically: an inner optimizer that runs without ``value=`` gets none
     unless this call passes one (a choice between the two at run time would
@@ -272,25 +290,41 @@ def window_shapes(
     update's signature refuses the keyword gets none, whatever this call
     passes.
 
-    The answer depends on the arguments' abstract values only: an eager
-    step (no part traced) remembers it in ``memo``, instead of tracing the
-    inner optimizer again on every call (most of such a step's time).
+    Under a trace (``jit``, ``vmap``, a derivative, ``shard_map``) the update
+    is traced once: it is wrapped in ``jax.jit``, whose trace of the shapes'
+    evaluation the window's end reuses (arguments of the same abstract
+    values hit jax's cache; the compiled program is the same, the call
+    inlined). The inner state's structure is compared with the one the
+    wrapper's ``init`` saw ``opt.init`` build for the same params, held in
+    ``built`` (:func:`avals_key`), before ``opt.init`` is traced to explain a
+    mismatch. An eager step (no part traced) runs the plain update, and
+    remembers the rest in ``memo`` instead of tracing the inner optimizer
+    again on every call (most of such a step's time).
     """
     parts = (grads, static_args, window, inner_state, params, dynamic_args)
     key = eager_key(*parts, has_value, with_grad)
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(parts))
+
+    def update_fn(with_value: bool) -> InnerUpdate:
+        update = inner_update(
+            opt, grads, static_args, with_value=with_value, with_grad=with_grad
+        )
+        return jax.jit(update) if traced else update
+
     known = memo.get(key)
     if known is not None:
-        return known
+        needs_value, passes_value, updates = known
+        return WindowPlan(needs_value, passes_value, updates, update_fn(passes_value))
     operands = (jax.eval_shape(mean_of, window), inner_state, params, dynamic_args)
     # A state of another inner optimizer's structure is refused before its
     # update runs: one whose update ignores the state's surplus (plain sgd
     # given momentum sgd's) would take it silently.
-    explain_other_state(opt, inner_state, operands[0])
+    seen = built.get(avals_key(operands[0] if params is None else params))
+    explain_other_state(opt, inner_state, operands[0], seen)
+    updates_fns: dict[bool, InnerUpdate] = {}
 
     def shapes(with_value: bool) -> Any:
-        update = inner_update(
-            opt, grads, static_args, with_value=with_value, with_grad=with_grad
-        )
+        updates_fns[with_value] = update = update_fn(with_value)
         return jax.eval_shape(update, *operands)[0]
 
     # An inner optimizer whose update refuses the keyword by its signature
@@ -320,7 +354,7 @@ def window_shapes(
                 )
             raise
     memo.put(key, (needs_value, passes_value, updates))
-    return needs_value, passes_value, updates
+    return WindowPlan(needs_value, passes_value, updates, updates_fns[passes_value])
 
 
 def init_structure(opt: Any, params_like: Any) -> Any:
@@ -334,18 +368,34 @@ def init_structure(opt: Any, params_like: Any) -> Any:
         return None
 
 
+def avals_key(tree: Any) -> Any:
+    """A hashable key of ``tree``'s structure, shapes and dtypes (its leaves
+    may be arrays, tracers, numbers or ``jax.ShapeDtypeStruct``), or None
+    where a leaf is none of those."""
+    leaves, treedef = jax.tree.flatten(tree)
+    try:
+        return treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves)
+    except TypeError:
+        return None
+
+
 def explain_other_state(
     opt: optax.GradientTransformation,
     inner_state: Any,
     params_like: Any,
+    seen: Any = None,
 ) -> None:
     """Where ``inner_state`` is not of the structure ``opt.init`` builds (a
     state from a wrapper around another inner optimizer), a ``ValueError``
     that says so, before the inner update runs on it. ``params_like`` stands
     in for the params (their structure and shapes: the window's mean,
-    abstract)."""
-    want = init_structure(opt, params_like)
+    abstract). ``seen``, if not None, is the structure the wrapper's ``init``
+    saw ``opt.init`` build for these params: a state of it passes without
+    tracing ``opt.init`` again."""
     got = jax.tree.structure(inner_state)
+    if seen is not None and seen == got:
+        return
+    want = init_structure(opt, params_like)
     if want is not None and got != want:
         is_, built = (
             _outline(inner_state),

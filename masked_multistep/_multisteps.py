@@ -550,6 +550,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         _reduction: Local | Deferred
         _recorder: _stats.Recorder
         _eager_shapes: EagerMemo
+        _inner_structures: EagerMemo
         _config: tuple[tuple[Any, ...], dict[str, Any]]
 
     def __new__(
@@ -673,6 +674,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         self._recorder = recorder
         # `_inner.window_shapes` of eager steps, by their arguments' avals.
         self._eager_shapes = EagerMemo(size=16)
+        # The inner states' structures `init` built, by their params' avals.
+        self._inner_structures = EagerMemo(size=16)
         self._config = (
             (opt, every_k_schedule),
             {
@@ -771,6 +774,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
         inner_opt_state = self._opt.init(params)
         _refuse_nested_accumulation(inner_opt_state)
+        self._inner_structures.put(
+            _inner.avals_key(params), jax.tree.structure(inner_opt_state)
+        )
         num_leaves = len(jax.tree.leaves(params))
         state = MaskedMultiStepsState(
             mini_step=jnp.zeros([], jnp.int32),
@@ -1270,9 +1276,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             return self._reduction.mean(w.acc_grads, w.acc_count, w.reduction_state)
 
         # (It refuses an inner state of another optimizer's structure first.)
-        needs_value, passes_value, updates_avals = _inner.window_shapes(
+        needs_value, passes_value, updates_avals, inner_update = _inner.window_shapes(
             self._opt,
             self._eager_shapes,
+            self._inner_structures,
             mean_of,
             window,
             grads,
@@ -1281,13 +1288,6 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             params,
             dynamic_args,
             has_value=value is not None,
-            with_grad=with_grad,
-        )
-        inner_update = _inner.inner_update(
-            self._opt,
-            grads,
-            static_args,
-            with_value=passes_value,
             with_grad=with_grad,
         )
         if needs_value and value is None:

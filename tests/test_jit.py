@@ -59,6 +59,51 @@ def test_python_int_counts_cost_one_trace_not_one_per_value():
     assert len(traces) == 1
 
 
+def _counting(inner, calls):
+    """``inner``, recording each trace (or call) of its ``init`` and ``update``."""
+
+    def init(params):
+        calls.append("init")
+        return inner.init(params)
+
+    def update(updates, state, params=None, **extra_args):
+        calls.append("update")
+        return inner.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+@pytest.mark.parametrize("how", ["update", "apply_gradients", "update, value="])
+def test_a_compiled_step_traces_the_inner_optimizer_once(how):
+    # Its updates' shapes (for the conditional's other branch) come from the
+    # same trace as the window's update, and the inner state's structure from
+    # `init`'s; only a step that passes `value=` traces it once more, without
+    # the value, to learn whether it needs one.
+    calls = []
+    tx = mm.MaskedMultiSteps(_counting(optax.adam(1e-3), calls), 2)
+    state = tx.init(PARAMS)
+    assert calls == ["init"]
+    calls.clear()
+
+    def step(params, state, grads):
+        extra = {"value": jnp.float32(1.0)} if how.endswith("value=") else {}
+        if how == "apply_gradients":
+            return tx.apply_gradients(grads, state, params, count=jnp.int32(3))
+        updates, state = tx.update(grads, state, params, count=jnp.int32(3), **extra)
+        return optax.apply_updates(params, updates), state
+
+    jax.jit(step).trace(PARAMS, state, PARAMS)
+    assert calls == ["update"] * (2 if how.endswith("value=") else 1)
+    # And the compiled step gives the inner optimizer's result.
+    plain = mm.MaskedMultiSteps(optax.adam(1e-3), 2)
+    params, want, plain_state = PARAMS, PARAMS, plain.init(PARAMS)
+    for _ in range(2):
+        params, state = jax.jit(step)(params, state, PARAMS)
+        want, plain_state = plain.apply_gradients(PARAMS, plain_state, want, count=3)
+    assert int(state.gradient_step) == 1
+    chex.assert_trees_all_close(params, want, rtol=1e-6)
+
+
 def test_init_state_has_no_shared_buffers():
     tx = mm.MaskedMultiSteps(optax.adam(1e-3), 2)
     leaves = jax.tree.leaves(tx.init(PARAMS))
