@@ -41,7 +41,8 @@ uses the gradient of the whole batch's token-mean loss. What it shows:
   move onto the new devices (``mm.device_count_target`` and
   ``mm.from_device_count``), and the run continues to float32 rounding.
 
-Usage (from a checkout, with the ``flax`` extra and ``orbax-checkpoint``)::
+Usage (from a checkout, after ``make install`` or with the ``examples`` extra:
+flax and orbax-checkpoint)::
 
     python examples/train_lm.py --windows 200 --out /tmp/lm0
     python examples/train_lm.py --windows 200 --out /tmp/lm --stop-after 301
@@ -68,10 +69,17 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+try:
+    import orbax.checkpoint as ocp
+    from flax import nnx
+except ImportError as error:  # `make demo` installs neither orbax nor the tests'
+    raise SystemExit(
+        f"{error}: this example needs flax and orbax-checkpoint; run `make "
+        "install` (or `pip install -e '.[examples]'`) first"
+    ) from None
 
 import masked_multistep as mm
 from masked_multistep.demo.data import (

@@ -381,3 +381,22 @@ def test_the_default_warmup_fits_a_short_run():
     assert train_lm.parse_args(["--windows", "6", "--warmup", "2"]).warmup == 2
     with pytest.raises(SystemExit):  # a warmup given must fit
         train_lm.parse_args(["--windows", "6", "--warmup", "6"])
+
+
+def test_without_orbax_the_example_says_what_to_install():
+    # `make demo` installs flax but not orbax-checkpoint: the script exits with
+    # the install command instead of an import traceback.
+    import subprocess
+
+    blocked = (
+        "import sys, runpy; sys.modules['orbax'] = None; "
+        "sys.modules['orbax.checkpoint'] = None; "
+        f"sys.argv = [{str(PATH)!r}, '--help']; "
+        f"runpy.run_path({str(PATH)!r}, run_name='__main__')"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1, run.stderr
+    assert "orbax-checkpoint" in run.stderr and "make install" in run.stderr
+    assert "Traceback" not in run.stderr
