@@ -37,8 +37,16 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as _jax_core
 
-__all__ = ["EagerMemo", "concrete_bool", "cond", "eager_key", "in_place_cond"]
+__all__ = [
+    "EagerMemo",
+    "concrete_bool",
+    "cond",
+    "eager_key",
+    "in_place_cond",
+    "staging",
+]
 
 S = TypeVar("S")
 
@@ -51,6 +59,29 @@ def _loop_form() -> bool:
     if FORM is not None:
         return FORM == "loop"
     return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def staging() -> bool:
+    """Whether a jaxpr is being built here: under ``jit``, ``shard_map``,
+    ``jax.eval_shape`` or a conditional's trace (also beneath ``vmap`` or a
+    derivative taken inside them), not under an eager ``vmap`` or derivative
+    alone, whose operations run one by one.
+
+    What is traced into a jaxpr may reuse jax's trace cache (a ``jax.jit``
+    called again on arguments of the same types inlines its first trace);
+    what runs one by one would compile such a ``jax.jit`` afresh on every
+    call. (jax's own test, ``unsafe_am_i_under_a_jit``; False where a jax
+    lacks it.)
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> _ = jax.jit(lambda x: print(staging()) or x)(jnp.ones(2))
+      True
+      >>> _ = jax.vmap(lambda x: print(staging()) or x)(jnp.ones(2))
+      False
+    """
+    probe = getattr(_jax_core, "unsafe_am_i_under_a_jit", None)
+    return bool(probe()) if probe is not None else False
 
 
 def concrete_bool(pred: Any) -> bool | None:

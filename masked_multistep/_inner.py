@@ -14,13 +14,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
 from optax import tree as otu
 
-from masked_multistep._branch import EagerMemo, eager_key
+from masked_multistep._branch import EagerMemo, eager_key, staging
 from masked_multistep._checks import refuses_keyword
 
 InnerUpdate = Callable[[Any, Any, Any, dict[str, Any]], tuple[Any, Any]]
@@ -257,8 +256,10 @@ class WindowPlan(NamedTuple):
     updates: Any
     """The shapes of the updates it returns (as ``jax.ShapeDtypeStruct`` leaves)."""
     update: InnerUpdate
-    """Its update as :func:`inner_update` builds it; under a trace, the one
-    whose trace gave ``updates``, which the window's end then reuses."""
+    """Its update as :func:`inner_update` builds it; where a jaxpr is being
+    built (:func:`~masked_multistep._branch.staging`), the ``jax.jit`` of it
+    whose trace gave ``updates``, which the window's end reuses (called on
+    arguments of the same types)."""
 
 
 def window_shapes(
@@ -290,42 +291,58 @@ def window_shapes(
     update's signature refuses the keyword gets none, whatever this call
     passes.
 
-    Under a trace (``jit``, ``vmap``, a derivative, ``shard_map``) the update
-    is traced once: it is wrapped in ``jax.jit``, whose trace of the shapes'
-    evaluation the window's end reuses (arguments of the same abstract
-    values hit jax's cache; the compiled program is the same, the call
-    inlined). The inner state's structure is compared with the one the
-    wrapper's ``init`` saw ``opt.init`` build for the same params, held in
-    ``built`` (:func:`avals_key`), before ``opt.init`` is traced to explain a
-    mismatch. An eager step (no part traced) runs the plain update, and
-    remembers the rest in ``memo`` instead of tracing the inner optimizer
-    again on every call (most of such a step's time).
+    Where a jaxpr is being built (under ``jit`` or ``shard_map``, with or
+    without ``vmap`` or a derivative inside them) the update is traced once:
+    it is wrapped in ``jax.jit``, whose trace of the shapes' evaluation the
+    window's end reuses (the mean is formed inside that evaluation, so it has
+    the type, sharding included, that the window's end gives it; the compiled
+    program is the same, the call inlined). Under an eager ``vmap`` or
+    derivative alone, whose operations run one by one, it is not wrapped: a
+    ``jax.jit`` would compile on every call. The inner state's
+    structure is compared with the one the wrapper's ``init`` saw
+    ``opt.init`` build for the same params, held in ``built``
+    (:func:`avals_key`), before ``opt.init`` is traced to explain a
+    mismatch. An eager step (no part traced) remembers the rest in ``memo``
+    instead of tracing the inner optimizer again on every call (most of such
+    a step's time).
     """
     parts = (grads, static_args, window, inner_state, params, dynamic_args)
     key = eager_key(*parts, has_value, with_grad)
-    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(parts))
+    jitted = staging()
+    updates: dict[bool, InnerUpdate] = {}
 
-    def update_fn(with_value: bool) -> InnerUpdate:
-        update = inner_update(
-            opt, grads, static_args, with_value=with_value, with_grad=with_grad
-        )
-        return jax.jit(update) if traced else update
+    def update_of(with_value: bool) -> InnerUpdate:
+        if with_value not in updates:
+            update = inner_update(
+                opt, grads, static_args, with_value=with_value, with_grad=with_grad
+            )
+            updates[with_value] = jax.jit(update) if jitted else update
+        return updates[with_value]
 
     known = memo.get(key)
     if known is not None:
-        needs_value, passes_value, updates = known
-        return WindowPlan(needs_value, passes_value, updates, update_fn(passes_value))
-    operands = (jax.eval_shape(mean_of, window), inner_state, params, dynamic_args)
+        needs_value, passes_value, shapes_ = known
+        return WindowPlan(needs_value, passes_value, shapes_, update_of(passes_value))
     # A state of another inner optimizer's structure is refused before its
     # update runs: one whose update ignores the state's surplus (plain sgd
     # given momentum sgd's) would take it silently.
-    seen = built.get(avals_key(operands[0] if params is None else params))
-    explain_other_state(opt, inner_state, operands[0], seen)
-    updates_fns: dict[bool, InnerUpdate] = {}
+    got = jax.tree.structure(inner_state)
+    seen = None if params is None else built.get(avals_key(params))
+    if seen is None or seen != got:
+        mean_like = jax.eval_shape(mean_of, window)
+        if params is None:
+            seen = built.get(avals_key(mean_like))
+        explain_other_state(opt, inner_state, mean_like, seen)
 
     def shapes(with_value: bool) -> Any:
-        updates_fns[with_value] = update = update_fn(with_value)
-        return jax.eval_shape(update, *operands)[0]
+        update = update_of(with_value)
+
+        def inner_update_on_mean(window, inner_state, params, dynamic_args):
+            return update(mean_of(window), inner_state, params, dynamic_args)
+
+        return jax.eval_shape(
+            inner_update_on_mean, window, inner_state, params, dynamic_args
+        )[0]
 
     # An inner optimizer whose update refuses the keyword by its signature
     # (optax.contrib.sam declares extra arguments and takes none) runs without
@@ -334,15 +351,15 @@ def window_shapes(
     # one is its own, not a sign that it needs one.
     refused = refuses_keyword(opt.update, "value")
     try:
-        updates, needs_value = shapes(with_value=False), False
+        avals, needs_value = shapes(with_value=False), False
     except TypeError:
         if refused:
             raise
-        updates, needs_value = None, True
+        avals, needs_value = None, True
     passes_value = needs_value or (has_value and not refused)
     if passes_value:
         try:
-            updates = shapes(with_value=True)
+            avals = shapes(with_value=True)
         except TypeError as err:
             if "unexpected keyword argument 'value'" in str(err):
                 err.add_note(
@@ -353,8 +370,8 @@ def window_shapes(
                     "which optax.chain calls without extra arguments)"
                 )
             raise
-    memo.put(key, (needs_value, passes_value, updates))
-    return WindowPlan(needs_value, passes_value, updates, updates_fns[passes_value])
+    memo.put(key, (needs_value, passes_value, avals))
+    return WindowPlan(needs_value, passes_value, avals, update_of(passes_value))
 
 
 def init_structure(opt: Any, params_like: Any) -> Any:

@@ -1276,7 +1276,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             return self._reduction.mean(w.acc_grads, w.acc_count, w.reduction_state)
 
         # (It refuses an inner state of another optimizer's structure first.)
-        needs_value, passes_value, updates_avals, inner_update = _inner.window_shapes(
+        plan = _inner.window_shapes(
             self._opt,
             self._eager_shapes,
             self._inner_structures,
@@ -1290,6 +1290,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             has_value=value is not None,
             with_grad=with_grad,
         )
+        needs_value, updates_avals = plan.needs_value, plan.updates
         if needs_value and value is None:
             _inner.warn_without_value()
         # Once the inner optimizer has read the window's mean, the mean is dead
@@ -1318,7 +1319,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             params = own_params if apply_params else read_only_params
             if mean is None:  # the accumulator is the mean
                 mean = acc_grads
-            updates, new_inner = inner_update(mean, inner_state, params, dynamic_args)
+            updates, new_inner = plan.update(mean, inner_state, params, dynamic_args)
             check_inner_update(updates, mean, params, dynamic_args)
             if reuse_acc:
                 return (updates, new_inner, ()), ()

@@ -196,3 +196,59 @@ def test_compiled_state_in_place_with_donation():
         x.nbytes for x in jax.tree.leaves((params, state._replace(updated=None)))
     )
     assert mem.alias_size_in_bytes >= state_bytes
+
+
+def test_an_eager_vmap_step_compiles_nothing_once_warm():
+    # Under `vmap` without `jit` the step runs operation by operation, each
+    # kernel compiled once: the inner update is not wrapped in a `jax.jit`
+    # there (a new one on every call would compile on every call). The
+    # second member's microbatches hold no tokens: the window's conditional
+    # is batched, its predicate differing between the members.
+    tx = mm.MaskedMultiSteps(optax.adam(1e-2), 2)
+    states = jax.vmap(lambda _: tx.init(PARAMS))(jnp.arange(2))
+    grads = jax.tree.map(lambda p: jnp.stack([p, 2 * p]), PARAMS)
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    def step(states, i):
+        counts = jnp.array([1 + i % 2, 0], jnp.int32)
+        update = lambda g, s, c: tx.update(g, s, PARAMS, count=c)
+        return jax.vmap(update)(grads, states, counts)[1]
+
+    for i in range(4):
+        states = step(states, i)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for i in range(4, 8):
+            states = step(states, i)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    assert states.gradient_step.tolist() == [4, 0]
+
+
+@pytest.mark.parametrize("reduction", [None, "deferred"])
+def test_a_step_on_a_device_mesh_traces_the_inner_optimizer_once(reduction):
+    # The params replicated over an Auto mesh: the window's mean carries the
+    # mesh in its type, in the shapes' evaluation as at the window's end.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params = jax.device_put(PARAMS, jax.sharding.NamedSharding(mesh, jax.P()))
+    calls = []
+    tx = mm.MaskedMultiSteps(
+        _counting(optax.adam(1e-3), calls),
+        2,
+        reduction=None if reduction is None else mm.deferred(mesh, "data"),
+    )
+    state = tx.init(params)
+    calls.clear()
+    if reduction is None:
+        grads, count = params, jnp.int32(3)
+    else:
+        grads = jax.tree.map(lambda p: jnp.stack([p] * 8), PARAMS)
+        count = jnp.full(8, 3, jnp.int32)
+    step = lambda p, s, g, n: tx.apply_gradients(g, s, p, count=n)
+    jax.jit(step).trace(params, state, grads, count)
+    assert calls == ["update"]
