@@ -1141,7 +1141,11 @@ def _grad_fn(
         module = _nnx_state.ModuleState.of(params, wrt) if module_state else None
         if module is not None:
             params = module.params
-        per_microbatch = value_and_grad(module)
+        # Traced once: the shapes' evaluation below traces it, and the loop's
+        # body calls it on arguments of the same types, which hits jax's trace
+        # cache (the call is inlined; the program is the same). `loss_fn` and
+        # its derivative are then traced once per call, not twice.
+        per_microbatch = jax.jit(value_and_grad(module))
         rest = None if module is None else module.rest
         _check_params(params, whole_ok=module_state)
         batch_size = _batch_size(batch, k)

@@ -607,3 +607,33 @@ def test_an_integer_leaf_of_an_nnx_state_of_plain_arrays_is_named_with_the_recip
         match=r"got dtype int32 at params\['n'\]\. An NNX module .*nnx\.split",
     ):
         grad_fn(state, jnp.ones(4))
+
+
+@pytest.mark.parametrize("how", ["microbatched", "with_stats", "data_parallel"])
+def test_loss_fn_is_traced_once_per_call(how):
+    # The shapes' evaluation and the loop's body share one trace of `loss_fn`
+    # and its derivative (a `jax.jit` whose trace cache the body hits).
+    traces = []
+
+    def loss_fn(params, batch):
+        traces.append(1)
+        x = jnp.tanh(batch["x"] @ params["w"])
+        return mm.masked_mean(jnp.sum(x**2, -1), batch["mask"])
+
+    params = {"w": jnp.ones((D, H))}
+    batch = {"x": jnp.ones((B, D)), "mask": jnp.arange(B) % 3 > 0}
+    if how == "data_parallel":
+        mesh = jax.make_mesh(
+            (8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
+        )
+        grad_fn = mm.data_parallel_value_and_grad(loss_fn, mesh, "data")
+        batch = jax.tree.map(lambda x: jnp.concatenate([x] * 4), batch)
+    else:
+        grad_fn = mm.microbatched_value_and_grad(
+            loss_fn, 4, with_stats=how == "with_stats"
+        )
+    (loss, _), grads = jax.jit(grad_fn)(params, batch)[:2]
+    assert len(traces) == 1
+    want, want_grads = jax.value_and_grad(lambda p: loss_fn(p, batch)[0])(params)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-5)
