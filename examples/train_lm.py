@@ -75,7 +75,7 @@ from jax.sharding import PartitionSpec as P
 try:
     import orbax.checkpoint as ocp
     from flax import nnx
-except ImportError as error:  # `make demo` installs neither orbax nor the tests'
+except ImportError as error:  # `make demo` installs flax but not orbax
     raise SystemExit(
         f"{error}: this example needs flax and orbax-checkpoint; run `make "
         "install` (or `pip install -e '.[examples]'`) first"

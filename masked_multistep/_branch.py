@@ -37,7 +37,6 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as _jax_core
 
 __all__ = [
     "EagerMemo",
@@ -62,10 +61,10 @@ def _loop_form() -> bool:
 
 
 def staging() -> bool:
-    """Whether a jaxpr is being built here: under ``jit``, ``shard_map``,
-    ``jax.eval_shape`` or a conditional's trace (also beneath ``vmap`` or a
-    derivative taken inside them), not under an eager ``vmap`` or derivative
-    alone, whose operations run one by one.
+    """Whether a jaxpr is being built here: under ``jit`` (``shard_map``
+    inside it included), ``jax.eval_shape`` or a conditional's trace (also
+    beneath ``vmap`` or a derivative taken inside them), not under an eager
+    ``vmap``, derivative or ``shard_map`` alone.
 
     What is traced into a jaxpr may reuse jax's trace cache (a ``jax.jit``
     called again on arguments of the same types inlines its first trace);
@@ -80,7 +79,11 @@ def staging() -> bool:
       >>> _ = jax.vmap(lambda x: print(staging()) or x)(jnp.ones(2))
       False
     """
-    probe = getattr(_jax_core, "unsafe_am_i_under_a_jit", None)
+    try:
+        from jax._src import core  # noqa: PLC0415 -- jax's private module
+    except ImportError:
+        return False
+    probe = getattr(core, "unsafe_am_i_under_a_jit", None)
     return bool(probe()) if probe is not None else False
 
 
@@ -151,8 +154,9 @@ def eager_key(*parts: Any) -> Any:
 
 
 class EagerMemo:
-    """What eager steps derived from their arguments' abstract values, under
-    :func:`eager_key`'s keys: the newest ``size`` entries (the oldest goes).
+    """What was derived from abstract values, under hashable keys (an eager
+    step's, under :func:`eager_key`'s): the newest ``size`` entries (the
+    oldest goes).
 
     Threads stepping one wrapper at once share it: each read and each write
     holds a lock, so one thread's eviction never fails another's lookup.

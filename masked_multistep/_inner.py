@@ -253,7 +253,7 @@ class WindowPlan(NamedTuple):
     """Whether it fails without ``value=``."""
     passes_value: bool
     """Whether it gets one."""
-    updates: Any
+    updates_avals: Any
     """The shapes of the updates it returns (as ``jax.ShapeDtypeStruct`` leaves)."""
     update: InnerUpdate
     """Its update as :func:`inner_update` builds it; where a jaxpr is being
@@ -291,24 +291,25 @@ def window_shapes(
     update's signature refuses the keyword gets none, whatever this call
     passes.
 
-    Where a jaxpr is being built (under ``jit`` or ``shard_map``, with or
-    without ``vmap`` or a derivative inside them) the update is traced once:
+    Where a jaxpr is being built (under ``jit``, ``shard_map`` inside it
+    included, with or without ``vmap`` or a derivative inside them) the
+    update is traced once:
     it is wrapped in ``jax.jit``, whose trace of the shapes' evaluation the
     window's end reuses (the mean is formed inside that evaluation, so it has
     the type, sharding included, that the window's end gives it; the compiled
     program is the same, the call inlined). Under an eager ``vmap`` or
     derivative alone, whose operations run one by one, it is not wrapped: a
-    ``jax.jit`` would compile on every call. The inner state's
-    structure is compared with the one the wrapper's ``init`` saw
-    ``opt.init`` build for the same params, held in ``built``
-    (:func:`avals_key`), before ``opt.init`` is traced to explain a
-    mismatch. An eager step (no part traced) remembers the rest in ``memo``
-    instead of tracing the inner optimizer again on every call (most of such
-    a step's time).
+    ``jax.jit`` would compile on every call. The inner state's structure is
+    compared with the one the wrapper's ``init`` built for params of the
+    same structure, shapes and dtypes, held in ``built`` (:func:`avals_key`),
+    before ``opt.init`` is traced on them (the answer is the same; only the
+    trace is saved). An eager step (no part traced) remembers the rest in
+    ``memo`` instead of tracing the inner optimizer again on every call (most
+    of such a step's time).
     """
     parts = (grads, static_args, window, inner_state, params, dynamic_args)
     key = eager_key(*parts, has_value, with_grad)
-    jitted = staging()
+    wrap = staging()
     updates: dict[bool, InnerUpdate] = {}
 
     def update_of(with_value: bool) -> InnerUpdate:
@@ -316,7 +317,7 @@ def window_shapes(
             update = inner_update(
                 opt, grads, static_args, with_value=with_value, with_grad=with_grad
             )
-            updates[with_value] = jax.jit(update) if jitted else update
+            updates[with_value] = jax.jit(update) if wrap else update
         return updates[with_value]
 
     known = memo.get(key)
@@ -326,13 +327,13 @@ def window_shapes(
     # A state of another inner optimizer's structure is refused before its
     # update runs: one whose update ignores the state's surplus (plain sgd
     # given momentum sgd's) would take it silently.
-    got = jax.tree.structure(inner_state)
-    seen = None if params is None else built.get(avals_key(params))
-    if seen is None or seen != got:
-        mean_like = jax.eval_shape(mean_of, window)
-        if params is None:
-            seen = built.get(avals_key(mean_like))
-        explain_other_state(opt, inner_state, mean_like, seen)
+    # It is checked on the params (the window's mean stands in for params not
+    # passed), against the structure the wrapper's `init` built for such
+    # params if it did, else against `opt.init` traced on them.
+    params_like = jax.eval_shape(mean_of, window) if params is None else params
+    seen = built.get(avals_key(params_like))
+    if seen is None or seen != jax.tree.structure(inner_state):
+        explain_other_state(opt, inner_state, params_like)
 
     def shapes(with_value: bool) -> Any:
         update = update_of(with_value)
@@ -400,19 +401,14 @@ def explain_other_state(
     opt: optax.GradientTransformation,
     inner_state: Any,
     params_like: Any,
-    seen: Any = None,
 ) -> None:
     """Where ``inner_state`` is not of the structure ``opt.init`` builds (a
     state from a wrapper around another inner optimizer), a ``ValueError``
     that says so, before the inner update runs on it. ``params_like`` stands
-    in for the params (their structure and shapes: the window's mean,
-    abstract). ``seen``, if not None, is the structure the wrapper's ``init``
-    saw ``opt.init`` build for these params: a state of it passes without
-    tracing ``opt.init`` again."""
-    got = jax.tree.structure(inner_state)
-    if seen is not None and seen == got:
-        return
+    in for the params (their structure, shapes and dtypes; abstract values
+    will do)."""
     want = init_structure(opt, params_like)
+    got = jax.tree.structure(inner_state)
     if want is not None and got != want:
         is_, built = (
             _outline(inner_state),

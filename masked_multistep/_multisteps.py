@@ -674,7 +674,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         self._recorder = recorder
         # `_inner.window_shapes` of eager steps, by their arguments' avals.
         self._eager_shapes = EagerMemo(size=16)
-        # The inner states' structures `init` built, by their params' avals.
+        # The inner states' structures `init` built, by `_inner.avals_key` of
+        # their params: `_inner.window_shapes` then need not trace `opt.init`.
         self._inner_structures = EagerMemo(size=16)
         self._config = (
             (opt, every_k_schedule),
@@ -1290,7 +1291,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             has_value=value is not None,
             with_grad=with_grad,
         )
-        needs_value, updates_avals = plan.needs_value, plan.updates
+        needs_value, updates_avals = plan.needs_value, plan.updates_avals
         if needs_value and value is None:
             _inner.warn_without_value()
         # Once the inner optimizer has read the window's mean, the mean is dead

@@ -857,10 +857,15 @@ def test_update_checks_the_params_it_is_given(jit):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_a_state_of_another_inner_optimizer_is_named(jit):
+@pytest.mark.parametrize("init_first", [False, True])
+def test_a_state_of_another_inner_optimizer_is_named(jit, init_first):
     # It failed inside optax: "'EmptyState' object has no attribute 'mu'".
+    # (Whether or not the wrapper's own `init` ran on such params first, and
+    # recorded its state's structure.)
     params, grads = {"w": jnp.zeros(2)}, {"w": jnp.ones(2)}
     tx = mm.MaskedMultiSteps(optax.adam(0.1), 2)
+    if init_first:
+        tx.init(params)
     update = jax.jit(tx.update) if jit else tx.update
     cases = [
         (
@@ -883,6 +888,8 @@ def test_a_state_of_another_inner_optimizer_is_named(jit):
     # given momentum sgd's state ran without its momentum, and returned a
     # state that no longer matched its own `init`.
     sgd = mm.MaskedMultiSteps(optax.sgd(0.1), 2)
+    if init_first:
+        sgd.init(params)
     momentum = mm.MaskedMultiSteps(optax.sgd(0.5, momentum=0.9), 2).init(params)
     with pytest.raises(
         ValueError,
@@ -890,6 +897,28 @@ def test_a_state_of_another_inner_optimizer_is_named(jit):
         r"EmptyState\), .* builds \(EmptyState, EmptyState\)",
     ):
         (jax.jit(sgd.update) if jit else sgd.update)(grads, momentum, params, count=3)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("init_first", [False, True])
+def test_an_inner_state_built_from_the_params_dtypes_is_its_own(jit, init_first):
+    # An inner optimizer whose state's structure depends on the params' dtypes
+    # (here: adam on the bfloat16 leaves only) was checked against the state
+    # `init` builds for the window's mean, whose accumulators are float32:
+    # its own state was refused as another optimizer's.
+    params = {"w": jnp.zeros(2), "b": jnp.zeros(2, jnp.bfloat16)}
+    grads = jax.tree.map(jnp.ones_like, params)
+    by_dtype = lambda p: jax.tree.map(lambda x: x.dtype == jnp.bfloat16, p)
+    inner = optax.masked(optax.adam(0.1), by_dtype)
+    state = mm.MaskedMultiSteps(inner, 1).init(params)
+    tx = mm.MaskedMultiSteps(inner, 1)
+    if init_first:
+        tx.init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    updates, state = update(grads, state, params, count=3)
+    assert int(state.gradient_step) == 1
+    want, _ = inner.update(grads, inner.init(params), params)
+    jax.tree.map(np.testing.assert_allclose, updates, want)
 
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])

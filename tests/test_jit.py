@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import backend_compiles
 
 import masked_multistep as mm
 
@@ -198,36 +199,46 @@ def test_compiled_state_in_place_with_donation():
     assert mem.alias_size_in_bytes >= state_bytes
 
 
-def test_an_eager_vmap_step_compiles_nothing_once_warm():
-    # Under `vmap` without `jit` the step runs operation by operation, each
-    # kernel compiled once: the inner update is not wrapped in a `jax.jit`
-    # there (a new one on every call would compile on every call). The
-    # second member's microbatches hold no tokens: the window's conditional
-    # is batched, its predicate differing between the members.
+@pytest.mark.parametrize("how", ["vmap", "grad"])
+def test_an_eager_vmap_or_derivative_step_compiles_nothing_once_warm(how):
+    # Under `vmap` or a derivative without `jit` the step runs operation by
+    # operation, each kernel compiled once: the inner update is not wrapped in
+    # a `jax.jit` there (a new one on every call would compile on every call).
+    # Under `vmap` the second member's microbatches hold no tokens: the
+    # window's conditional is batched, its predicate differing between them.
     tx = mm.MaskedMultiSteps(optax.adam(1e-2), 2)
-    states = jax.vmap(lambda _: tx.init(PARAMS))(jnp.arange(2))
-    grads = jax.tree.map(lambda p: jnp.stack([p, 2 * p]), PARAMS)
-    compiles = []
 
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
+    if how == "vmap":
+        states = jax.vmap(lambda _: tx.init(PARAMS))(jnp.arange(2))
+        grads = jax.tree.map(lambda p: jnp.stack([p, 2 * p]), PARAMS)
 
-    def step(states, i):
-        counts = jnp.array([1 + i % 2, 0], jnp.int32)
-        update = lambda g, s, c: tx.update(g, s, PARAMS, count=c)
-        return jax.vmap(update)(grads, states, counts)[1]
+        def step(states, i):
+            counts = jnp.array([1 + i % 2, 0], jnp.int32)
+            update = lambda g, s, c: tx.update(g, s, PARAMS, count=c)
+            return jax.vmap(update)(grads, states, counts)[1]
 
+        want = [4, 0]
+    else:
+        states = tx.init(PARAMS)
+
+        def step(state, i):
+            # d(updates)/d(grads): the window's end runs on JVP tracers.
+            def summed(grads):
+                updates, state_ = tx.update(grads, state, PARAMS, count=1 + i % 2)
+                return sum(
+                    jnp.sum(u.astype(jnp.float32)) for u in jax.tree.leaves(updates)
+                ), state_
+
+            return jax.grad(summed, has_aux=True)(PARAMS)[1]
+
+        want = 4
     for i in range(4):
         states = step(states, i)
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         for i in range(4, 8):
             states = step(states, i)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
-    assert states.gradient_step.tolist() == [4, 0]
+    assert states.gradient_step.tolist() == want
 
 
 @pytest.mark.parametrize("reduction", [None, "deferred"])
