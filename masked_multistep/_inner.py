@@ -293,11 +293,13 @@ def window_shapes(
 
     Where a jaxpr is being built (under ``jit``, ``shard_map`` inside it
     included, with or without ``vmap`` or a derivative inside them) the
-    update is traced once:
-    it is wrapped in ``jax.jit``, whose trace of the shapes' evaluation the
-    window's end reuses (the mean is formed inside that evaluation, so it has
-    the type, sharding included, that the window's end gives it; the compiled
-    program is the same, the call inlined). Under an eager ``vmap`` or
+    update is traced once: it is wrapped in ``jax.jit(..., inline=True)``,
+    whose trace of the shapes' evaluation the window's end reuses (the mean
+    is formed inside that evaluation, so it has the type, sharding included,
+    that the window's end gives it). The cached jaxpr is inlined where it is
+    called, so the program is the one the plain update gives (a call left to
+    XLA to inline compiled the same instructions in another order, slower at
+    small sizes). Under an eager ``vmap`` or
     derivative alone, whose operations run one by one, it is not wrapped: a
     ``jax.jit`` would compile on every call. The inner state's structure is
     compared with the one the wrapper's ``init`` built for params of the
@@ -317,7 +319,7 @@ def window_shapes(
             update = inner_update(
                 opt, grads, static_args, with_value=with_value, with_grad=with_grad
             )
-            updates[with_value] = jax.jit(update) if wrap else update
+            updates[with_value] = jax.jit(update, inline=True) if wrap else update
         return updates[with_value]
 
     known = memo.get(key)

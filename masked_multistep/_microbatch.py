@@ -1143,9 +1143,10 @@ def _grad_fn(
             params = module.params
         # Traced once: the shapes' evaluation below traces it, and the loop's
         # body calls it on arguments of the same types, which hits jax's trace
-        # cache (the call is inlined; the program is the same). `loss_fn` and
-        # its derivative are then traced once per call, not twice.
-        per_microbatch = jax.jit(value_and_grad(module))
+        # cache and inlines the cached jaxpr (the same instructions as the
+        # plain function's). `loss_fn` and its derivative are then traced once
+        # per call, not twice.
+        per_microbatch = jax.jit(value_and_grad(module), inline=True)
         rest = None if module is None else module.rest
         _check_params(params, whole_ok=module_state)
         batch_size = _batch_size(batch, k)

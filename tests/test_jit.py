@@ -1,5 +1,7 @@
 """Behaviour under jit: no retrace, stable state avals, donation, distinct buffers."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -263,3 +265,23 @@ def test_a_step_on_a_device_mesh_traces_the_inner_optimizer_once(reduction):
     step = lambda p, s, g, n: tx.apply_gradients(g, s, p, count=n)
     jax.jit(step).trace(params, state, grads, count)
     assert calls == ["update"]
+
+
+def test_the_inner_update_is_inlined_into_the_step():
+    # Its trace is reused from the shapes' evaluation but inlined where the
+    # window closes: a call of its own, left to XLA to inline, compiled the
+    # same instructions in another order (30% slower at 4 x 128², k = 1).
+    tx = mm.MaskedMultiSteps(optax.adam(1e-3), 2)
+    state = tx.init(PARAMS)
+    for step in (
+        lambda g, s, p: tx.update(g, s, p, count=jnp.int32(1)),
+        lambda g, s, p: tx.apply_gradients(g, s, p, count=jnp.int32(1)),
+    ):
+        text = jax.jit(step).lower(PARAMS, state, PARAMS).as_text()
+        assert "update" not in set(re.findall(r"call @([\w.]+)", text))
+    grad_fn = mm.microbatched_value_and_grad(
+        lambda p, b: mm.masked_mean(jnp.sum(b["x"] @ p["w"], -1), b["mask"]), 2
+    )
+    batch = {"x": jnp.ones((4, 4)), "mask": jnp.ones(4, bool)}
+    text = jax.jit(grad_fn).lower({"w": jnp.ones((4, 3))}, batch).as_text()
+    assert "per_microbatch" not in set(re.findall(r"call @([\w.]+)", text))
