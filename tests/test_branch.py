@@ -674,3 +674,21 @@ def test_eager_deferred_updates_between_windows_lie_where_the_params_do():
             )
         params = optax.apply_updates(params, updates)
     assert int(state.gradient_step) == 1
+
+
+def test_an_inner_optimizer_closing_over_a_traced_value_leaks_no_tracer(form):
+    # The loop form converts each branch's closure into arguments: the
+    # converted function kept the closed jaxpr, whose consts (here the traced
+    # learning rate) outlived the trace.
+    params = {"w": jnp.ones(3)}
+
+    def step(lr, grads, state):
+        tx = mm.MaskedMultiSteps(optax.sgd(lr), 1)
+        updates, state = tx.update(grads, state, params, count=jnp.int32(2))
+        return optax.apply_updates(params, updates), state
+
+    state = mm.MaskedMultiSteps(optax.sgd(0.1), 1).init(params)
+    with jax.checking_leaks():
+        new_params, state = jax.jit(step)(jnp.float32(0.5), params, state)
+    np.testing.assert_allclose(new_params["w"], 0.5)
+    assert int(state.gradient_step) == 1
