@@ -246,12 +246,16 @@ def _closure_converted(fn: Callable[..., Any], args: tuple) -> tuple[Callable, l
     """``fn`` as a function of ``(consts, *args)``, and its closed-over consts."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     out_tree = jax.tree.structure(out_shape)
-    # The function keeps the jaxpr alone: the closed jaxpr's consts are tracers
-    # of the enclosing trace, which would outlive it (`jax.checking_leaks`).
-    jaxpr = closed.jaxpr
+    # The function keeps a jaxpr without consts, its constvars made leading
+    # invars: the consts are tracers of the enclosing trace, which would
+    # outlive it (`jax.checking_leaks`) wherever jax keeps the function (newer
+    # jax's jaxprs hold their consts themselves).
+    open_jaxpr = closed.jaxpr.replace(
+        constvars=[], invars=[*closed.jaxpr.constvars, *closed.jaxpr.invars]
+    )
 
     def converted(consts: list, *args: Any) -> Any:
-        flat = jax.core.eval_jaxpr(jaxpr, consts, *jax.tree.leaves(args))
+        flat = jax.core.eval_jaxpr(open_jaxpr, [], *consts, *jax.tree.leaves(args))
         return jax.tree.unflatten(out_tree, flat)
 
     return converted, list(closed.consts)
