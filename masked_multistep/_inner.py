@@ -329,13 +329,27 @@ def window_shapes(
     # A state of another inner optimizer's structure is refused before its
     # update runs: one whose update ignores the state's surplus (plain sgd
     # given momentum sgd's) would take it silently.
-    # It is checked on the params (the window's mean stands in for params not
-    # passed), against the structure the wrapper's `init` built for such
-    # params if it did, else against `opt.init` traced on them.
-    params_like = jax.eval_shape(mean_of, window) if params is None else params
-    seen = built.get(avals_key(params_like))
-    if seen is None or seen != jax.tree.structure(inner_state):
-        explain_other_state(opt, inner_state, params_like)
+    # It is checked on the params, against the structure the wrapper's `init`
+    # built for such params if it did, else against `opt.init` traced on them.
+    # Where none are passed, the gradients stand in for them (in the params'
+    # dtypes, where the mean may be float32), or the window's mean where their
+    # shapes are not the params' (a device axis).
+    got = jax.tree.structure(inner_state)
+    if params is not None:
+        stand_ins = [params]
+    else:
+        mean_like = jax.eval_shape(mean_of, window)
+        same = _same_shapes(grads, mean_like)
+        stand_ins = [grads, mean_like] if same else [mean_like]
+
+    def built_as(structure: Any) -> bool:
+        return structure is not None and structure == got
+
+    # (The first stand-in's `opt.init` is traced last, by the explanation.)
+    if not any(built_as(built.get(avals_key(p))) for p in stand_ins) and not any(
+        built_as(init_structure(opt, p)) for p in stand_ins[1:]
+    ):
+        explain_other_state(opt, inner_state, stand_ins[0])
 
     def shapes(with_value: bool) -> Any:
         update = update_of(with_value)
@@ -386,6 +400,15 @@ def init_structure(opt: Any, params_like: Any) -> Any:
         return jax.tree.structure(jax.eval_shape(opt.init, params_like))
     except Exception:  # noqa: BLE001 -- no structure to compare with
         return None
+
+
+def _same_shapes(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` have one tree structure and its leaves' shapes."""
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    return tree_a == tree_b and all(
+        np.shape(x) == np.shape(y) for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
 
 
 def avals_key(tree: Any) -> Any:

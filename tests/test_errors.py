@@ -901,11 +901,15 @@ def test_a_state_of_another_inner_optimizer_is_named(jit, init_first):
 
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("init_first", [False, True])
-def test_an_inner_state_built_from_the_params_dtypes_is_its_own(jit, init_first):
+@pytest.mark.parametrize("with_params", [True, False])
+def test_an_inner_state_built_from_the_params_dtypes_is_its_own(
+    jit, init_first, with_params
+):
     # An inner optimizer whose state's structure depends on the params' dtypes
     # (here: adam on the bfloat16 leaves only) was checked against the state
     # `init` builds for the window's mean, whose accumulators are float32:
-    # its own state was refused as another optimizer's.
+    # its own state was refused as another optimizer's. (Without params, the
+    # gradients, in the params' dtypes, stand in for them.)
     params = {"w": jnp.zeros(2), "b": jnp.zeros(2, jnp.bfloat16)}
     grads = jax.tree.map(jnp.ones_like, params)
     by_dtype = lambda p: jax.tree.map(lambda x: x.dtype == jnp.bfloat16, p)
@@ -915,7 +919,7 @@ def test_an_inner_state_built_from_the_params_dtypes_is_its_own(jit, init_first)
     if init_first:
         tx.init(params)
     update = jax.jit(tx.update) if jit else tx.update
-    updates, state = update(grads, state, params, count=3)
+    updates, state = update(grads, state, params if with_params else None, count=3)
     assert int(state.gradient_step) == 1
     want, _ = inner.update(grads, inner.init(params), params)
     jax.tree.map(np.testing.assert_allclose, updates, want)
