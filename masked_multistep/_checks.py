@@ -72,6 +72,7 @@ __all__ = [
     "real_array",
     "refuse_count_as_value",
     "refuse_narrow_float",
+    "same_avals",
     "to_count",
     "traced",
 ]
@@ -197,6 +198,18 @@ def _check_concrete(
         if isinstance(value, int) and len(digits) > 30:
             digits = f"{digits[0]}.{digits[1:4]}...e+{len(digits) - 1}"
         raise ValueError(f"{what} is too large for {dtype_name}, got {digits}")
+
+
+def same_avals(a: Any, b: Any, *, dtypes: bool = True) -> bool:
+    """Whether two pytrees have the same structure, and leaves the same avals
+    (the same shapes only, with ``dtypes=False``)."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(
+        jnp.shape(x) == jnp.shape(y)
+        and (not dtypes or jnp.result_type(x) == jnp.result_type(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 def refuse_narrow_float(dtype: Any, what: str) -> None:

@@ -20,7 +20,7 @@ import optax
 from optax import tree as otu
 
 from masked_multistep._branch import EagerMemo, eager_key, staging
-from masked_multistep._checks import refuses_keyword
+from masked_multistep._checks import refuses_keyword, same_avals
 
 InnerUpdate = Callable[[Any, Any, Any, dict[str, Any]], tuple[Any, Any]]
 """``(mean, inner_state, params, dynamic_args) -> (updates, inner_state)``."""
@@ -339,7 +339,7 @@ def window_shapes(
         stand_ins = [params]
     else:
         mean_like = jax.eval_shape(mean_of, window)
-        same = _same_shapes(grads, mean_like)
+        same = same_avals(grads, mean_like, dtypes=False)
         stand_ins = [grads, mean_like] if same else [mean_like]
 
     def built_as(structure: Any) -> bool:
@@ -400,15 +400,6 @@ def init_structure(opt: Any, params_like: Any) -> Any:
         return jax.tree.structure(jax.eval_shape(opt.init, params_like))
     except Exception:  # noqa: BLE001 -- no structure to compare with
         return None
-
-
-def _same_shapes(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` have one tree structure and its leaves' shapes."""
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    return tree_a == tree_b and all(
-        np.shape(x) == np.shape(y) for x, y in zip(leaves_a, leaves_b, strict=True)
-    )
 
 
 def avals_key(tree: Any) -> Any:

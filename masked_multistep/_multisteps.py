@@ -197,18 +197,6 @@ def _same_buffers(a: Any, b: Any) -> bool:
     return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
 
 
-def _same_avals(a: Any, b: Any, *, dtypes: bool = True) -> bool:
-    """Whether two pytrees have the same structure, and leaves the same avals
-    (the same shapes only, with ``dtypes=False``)."""
-    if jax.tree.structure(a) != jax.tree.structure(b):
-        return False
-    return all(
-        jnp.shape(x) == jnp.shape(y)
-        and (not dtypes or jnp.result_type(x) == jnp.result_type(y))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-
-
 _DEFAULT_STATS_DECAY = 0.9
 # The params' type, which `apply_gradients` returns them in.
 _ParamsT = TypeVar("_ParamsT")
@@ -1099,12 +1087,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # and its state kept.
         empty = valid_count & (n == 0)
         counted = valid_count & (empty | ~should_skip)
-        if _same_avals(skip_state, state.skip_state, dtypes=False):
+        if _checks.same_avals(skip_state, state.skip_state, dtypes=False):
             # `init` built the skip state from the params, whose dtypes the
             # gradients need not share (optax.skip_large_updates' norm): it
             # keeps the dtypes it was built with (a no-op where they agree).
             skip_state = _inner.cast_like(skip_state, state.skip_state)
-        if not _same_avals(skip_state, state.skip_state):
+        if not _checks.same_avals(skip_state, state.skip_state):
             raise ValueError(
                 "`state.skip_state` is not what `should_skip_update_fn` returns: "
                 "`state` was built by a MaskedMultiSteps with another skip "
@@ -1304,7 +1292,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # page-faulted afresh on every call on CPU). `apply_gradients` needs no
         # such output: it adds the updates to the params inside the conditional,
         # and between windows the params pass through untouched.
-        reuse_acc = not apply_params and _same_avals(updates_avals, window.acc_grads)
+        reuse_acc = not apply_params and _checks.same_avals(
+            updates_avals, window.acc_grads
+        )
 
         def hold(in_place, mean, read_only_params, dynamic_args):
             # The output besides the state passed through: `update`'s zeros,
