@@ -20,7 +20,7 @@ import optax
 from optax import tree as otu
 
 from masked_multistep._branch import EagerMemo, eager_key, staging
-from masked_multistep._checks import refuses_keyword, same_avals
+from masked_multistep._checks import refuses_keyword
 
 InnerUpdate = Callable[[Any, Any, Any, dict[str, Any]], tuple[Any, Any]]
 """``(mean, inner_state, params, dynamic_args) -> (updates, inner_state)``."""
@@ -331,16 +331,16 @@ def window_shapes(
     # given momentum sgd's) would take it silently.
     # It is checked on the params, against the structure the wrapper's `init`
     # built for such params if it did, else against `opt.init` traced on them.
-    # Where none are passed, the gradients stand in for them (in the params'
-    # dtypes, where the mean may be float32), or the window's mean where their
-    # shapes are not the params' (a device axis).
+    # Where none are passed, the window's mean stands in for them in the
+    # gradients' dtypes (the params', where the mean may be float32; its
+    # shapes, where the gradients have a device axis), then as it is.
     got = jax.tree.structure(inner_state)
     if params is not None:
         stand_ins = [params]
     else:
         mean_like = jax.eval_shape(mean_of, window)
-        same = same_avals(grads, mean_like, dtypes=False)
-        stand_ins = [grads, mean_like] if same else [mean_like]
+        retyped = _in_dtypes_of(mean_like, grads)
+        stand_ins = [mean_like] if retyped is None else [retyped, mean_like]
 
     def built_as(structure: Any) -> bool:
         return structure is not None and structure == got
@@ -389,6 +389,16 @@ def window_shapes(
             raise
     memo.put(key, (needs_value, passes_value, avals))
     return WindowPlan(needs_value, passes_value, avals, update_of(passes_value))
+
+
+def _in_dtypes_of(avals: Any, like: Any) -> Any:
+    """``avals`` (abstract values) in the dtypes of ``like``'s leaves, or None
+    where the two trees differ in structure."""
+    if jax.tree.structure(avals) != jax.tree.structure(like):
+        return None
+    return jax.tree.map(
+        lambda a, x: jax.ShapeDtypeStruct(a.shape, jnp.result_type(x)), avals, like
+    )
 
 
 def init_structure(opt: Any, params_like: Any) -> Any:

@@ -925,6 +925,40 @@ def test_an_inner_state_built_from_the_params_dtypes_is_its_own(
     jax.tree.map(np.testing.assert_allclose, updates, want)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("init_first", [False, True])
+def test_an_inner_state_built_from_the_params_dtypes_is_its_own_when_deferred(
+    jit, init_first
+):
+    # The same under a deferred reduction without params: the gradients have
+    # a device axis, so they could not stand in for the params, and the
+    # window's float32 mean did (and refused the state); now the mean's
+    # shapes do, in the gradients' dtypes.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params = {"w": jnp.zeros(2), "b": jnp.zeros(2, jnp.bfloat16)}
+    grads = jax.tree.map(lambda p: jnp.ones((8, *p.shape), p.dtype), params)
+    by_dtype = lambda p: jax.tree.map(lambda x: x.dtype == jnp.bfloat16, p)
+    inner = optax.masked(optax.adam(0.1), by_dtype)
+    tx = mm.MaskedMultiSteps(inner, 1, reduction=mm.deferred(mesh, "data"))
+    state = mm.MaskedMultiSteps(inner, 1, reduction=mm.deferred(mesh, "data")).init(
+        params
+    )
+    if init_first:
+        tx.init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    updates, state = update(grads, state, None, count=jnp.full(8, 3.0))
+    assert int(state.gradient_step) == 1
+    mean = jax.tree.map(lambda g: g[0], grads)
+    want, _ = inner.update(mean, inner.init(params), params)
+    jax.tree.map(np.testing.assert_allclose, updates, want)
+    # Another inner optimizer's state is still refused there.
+    other = mm.MaskedMultiSteps(
+        optax.adam(0.1), 1, reduction=mm.deferred(mesh, "data")
+    ).init(params)
+    with pytest.raises(ValueError, match="`state.inner_opt_state` was not built"):
+        update(grads, other, None, count=jnp.full(8, 3.0))
+
+
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_an_8_bit_accumulator_dtype_is_refused_when_built(dtype):
     # Accepted, then every update failed in jax's type promotion.
