@@ -177,7 +177,9 @@ class Deferred(KnownTotals):
         if sharding is not None and sharding.mesh.shape == self.mesh.shape:
             spec = tuple(sharding.spec)
         names = list(self._leading_names(spec, jnp.ndim(leaf)))
-        while names[-1] is None:  # P("data", None) is P("data") to jit's cache
+        # As a step returns it, for jit's cache: on explicit axes the type's
+        # spec, one entry per dimension; else P("data"), not P("data", None).
+        while names[-1] is None and not any_explicit(self.mesh, self.axes):
             names.pop()
         return NamedSharding(self.mesh, P(*names))
 

@@ -665,8 +665,13 @@ def test_plain_loop_deferred_equals_single_device_and_reduces_once(mesh, synced)
     # tx.init puts its scalars (and adam's count) on the mesh, replicated, and
     # the accumulator as jit returns it: the first step's state is laid out as
     # every later one's, so every step runs what `step.lower(...)` compiled
-    # above (the second step compiled it again).
+    # above (the second step compiled it again). On an explicit data axis the
+    # accumulator's spec names each dimension, as the step's type does: one
+    # that differed only in spelling (P("data") for P("data", None, None))
+    # took a second entry of jit's cache.
     assert not compiles, compiles
+    specs = lambda tree: [x.sharding.spec for x in jax.tree.leaves(tree)]
+    assert specs(state) == specs(tx.init(params))
 
     ref_params, ref_state = _single_device_run(batches)
     assert int(state.gradient_step) == WINDOWS
