@@ -334,8 +334,16 @@ def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
     else:
         means, counts = r["acc"], rs["counts"]
     ok = jnp.ones([], jnp.bool_)
-    # Counts, tallies and sums (all but the loss): none negative or non-finite.
-    for x in [counts, *(v for name, v in rs.items() if name != "value")]:
+    # Counts and tallies: none negative or non-finite. The squared norms'
+    # sums none negative: a NaN or inf is one a step makes (a gradient not
+    # finite, or one whose square overflows), and the window's end decides
+    # on it as it would have without the move.
+    for name, x in [("counts", counts), *rs.items()]:
+        if name == "value":
+            continue
+        if name == "sq_norms":
+            ok &= ~jnp.any(x < 0)
+            continue
         ok &= jnp.all(x >= 0)
         if jnp.issubdtype(x.dtype, jnp.floating):
             ok &= jnp.all(jnp.isfinite(x))
@@ -554,10 +562,10 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     if not bool(ok):
         raise ValueError(
             "`restored` holds per-device token counts (or tallies: invalid "
-            "counts, microbatches, squared norms) that are negative or not "
-            "finite, or counts that add up beyond the count dtype on one of the "
-            f"{t.devices} devices: it cannot continue its window on {t.devices} "
-            "devices"
+            "counts, microbatches) that are negative or not finite, squared "
+            "norms' sums that are negative, or counts that add up beyond the "
+            f"count dtype on one of the {t.devices} devices: it cannot continue "
+            f"its window on {t.devices} devices"
         )
     out = jax.tree.map(_placed, out, targets)
     # The other fields as restored, in the template's dtypes and placement;
@@ -638,7 +646,7 @@ def from_device_count(restored: Any, template: Any) -> Any:
         template's (with ``D`` entries along the device axis), a leaf's
         dtype is of another kind or holds values its template dtype cannot,
         or the restored counts are negative, not finite (or its invalid
-        counts, microbatches or squared norms are), or
+        counts or microbatches are, or its squared norms' sums negative), or
         (for an integer ``count_dtype``) add up beyond it on a new device, or
         ``template`` has taken steps and ``restored`` none (the arguments
         swapped).

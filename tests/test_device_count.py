@@ -469,7 +469,7 @@ def test_invalid_counts_are_kept_and_regrouped():
     ("field", "value"),
     [
         ("sq_norms", -1.0),
-        ("sq_norms", np.inf),
+        ("sq_norms", -np.inf),
         ("microbatches", -1),
         ("value_counts", -1.0),
     ],
@@ -478,6 +478,44 @@ def test_every_per_device_tally_is_checked(field, value):
     fields = {"counts": np.full(8, 2.0), field: np.r_[value, np.zeros(7)]}
     with pytest.raises(ValueError, match=r"negative or not finite"):
         mm.from_device_count(_saved(**fields), _tx(4).init({"w": jnp.zeros(H)}))
+
+
+@pytest.mark.parametrize("bad", [np.nan, 1e20], ids=["nan", "square-overflows"])
+@pytest.mark.parametrize("new", [2, LOCAL], ids=["2", "local"])
+def test_a_window_whose_squared_norms_are_not_finite_moves(bad, new):
+    # A gradient not finite (NaN) or whose square overflows float32 (1e20)
+    # left the per-device squared norms' sums NaN or inf, and the state a
+    # step made was refused as corrupt. It moves; its window ends as it would
+    # have without the move: dropped (NaN) or applied (1e20, the statistics
+    # inf).
+    def run(n_after):
+        tx = _tx(4)
+        params = {"w": jnp.zeros(H)}
+        state = tx.init(params)
+        grads = {"w": jnp.ones((4, H)).at[3].set(bad)}
+        params, state = jax.jit(tx.apply_gradients)(
+            grads, state, params, count=jnp.full(4, 5.0)
+        )
+        if n_after is not None:
+            tx = _tx(n_after)
+            state = mm.from_device_count(state, tx.init(params))
+        params = {"w": jnp.asarray(np.asarray(params["w"]))}  # uncommitted
+        shape = () if n_after == LOCAL else (n_after or 4,)
+        for _ in range(K - 1):  # 4 tokens per microbatch, however many devices
+            count = jnp.full(shape, 4.0 / (shape[0] if shape else 1))
+            params, state = jax.jit(tx.apply_gradients)(
+                {"w": jnp.ones((*shape, H))}, state, params, count=count
+            )
+        return params, state
+
+    want_params, want = run(None)
+    params, state = run(new)
+    assert bool(state.updated) == bool(want.updated) == (bad == 1e20)
+    assert int(state.num_nonfinite_windows) == int(want.num_nonfinite_windows)
+    np.testing.assert_allclose(params["w"], want_params["w"], rtol=1e-6)
+    np.testing.assert_array_equal(
+        mm.window_stats(state).grad_sq_norm, mm.window_stats(want).grad_sq_norm
+    )
 
 
 def test_an_integer_total_that_no_longer_fits_one_device_without_a_reduction():
