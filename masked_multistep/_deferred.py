@@ -179,8 +179,9 @@ class Deferred(KnownTotals):
         names = list(self._leading_names(spec, jnp.ndim(leaf)))
         # As a step returns it, for jit's cache: on explicit axes the type's
         # spec, one entry per dimension; else P("data"), not P("data", None).
-        while names[-1] is None and not any_explicit(self.mesh, self.axes):
-            names.pop()
+        if not any_explicit(self.mesh, self.axes):
+            while names[-1] is None:
+                names.pop()
         return NamedSharding(self.mesh, P(*names))
 
     def place(self, state: Any, params: Any) -> Any:
