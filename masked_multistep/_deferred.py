@@ -177,9 +177,12 @@ class Deferred(KnownTotals):
         if sharding is not None and sharding.mesh.shape == self.mesh.shape:
             spec = tuple(sharding.spec)
         names = list(self._leading_names(spec, jnp.ndim(leaf)))
-        # As a step returns it, for jit's cache: on explicit axes the type's
-        # spec, one entry per dimension; else P("data"), not P("data", None).
-        if not any_explicit(self.mesh, self.axes):
+        # As a step returns it, for jit's cache: where every axis it names is
+        # explicit, the type's spec, one entry per dimension; else as the
+        # compiler's propagation spells it, P("data"), not P("data", None).
+        named = set().union(*map(spec_axes, names))
+        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
+        if any(types[a] != jax.sharding.AxisType.Explicit for a in named):
             while names[-1] is None:
                 names.pop()
         return NamedSharding(self.mesh, P(*names))

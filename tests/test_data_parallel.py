@@ -683,6 +683,40 @@ def test_plain_loop_deferred_equals_single_device_and_reduces_once(mesh, synced)
     np.testing.assert_allclose(loss, ref_loss, **TOL)
 
 
+@pytest.mark.parametrize(
+    ("types", "spec"),
+    [
+        ((EXPLICIT, EXPLICIT), P("model", None)),
+        ((EXPLICIT, AUTO), P("model", None)),
+        ((EXPLICIT, AUTO), P(None, None)),
+        ((AUTO, EXPLICIT), P("model", None)),
+        ((AUTO, AUTO), P(None, "model")),
+    ],
+    ids=["EE", "EA", "EA-replicated", "AE", "AA"],
+)
+def test_the_state_is_laid_out_as_a_step_returns_it_on_2d_meshes(types, spec):
+    # The accumulator's spec is spelt as the compiled step spells it: in full
+    # where every axis it names is explicit, trailing Nones dropped where the
+    # compiler's propagation decides (an auto axis named); either way equivalent,
+    # but another spelling took a second entry in jit's cache.
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=types)
+    with jax.set_mesh(mesh):
+        params = {"w": jax.device_put(jnp.ones((4, 6)), NamedSharding(mesh, spec))}
+        tx = mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=mm.deferred(mesh))
+        state = tx.init(params)
+        grads = jax.device_put(
+            {"w": jnp.ones((4, 4, 6))}, NamedSharding(mesh, P("data", *spec))
+        )
+        counts = jax.device_put(jnp.arange(1.0, 5.0), NamedSharding(mesh, P("data")))
+        step = jax.jit(lambda g, s, p, c: tx.update(g, s, p, count=c))
+        _, after = step(grads, state, params, counts)
+    # (The inner state follows the params, laid out by the user.)
+    own = lambda s: [
+        x.sharding.spec for x in jax.tree.leaves(s._replace(inner_opt_state=()))
+    ]
+    assert own(after) == own(state)
+
+
 def _check_window_totals(i, counts, state, synced):
     if (i + 1) % K == 0:
         assert not counts.any() and int(state.acc_count) == 0
