@@ -29,12 +29,14 @@ from masked_multistep import _checks, _running_mean
 from masked_multistep._reduction import (
     KnownTotals,
     WindowTotals,
+    all_explicit,
     any_explicit,
     check_mesh_axes,
     mean_over_devices,
     names_an_axis,
     place_uncommitted,
     spec_axes,
+    trimmed,
 )
 from masked_multistep._running_mean import (
     compute_dtype,
@@ -83,9 +85,14 @@ def _zeros_on(shape: tuple, dtype: Any, sharding: NamedSharding) -> jax.Array:
     if not isinstance(zeros, jax.core.Tracer):
         return zeros
     named = [a for entry in sharding.spec for a in spec_axes(entry)]
-    if any_explicit(sharding.mesh, named):
-        return jax.device_put(zeros, sharding)
-    return jax.lax.with_sharding_constraint(zeros, sharding)
+    if not any_explicit(sharding.mesh, named):
+        return jax.lax.with_sharding_constraint(zeros, sharding)
+    # On a mesh with auto axes too, `device_put` under `jit` replicates (jax
+    # 0.10.2): a reshard places it, where a mesh is set (it needs one).
+    mixed = not all_explicit(sharding.mesh, sharding.mesh.axis_names)
+    if mixed and not jax.sharding.get_abstract_mesh().empty:
+        return jax.sharding.reshard(zeros, sharding)
+    return jax.device_put(zeros, sharding)
 
 
 def _sum_counts(per_device: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -140,6 +147,13 @@ class Deferred(KnownTotals):
     def __init__(self, mesh: jax.sharding.Mesh, axis_name: Any = "data"):
         self.mesh = mesh
         self.axes, self.size = check_mesh_axes(mesh, axis_name)
+        if any_explicit(mesh, self.axes) and not all_explicit(mesh, self.axes):
+            types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+            raise ValueError(
+                "`axis_name` must name data axes of one type, all "
+                "AxisType.Explicit or all AxisType.Auto, got "
+                f"{self.axes} of types {tuple(str(types[a]) for a in self.axes)}"
+            )
         self._spec_axes = self.axes[0] if len(self.axes) == 1 else self.axes
 
     def __repr__(self) -> str:
@@ -176,15 +190,14 @@ class Deferred(KnownTotals):
         spec = ()
         if sharding is not None and sharding.mesh.shape == self.mesh.shape:
             spec = tuple(sharding.spec)
-        names = list(self._leading_names(spec, jnp.ndim(leaf)))
+        names = self._leading_names(spec, jnp.ndim(leaf))
         # As a step returns it, for jit's cache: where every axis it names is
-        # explicit, the type's spec, one entry per dimension; else as the
-        # compiler's propagation spells it, P("data"), not P("data", None).
+        # explicit, the type's spec, one entry per dimension. Where an auto
+        # axis is named, jax spells a step's output as an input of the same
+        # sharding, else without trailing Nones (P("data"), as here).
         named = set().union(*map(spec_axes, names))
-        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
-        if any(types[a] != jax.sharding.AxisType.Explicit for a in named):
-            while names[-1] is None:
-                names.pop()
+        if not all_explicit(self.mesh, named) or P.UNCONSTRAINED in names:
+            names = trimmed(names)
         return NamedSharding(self.mesh, P(*names))
 
     def place(self, state: Any, params: Any) -> Any:
@@ -658,8 +671,9 @@ def deferred(mesh: jax.sharding.Mesh, axis_name: Any = "data") -> Deferred:
 
     Raises:
       TypeError: if ``mesh`` is not a ``jax.sharding.Mesh``.
-      ValueError: if ``axis_name`` does not name axes of ``mesh``, or names
-        one twice.
+      ValueError: if ``axis_name`` does not name axes of ``mesh``, names
+        one twice, or names axes of both types (``AxisType.Explicit`` and
+        ``AxisType.Auto``).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax

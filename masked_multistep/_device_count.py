@@ -562,7 +562,8 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     if not bool(ok):
         raise ValueError(
             "`restored` holds per-device token counts (or tallies: invalid "
-            "counts, microbatches) that are negative or not finite, squared "
+            "counts, microbatches, the loss's token counts) that are negative "
+            "or not finite, squared "
             "norms' sums that are negative, or counts that add up beyond the "
             f"count dtype on one of the {t.devices} devices: it cannot continue "
             f"its window on {t.devices} devices"
@@ -646,7 +647,8 @@ def from_device_count(restored: Any, template: Any) -> Any:
         template's (with ``D`` entries along the device axis), a leaf's
         dtype is of another kind or holds values its template dtype cannot,
         or the restored counts are negative, not finite (or its invalid
-        counts or microbatches are, or its squared norms' sums negative), or
+        counts, microbatches or the loss's token counts are, or its squared
+        norms' sums negative), or
         (for an integer ``count_dtype``) add up beyond it on a new device, or
         ``template`` has taken steps and ``restored`` none (the arguments
         swapped).

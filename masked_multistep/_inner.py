@@ -349,7 +349,7 @@ def window_shapes(
     if not any(built_as(built.get(avals_key(p))) for p in stand_ins) and not any(
         built_as(init_structure(opt, p)) for p in stand_ins[1:]
     ):
-        explain_other_state(opt, inner_state, stand_ins[0])
+        explain_other_state(opt, inner_state, *stand_ins)
 
     def shapes(with_value: bool) -> Any:
         update = update_of(with_value)
@@ -396,9 +396,7 @@ def _in_dtypes_of(avals: Any, like: Any) -> Any:
     where the two trees differ in structure."""
     if jax.tree.structure(avals) != jax.tree.structure(like):
         return None
-    return jax.tree.map(
-        lambda a, x: jax.ShapeDtypeStruct(a.shape, jnp.result_type(x)), avals, like
-    )
+    return jax.tree.map(lambda a, x: a.update(dtype=jnp.result_type(x)), avals, like)
 
 
 def init_structure(opt: Any, params_like: Any) -> Any:
@@ -427,13 +425,19 @@ def explain_other_state(
     opt: optax.GradientTransformation,
     inner_state: Any,
     params_like: Any,
+    *more_like: Any,
 ) -> None:
     """Where ``inner_state`` is not of the structure ``opt.init`` builds (a
     state from a wrapper around another inner optimizer), a ``ValueError``
     that says so, before the inner update runs on it. ``params_like`` stands
     in for the params (their structure, shapes and dtypes; abstract values
-    will do)."""
-    want = init_structure(opt, params_like)
+    will do); where ``opt.init`` cannot run on it, the first of ``more_like``
+    that it runs on."""
+    want = None
+    for like in (params_like, *more_like):
+        want = init_structure(opt, like)
+        if want is not None:
+            break
     got = jax.tree.structure(inner_state)
     if want is not None and got != want:
         is_, built = (

@@ -132,7 +132,7 @@ def resharded_as(x: Any, like: Any) -> Any:
         return x
     # Only explicit axes appear in a type's spec (under AxisType.Auto both
     # specs are empty, and the compiler decides).
-    if _trimmed(want.spec) == _trimmed(have.spec):
+    if trimmed(want.spec) == trimmed(have.spec):
         return x
     if not (names_an_axis(want.spec) or names_an_axis(have.spec)):
         return x
@@ -141,7 +141,7 @@ def resharded_as(x: Any, like: Any) -> Any:
     return jax.sharding.reshard(x, want)
 
 
-def _trimmed(spec: Any) -> tuple:
+def trimmed(spec: Any) -> tuple:
     """A spec's entries without trailing ``None``s (``P("data", None)`` is
     ``P("data")``)."""
     entries = list(spec)
@@ -167,8 +167,18 @@ def names_an_axis(spec: Any) -> bool:
 def any_explicit(mesh: Any, axes: Any) -> bool:
     """Whether one of ``axes`` is an ``AxisType.Explicit`` axis of ``mesh``
     (a ``Mesh`` or an ``AbstractMesh``)."""
+    return any(map(_explicit_in(mesh), axes))
+
+
+def all_explicit(mesh: Any, axes: Any) -> bool:
+    """Whether every one of ``axes`` is an ``AxisType.Explicit`` axis of
+    ``mesh`` (True for none)."""
+    return all(map(_explicit_in(mesh), axes))
+
+
+def _explicit_in(mesh: Any) -> Callable[[Any], bool]:
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    return any(types[a] == jax.sharding.AxisType.Explicit for a in axes)
+    return lambda axis: types[axis] == jax.sharding.AxisType.Explicit
 
 
 def mean_over_devices(

@@ -696,9 +696,10 @@ def test_plain_loop_deferred_equals_single_device_and_reduces_once(mesh, synced)
 )
 def test_the_state_is_laid_out_as_a_step_returns_it_on_2d_meshes(types, spec):
     # The accumulator's spec is spelt as the compiled step spells it: in full
-    # where every axis it names is explicit, trailing Nones dropped where the
-    # compiler's propagation decides (an auto axis named); either way equivalent,
-    # but another spelling took a second entry in jit's cache.
+    # where every axis it names is explicit (another spelling, equivalent, took
+    # a second entry in jit's cache). Where an auto axis is named, jax spells
+    # the output as an input of the same sharding (here the gradients, spelt
+    # like the params), else without trailing Nones, as `init` does.
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=types)
     with jax.set_mesh(mesh):
         params = {"w": jax.device_put(jnp.ones((4, 6)), NamedSharding(mesh, spec))}
@@ -710,11 +711,41 @@ def test_the_state_is_laid_out_as_a_step_returns_it_on_2d_meshes(types, spec):
         counts = jax.device_put(jnp.arange(1.0, 5.0), NamedSharding(mesh, P("data")))
         step = jax.jit(lambda g, s, p, c: tx.update(g, s, p, count=c))
         _, after = step(grads, state, params, counts)
+        if AUTO not in types:
+            step(grads, after, params, counts)
+            assert step._cache_size() == 1
     # (The inner state follows the params, laid out by the user.)
     own = lambda s: [
         x.sharding.spec for x in jax.tree.leaves(s._replace(inner_opt_state=()))
     ]
     assert own(after) == own(state)
+
+
+def test_a_jitted_init_shards_the_accumulator_on_a_mesh_with_auto_axes_too():
+    # On an explicit data axis beside an auto model axis, `jax.jit(tx.init)`
+    # replicated the accumulator (every device held all D running means):
+    # jax's device_put under jit does there.
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(EXPLICIT, AUTO))
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, reduction=mm.deferred(mesh))
+    params = {"w": jnp.ones((4, 6))}
+    with jax.set_mesh(mesh):
+        state = jax.jit(tx.init)(params)
+    want = NamedSharding(mesh, P("data"))
+    assert state.acc_grads["w"].sharding.is_equivalent_to(want, 3)
+    assert (
+        state.acc_grads["w"].sharding.spec
+        == tx.init(params).acc_grads["w"].sharding.spec
+    )
+
+
+def test_data_axes_of_both_types_are_refused_when_built():
+    # The first update failed in jax's reshard ("cannot contain axis names
+    # that are of type Auto").
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(EXPLICIT, AUTO))
+    with pytest.raises(
+        ValueError, match=r"`axis_name` must name data axes of one type"
+    ):
+        mm.deferred(mesh, ("a", "b"))
 
 
 def _check_window_totals(i, counts, state, synced):

@@ -499,6 +499,12 @@ def test_a_window_whose_squared_norms_are_not_finite_moves(bad, new):
         if n_after is not None:
             tx = _tx(n_after)
             state = mm.from_device_count(state, tx.init(params))
+            # The tallies moved as they were: NaN, or inf past float32.
+            if n_after == LOCAL:
+                moved = state.stats.weighted_sq_norms
+            else:  # old devices 2 and 3 (the bad one) are new device 1
+                moved = state.reduction_state.sq_norms[1]
+            assert (np.isnan if np.isnan(bad) else np.isposinf)(moved)
         params = {"w": jnp.asarray(np.asarray(params["w"]))}  # uncommitted
         shape = () if n_after == LOCAL else (n_after or 4,)
         for _ in range(K - 1):  # 4 tokens per microbatch, however many devices
