@@ -334,19 +334,22 @@ def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
     else:
         means, counts = r["acc"], rs["counts"]
     ok = jnp.ones([], jnp.bool_)
-    # Counts and tallies: none negative or non-finite. The squared norms'
-    # sums none negative: a NaN or inf is one a step makes (a gradient not
-    # finite, or one whose square overflows), and the window's end decides
-    # on it as it would have without the move.
-    for name, x in [("counts", counts), *rs.items()]:
-        if name == "value":
-            continue
-        if name == "sq_norms":
-            ok &= ~jnp.any(x < 0)
+    # Counts and tallies, per device and the window's: none negative or
+    # non-finite. The squared norms' sums none negative: a NaN or inf is one
+    # a step makes (a gradient not finite, or one whose square overflows),
+    # and the window's end decides on it as it would have without the move.
+    window = {
+        k: r[k] for k in ("acc_count", "value_count", "num_invalid", "k") if k in r
+    }
+    for name, x in [("counts", counts), *rs.items(), *window.items()]:
+        if name in ("value", "sq_norms"):
             continue
         ok &= jnp.all(x >= 0)
         if jnp.issubdtype(x.dtype, jnp.floating):
             ok &= jnp.all(jnp.isfinite(x))
+    for name in ("sq", "leaf_sq", "sq_norms"):
+        if name in r or name in rs:
+            ok &= ~jnp.any((r[name] if name in r else rs[name]) < 0)
     # The window's figures, where the layout keeps them per device (and the
     # target does not).
     if r_layout == _WINDOW and t_layout == _WINDOW:
@@ -541,6 +544,13 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     for name in _fields(t.node):
         if name not in _LAYOUT_FIELDS:
             _check_same(f"`{name}`", _get(r.node, name), _get(t.node, name))
+    for name in ("mini_step", "gradient_step"):
+        counter = int(_array(_get(r.node, name)))
+        if counter < 0:
+            raise ValueError(
+                f"`restored`'s `{name}` must be an integer in [0, 2**31 - 1], "
+                f"got {counter}"
+            )
     _check_same("`stats`", r.stats, t.stats)
     _check_window_arrays(r, t)
     like = t.scalars()
@@ -561,9 +571,9 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     )(_inputs(r, t, like), (r.layout, t.layout), r.devices, t.devices)
     if not bool(ok):
         raise ValueError(
-            "`restored` holds per-device token counts (or tallies: invalid "
-            "counts, microbatches, the loss's token counts) that are negative "
-            "or not finite, squared "
+            "`restored` holds token counts, per device or the window's (or "
+            "tallies: invalid counts, microbatches, the loss's token counts) "
+            "that are negative or not finite, squared "
             "norms' sums that are negative, or counts that add up beyond the "
             f"count dtype on one of the {t.devices} devices: it cannot continue "
             f"its window on {t.devices} devices"
@@ -646,9 +656,9 @@ def from_device_count(restored: Any, template: Any) -> Any:
         the accumulator for other params), a leaf's shape is not the
         template's (with ``D`` entries along the device axis), a leaf's
         dtype is of another kind or holds values its template dtype cannot,
-        or the restored counts are negative, not finite (or its invalid
-        counts, microbatches or the loss's token counts are, or its squared
-        norms' sums negative), or
+        or the restored counts, per device or the window's, are negative,
+        not finite (or its invalid counts, microbatches or the loss's token
+        counts are, or its squared norms' sums or step counters negative), or
         (for an integer ``count_dtype``) add up beyond it on a new device, or
         ``template`` has taken steps and ``restored`` none (the arguments
         swapped).

@@ -524,6 +524,42 @@ def test_a_window_whose_squared_norms_are_not_finite_moves(bad, new):
     )
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        "acc_count",
+        "value_count",
+        "num_invalid_counts",
+        "mini_step",
+        "gradient_step",
+        "stats.microbatches",
+        "stats.weighted_sq_norms",
+    ],
+)
+@pytest.mark.parametrize("skip", [None, optax.skip_not_finite], ids=["local", "synced"])
+def test_the_windows_own_figures_are_checked_too(field, skip):
+    # Without a per-device layout (no reduction, or the layout a skip function
+    # asks for) only the per-device counts were checked: a negative or NaN
+    # window total, loss weight, tally or step counter moved into a state that
+    # later conversions and `from_other_settings` refuse.
+    n = LOCAL if skip is None else 8
+    params = {"w": jnp.zeros(H)}
+    tx = _tx(n, skip=skip)
+    _, state = _step(tx, params, tx.init(params), 0, n)
+    if field.startswith("stats."):
+        name = field.split(".")[1]
+        stats = state.stats._replace(
+            **{name: -jnp.ones_like(getattr(state.stats, name))}
+        )
+        bad = state._replace(stats=stats)
+    else:
+        bad = state._replace(**{field: -jnp.ones_like(getattr(state, field))})
+    template = _tx(4, skip=skip).init(params)
+    with pytest.raises(ValueError, match=r"negative or not finite|must be an integer"):
+        mm.from_device_count(bad, template)
+    mm.from_device_count(state, template)  # as a step left it
+
+
 def test_an_integer_total_that_no_longer_fits_one_device_without_a_reduction():
     # From the synced layout (a skip function) onto a wrapper without a
     # reduction: two devices' 2³⁰ tokens do not fit one int32 total.
