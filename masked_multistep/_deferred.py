@@ -84,15 +84,32 @@ def _zeros_on(shape: tuple, dtype: Any, sharding: NamedSharding) -> jax.Array:
     zeros = jnp.zeros(shape, dtype, device=sharding)
     if not isinstance(zeros, jax.core.Tracer):
         return zeros
-    named = [a for entry in sharding.spec for a in spec_axes(entry)]
-    if not any_explicit(sharding.mesh, named):
+    mesh, entries = sharding.mesh, tuple(sharding.spec)
+    named = [a for entry in entries for a in spec_axes(entry)]
+    if not any_explicit(mesh, named):
         return jax.lax.with_sharding_constraint(zeros, sharding)
     # On a mesh with auto axes too, `device_put` under `jit` replicates (jax
-    # 0.10.2): a reshard places it, where a mesh is set (it needs one).
-    mixed = not all_explicit(sharding.mesh, sharding.mesh.axis_names)
-    if mixed and not jax.sharding.get_abstract_mesh().empty:
-        return jax.sharding.reshard(zeros, sharding)
-    return jax.device_put(zeros, sharding)
+    # 0.10.2): the explicit entries are resharded (which needs this mesh set,
+    # `jax.set_mesh`), the auto ones constrained.
+    mixed = not all_explicit(mesh, mesh.axis_names)
+    if not mixed or jax.sharding.get_abstract_mesh() != mesh.abstract_mesh:
+        return jax.device_put(zeros, sharding)
+
+    def only(explicit: bool, other: Any) -> P:
+        return P(
+            *(
+                e
+                if spec_axes(e) and all_explicit(mesh, spec_axes(e)) == explicit
+                else other
+                for e in entries
+            )
+        )
+
+    placed = jax.sharding.reshard(zeros, NamedSharding(mesh, only(True, None)))
+    auto = only(False, P.UNCONSTRAINED)
+    if any(map(spec_axes, auto)):
+        placed = jax.lax.with_sharding_constraint(placed, NamedSharding(mesh, auto))
+    return placed
 
 
 def _sum_counts(per_device: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -196,7 +213,7 @@ class Deferred(KnownTotals):
         # axis is named, jax spells a step's output as an input of the same
         # sharding, else without trailing Nones (P("data"), as here).
         named = set().union(*map(spec_axes, names))
-        if not all_explicit(self.mesh, named) or P.UNCONSTRAINED in names:
+        if not all_explicit(self.mesh, named):
             names = trimmed(names)
         return NamedSharding(self.mesh, P(*names))
 

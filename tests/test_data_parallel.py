@@ -721,21 +721,24 @@ def test_the_state_is_laid_out_as_a_step_returns_it_on_2d_meshes(types, spec):
     assert own(after) == own(state)
 
 
-def test_a_jitted_init_shards_the_accumulator_on_a_mesh_with_auto_axes_too():
+@pytest.mark.parametrize(
+    ("types", "spec"),
+    [((EXPLICIT, AUTO), P()), ((AUTO, EXPLICIT), P(None, "model"))],
+    ids=["EA", "AE-model"],
+)
+def test_a_jitted_init_shards_the_accumulator_on_a_mesh_with_auto_axes_too(types, spec):
     # On an explicit data axis beside an auto model axis, `jax.jit(tx.init)`
     # replicated the accumulator (every device held all D running means):
-    # jax's device_put under jit does there.
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(EXPLICIT, AUTO))
+    # jax's device_put under jit does there. (On an auto data axis beside an
+    # explicit model axis, params split over the model axis: placed too.)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=types)
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, reduction=mm.deferred(mesh))
-    params = {"w": jnp.ones((4, 6))}
     with jax.set_mesh(mesh):
+        params = {"w": jax.device_put(jnp.ones((4, 6)), NamedSharding(mesh, spec))}
         state = jax.jit(tx.init)(params)
-    want = NamedSharding(mesh, P("data"))
-    assert state.acc_grads["w"].sharding.is_equivalent_to(want, 3)
-    assert (
-        state.acc_grads["w"].sharding.spec
-        == tx.init(params).acc_grads["w"].sharding.spec
-    )
+        eager = tx.init(params)
+    got, want = state.acc_grads["w"].sharding, eager.acc_grads["w"].sharding
+    assert want.spec[0] == "data" and got.is_equivalent_to(want, 3)
 
 
 def test_data_axes_of_both_types_are_refused_when_built():
