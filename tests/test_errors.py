@@ -959,6 +959,24 @@ def test_an_inner_state_built_from_the_params_dtypes_is_its_own_when_deferred(
         update(grads, other, None, count=jnp.full(8, 3.0))
 
 
+def test_a_foreign_inner_state_is_refused_where_init_runs_on_the_mean_only():
+    # Without params, the gradients' dtypes stand in first: an inner `init`
+    # that cannot run on them (float32 only, here) gave no structure to
+    # compare with, and another optimizer's state went through unchecked.
+    def float32_only(params):
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+        return optax.sgd(0.1, momentum=0.9).init(params)
+
+    momentum = optax.sgd(0.1, momentum=0.9)
+    inner = optax.GradientTransformation(float32_only, momentum.update)
+    params = {"w": jnp.zeros(2, jnp.bfloat16)}
+    plain = mm.MaskedMultiSteps(optax.sgd(0.1), 1).init(params)
+    tx = mm.MaskedMultiSteps(inner, 1)
+    grads = {"w": jnp.ones(2, jnp.bfloat16)}
+    with pytest.raises(ValueError, match="`state.inner_opt_state` was not built"):
+        tx.update(grads, plain, None, count=3)
+
+
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_an_8_bit_accumulator_dtype_is_refused_when_built(dtype):
     # Accepted, then every update failed in jax's type promotion.
