@@ -15,6 +15,7 @@ step between window ends communicates nothing.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -92,7 +93,18 @@ def _zeros_on(shape: tuple, dtype: Any, sharding: NamedSharding) -> jax.Array:
     # 0.10.2): the explicit entries are resharded (which needs this mesh set,
     # `jax.set_mesh`), the auto ones constrained.
     mixed = not all_explicit(mesh, mesh.axis_names)
-    if not mixed or jax.sharding.get_abstract_mesh() != mesh.abstract_mesh:
+    if not mixed:
+        return jax.device_put(zeros, sharding)
+    if jax.sharding.get_abstract_mesh() != mesh.abstract_mesh:
+        warnings.warn(
+            "`jax.jit(tx.init)` with reduction=mm.deferred on a mesh of explicit "
+            "and auto axes lays the accumulator out over the data axis only "
+            "under `jax.set_mesh(mesh)` (jax places it so); without it every "
+            "device holds all of the devices' running means. Call it inside "
+            "`with jax.set_mesh(mesh):`, or call `tx.init` without `jit`",
+            UserWarning,
+            stacklevel=2,
+        )
         return jax.device_put(zeros, sharding)
 
     def only(explicit: bool, other: Any) -> P:

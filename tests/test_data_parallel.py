@@ -741,6 +741,15 @@ def test_a_jitted_init_shards_the_accumulator_on_a_mesh_with_auto_axes_too(types
     assert want.spec[0] == "data" and got.is_equivalent_to(want, 3)
 
 
+def test_a_jitted_init_on_a_mixed_mesh_without_the_mesh_set_warns():
+    # jax replicates the accumulator there (device_put under jit), and a
+    # reshard needs the mesh set: said, not silent.
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(EXPLICIT, AUTO))
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, reduction=mm.deferred(mesh))
+    with pytest.warns(UserWarning, match=r"under `jax.set_mesh\(mesh\)`"):
+        jax.jit(tx.init)({"w": jnp.ones((4, 6))})
+
+
 def test_data_axes_of_both_types_are_refused_when_built():
     # The first update failed in jax's reshard ("cannot contain axis names
     # that are of type Auto").
