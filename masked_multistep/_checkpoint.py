@@ -107,7 +107,12 @@ def check_matches(what: str, got: Any, want: Any, hint: str) -> None:
         )
 
 
-STEP_COUNTERS = ("mini_step", "gradient_step", "num_invalid_counts")
+STEP_COUNTERS = (
+    "mini_step",
+    "gradient_step",
+    "num_invalid_counts",
+    "num_nonfinite_windows",
+)
 
 
 def check_counters(state: Any, where: str) -> None:

@@ -544,7 +544,7 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     for name in _fields(t.node):
         if name not in _LAYOUT_FIELDS:
             _check_same(f"`{name}`", _get(r.node, name), _get(t.node, name))
-    for name in ("mini_step", "gradient_step"):
+    for name in ("mini_step", "gradient_step", "num_nonfinite_windows"):
         counter = int(_array(_get(r.node, name)))
         if counter < 0:
             raise ValueError(

@@ -97,8 +97,8 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         or the accumulator differ from the template's in structure or shapes,
         or a field's values do not fit the template's dtypes (a token total
         beyond an integer ``count_dtype``, a fractional one for it), or a step
-        counter (``mini_step``, ``gradient_step``, ``num_invalid_counts``) is
-        negative.
+        counter (``mini_step``, ``gradient_step``, ``num_invalid_counts``,
+        ``num_nonfinite_windows``) is negative.
 
     Examples:
       Halfway through a window of 4, switch to windows of 10 tokens:

@@ -532,6 +532,7 @@ def test_a_window_whose_squared_norms_are_not_finite_moves(bad, new):
         "num_invalid_counts",
         "mini_step",
         "gradient_step",
+        "num_nonfinite_windows",
         "stats.microbatches",
         "stats.weighted_sq_norms",
     ],

@@ -240,7 +240,10 @@ def test_what_cannot_carry_over_is_named():
         mm.from_other_settings(half, counted.init(PARAMS))
 
 
-@pytest.mark.parametrize("name", ["mini_step", "gradient_step", "num_invalid_counts"])
+@pytest.mark.parametrize(
+    "name",
+    ["mini_step", "gradient_step", "num_invalid_counts", "num_nonfinite_windows"],
+)
 def test_a_negative_step_counter_is_refused(name):
     # As from_state_0_1 refuses it: mini_step -3 and num_invalid_counts -7
     # carried over made the next window of k = 4 take 7 microbatches.
