@@ -481,6 +481,15 @@ def _check_window_arrays(r: _Side, t: _Side) -> None:
             f"`restored`'s accumulator holds {r_paths} where the template's holds "
             f"{t_paths}: the template must be for the same params"
         )
+    # The device count is read off the counts: where every accumulator leaf
+    # holds another, the counts are the odd one out.
+    leading = {np.shape(a)[0] for _, a in r.acc if np.ndim(a)} if r.lead else set()
+    if len(leading) == 1 and leading != {r.devices}:
+        raise ValueError(
+            f"`restored`'s reduction_state.counts has shape ({r.devices},) where "
+            f"({leading.pop()},) was expected, one entry per saved device (as "
+            "its accumulator's leading axis)"
+        )
     for name in _fields(r.rs):
         shape = np.shape(_array(_get(r.rs, name)))
         # Each leaf's shares (per_leaf_stats=True) add an axis of the leaves.

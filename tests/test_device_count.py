@@ -407,6 +407,20 @@ def _saved(n=8, stats=True, **fields):
     )
 
 
+def test_counts_of_another_length_than_the_accumulator_are_named():
+    # The device count is read off the counts: the error blamed the first
+    # other per-device field ("reduction_state.invalid has shape (8,) where
+    # (5,) was expected").
+    saved = _saved(counts=np.full(8, 2.0))
+    rs = saved.reduction_state._replace(counts=jnp.full(5, 2.0))
+    with pytest.raises(
+        ValueError, match=r"reduction_state\.counts has shape \(5,\) where \(8,\)"
+    ):
+        mm.from_device_count(
+            saved._replace(reduction_state=rs), _tx(4).init({"w": jnp.zeros(H)})
+        )
+
+
 def test_old_devices_join_new_device_floor_d_times_new_over_old():
     # 8 onto 3 (not the reshape that 8 onto 2 or 4 takes): devices 0-2, 3-5
     # and 6-7, each group's means token-weighted; 3 onto 8: devices 0, 2, 5.
