@@ -118,9 +118,10 @@ STEP_COUNTERS = (
 def check_counters(state: Any, where: str) -> None:
     """An error naming the first of ``state``'s step counters that is negative
     (``where.format(name)`` names it): one would stretch the next window
-    (``mini_step`` -2 with k = 3 closes it after 5 microbatches)."""
+    (``mini_step`` -2 with k = 3 closes it after 5 microbatches). ``state``
+    may be bare or as ``nnx.state`` holds it."""
     for name in STEP_COUNTERS:
-        counter = int(getattr(state, name))
+        counter = int(_by_name.array(_by_name.get(state, name)))
         if counter < 0:
             raise ValueError(
                 f"{where.format(name)} must be an integer in [0, 2**31 - 1], got "

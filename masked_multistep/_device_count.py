@@ -41,7 +41,11 @@ from masked_multistep._by_name import array as _array
 from masked_multistep._by_name import get as _get
 from masked_multistep._by_name import is_named
 from masked_multistep._by_name import like as _like
-from masked_multistep._checkpoint import check_matches, like_template
+from masked_multistep._checkpoint import (
+    check_counters,
+    check_matches,
+    like_template,
+)
 from masked_multistep._checks import (
     check_microbatches,
     refuse_restore_target,
@@ -338,18 +342,16 @@ def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
     # non-finite. The squared norms' sums none negative: a NaN or inf is one
     # a step makes (a gradient not finite, or one whose square overflows),
     # and the window's end decides on it as it would have without the move.
-    window = {
-        k: r[k] for k in ("acc_count", "value_count", "num_invalid", "k") if k in r
-    }
+    window = {name: r[name] for name in _FIGURES if name in r}
     for name, x in [("counts", counts), *rs.items(), *window.items()]:
-        if name in ("value", "sq_norms"):
+        if name in ("value", "acc_value"):  # the loss: any value
+            continue
+        if name in ("sq", "leaf_sq", "sq_norms"):
+            ok &= ~jnp.any(x < 0)
             continue
         ok &= jnp.all(x >= 0)
         if jnp.issubdtype(x.dtype, jnp.floating):
             ok &= jnp.all(jnp.isfinite(x))
-    for name in ("sq", "leaf_sq", "sq_norms"):
-        if name in r or name in rs:
-            ok &= ~jnp.any((r[name] if name in r else rs[name]) < 0)
     # The window's figures, where the layout keeps them per device (and the
     # target does not).
     if r_layout == _WINDOW and t_layout == _WINDOW:
@@ -553,13 +555,7 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     for name in _fields(t.node):
         if name not in _LAYOUT_FIELDS:
             _check_same(f"`{name}`", _get(r.node, name), _get(t.node, name))
-    for name in ("mini_step", "gradient_step", "num_nonfinite_windows"):
-        counter = int(_array(_get(r.node, name)))
-        if counter < 0:
-            raise ValueError(
-                f"`restored`'s `{name}` must be an integer in [0, 2**31 - 1], "
-                f"got {counter}"
-            )
+    check_counters(r.node, "`restored`'s `{}`")
     _check_same("`stats`", r.stats, t.stats)
     _check_window_arrays(r, t)
     like = t.scalars()

@@ -299,9 +299,9 @@ def window_shapes(
     that the window's end gives it). The cached jaxpr is inlined where it is
     called, so the program is the one the plain update gives (a call left to
     XLA to inline compiled the same instructions in another order, slower at
-    small sizes). Under an eager ``vmap`` or
-    derivative alone, whose operations run one by one, it is not wrapped: a
-    ``jax.jit`` would compile on every call. The inner state's structure is
+    small sizes). Under an eager ``vmap`` or derivative alone, whose
+    operations run one by one, it is not wrapped: a ``jax.jit`` would compile
+    on every call. The inner state's structure is
     compared with the one the wrapper's ``init`` built for params of the
     same structure, shapes and dtypes, held in ``built`` (:func:`avals_key`),
     before ``opt.init`` is traced on them (the answer is the same; only the

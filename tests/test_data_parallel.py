@@ -670,8 +670,7 @@ def test_plain_loop_deferred_equals_single_device_and_reduces_once(mesh, synced)
     # that differed only in spelling (P("data") for P("data", None, None))
     # took a second entry of jit's cache.
     assert not compiles, compiles
-    specs = lambda tree: [x.sharding.spec for x in jax.tree.leaves(tree)]
-    assert specs(state) == specs(tx.init(params))
+    assert _specs(state) == _specs(tx.init(params))
 
     ref_params, ref_state = _single_device_run(batches)
     assert int(state.gradient_step) == WINDOWS
@@ -715,9 +714,7 @@ def test_the_state_is_laid_out_as_a_step_returns_it_on_2d_meshes(types, spec):
             step(grads, after, params, counts)
             assert step._cache_size() == 1
     # (The inner state follows the params, laid out by the user.)
-    own = lambda s: [
-        x.sharding.spec for x in jax.tree.leaves(s._replace(inner_opt_state=()))
-    ]
+    own = lambda s: _specs(s._replace(inner_opt_state=()))
     assert own(after) == own(state)
 
 
@@ -758,6 +755,11 @@ def test_data_axes_of_both_types_are_refused_when_built():
         ValueError, match=r"`axis_name` must name data axes of one type"
     ):
         mm.deferred(mesh, ("a", "b"))
+
+
+def _specs(tree):
+    """Every leaf's sharding spec, as spelt (equivalent specs may differ)."""
+    return [x.sharding.spec for x in jax.tree.leaves(tree)]
 
 
 def _check_window_totals(i, counts, state, synced):
