@@ -229,8 +229,10 @@ def median_ratio(a: list[float], b: list[float]) -> float:
 # ------------------------------------------------------------------- windows
 
 
-def bench_windows(width: int, ks: list[int], repeats: int) -> list[dict[str, Any]]:
-    workload = steps.Workload(width=width)
+def bench_windows(
+    width: int, ks: list[int], repeats: int, layers: int = 4, biases: bool = False
+) -> list[dict[str, Any]]:
+    workload = steps.Workload(width=width, layers=layers, biases=biases)
     rows = []
     cache: dict[Any, Any] = {}
     for k in ks:
@@ -252,6 +254,7 @@ def bench_windows(width: int, ks: list[int], repeats: int) -> list[dict[str, Any
                 {
                     "width": width,
                     "layers": workload.layers,
+                    "biases": workload.biases,
                     "num_params": workload.num_params,
                     "param_bytes": workload.param_bytes,
                     "k": k,
@@ -282,15 +285,18 @@ def bench_windows(width: int, ks: list[int], repeats: int) -> list[dict[str, Any
     return rows
 
 
-def memory_checks(rows: list[dict[str, Any]], width: int, k: int) -> dict[str, Any]:
+def memory_checks(
+    rows: list[dict[str, Any]], workload: steps.Workload, k: int
+) -> dict[str, Any]:
     """The deterministic memory claims for one size: temporary bytes of each
     step, and the persistent state of MaskedMultiSteps taken apart."""
+    width = workload.width
     figures = {
         r["competitor"]: r["temp_bytes"]
         for r in rows
         if (r["width"], r["k"]) == (width, k)
     }
-    params = steps.Workload(width=width).params()
+    params = workload.params()
     tx = mm.MaskedMultiSteps(optax.adam(steps.LEARNING_RATE), k)
     state = tx.init(params)
     inner = steps.tree_bytes(optax.adam(steps.LEARNING_RATE).init(params))
@@ -365,8 +371,8 @@ def bench_microbatching(
 # -------------------------------------------------------------------- output
 
 
-def fmt_size(width: int, layers: int, num_params: int) -> str:
-    return f"{layers}x{width}² ({num_params / 1e6:.1f}M)"
+def fmt_size(width: int, layers: int, num_params: int, biases: bool = False) -> str:
+    return f"{layers}x{width}²{'+b' if biases else ''} ({num_params / 1e6:.1f}M)"
 
 
 def print_window_table(rows: list[dict[str, Any]]) -> None:
@@ -383,8 +389,11 @@ def print_window_table(rows: list[dict[str, Any]]) -> None:
         if last is not None and key != last:
             print()
         last = key
+        size = fmt_size(
+            r["width"], r["layers"], r["num_params"], r.get("biases", False)
+        )
         print(
-            f"{fmt_size(r['width'], r['layers'], r['num_params']):>16} {r['k']:>3}  "
+            f"{size:>16} {r['k']:>3}  "
             f"{r['competitor']:<34} {r['ms_per_microbatch']:>8.2f} "
             f"{r['x_floor']:>8.2f} {r['x_optax_multisteps']:>8.2f} "
             f"{r['temp_bytes'] / MiB:>8.1f} {r['temp_bytes'] / r['param_bytes']:>7.2f} "
@@ -469,6 +478,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--repeats", type=positive_int, help="timed rounds per configuration"
     )
+    p.add_argument(
+        "--layers", type=positive_int, default=4, help="the MLP's layers (default 4)"
+    )
+    p.add_argument(
+        "--biases", action="store_true", help="a bias vector after each matrix"
+    )
     return p.parse_args(argv)
 
 
@@ -497,7 +512,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_before = load_average()
     print(f"load average before: {load_before}")
     print(
-        f"widths {widths}, k {ks}, {repeats} timed rounds (+1 warm-up), "
+        f"widths {widths}, {args.layers} layers"
+        f"{' with biases' if args.biases else ''}, "
+        f"k {ks}, {repeats} timed rounds (+1 warm-up), "
         f"{'TrainState' if steps.has_train_state() else 'tx.apply_gradients'} loop",
         flush=True,
     )
@@ -505,8 +522,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     window_rows = []
     for width in widths:
-        window_rows += bench_windows(width, ks, repeats)
-    checks = [memory_checks(window_rows, w, max(ks)) for w in widths]
+        window_rows += bench_windows(width, ks, repeats, args.layers, args.biases)
+    checks = [
+        memory_checks(
+            window_rows, steps.Workload(w, args.layers, biases=args.biases), max(ks)
+        )
+        for w in widths
+    ]
     micro_rows = bench_microbatching(
         micro["width"], micro["rows"], micro["splits"], repeats
     )
@@ -546,6 +568,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "widths": widths,
             "ks": ks,
             "repeats": repeats,
+            "layers": args.layers,
+            "biases": args.biases,
             "quick": args.quick,
             "microbatching": micro,
         },

@@ -30,7 +30,8 @@ LEARNING_RATE = 1e-4
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """A tanh MLP of ``layers`` square ``width x width`` matrices, masked MSE loss.
+    """A tanh MLP of ``layers`` square ``width x width`` matrices (with
+    ``biases``, a bias vector after each), masked MSE loss.
 
     A batch has ``rows`` rows of ``width`` "tokens"; about 80% of them are real
     (the mask), so microbatches carry different token counts.
@@ -39,10 +40,11 @@ class Workload:
     width: int
     layers: int = 4
     rows: int = 8
+    biases: bool = False
 
     @property
     def num_params(self) -> int:
-        return self.layers * self.width * self.width
+        return self.layers * self.width * (self.width + self.biases)
 
     @property
     def param_bytes(self) -> int:
@@ -51,10 +53,13 @@ class Workload:
     def params(self, seed: int = 0) -> dict[str, jax.Array]:
         keys = jax.random.split(jax.random.PRNGKey(seed), self.layers)
         scale = 1.0 / np.sqrt(self.width)
-        return {
+        params = {
             f"w{i}": scale * jax.random.normal(key, (self.width, self.width))
             for i, key in enumerate(keys)
         }
+        if self.biases:
+            params.update({f"b{i}": jnp.zeros(self.width) for i in range(self.layers)})
+        return params
 
     def batch(self, seed: int, rows: int | None = None) -> dict[str, jax.Array]:
         rows = self.rows if rows is None else rows
@@ -70,7 +75,8 @@ class Workload:
         """``(mean_loss, count)``: the masked mean squared error and its tokens."""
         h = batch["x"]
         for i in range(self.layers):
-            h = jnp.tanh(h @ params[f"w{i}"])
+            h = h @ params[f"w{i}"]
+            h = jnp.tanh(h + params[f"b{i}"][None] if self.biases else h)
         return mm.masked_mean((h - batch["y"]) ** 2, batch["mask"])
 
 

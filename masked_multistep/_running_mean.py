@@ -163,11 +163,16 @@ def sum_scalars(xs: Any, dtype: Any = None) -> jax.Array:
 
 def sq_norm(x: jax.Array) -> jax.Array:
     """``‖x‖² = Σ |xⱼ|²`` of one array, summed in at least float32 (real result)."""
+    return jnp.sum(squares(x))
+
+
+def squares(x: jax.Array) -> jax.Array:
+    """``|xⱼ|²`` elementwise, in at least float32 (real, for complex ``x`` too)."""
     dtype = compute_dtype(x.dtype)
     x = x.astype(dtype)
     if jnp.issubdtype(dtype, jnp.complexfloating):
-        return jnp.sum(jnp.square(x.real) + jnp.square(x.imag))
-    return jnp.sum(jnp.square(x))
+        return jnp.square(x.real) + jnp.square(x.imag)
+    return jnp.square(x)
 
 
 def all_finite(tree: Any, reduced: Any = (), window: Any = None) -> jax.Array:

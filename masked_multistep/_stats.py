@@ -113,6 +113,7 @@ References:
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar, cast
 
@@ -132,9 +133,10 @@ from masked_multistep._running_mean import (
     compute_dtype,
     result_type,
     sq_norm,
+    squares,
     sum_scalars,
 )
-from masked_multistep._shards import over_slices, window_flag
+from masked_multistep._shards import over_slices, varying_axes, window_flag
 from masked_multistep._token_total import TokenTotal, add_tokens
 
 __all__ = [
@@ -387,10 +389,34 @@ def tree_sq_norm(tree: Any, window: Any = None) -> jax.Array:
       >>> print(tree_sq_norm({"a": jnp.array([3.0, 4.0]), "b": jnp.array(1.0)}))
       26.0
     """
-    leaves = [
-        over_slices(sq_norm(jnp.asarray(x)), window) for x in jax.tree.leaves(tree)
-    ]
-    return sum_scalars(leaves, result_type(_F32, *(x.dtype for x in leaves)))
+    # One reduction for all leaves: each leaf's rows summed (on GPUs, in the
+    # pass that also accumulates the leaf), the rows of all leaves added up
+    # elementwise, then summed. XLA would turn a sum of the leaves' squared
+    # norms, or of their rows concatenated, into one reduction per leaf: a
+    # kernel each, on every microbatch.
+    groups: dict[Any, list[jax.Array]] = {}
+    for x in jax.tree.leaves(tree):
+        rows = _row_sq_norms(jnp.asarray(x))
+        groups.setdefault((rows.dtype, varying_axes(rows)), []).append(rows)
+    sums = [over_slices(jnp.sum(_added_up(rows)), window) for rows in groups.values()]
+    return sum_scalars(sums, result_type(_F32, *(x.dtype for x in sums)))
+
+
+def _row_sq_norms(x: jax.Array) -> jax.Array:
+    """The squared norms of ``x``'s rows along its last axis, flattened (its
+    squared elements for a vector, a 1-vector for a scalar): they sum to
+    ``‖x‖²``."""
+    sq = squares(x)
+    return jnp.sum(sq, axis=-1).ravel() if sq.ndim >= 2 else sq.ravel()
+
+
+def _added_up(vectors: list[jax.Array]) -> jax.Array:
+    """``vectors`` (1-D, of one dtype) added elementwise, each padded with
+    zeros to the longest one's length."""
+    size = max(v.shape[0] for v in vectors)
+    return functools.reduce(
+        operator.add, (jnp.pad(v, (0, size - v.shape[0])) for v in vectors)
+    )
 
 
 def _sq_norms(
@@ -1266,18 +1292,25 @@ def one_window_stats(
 
 
 def materialized_on_gpu(tree: Any) -> Any:
-    """``tree``, each leaf materialized on GPUs: for gradients that the
-    accumulation and the statistics' squared norm both read.
+    """``tree``, each leaf of two or more axes materialized on GPUs: for
+    gradients that the accumulation and the statistics' squared norm both read.
 
     XLA:GPU fuses a reduction into a sibling elementwise pass over the same
     input (one pass over memory) when that input is a buffer, not when it is a
-    matrix product's output, as a gradient usually is: the squared norm would
-    read the gradient a second time. Behind an ``optimization_barrier`` (per
-    leaf, so that no leaf's buffer lives longer than it must) each gradient is
-    a buffer, read once by both. Other platforms get ``tree`` as it is.
+    matrix product's output, as a matrix's gradient usually is: the squared
+    norm would read the gradient a second time. Behind an
+    ``optimization_barrier`` (per leaf, so that no leaf's buffer lives longer
+    than it must) each such gradient is a buffer, read once by both. Vectors
+    and scalars (biases, scales) pass as they are: their gradients are sums
+    over the batch, which XLA fuses into their accumulation, and their
+    squares into the one reduction of all leaves' squared norms (a barrier
+    costs them a kernel each, on every microbatch). Other platforms get
+    ``tree`` as it is.
     """
 
     def leaf(x: Any) -> Any:
+        if jnp.ndim(x) < 2:
+            return x
         barrier = jax.lax.optimization_barrier
         return jax.lax.platform_dependent(
             x, cuda=barrier, rocm=barrier, default=lambda x: x

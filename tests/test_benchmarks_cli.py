@@ -155,12 +155,39 @@ def test_gpu_session_script_parses_and_its_flags_are_bench_pys():
     lists = [
         line.split("=(", 1)[1].rstrip(")").split()
         for line in script.read_text().splitlines()
-        if line.strip().startswith(("reference=(", "table=("))
+        if line.strip().startswith(("reference=(", "table=(", "leaves=("))
     ]
-    assert len(lists) == 4, lists
+    assert len(lists) == 6, lists
     for args in lists:
         parsed = bench.parse_args(args)
         assert parsed.widths and parsed.ks and parsed.repeats, args
+
+
+def test_a_workload_with_biases_trains_with_every_competitor():
+    # `bench.py --layers N --biases` (gpu_session.sh's many small leaves): a
+    # bias vector after each matrix, which every competitor trains.
+    import jax
+    import jax.numpy as jnp
+
+    bench, steps = _import_benchmarks("bench", "steps")
+    args = bench.parse_args(["--widths", "8", "--layers", "3", "--biases"])
+    workload = steps.Workload(8, args.layers, biases=args.biases)
+    params = workload.params()
+    assert sorted(params) == ["b0", "b1", "b2", "w0", "w1", "w2"]
+    assert workload.num_params == sum(x.size for x in jax.tree.leaves(params))
+    assert bench.fmt_size(8, 3, workload.num_params, True) == "3x8²+b (0.0M)"
+    loss = lambda b: workload.loss_fn({**params, "b1": b}, workload.batch(0))[0]
+    assert float(jnp.abs(jax.grad(loss)(params["b1"])).sum()) > 0
+    for make in steps.WINDOW_COMPETITORS:
+        comp = make(workload, 2)
+        carry = comp.init(workload.params())
+        if comp.calls_per_window == 1:
+            carry = comp.step(carry, workload.batch(0, rows=2 * workload.rows))
+        else:
+            for i in range(2):
+                carry = comp.step(carry, workload.batch(i))
+        trained = [x for x in jax.tree.leaves(carry) if x.shape == (8,)]
+        assert any(float(jnp.abs(x).sum()) > 0 for x in trained), comp.name
 
 
 def test_every_window_competitor_builds_at_k_1_or_sits_it_out(capsys):
@@ -480,3 +507,19 @@ def test_bench_gpu_program_at_k_1_leaves_out_the_norm_test(monkeypatch):
     assert "MaskedMultiSteps update" in names and "optax.MultiSteps" in names
     for row in rows:  # a window of one: every microbatch closes it
         assert row["per_microbatch"] == row["closing"]
+
+
+def test_the_dispatch_benchmark_prints_the_cost_per_scalar_leaf():
+    result = run(
+        "bench_dispatch.py", "--scalars", "2,4", "--width", "8", "--repeats", "2"
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0].strip() for line in lines[1:4]] == [
+        "N =   0",
+        "N =   2",
+        "N =   4",
+    ]
+    assert lines[-1].startswith("dispatch: ") and lines[-1].endswith("(N = 0 to 4)")
+    bad = run("bench_dispatch.py", "--scalars", "0")
+    assert bad.returncode == 2 and "argument --scalars: must be >= 1" in bad.stderr

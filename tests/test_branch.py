@@ -245,6 +245,27 @@ def test_gpus_get_their_gradients_materialized_for_the_statistics(platform):
     assert ("optimization_barrier" in text) == gpu
 
 
+def test_gpus_materialize_matrices_gradients_not_vectors():
+    # A bias's gradient, a sum over the batch, fuses into its accumulation and
+    # the statistics' one reduction as it is: a barrier would cost it a kernel
+    # of its own on every microbatch. Only the matrix goes through one.
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    params = {"w": _params()["a"], "bias": jnp.zeros(W), "scale": jnp.ones(())}
+
+    def loss(p, mb):
+        h = jnp.tanh(mb["x"] @ p["w"] + p["bias"][None]) * p["scale"]
+        return mm.masked_mean(jnp.square(h - mb["y"]), mb["mask"])
+
+    def step(params, state, mb):
+        (_, count), grads = jax.value_and_grad(loss, has_aux=True)(params, mb)
+        return tx.apply_gradients(grads, state, params, count=count)
+
+    mb = _microbatches()[0]
+    trace = jax.jit(step).trace(params, tx.init(params), mb)
+    text = trace.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.optimization_barrier") == 1
+
+
 @pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
 def test_the_form_follows_the_default_backend(backend, monkeypatch):
     # The loop where the default backend is a GPU, the conditional elsewhere.

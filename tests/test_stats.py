@@ -1423,3 +1423,57 @@ def test_an_eager_read_of_a_state_laid_over_a_mesh_is_one_program():
     for read in (got, again):
         for a, b in zip(jax.tree.leaves(read), jax.tree.leaves(want)):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_trees_squared_norm_is_one_reduction_of_all_its_leaves():
+    # Each leaf's rows are summed, the rows of all leaves added up, then
+    # summed once: on GPUs one kernel for every leaf's second stage, where a
+    # sum of per-leaf norms was a kernel per leaf on every microbatch.
+    rng = np.random.default_rng(5)
+    tree = {
+        "matrix": rng.normal(size=(7, 5)),
+        "cube": rng.normal(size=(2, 3, 4)),
+        "vector": rng.normal(size=11),
+        "scalar": np.float32(3.0),
+        "empty rows": np.zeros((0, 4)),
+        "empty columns": np.zeros((3, 0)),
+        "bf16": rng.normal(size=(4, 9)),
+        "complex": rng.normal(size=(3, 2)) + 1j * rng.normal(size=(3, 2)),
+    }
+    dtypes = {"bf16": jnp.bfloat16, "complex": jnp.complex64}
+    leaves = {k: jnp.asarray(v, dtypes.get(k, jnp.float32)) for k, v in tree.items()}
+    want = sum(
+        float(np.sum(np.abs(np.asarray(x, np.complex128)) ** 2))
+        for x in leaves.values()
+    )
+    got = _stats.tree_sq_norm(leaves)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    jaxpr = jax.make_jaxpr(_stats.tree_sq_norm)(leaves).jaxpr
+    to_scalars = [
+        e
+        for e in jaxpr.eqns
+        if e.primitive.name == "reduce_sum" and e.outvars[0].aval.shape == ()
+    ]
+    assert len(to_scalars) == 1
+    assert float(_stats.tree_sq_norm({})) == 0.0
+
+
+def test_a_trees_squared_norm_sums_each_precision_apart_under_x64():
+    # float64 leaves are summed in float64, the others in float32, then added.
+    with jax.enable_x64(True):
+        tree = {
+            "a": jnp.full((3, 4), 1e-8, jnp.float64),
+            "b": jnp.ones(5, jnp.float32),
+            "c": jnp.ones((2, 2), jnp.float32),
+        }
+        got = _stats.tree_sq_norm(tree)
+        assert got.dtype == jnp.float64
+        assert float(got) == 9 + 12 * 1e-16
+        jaxpr = jax.make_jaxpr(_stats.tree_sq_norm)(tree).jaxpr
+        to_scalars = [
+            e
+            for e in jaxpr.eqns
+            if e.primitive.name == "reduce_sum" and e.outvars[0].aval.shape == ()
+        ]
+        assert len(to_scalars) == 2
