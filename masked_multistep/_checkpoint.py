@@ -129,6 +129,33 @@ def check_counters(state: Any, where: str) -> None:
             )
 
 
+def check_stats_tallies(stats: Any, where: str) -> None:
+    """An error naming the first of the window statistics' tallies that is
+    negative (``where.format(name)`` names it): the open and the last window's
+    microbatches, the windows closed, the squared norms' sums (a NaN or inf
+    sum passes: a step makes one from a gradient not finite). A negative
+    microbatch count flips the sign of the noise scale's estimates.
+    ``stats`` may be bare or as ``nnx.state`` holds it."""
+    for path in (
+        ("microbatches",),
+        ("last", "microbatches"),
+        ("last", "windows"),
+        ("weighted_sq_norms",),
+        ("leaves", "weighted_sq_norms"),
+    ):
+        field = stats
+        for name in path:
+            # An empty field (no per-leaf sums) holds nothing further down.
+            field = () if field == () else _by_name.get(field, name)
+        for leaf in jax.tree.leaves(field):
+            lowest = np.min(np.asarray(leaf), initial=0)
+            if lowest < 0:
+                name = ".".join(("stats", *path))
+                raise ValueError(
+                    f"{where.format(name)} must not be negative, got {lowest}"
+                )
+
+
 def like_template(where: str, got: Any, want: Any) -> Any:
     """The restored field ``got`` in the dtypes of the template's ``want``
     (``where``: how the error names ``got``).

@@ -44,6 +44,7 @@ from masked_multistep._by_name import like as _like
 from masked_multistep._checkpoint import (
     check_counters,
     check_matches,
+    check_stats_tallies,
     like_template,
 )
 from masked_multistep._checks import (
@@ -557,6 +558,8 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
             _check_same(f"`{name}`", _get(r.node, name), _get(t.node, name))
     check_counters(r.node, "`restored`'s `{}`")
     _check_same("`stats`", r.stats, t.stats)
+    if _fields(r.stats):
+        check_stats_tallies(r.stats, "`restored`'s `{}`")
     _check_window_arrays(r, t)
     like = t.scalars()
     replicated = like["acc_count"].sharding
@@ -663,7 +666,8 @@ def from_device_count(restored: Any, template: Any) -> Any:
         dtype is of another kind or holds values its template dtype cannot,
         or the restored counts, per device or the window's, are negative,
         not finite (or its invalid counts, microbatches or the loss's token
-        counts are, or its squared norms' sums or step counters negative), or
+        counts are, or its squared norms' sums, step counters, or the last
+        window's microbatches or windows closed negative), or
         (for an integer ``count_dtype``) add up beyond it on a new device, or
         ``template`` has taken steps and ``restored`` none (the arguments
         swapped).

@@ -11,6 +11,7 @@ from masked_multistep._checkpoint import (
     _check_template,
     check_counters,
     check_matches,
+    check_stats_tallies,
     host_count,
     like_template,
     same_layout,
@@ -98,7 +99,9 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         or a field's values do not fit the template's dtypes (a token total
         beyond an integer ``count_dtype``, a fractional one for it), or a step
         counter (``mini_step``, ``gradient_step``, ``num_invalid_counts``,
-        ``num_nonfinite_windows``) is negative.
+        ``num_nonfinite_windows``) is negative, or, where the statistics carry
+        over, one of their tallies is (the open or last window's microbatches,
+        the windows closed, a squared norms' sum).
 
     Examples:
       Halfway through a window of 4, switch to windows of 10 tokens:
@@ -183,6 +186,7 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         )
     if isinstance(template.stats, _stats.WindowStatsState):
         if same_layout(old.stats, template.stats):
+            check_stats_tallies(old.stats, "`state.{}`")
             # The last window's token totals, in the count dtype, convert as
             # the window's own do (a fractional total refused for integers;
             # an int32 total beyond 2**24 rounded to float32).

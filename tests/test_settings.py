@@ -256,6 +256,48 @@ def test_a_negative_step_counter_is_refused(name):
         mm.from_other_settings(corrupt, tx.init(PARAMS))
 
 
+@pytest.mark.parametrize(
+    "where, corrupt",
+    [
+        ("stats.microbatches", lambda s: s._replace(microbatches=jnp.int32(-2))),
+        (
+            "stats.last.microbatches",
+            lambda s: s._replace(last=s.last._replace(microbatches=jnp.int32(-1))),
+        ),
+        (
+            "stats.last.windows",
+            lambda s: s._replace(last=s.last._replace(windows=jnp.int32(-1))),
+        ),
+        (
+            "stats.weighted_sq_norms",
+            lambda s: s._replace(weighted_sq_norms=jnp.float32(-1.0)),
+        ),
+        (
+            "stats.leaves.weighted_sq_norms",
+            lambda s: s._replace(
+                leaves=s.leaves._replace(
+                    weighted_sq_norms=-jnp.ones_like(s.leaves.weighted_sq_norms)
+                )
+            ),
+        ),
+    ],
+)
+def test_negative_statistics_tallies_are_refused(where, corrupt):
+    # A window's K of -2 carried over made its noise scale's K - 1 negative:
+    # the estimates' signs flipped, silently.
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 4, window_stats=True, per_leaf_stats=True)
+    state = tx.init(PARAMS)
+    _, state = tx.update(_grads(0), state, PARAMS, count=jnp.float32(3))
+    bad = state._replace(stats=corrupt(state.stats))
+    new = mm.MaskedMultiSteps(optax.sgd(0.1), 3, window_stats=True, per_leaf_stats=True)
+    with pytest.raises(ValueError, match=rf"`state\.{where}` must not be negative"):
+        mm.from_other_settings(bad, new.init(PARAMS))
+    # A NaN or inf sum is one a step makes (a gradient not finite): carried.
+    nan = state._replace(stats=state.stats._replace(weighted_sq_norms=jnp.nan))
+    moved = mm.from_other_settings(nan, new.init(PARAMS))
+    assert np.isnan(float(moved.stats.weighted_sq_norms))
+
+
 def test_statistics_of_another_kind_start_from_the_pending_mean():
     """Totals only, then each leaf's too: the new statistics count the pending
     window's mean as one microbatch of its tokens, for every leaf, as a wrapper
