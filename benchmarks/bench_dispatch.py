@@ -10,7 +10,7 @@ machine at hand, interleaved (round-robin over the N), medians.
 Usage::
 
     python benchmarks/bench_dispatch.py                  # N = 0, 16, 32, 64
-    python benchmarks/bench_dispatch.py --scalars 0,14 --width 256
+    python benchmarks/bench_dispatch.py --scalars 14 --width 256
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ import steps  # noqa: E402
 from _helpers import traffic  # noqa: E402
 from bench_cli import positive_int  # noqa: E402
 
-from masked_multistep import _branch  # noqa: E402
+from masked_multistep import _branch, _stats  # noqa: E402
 
 # What the H100 SXM reports (XLA's target config); the programs depend on the
 # compute capability and the memory sizes, not on the exact figures.
@@ -153,8 +153,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    # The default backend here is the CPU: the form is chosen explicitly.
+    # The default backend here is the CPU: the forms GPUs get are chosen
+    # explicitly (the window's conditional, the squared norms' one reduction).
     _branch.FORM = args.form
+    _stats.ONE_REDUCTION = True
     sharding = gpu_sharding()
     workload = steps.Workload(args.width)
     competitors = COMPETITORS + (FLAX_COMPETITORS if steps.has_train_state() else ())

@@ -381,7 +381,9 @@ def tree_sq_norm(tree: Any, window: Any = None) -> jax.Array:
     """``Σ_leaves ‖leaf‖²`` in at least float32 (real, for complex leaves too);
     inside ``shard_map``, a leaf's summed over the shards that hold slices of
     it, ``window`` (the window's tokens, its loss) the same on each (see
-    ``_shards``).
+    ``_shards``). On GPUs the leaves' rows are added up before one reduction
+    per shape of rows (see :func:`_one_reduction` for where); elsewhere each
+    leaf is reduced on its own. The two differ in the last bits.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -389,34 +391,75 @@ def tree_sq_norm(tree: Any, window: Any = None) -> jax.Array:
       >>> print(tree_sq_norm({"a": jnp.array([3.0, 4.0]), "b": jnp.array(1.0)}))
       26.0
     """
-    # One reduction for all leaves: each leaf's rows summed (on GPUs, in the
-    # pass that also accumulates the leaf), the rows of all leaves added up
-    # elementwise, then summed. XLA would turn a sum of the leaves' squared
-    # norms, or of their rows concatenated, into one reduction per leaf: a
-    # kernel each, on every microbatch.
-    groups: dict[Any, list[jax.Array]] = {}
-    for x in jax.tree.leaves(tree):
-        rows = _row_sq_norms(jnp.asarray(x))
-        groups.setdefault((rows.dtype, varying_axes(rows)), []).append(rows)
-    sums = [over_slices(jnp.sum(_added_up(rows)), window) for rows in groups.values()]
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+    if not _one_reduction(leaves):
+        sums = [over_slices(sq_norm(x), window) for x in leaves]
+    else:
+        # Each leaf's rows summed (on GPUs, in the pass that also accumulates
+        # the leaf), the rows of leaves of one shape added up elementwise, then
+        # summed: one reduction where XLA would make a second-stage kernel per
+        # leaf, on every microbatch.
+        groups: dict[Any, list[jax.Array]] = {}
+        for x in leaves:
+            # A last axis split over devices: its rows' sums would be partial
+            # sums, reduced across devices as vectors; its norm, as a scalar.
+            rows = sq_norm(x) if _last_axis_split(x) else _row_sq_norms(x)
+            key = (rows.dtype, rows.shape, varying_axes(rows), _sharding(rows))
+            groups.setdefault(key, []).append(rows)
+        sums = [
+            over_slices(jnp.sum(functools.reduce(operator.add, rows)), window)
+            for rows in groups.values()
+        ]
     return sum_scalars(sums, result_type(_F32, *(x.dtype for x in sums)))
 
 
+# True or False to choose whether a tree's squared norm is one reduction
+# whatever the backend (tests, and benchmarks that compile for a GPU without
+# one); None: on GPUs.
+ONE_REDUCTION: bool | None = None
+
+
+def _one_reduction(leaves: list[jax.Array]) -> bool:
+    """Whether :func:`tree_sq_norm` adds up the leaves' rows before it
+    reduces: on GPUs (XLA:CPU and TPUs make no kernel per leaf's second stage,
+    and XLA:CPU pays for the extra pass), where adding them moves nothing
+    between devices: one device, or leaves whose types say where they are
+    (explicit or manual mesh axes), grouped by that. Leaves split over
+    automatic axes would be all-gathered to be added (or could not be, on
+    explicit ones): they are reduced one by one, as everywhere else."""
+    if ONE_REDUCTION is False or not leaves:
+        return False
+    if ONE_REDUCTION is None and jax.default_backend() not in ("gpu", "cuda", "rocm"):
+        return False
+    return jax.device_count() == 1 or all(_typed(x) for x in leaves)
+
+
+def _typed(x: jax.Array) -> bool:
+    """Whether ``x``'s type says where it is: on a mesh of explicit or manual
+    axes only."""
+    mesh: Any = getattr(jax.typeof(x).sharding, "mesh", None)
+    types: tuple[Any, ...] = tuple(getattr(mesh, "axis_types", ()))
+    typed = (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Manual)
+    return bool(types) and all(t in typed for t in types)
+
+
+def _sharding(x: jax.Array) -> Any:
+    """``x``'s sharding as its type says it (a key: leaves' rows of one
+    sharding add up where they are), or None on one device."""
+    return jax.typeof(x).sharding if jax.device_count() > 1 else None
+
+
+def _last_axis_split(x: jax.Array) -> bool:
+    """Whether ``x``'s type says its last axis is split over mesh axes."""
+    spec = getattr(jax.typeof(x).sharding, "spec", None)
+    return bool(spec) and x.ndim >= 1 and len(spec) >= x.ndim and bool(spec[-1])
+
+
 def _row_sq_norms(x: jax.Array) -> jax.Array:
-    """The squared norms of ``x``'s rows along its last axis, flattened (its
-    squared elements for a vector, a 1-vector for a scalar): they sum to
-    ``‖x‖²``."""
+    """The squared norms of ``x``'s rows along its last axis (its squared
+    elements for a vector or a scalar): they sum to ``‖x‖²``."""
     sq = squares(x)
-    return jnp.sum(sq, axis=-1).ravel() if sq.ndim >= 2 else sq.ravel()
-
-
-def _added_up(vectors: list[jax.Array]) -> jax.Array:
-    """``vectors`` (1-D, of one dtype) added elementwise, each padded with
-    zeros to the longest one's length."""
-    size = max(v.shape[0] for v in vectors)
-    return functools.reduce(
-        operator.add, (jnp.pad(v, (0, size - v.shape[0])) for v in vectors)
-    )
+    return jnp.sum(sq, axis=-1) if sq.ndim >= 2 else sq
 
 
 def _sq_norms(

@@ -1425,20 +1425,36 @@ def test_an_eager_read_of_a_state_laid_over_a_mesh_is_one_program():
             np.testing.assert_array_equal(a, b)
 
 
-def test_a_trees_squared_norm_is_one_reduction_of_all_its_leaves():
-    # Each leaf's rows are summed, the rows of all leaves added up, then
-    # summed once: on GPUs one kernel for every leaf's second stage, where a
-    # sum of per-leaf norms was a kernel per leaf on every microbatch.
+def _scalar_reductions(fn, *args):
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [
+        e
+        for e in jaxpr.eqns
+        if e.primitive.name == "reduce_sum" and e.outvars[0].aval.shape == ()
+    ]
+
+
+@pytest.fixture
+def as_on_one_gpu(monkeypatch):
+    """The squared norms as a GPU's one device gets them (8 CPU devices here)."""
+    monkeypatch.setattr(_stats, "ONE_REDUCTION", True)
+    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)
+
+
+def test_a_trees_squared_norm_is_one_reduction_per_shape_of_rows(as_on_one_gpu):
+    # Each leaf's rows are summed, the rows of leaves of one shape added up,
+    # then summed: on GPUs one kernel for their second stages, where a sum of
+    # per-leaf norms was a kernel per leaf on every microbatch.
     rng = np.random.default_rng(5)
     tree = {
         "matrix": rng.normal(size=(7, 5)),
+        "vector": rng.normal(size=7),  # rows of the matrix's shape
+        "bf16": rng.normal(size=(7, 9)),
+        "complex": rng.normal(size=(7, 2)) + 1j * rng.normal(size=(7, 2)),
         "cube": rng.normal(size=(2, 3, 4)),
-        "vector": rng.normal(size=11),
         "scalar": np.float32(3.0),
         "empty rows": np.zeros((0, 4)),
         "empty columns": np.zeros((3, 0)),
-        "bf16": rng.normal(size=(4, 9)),
-        "complex": rng.normal(size=(3, 2)) + 1j * rng.normal(size=(3, 2)),
     }
     dtypes = {"bf16": jnp.bfloat16, "complex": jnp.complex64}
     leaves = {k: jnp.asarray(v, dtypes.get(k, jnp.float32)) for k, v in tree.items()}
@@ -1449,31 +1465,84 @@ def test_a_trees_squared_norm_is_one_reduction_of_all_its_leaves():
     got = _stats.tree_sq_norm(leaves)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(float(got), want, rtol=1e-6)
-    jaxpr = jax.make_jaxpr(_stats.tree_sq_norm)(leaves).jaxpr
-    to_scalars = [
-        e
-        for e in jaxpr.eqns
-        if e.primitive.name == "reduce_sum" and e.outvars[0].aval.shape == ()
-    ]
-    assert len(to_scalars) == 1
+    # (7,): matrix, vector, bf16, complex; then (2, 3), (), (0,), (3,).
+    assert len(_scalar_reductions(_stats.tree_sq_norm, leaves)) == 5
     assert float(_stats.tree_sq_norm({})) == 0.0
 
 
-def test_a_trees_squared_norm_sums_each_precision_apart_under_x64():
+def test_a_trees_squared_norm_leaf_by_leaf_elsewhere():
+    # CPUs (and TPUs) reduce leaf by leaf: no kernel per second stage there,
+    # and adding the rows up is a pass XLA:CPU would pay for.
+    tree = {"a": jnp.ones((4, 3)), "b": jnp.ones((4, 5)), "c": jnp.ones(4)}
+    assert len(_scalar_reductions(_stats.tree_sq_norm, tree)) == 3
+    assert float(_stats.tree_sq_norm(tree)) == 36.0
+
+
+def test_a_trees_squared_norm_sums_each_precision_apart_under_x64(as_on_one_gpu):
     # float64 leaves are summed in float64, the others in float32, then added.
     with jax.enable_x64(True):
         tree = {
-            "a": jnp.full((3, 4), 1e-8, jnp.float64),
+            "a": jnp.full((5, 4), 0.1, jnp.float64),
             "b": jnp.ones(5, jnp.float32),
-            "c": jnp.ones((2, 2), jnp.float32),
+            "c": jnp.ones((5, 2), jnp.float32),
         }
         got = _stats.tree_sq_norm(tree)
         assert got.dtype == jnp.float64
-        assert float(got) == 9 + 12 * 1e-16
-        jaxpr = jax.make_jaxpr(_stats.tree_sq_norm)(tree).jaxpr
-        to_scalars = [
-            e
-            for e in jaxpr.eqns
-            if e.primitive.name == "reduce_sum" and e.outvars[0].aval.shape == ()
-        ]
-        assert len(to_scalars) == 2
+        np.testing.assert_allclose(float(got), 15 + 20 * 0.01, rtol=1e-13)
+        assert len(_scalar_reductions(_stats.tree_sq_norm, tree)) == 2
+
+
+def _mesh_2x4(axis_type):
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
+
+
+def test_rows_split_over_explicit_axes_add_up_where_they_are(monkeypatch):
+    # As on GPUs: leaves split over different explicit axes (FSDP beside
+    # tensor parallelism) are summed apart by sharding; adding their rows
+    # raised jax's ShardingTypeError.
+    monkeypatch.setattr(_stats, "ONE_REDUCTION", True)
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh_2x4(jax.sharding.AxisType.Explicit)
+    rng = np.random.default_rng(0)
+    specs = {"w": P("model", None), "v": P("data", None), "u": P("model", None)}
+    tree = {
+        k: jax.device_put(
+            jnp.asarray(rng.normal(size=(8, 6)), jnp.float32), NamedSharding(mesh, s)
+        )
+        for k, s in specs.items()
+    }
+    want = sum(float(np.sum(np.square(np.asarray(x)))) for x in tree.values())
+    got = jax.jit(_stats.tree_sq_norm)(tree)
+    np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    with jax.set_mesh(mesh):
+        assert len(_scalar_reductions(_stats.tree_sq_norm, tree)) == 2
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    state = tx.init(tree)
+    _, state = jax.jit(tx.update)(tree, state, tree, count=jnp.float32(3))
+    np.testing.assert_allclose(
+        float(state.stats.weighted_sq_norms), 3 * want, rtol=1e-6
+    )
+
+
+def test_rows_split_over_automatic_axes_are_not_added_up(monkeypatch):
+    # Over automatic axes the rows' shardings are the partitioner's to choose:
+    # adding them up would all-gather rows on every microbatch, so the
+    # squared norms stay one per leaf there (one scalar all-reduce).
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh_2x4(jax.sharding.AxisType.Auto)
+    specs = {"w": P("model", None), "v": P("data", None)}
+    tree = {
+        k: jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, s))
+        for k, s in specs.items()
+    }
+
+    def compiled(one_reduction):
+        monkeypatch.setattr(_stats, "ONE_REDUCTION", one_reduction)
+        return jax.jit(_stats.tree_sq_norm).lower(tree).compile().as_text()
+
+    assert compiled(True) == compiled(False)
+    assert float(jax.jit(_stats.tree_sq_norm)(tree)) == 96.0
