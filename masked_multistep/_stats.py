@@ -423,10 +423,11 @@ def _one_reduction(leaves: list[jax.Array]) -> bool:
     """Whether :func:`tree_sq_norm` adds up the leaves' rows before it
     reduces: on GPUs (XLA:CPU and TPUs make no kernel per leaf's second stage,
     and XLA:CPU pays for the extra pass), where adding them moves nothing
-    between devices: one device, or leaves whose types say where they are
-    (explicit or manual mesh axes), grouped by that. Leaves split over
-    automatic axes would be all-gathered to be added (or could not be, on
-    explicit ones): they are reduced one by one, as everywhere else."""
+    between devices: in a process of one device (``jax.device_count()``), or
+    where every leaf's type says where it is (explicit or manual mesh axes
+    only); rows are added up by sharding. Else (any leaf on automatic axes
+    with several devices about: rows the partitioner would all-gather to add
+    up) every leaf is reduced on its own, as on other platforms."""
     if ONE_REDUCTION is False or not leaves:
         return False
     if ONE_REDUCTION is None and jax.default_backend() not in ("gpu", "cuda", "rocm"):
@@ -444,9 +445,10 @@ def _typed(x: jax.Array) -> bool:
 
 
 def _sharding(x: jax.Array) -> Any:
-    """``x``'s sharding as its type says it (a key: leaves' rows of one
-    sharding add up where they are), or None on one device."""
-    return jax.typeof(x).sharding if jax.device_count() > 1 else None
+    """``x``'s sharding as its type says it: a key, as leaves' rows of one
+    sharding add up where they are (also on one device, where a mesh's axes
+    of size 1 still name them apart on explicit axes)."""
+    return jax.typeof(x).sharding
 
 
 def _last_axis_split(x: jax.Array) -> bool:

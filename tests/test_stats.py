@@ -1,5 +1,7 @@
 """Window statistics: the estimators of tr Σ, |G|² and B_simple, and their state."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -1540,9 +1542,64 @@ def test_rows_split_over_automatic_axes_are_not_added_up(monkeypatch):
         for k, s in specs.items()
     }
 
-    def compiled(one_reduction):
-        monkeypatch.setattr(_stats, "ONE_REDUCTION", one_reduction)
-        return jax.jit(_stats.tree_sq_norm).lower(tree).compile().as_text()
+    monkeypatch.setattr(_stats, "ONE_REDUCTION", True)
+    text = jax.jit(lambda t: _stats.tree_sq_norm(t)).lower(tree).compile().as_text()
+    assert float(jax.jit(lambda t: _stats.tree_sq_norm(t))(tree)) == 96.0
+    assert not _COLLECTIVE_MOVES.findall(text)
+    # (Forced to add them up, the partitioner all-gathers the rows.)
+    monkeypatch.setattr(_stats, "_one_reduction", lambda leaves: True)
+    text = jax.jit(lambda t: _stats.tree_sq_norm(t)).lower(tree).compile().as_text()
+    assert _COLLECTIVE_MOVES.findall(text)
 
-    assert compiled(True) == compiled(False)
-    assert float(jax.jit(_stats.tree_sq_norm)(tree)) == 96.0
+
+# Collectives that move slices between devices (not a scalar's all-reduce).
+_COLLECTIVE_MOVES = re.compile(
+    r" (all-gather|all-to-all|collective-permute)(-start)?\("
+)
+_VECTOR_ALL_REDUCE = re.compile(r"= \(?[^=]*f32\[\d+[^=]*all-reduce(-start)?\(")
+
+
+def test_a_last_axis_split_over_devices_is_reduced_as_a_scalar(monkeypatch):
+    # Its rows' sums would be partial sums, all-reduced across the devices
+    # as a vector; reduced to a scalar first, one scalar crosses.
+    monkeypatch.setattr(_stats, "ONE_REDUCTION", True)
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh_2x4(jax.sharding.AxisType.Explicit)
+    tree = {
+        "w": jax.device_put(
+            jnp.ones((16, 1024)), NamedSharding(mesh, P(None, "model"))
+        ),
+        "v": jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data", None))),
+    }
+    text = jax.jit(lambda t: _stats.tree_sq_norm(t)).lower(tree).compile().as_text()
+    assert float(jax.jit(lambda t: _stats.tree_sq_norm(t))(tree)) == 16 * 1032
+    reduces = [line for line in text.splitlines() if "all-reduce(" in line]
+    assert reduces and not any(_VECTOR_ALL_REDUCE.search(line) for line in reduces)
+    assert not _COLLECTIVE_MOVES.findall(text)
+
+
+def test_one_device_keeps_rows_on_differently_named_axes_apart(as_on_one_gpu):
+    # A data × model mesh of one device each (explicit axes, jax.make_mesh's
+    # default): rows typed as split over different axes cannot be added up
+    # (jax's ShardingTypeError), even on one device.
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh(
+        (1, 1),
+        ("data", "model"),
+        axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+        devices=jax.devices()[:1],
+    )
+    specs = {"w": P("model", None), "v": P("data", None), "u": P(None, "model")}
+    tree = {
+        k: jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, s))
+        for k, s in specs.items()
+    }
+    assert float(jax.jit(lambda t: _stats.tree_sq_norm(t))(tree)) == 144.0
+    assert float(_stats.tree_sq_norm(tree)) == 144.0
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    _, state = jax.jit(tx.update)(tree, tx.init(tree), tree, count=jnp.float32(1))
+    assert float(state.stats.weighted_sq_norms) == 144.0
