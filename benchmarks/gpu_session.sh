@@ -15,6 +15,8 @@
 # 4. Many small leaves (100 layers of 256² with biases, 200 leaves, k = 8):
 #    a step of many kernels, as a real model's.
 # 5. The host's cost per call of a carry's scalar leaves (bench_dispatch.py).
+# 6. Where a window's time goes: device busy and idle per microbatch, from a
+#    profile of each step (profile_window.py; the profile kept beside it).
 # Each result is a JSON file and its log under $OUT, or benchmarks/results;
 # `python benchmarks/report.py FILE.json` prints a JSON's tables as markdown.
 set -euo pipefail
@@ -28,11 +30,13 @@ if [[ -n "${QUICK:-}" ]]; then
   table=(--widths 64 --ks 1,2 --repeats 2)
   leaves=(--widths 32 --layers 10 --biases --ks 4 --repeats 2)
   dispatch=(--width 64 --repeats 2)
+  profile=(--width 32 --windows 1)
 else
   reference=(--widths 2048 --ks 8 --repeats 50)
   table=(--widths 1024 --ks 1,4,16 --repeats 20)
   leaves=(--widths 256 --layers 100 --biases --ks 8 --repeats 20)
   dispatch=(--scalars 14,32,64)
+  profile=(--windows 3)
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi -L || true
 "$python" -c 'import jax, optax, masked_multistep as mm; print("jax", jax.__version__, jax.devices(), "optax", optax.__version__, "masked_multistep", mm.__version__)'
@@ -50,4 +54,5 @@ XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=+WHILE,+COND
   bench gpu_command_buffers 120 "${reference[@]}"
 bench gpu_leaves 120 "${leaves[@]}"
 timeout 60 "$python" benchmarks/bench_dispatch.py "${dispatch[@]}" 2>&1 | tee "$out/gpu_dispatch.log" || status=$?
+timeout 120 "$python" benchmarks/profile_window.py "${profile[@]}" --xplane "$out/gpu_profile.xplane.pb" 2>&1 | tee "$out/gpu_profile.log" || status=$?
 exit "$status"

@@ -150,6 +150,7 @@ def test_gpu_session_script_parses_and_its_flags_are_bench_pys():
     prepared call on a lent GPU): its shell parses and every ``bench.py``
     argument list it passes is accepted."""
     script = BENCHMARKS / "gpu_session.sh"
+    script_text = script.read_text()
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     (bench,) = _import_benchmarks("bench")
     lists = [
@@ -161,6 +162,17 @@ def test_gpu_session_script_parses_and_its_flags_are_bench_pys():
     for args in lists:
         parsed = bench.parse_args(args)
         assert parsed.widths and parsed.ks and parsed.repeats, args
+    # And those of the other two scripts it runs.
+    dispatch, profile = _import_benchmarks("bench_dispatch", "profile_window")
+    for name, script in [("dispatch", dispatch), ("profile", profile)]:
+        lists = [
+            line.split("=(", 1)[1].rstrip(")").split()
+            for line in script_text.splitlines()
+            if line.strip().startswith(f"{name}=(")
+        ]
+        assert len(lists) == 2, lists
+        for args in lists:
+            script.parse_args(args)
 
 
 def test_a_workload_with_biases_trains_with_every_competitor():
@@ -523,3 +535,51 @@ def test_the_dispatch_benchmark_prints_the_cost_per_scalar_leaf():
     assert lines[-1].startswith("dispatch: ") and lines[-1].endswith("(N = 0 to 4)")
     bad = run("bench_dispatch.py", "--scalars", "0")
     assert bad.returncode == 2 and "argument --scalars: must be >= 1" in bad.stderr
+
+
+def test_the_window_profile_reads_device_time_from_a_profile(tmp_path):
+    # A window of 2 microbatches, 8 µs on the host; on the device two
+    # overlapping kernels (2-4 and 3-5 µs) and one on another stream (7-8):
+    # busy 4 µs, idle half the window, 1.5 kernels per microbatch.
+    from jax.profiler import ProfileData
+
+    (profile_window,) = _import_benchmarks("profile_window")
+    text = """
+    planes {
+      name: "/host:CPU"
+      lines { name: "python3" timestamp_ns: 1000
+        events { metadata_id: 1 offset_ps: 0 duration_ps: 8000000 } }
+      event_metadata { key: 1 value { id: 1 name: "floor window 0" } }
+    }
+    planes {
+      name: "/device:GPU:0"
+      lines { name: "Stream #1(Compute)" timestamp_ns: 1000
+        events { metadata_id: 1 offset_ps: 1000000 duration_ps: 2000000 }
+        events { metadata_id: 1 offset_ps: 2000000 duration_ps: 2000000 }
+        events { metadata_id: 1 offset_ps: 9000000 duration_ps: 1000000 } }
+      lines { name: "Stream #2(Compute)" timestamp_ns: 1000
+        events { metadata_id: 1 offset_ps: 6000000 duration_ps: 1000000 } }
+      event_metadata { key: 1 value { id: 1 name: "a kernel" } }
+    }
+    """
+    path = tmp_path / "profile.xplane.pb"
+    path.write_bytes(ProfileData.text_proto_to_serialized_xspace(text))
+    (figures,) = profile_window.window_figures(str(path), 2)["floor"]
+    assert figures == pytest.approx(
+        {"host_ms": 0.004, "busy_ms": 0.002, "idle": 0.5, "kernels": 1.5}
+    )
+
+
+def test_the_window_profile_runs_on_the_cpu():
+    result = run("profile_window.py", "--width", "8", "--windows", "1")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("cpu; 4 x 8², k = 8")
+    assert [line.split()[0] for line in lines[1:6]] == [
+        "floor",
+        "TrainState.apply_gradients",
+        "TrainState.apply_gradients+stats",
+        "MaskedMultiSteps",
+        "MaskedMultiSteps",
+    ]
+    assert lines[-1] == "  (no device plane in the profile: host times only)"
