@@ -2,7 +2,7 @@
 # The figures only a GPU gives, in one prepared run on a machine whose python3
 # already has jax with CUDA, optax and flax (nothing is installed or fetched):
 #
-#   bash benchmarks/gpu_session.sh            # about 2 minutes on an H100
+#   bash benchmarks/gpu_session.sh            # a few minutes (runs 1-3: ~50 s on an H100)
 #   QUICK=1 bash benchmarks/gpu_session.sh    # a dry run, on any backend
 #
 # 1. The window workload (4 x 2048² float32, adam, k = 8), every competitor

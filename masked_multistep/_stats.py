@@ -1348,8 +1348,8 @@ def materialized_on_gpu(tree: Any) -> Any:
     than it must) each such gradient is a buffer, read once by both. Vectors
     and scalars (biases, scales) pass as they are: their gradients are sums
     over the batch, which XLA fuses into their accumulation, and their
-    squares into the one reduction of all leaves' squared norms (a barrier
-    costs them a kernel each, on every microbatch). Other platforms get
+    squares into :func:`tree_sq_norm`'s reduction of their shape of rows (a
+    barrier costs them a kernel each, on every microbatch). Other platforms get
     ``tree`` as it is.
     """
 
