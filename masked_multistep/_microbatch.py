@@ -40,6 +40,7 @@ from masked_multistep._checks import (
     count_weight,
     refuse_unknown_keywords,
 )
+from masked_multistep._reduction import names_an_axis
 from masked_multistep._running_mean import (
     compute_dtype,
     promote_types,
@@ -448,6 +449,37 @@ def _vary_like(tree: Any, types: Any) -> Any:
     return jax.tree.map(
         lambda x, t: varying_like(x, varying_axes_of_type(t)), tree, types
     )
+
+
+def _shapes_of(traced: Any) -> Any:
+    """``jax.eval_shape``'s answer for a traced call: its ``out_info``, each
+    output's sharding on ``AxisType.Explicit`` axes kept.
+
+    On a mesh that also has ``Auto`` axes, jax's ``out_info`` leaves every
+    sharding out, and zeros built from it would be replicated where the
+    values folded into them are split over an explicit axis (the gradient
+    of a parameter sharded over an explicit model axis beside an automatic
+    data axis): a loop carry of two types.
+    """
+
+    def shape(info: Any, aval: Any) -> Any:
+        sharding = getattr(aval, "sharding", None)
+        if (
+            not isinstance(info, jax.ShapeDtypeStruct)
+            or info.sharding is not None
+            or sharding is None
+            or not names_an_axis(sharding.spec)
+        ):
+            return info
+        return jax.ShapeDtypeStruct(
+            info.shape,
+            info.dtype,
+            sharding=sharding,
+            weak_type=info.weak_type,
+            manual_axis_type=info.manual_axis_type,
+        )
+
+    return jax.tree.map(shape, traced.out_info, traced.out_avals)
 
 
 def _raw_key_shape() -> tuple[int, ...]:
@@ -1173,8 +1205,8 @@ def _grad_fn(
 
         with jax.named_scope("masked_multistep/microbatch"):
             try:
-                shapes, rest_after = jax.eval_shape(
-                    per_microbatch, params, microbatch(0), key(0), rest
+                shapes, rest_after = _shapes_of(
+                    per_microbatch.trace(params, microbatch(0), key(0), rest)
                 )
             except Exception as err:
                 if type(err).__name__ == "TraceContextError":
