@@ -4,8 +4,9 @@ jitted step whose donated carry holds 8 square float32 matrices and N scalars.
 Each array of a jitted call's arguments and results costs the host work on
 every call (flattening, buffer bookkeeping, donation); a step whose device work
 is short (small models, GPUs) waits for it. The window statistics add 14
-scalars to the wrapper's state: this measures what such leaves cost on the
-machine at hand, interleaved (round-robin over the N), medians.
+scalars to the wrapper's state (packed into three arrays, one per dtype): this
+measures what such leaves cost on the machine at hand, interleaved
+(round-robin over the N), medians.
 
 Usage::
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from masked_multistep._multisteps import MaskedMultiStepsState
-from masked_multistep._stats import LastWindow, LeafSums, WindowStatsState
+from masked_multistep._stats import LeafSums, WindowStatsState
 from masked_multistep._token_total import TokenTotal
 
 # The fields that identify the wrapper's state where it is held by name
@@ -23,7 +23,7 @@ from masked_multistep._token_total import TokenTotal
 NAMED = frozenset(("mini_step", "gradient_step", "acc_count", "acc_grads"))
 # The statistics' NamedTuples, rebuilt from a state held by name by their
 # field names (a token budget's state is a TokenTotal too).
-_STATS_KINDS = (TokenTotal, LastWindow, LeafSums, WindowStatsState)
+_STATS_KINDS = (TokenTotal, LeafSums, WindowStatsState)
 
 
 def is_named(x: Any) -> bool:
@@ -73,6 +73,13 @@ def _holds(kind: Any, items: Mapping[str, Any]) -> bool:
     fields with a default (an empty ``()``, which a state by name leaves out)."""
     fields = set(kind._fields)
     return fields - set(kind._field_defaults) <= set(items) <= fields
+
+
+def bare_stats(stats: Any) -> Any:
+    """The statistics' field of the wrapper's state, bare or held by name, as
+    a bare :class:`WindowStatsState` (whose properties read its figures by
+    name), or ``()`` without statistics."""
+    return plain(stats, _STATS_KINDS)
 
 
 def bare(state: Any) -> MaskedMultiStepsState:

@@ -143,10 +143,10 @@ def check_stats_tallies(stats: Any, where: str) -> None:
         ("weighted_sq_norms",),
         ("leaves", "weighted_sq_norms"),
     ):
-        field = stats
+        field = _by_name.bare_stats(stats)
         for name in path:
             # An empty field (no per-leaf sums) holds nothing further down.
-            field = () if field == () else _by_name.get(field, name)
+            field = () if field == () else getattr(field, name)
         for leaf in jax.tree.leaves(field):
             lowest = np.min(np.asarray(leaf), initial=0)
             if lowest < 0:

@@ -38,8 +38,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from masked_multistep._by_name import array as _array
+from masked_multistep._by_name import bare_stats, is_named
 from masked_multistep._by_name import get as _get
-from masked_multistep._by_name import is_named
 from masked_multistep._by_name import like as _like
 from masked_multistep._checkpoint import (
     check_counters,
@@ -416,6 +416,28 @@ def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
     return out, ok
 
 
+def _open_figure(packed: Any) -> Any:
+    """The first entry of the statistics' packed vector (the open window's
+    figure); of an abstract one (a ``jax.ShapeDtypeStruct``), its type."""
+    if not isinstance(packed, jax.ShapeDtypeStruct):
+        return packed[..., 0]
+    sharding = packed.sharding
+    if isinstance(sharding, NamedSharding):
+        spec = P(*tuple(sharding.spec)[: len(packed.shape) - 1])
+        sharding = NamedSharding(sharding.mesh, spec)
+    return jax.ShapeDtypeStruct(packed.shape[:-1], packed.dtype, sharding=sharding)
+
+
+def _with_first(packed: Any, value: Any) -> Any:
+    """The statistics' ``packed`` vector (bare or in its NNX variable) with
+    its first entry (the open window's figure) set to ``value``, placed as
+    it was."""
+    vector = _array(packed)
+    new = np.array(vector)
+    new[..., 0] = np.asarray(value)
+    return _like(packed, _placed(jnp.asarray(new), vector))
+
+
 def _fields(node: Any) -> tuple[str, ...]:
     if isinstance(node, Mapping):
         return tuple(node.keys())
@@ -468,8 +490,9 @@ class _Side:
         """The window's scalars, keyed as :func:`_convert` takes them."""
         out = {k: _array(_get(self.node, f)) for k, f in _SCALAR_FIELDS.items()}
         if _fields(self.stats):
-            out["sq"] = _array(_get(self.stats, "weighted_sq_norms"))
-            out["k"] = _array(_get(self.stats, "microbatches"))
+            stats = bare_stats(self.stats)
+            out["sq"] = _open_figure(stats.sums)
+            out["k"] = _open_figure(stats.tallies)
             if _fields(self.leaves):
                 out["leaf_sq"] = _array(_get(self.leaves, "weighted_sq_norms"))
         return out
@@ -603,8 +626,8 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     if _fields(t.stats):
         fields["stats"] = _with(
             fields["stats"],
-            weighted_sq_norms=_like(_get(t.stats, "weighted_sq_norms"), out["sq"]),
-            microbatches=_like(_get(t.stats, "microbatches"), out["k"]),
+            sums=_with_first(_get(fields["stats"], "sums"), out["sq"]),
+            tallies=_with_first(_get(fields["stats"], "tallies"), out["k"]),
         )
         if _fields(t.leaves):
             leaf_sq = _like(_get(t.leaves, "weighted_sq_norms"), out["leaf_sq"])

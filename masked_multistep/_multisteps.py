@@ -91,7 +91,8 @@ class MaskedMultiStepsState(NamedTuple):
         ``WindowStatsState`` (the current window's running sums and the last
         completed window's totals, from which
         :func:`masked_multistep.window_stats` reads its :class:`WindowStats`;
-        no NaN of its own); ``()`` otherwise.
+        no NaN of its own; fourteen scalars packed into three arrays, read
+        by name through its properties); ``()`` otherwise.
       policy_state: the window policy's state (``()`` for a fixed ``k``).
       reduction_state: the cross-device reduction's state: ``()`` by default;
         with ``reduction=mm.deferred(...)``, each device's token total behind

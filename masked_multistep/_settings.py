@@ -199,7 +199,7 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
                 ),
             )
             stats = like_template(
-                "`state.stats`", old.stats._replace(last=last), template.stats
+                "`state.stats`", old.stats.replaced(last=last), template.stats
             )
         else:
             # Not the template's statistics: the pending window's mean counts
@@ -244,10 +244,12 @@ def _refuse_abstract(state: Any, fields: tuple[str, ...]) -> None:
 def _tokens_seen_of(state: Any) -> TokenTotal | None:
     """The tokens seen that ``state`` kept (its statistics', or its token
     budget's), or ``None``."""
+    if isinstance(state.stats, _stats.WindowStatsState):
+        return state.stats.last.tokens_seen
     found = []
     jax.tree.map(
         lambda x: found.append(x) if isinstance(x, TokenTotal) else None,
-        (state.stats, state.policy_state),
+        state.policy_state,
         is_leaf=lambda x: isinstance(x, TokenTotal),
     )
     return found[0] if found else None

@@ -142,6 +142,7 @@ from masked_multistep._token_total import TokenTotal, add_tokens
 __all__ = [
     "WindowStats",
     "WindowStatsState",
+    "packed",
     "LastWindow",
     "LeafSums",
     "init_window_stats",
@@ -305,30 +306,195 @@ class LeafSums(NamedTuple):
 
 
 class WindowStatsState(NamedTuple):
-    """The statistics' part of the wrapper's state.
+    """The statistics' part of the wrapper's state: its scalars packed into
+    three vectors, one per dtype, and read by name through the properties
+    below.
+
+    Every array of a jitted call's arguments and results costs the host some
+    work on each call (about 1.8 µs on the host of an H100): three vectors
+    instead of fourteen scalars keep the statistics' share of a short step
+    small. Build one with :func:`init_window_stats`; change its figures with
+    :meth:`replaced`.
 
     Attributes:
-      weighted_sq_norms: ``Σ nᵢ ‖gᵢ‖²`` over the current window (float32).
-      microbatches: ``K`` of the current window (int32). Both stay 0 where a
-        deferred reduction agrees on the window only at its end: every
-        device's share is then in the wrapper's ``reduction_state``.
-      ema_grad_var_trace: moving average of ``tr Σ̂`` (not debiased).
-      ema_true_grad_sq_norm: moving average of ``|G|²̂`` (not debiased).
-      ema_weight: ``1 − decayᵗ`` after ``t`` averaged windows, the debiasing
-        divisor.
-      last: the :class:`LastWindow` of the last completed window; read its
-        :class:`WindowStats` with :func:`read_window_stats`.
+      sums: float32, shape ``(9,)``: ``weighted_sq_norms``,
+        ``ema_grad_var_trace``, ``ema_true_grad_sq_norm``, ``ema_weight``, and
+        the last window's ``loss``, ``grad_sq_norm``, ``sq_deviation`` and
+        ``tokens_seen`` (its ``hi`` and ``lo``).
+      tallies: int32, shape ``(3,)``: ``microbatches``, and the last window's
+        ``microbatches`` and ``windows``.
+      counts: the count dtype, shape ``(2,)``: the last window's ``tokens``
+        and ``loss_tokens``.
       leaves: with ``per_leaf_stats=True``, each parameter leaf's share
         (:class:`LeafSums`); ``()`` otherwise.
+
+    The figures (properties; a state batched by ``jax.vmap`` has them batched
+    alike):
+
+    - ``weighted_sq_norms``: ``Σ nᵢ ‖gᵢ‖²`` over the current window (float32).
+    - ``microbatches``: ``K`` of the current window (int32). Both stay 0 where
+      a deferred reduction agrees on the window only at its end: every
+      device's share is then in the wrapper's ``reduction_state``.
+    - ``ema_grad_var_trace``: moving average of ``tr Σ̂`` (not debiased).
+    - ``ema_true_grad_sq_norm``: moving average of ``|G|²̂`` (not debiased).
+    - ``ema_weight``: ``1 − decayᵗ`` after ``t`` averaged windows, the
+      debiasing divisor.
+    - ``last``: the :class:`LastWindow` of the last completed window; read its
+      :class:`WindowStats` with :func:`read_window_stats`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from masked_multistep._stats import init_window_stats
+      >>> state = init_window_stats().replaced(microbatches=jnp.int32(2))
+      >>> print(state.microbatches, state.tallies, state.last.windows)
+      2 [2 0 0] 0
     """
 
-    weighted_sq_norms: jax.Array
-    microbatches: jax.Array
-    ema_grad_var_trace: jax.Array
-    ema_true_grad_sq_norm: jax.Array
-    ema_weight: jax.Array
-    last: LastWindow
+    sums: jax.Array
+    tallies: jax.Array
+    counts: jax.Array
     leaves: LeafSums | tuple[()] = ()
+
+    @property
+    def weighted_sq_norms(self) -> jax.Array:
+        return self._figure("weighted_sq_norms")
+
+    @property
+    def microbatches(self) -> jax.Array:
+        return self._figure("microbatches")
+
+    @property
+    def ema_grad_var_trace(self) -> jax.Array:
+        return self._figure("ema_grad_var_trace")
+
+    @property
+    def ema_true_grad_sq_norm(self) -> jax.Array:
+        return self._figure("ema_true_grad_sq_norm")
+
+    @property
+    def ema_weight(self) -> jax.Array:
+        return self._figure("ema_weight")
+
+    @property
+    def last(self) -> LastWindow:
+        figure = self._figure
+        return LastWindow(
+            tokens=figure("last.tokens"),
+            microbatches=figure("last.microbatches"),
+            loss=figure("last.loss"),
+            loss_tokens=figure("last.loss_tokens"),
+            grad_sq_norm=figure("last.grad_sq_norm"),
+            sq_deviation=figure("last.sq_deviation"),
+            tokens_seen=TokenTotal(
+                figure("last.tokens_seen.hi"), figure("last.tokens_seen.lo")
+            ),
+            windows=figure("last.windows"),
+        )
+
+    def _figure(self, name: str) -> jax.Array:
+        vector, index = _WHERE[name]
+        return getattr(self, vector)[..., index]
+
+    def with_tokens_seen(self, seen: TokenTotal) -> WindowStatsState:
+        """This state with the tokens of all completed windows set to
+        ``seen``."""
+        return self.replaced(last=self.last._replace(tokens_seen=seen))
+
+    def replaced(self, **figures: Any) -> WindowStatsState:
+        """This state with the named figures replaced (the properties' names,
+        ``last`` a whole :class:`LastWindow`, and ``leaves``), the others as
+        they are: only the entries replaced are written. A vector whose
+        every entry is replaced takes the values' dtype where it follows the
+        counts' (``counts``)."""
+        leaves = figures.pop("leaves", self.leaves)
+        flat = {}
+        for name, value in figures.items():
+            if name == "last":
+                flat.update(_last_figures(value))
+            elif name in _WHERE and not name.startswith("last."):
+                flat[name] = value
+            else:
+                raise TypeError(f"no figure named {name!r} in the statistics")
+        vectors = {}
+        for vector in ("sums", "tallies", "counts"):
+            old = getattr(self, vector)
+            entries = {
+                _WHERE[name][1]: value
+                for name, value in flat.items()
+                if _WHERE[name][0] == vector
+            }
+            if len(entries) == _SIZES[vector]:
+                vectors[vector] = _stacked_figures(
+                    [entries[i] for i in range(_SIZES[vector])],
+                    None if vector == "counts" else old.dtype,
+                )
+            else:
+                for i, value in sorted(entries.items()):
+                    old = old.at[..., i].set(jnp.asarray(value).astype(old.dtype))
+                vectors[vector] = old
+        return WindowStatsState(**vectors, leaves=leaves)
+
+
+# Where each figure of a `WindowStatsState` lies: its vector, and its index
+# there.
+_WHERE = {
+    "weighted_sq_norms": ("sums", 0),
+    "ema_grad_var_trace": ("sums", 1),
+    "ema_true_grad_sq_norm": ("sums", 2),
+    "ema_weight": ("sums", 3),
+    "last.loss": ("sums", 4),
+    "last.grad_sq_norm": ("sums", 5),
+    "last.sq_deviation": ("sums", 6),
+    "last.tokens_seen.hi": ("sums", 7),
+    "last.tokens_seen.lo": ("sums", 8),
+    "microbatches": ("tallies", 0),
+    "last.microbatches": ("tallies", 1),
+    "last.windows": ("tallies", 2),
+    "last.tokens": ("counts", 0),
+    "last.loss_tokens": ("counts", 1),
+}
+_SIZES = {"sums": 9, "tallies": 3, "counts": 2}
+
+
+def _last_figures(last: LastWindow) -> dict[str, Any]:
+    """The figures of ``last``, named as :data:`_WHERE` names them."""
+    figures = {f"last.{name}": getattr(last, name) for name in LastWindow._fields}
+    seen = figures.pop("last.tokens_seen")
+    figures["last.tokens_seen.hi"], figures["last.tokens_seen.lo"] = seen
+    return figures
+
+
+def _stacked_figures(values: list[Any], dtype: Any) -> jax.Array:
+    """``values`` along a last axis, in ``dtype`` (``None``: their own)."""
+    arrays = [jnp.asarray(v) for v in values]
+    dtype = jnp.result_type(*arrays) if dtype is None else dtype
+    return jnp.stack([a.astype(dtype) for a in arrays], axis=-1)
+
+
+def packed(
+    *,
+    weighted_sq_norms: jax.typing.ArrayLike,
+    microbatches: jax.typing.ArrayLike,
+    ema_grad_var_trace: jax.typing.ArrayLike,
+    ema_true_grad_sq_norm: jax.typing.ArrayLike,
+    ema_weight: jax.typing.ArrayLike,
+    last: LastWindow,
+    leaves: LeafSums | tuple[()] = (),
+) -> WindowStatsState:
+    """A :class:`WindowStatsState` of these figures (float32 and int32 but
+    for the last window's token counts, which keep their dtype)."""
+    empty = WindowStatsState(
+        jnp.zeros([9], _F32), jnp.zeros([3], jnp.int32), jnp.zeros([2]), ()
+    )
+    return empty.replaced(
+        weighted_sq_norms=weighted_sq_norms,
+        microbatches=microbatches,
+        ema_grad_var_trace=ema_grad_var_trace,
+        ema_true_grad_sq_norm=ema_true_grad_sq_norm,
+        ema_weight=ema_weight,
+        last=last,
+        leaves=leaves,
+    )
 
 
 def init_window_stats(
@@ -348,31 +514,14 @@ def init_window_stats(
       >>> print(stats.noise_scale, float(stats.tokens_seen), int(stats.windows))
       nan 0.0 0
     """
-
     # Each leaf its own buffer: a donated state may not hold one twice.
-    def zero(dtype: jax.typing.DTypeLike = _F32) -> jax.Array:
-        return jnp.zeros([], dtype)
-
-    last = LastWindow(
-        tokens=zero(count_dtype),
-        microbatches=zero(jnp.int32),
-        loss=zero(),
-        loss_tokens=zero(count_dtype),
-        grad_sq_norm=zero(),
-        sq_deviation=zero(),
-        tokens_seen=TokenTotal(zero(), zero()),
-        windows=zero(jnp.int32),
-    )
     leaves: LeafSums | tuple[()] = ()
     if num_leaves is not None:
         leaves = LeafSums(*(jnp.zeros([num_leaves], _F32) for _ in LeafSums._fields))
     return WindowStatsState(
-        weighted_sq_norms=zero(),
-        microbatches=zero(jnp.int32),
-        ema_grad_var_trace=zero(),
-        ema_true_grad_sq_norm=zero(),
-        ema_weight=zero(),
-        last=last,
+        sums=jnp.zeros([9], _F32),
+        tallies=jnp.zeros([3], jnp.int32),
+        counts=jnp.zeros([2], count_dtype),
         leaves=leaves,
     )
 
@@ -600,7 +749,7 @@ def accumulate_window_stats(
             leaves = leaves._replace(weighted_sq_norms=weighted)
         else:
             sq = jnp.where(take, _taken_sq_norm(grads, take).astype(_F32), 0)
-        return state._replace(
+        return state.replaced(
             weighted_sq_norms=jnp.where(
                 take, state.weighted_sq_norms + n * sq, state.weighted_sq_norms
             ),
@@ -666,7 +815,7 @@ def accumulate_window_stats_per_device(
         if isinstance(leaves, LeafSums):
             added = jnp.sum(added, axis=0)  # each leaf's, over the devices
             leaves = leaves._replace(weighted_sq_norms=leaves.weighted_sq_norms + added)
-        return state._replace(
+        return state.replaced(
             weighted_sq_norms=state.weighted_sq_norms + jnp.sum(added),
             microbatches=(state.microbatches + jnp.sum(took)).astype(jnp.int32),
             leaves=leaves,
@@ -902,7 +1051,7 @@ def close_window_stats(
             leaves = _close_leaves(leaves, n, k, leaf_sq_norms, finite, beta)
         # The next window starts empty (zeros placed as the sums they
         # replace: an eager step would put fresh ones on the default device).
-        return WindowStatsState(
+        return packed(
             weighted_sq_norms=jnp.zeros_like(state.weighted_sq_norms),
             microbatches=jnp.zeros_like(state.microbatches),
             ema_grad_var_trace=ema_var,
@@ -987,18 +1136,32 @@ def _read_with(
 
 
 def _read(state: WindowStatsState) -> WindowStats[jax.Array]:
+    return _read_figures(
+        state.last,
+        ema_weight=state.ema_weight,
+        ema_grad_var_trace=state.ema_grad_var_trace,
+        ema_true_grad_sq_norm=state.ema_true_grad_sq_norm,
+    )
+
+
+def _read_figures(
+    last: LastWindow,
+    *,
+    ema_weight: jax.Array,
+    ema_grad_var_trace: jax.Array,
+    ema_true_grad_sq_norm: jax.Array,
+) -> WindowStats[jax.Array]:
+    """:func:`_read` of these figures (each group's, where the window's
+    squared norms and moving averages are vectors of the groups')."""
     with jax.named_scope("masked_multistep/window_stats"):
-        last = state.last
         has_tokens = last.tokens > 0
         var, true_sq, scale, ok, resolved = _estimates(
             last.sq_deviation, last.microbatches, last.tokens, last.grad_sq_norm
         )
         # The moving averages' debiasing divisor cancels in their ratio; it
         # only says whether any window has been averaged yet.
-        smooth_ok = (state.ema_weight > 0) & (state.ema_true_grad_sq_norm > 0)
-        smoothed = state.ema_grad_var_trace / jnp.where(
-            smooth_ok, state.ema_true_grad_sq_norm, 1
-        )
+        smooth_ok = (ema_weight > 0) & (ema_true_grad_sq_norm > 0)
+        smoothed = ema_grad_var_trace / jnp.where(smooth_ok, ema_true_grad_sq_norm, 1)
         loss, g2, var, true_sq, scale, smoothed = undefined_as_nan(
             (last.loss, last.grad_sq_norm, var, true_sq, scale, smoothed),
             (last.loss_tokens > 0, has_tokens, ok, ok, resolved, smooth_ok),
@@ -1099,13 +1262,12 @@ def _read_leaves_of_one(
             leaves.ema_true_grad_sq_norm,
         ),
     )
-    grouped = state._replace(
+    return _read_figures(
+        state.last._replace(grad_sq_norm=g2, sq_deviation=s),
+        ema_weight=state.ema_weight,
         ema_grad_var_trace=ema_var,
         ema_true_grad_sq_norm=ema_true,
-        last=state.last._replace(grad_sq_norm=g2, sq_deviation=s),
-        leaves=(),
     )
-    return _read(grouped)
 
 
 _read_leaves_compiled = jax.jit(_read_leaves, static_argnums=1)
@@ -1205,7 +1367,7 @@ class Recorder(NamedTuple):
         if not self.enabled:
             return ()
         if sums:
-            state = state._replace(weighted_sq_norms=sums[0], microbatches=sums[1])
+            state = state.replaced(weighted_sq_norms=sums[0], microbatches=sums[1])
             if isinstance(state.leaves, LeafSums):
                 leaves = state.leaves._replace(weighted_sq_norms=sums[2])
                 state = state._replace(leaves=leaves)
@@ -1305,7 +1467,7 @@ def one_window_stats(
     state = init_window_stats(
         jnp.result_type(tokens),
         None if leaf_sums is None else jnp.shape(leaf_sums)[-1],
-    )._replace(
+    ).replaced(
         weighted_sq_norms=jnp.asarray(weighted_sq_norms, _F32),
         microbatches=jnp.asarray(microbatches, jnp.int32),
     )

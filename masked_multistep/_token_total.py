@@ -271,10 +271,16 @@ def token_total(tokens: Any, what: str) -> TokenTotal:
 
 def with_tokens_seen(tree: Any, seen: TokenTotal) -> Any:
     """``tree`` with every :class:`TokenTotal` in it (a token budget's tokens
-    seen, the window statistics' ``tokens_seen``) set to ``seen``, each a copy
-    of its own: a donated state may not hold one buffer twice."""
-    return jax.tree.map(
-        lambda x: jax.tree.map(jnp.copy, seen) if isinstance(x, TokenTotal) else x,
-        tree,
-        is_leaf=lambda x: isinstance(x, TokenTotal),
-    )
+    seen) and the window statistics' ``tokens_seen`` (a node with a
+    ``with_tokens_seen`` method) set to ``seen``, each a copy of its own: a
+    donated state may not hold one buffer twice."""
+
+    def holding(x: Any) -> bool:
+        return isinstance(x, TokenTotal) or hasattr(x, "with_tokens_seen")
+
+    def set_to_seen(x: Any) -> Any:
+        if isinstance(x, TokenTotal):
+            return jax.tree.map(jnp.copy, seen)
+        return x.with_tokens_seen(seen) if holding(x) else x
+
+    return jax.tree.map(set_to_seen, tree, is_leaf=holding)

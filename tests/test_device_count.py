@@ -567,10 +567,10 @@ def test_the_windows_own_figures_are_checked_too(field, skip):
         last = state.stats.last
         name = field.split(".")[2]
         last = last._replace(**{name: -jnp.ones_like(getattr(last, name))})
-        bad = state._replace(stats=state.stats._replace(last=last))
+        bad = state._replace(stats=state.stats.replaced(last=last))
     elif field.startswith("stats."):
         name = field.split(".")[1]
-        stats = state.stats._replace(
+        stats = state.stats.replaced(
             **{name: -jnp.ones_like(getattr(state.stats, name))}
         )
         bad = state._replace(stats=stats)

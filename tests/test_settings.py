@@ -130,7 +130,7 @@ def test_statistics_carry_over_into_another_count_dtype(old_dtype, new_dtype):
     # A fractional total does not fit an integer count dtype.
     if new_dtype == jnp.int32:
         last = state.stats.last._replace(tokens=jnp.float32(2.5))
-        fractional = state._replace(stats=state.stats._replace(last=last))
+        fractional = state._replace(stats=state.stats.replaced(last=last))
         with pytest.raises(
             ValueError, match=r"`state\.stats\.last\.tokens` is fractional"
         ):
@@ -259,18 +259,18 @@ def test_a_negative_step_counter_is_refused(name):
 @pytest.mark.parametrize(
     "where, corrupt",
     [
-        ("stats.microbatches", lambda s: s._replace(microbatches=jnp.int32(-2))),
+        ("stats.microbatches", lambda s: s.replaced(microbatches=jnp.int32(-2))),
         (
             "stats.last.microbatches",
-            lambda s: s._replace(last=s.last._replace(microbatches=jnp.int32(-1))),
+            lambda s: s.replaced(last=s.last._replace(microbatches=jnp.int32(-1))),
         ),
         (
             "stats.last.windows",
-            lambda s: s._replace(last=s.last._replace(windows=jnp.int32(-1))),
+            lambda s: s.replaced(last=s.last._replace(windows=jnp.int32(-1))),
         ),
         (
             "stats.weighted_sq_norms",
-            lambda s: s._replace(weighted_sq_norms=jnp.float32(-1.0)),
+            lambda s: s.replaced(weighted_sq_norms=jnp.float32(-1.0)),
         ),
         (
             "stats.leaves.weighted_sq_norms",
@@ -293,7 +293,7 @@ def test_negative_statistics_tallies_are_refused(where, corrupt):
     with pytest.raises(ValueError, match=rf"`state\.{where}` must not be negative"):
         mm.from_other_settings(bad, new.init(PARAMS))
     # A NaN or inf sum is one a step makes (a gradient not finite): carried.
-    nan = state._replace(stats=state.stats._replace(weighted_sq_norms=jnp.nan))
+    nan = state._replace(stats=state.stats.replaced(weighted_sq_norms=jnp.nan))
     moved = mm.from_other_settings(nan, new.init(PARAMS))
     assert np.isnan(float(moved.stats.weighted_sq_norms))
 

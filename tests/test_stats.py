@@ -1192,7 +1192,7 @@ def test_the_window_counter_saturates_at_the_int32_maximum():
     top = jnp.int32(2**31 - 1)
     state = tx.init(jnp.zeros(2))
     stats = state.stats
-    state = state._replace(stats=stats._replace(last=stats.last._replace(windows=top)))
+    state = state._replace(stats=stats.replaced(last=stats.last._replace(windows=top)))
     _, state = tx.update(jnp.ones(2), state, count=3)
     assert int(mm.window_stats(state).windows) == 2**31 - 1
     assert int(mm.window_stats(state).tokens) == 3
