@@ -395,6 +395,32 @@ class WindowStatsState(NamedTuple):
         vector, index = _WHERE[name]
         return getattr(self, vector)[..., index]
 
+    def plus(
+        self,
+        weighted_sq_norms: jax.Array,
+        microbatches: jax.Array,
+        where: jax.typing.ArrayLike = True,
+    ) -> WindowStatsState:
+        """This state with the open window's ``weighted_sq_norms`` and
+        ``microbatches`` increased by these where ``where`` (elsewhere, and
+        every other figure, exactly as they were): what every microbatch
+        does. Each entry is sliced, added to and written back in place, which
+        XLA fuses into the figures' arithmetic on CPUs and GPUs alike (read
+        through the properties and set with :meth:`replaced`, each figure
+        was a kernel of its own on a GPU)."""
+
+        def added(vector: jax.Array, name: str, value: jax.Array) -> jax.Array:
+            i = _WHERE[name][1]
+            old = jax.lax.slice_in_dim(vector, i, i + 1, axis=-1)
+            value = jnp.asarray(value).astype(vector.dtype)[..., None]
+            new = jnp.where(jnp.asarray(where)[..., None], old + value, old)
+            return jax.lax.dynamic_update_slice_in_dim(vector, new, i, axis=-1)
+
+        return self._replace(
+            sums=added(self.sums, "weighted_sq_norms", weighted_sq_norms),
+            tallies=added(self.tallies, "microbatches", microbatches),
+        )
+
     def with_tokens_seen(self, seen: TokenTotal) -> WindowStatsState:
         """This state with the tokens of all completed windows set to
         ``seen``."""
@@ -749,15 +775,7 @@ def accumulate_window_stats(
             leaves = leaves._replace(weighted_sq_norms=weighted)
         else:
             sq = jnp.where(take, _taken_sq_norm(grads, take).astype(_F32), 0)
-        return state.replaced(
-            weighted_sq_norms=jnp.where(
-                take, state.weighted_sq_norms + n * sq, state.weighted_sq_norms
-            ),
-            microbatches=jnp.where(
-                take, state.microbatches + 1, state.microbatches
-            ).astype(jnp.int32),
-            leaves=leaves,
-        )
+        return state.plus(n * sq, 1, where=take)._replace(leaves=leaves)
 
 
 def device_shares(
@@ -815,11 +833,7 @@ def accumulate_window_stats_per_device(
         if isinstance(leaves, LeafSums):
             added = jnp.sum(added, axis=0)  # each leaf's, over the devices
             leaves = leaves._replace(weighted_sq_norms=leaves.weighted_sq_norms + added)
-        return state.replaced(
-            weighted_sq_norms=state.weighted_sq_norms + jnp.sum(added),
-            microbatches=(state.microbatches + jnp.sum(took)).astype(jnp.int32),
-            leaves=leaves,
-        )
+        return state.plus(jnp.sum(added), jnp.sum(took))._replace(leaves=leaves)
 
 
 def noise_scale_estimates(

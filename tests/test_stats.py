@@ -10,6 +10,7 @@ import pytest
 
 import masked_multistep as mm
 from masked_multistep import _stats, _token_total
+from tests._helpers import assert_bit_identical
 
 DECAY = 0.9
 
@@ -1603,3 +1604,34 @@ def test_one_device_keeps_rows_on_differently_named_axes_apart(as_on_one_gpu):
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
     _, state = jax.jit(tx.update)(tree, tx.init(tree), tree, count=jnp.float32(1))
     assert float(state.stats.weighted_sq_norms) == 144.0
+
+
+def test_the_packed_state_reads_and_writes_each_figure_by_name():
+    """The state's fourteen scalars live in three arrays; each figure reads
+    back what was written, the others stay as they were (also for a state
+    batched by vmap, whose figures are batched alike)."""
+    state = _stats.init_window_stats(jnp.int32)
+    last = state.last._replace(
+        tokens=jnp.int32(7),
+        microbatches=jnp.int32(3),
+        loss=jnp.float32(0.5),
+        loss_tokens=jnp.int32(6),
+        grad_sq_norm=jnp.float32(2.0),
+        sq_deviation=jnp.float32(4.0),
+        tokens_seen=mm.TokenTotal(jnp.float32(70.0), jnp.float32(1.0)),
+        windows=jnp.int32(10),
+    )
+    state = state.replaced(ema_weight=jnp.float32(0.25), last=last)
+    assert state.last == jax.tree.map(jnp.asarray, last)
+    assert float(state.ema_weight) == 0.25 and float(state.weighted_sq_norms) == 0
+    assert state.counts.dtype == jnp.int32
+    grown = state.plus(jnp.float32(3.0), jnp.int32(1), where=True)
+    held = state.plus(jnp.float32(jnp.nan), jnp.int32(1), where=False)
+    assert float(grown.weighted_sq_norms) == 3.0 and int(grown.microbatches) == 1
+    assert grown.last == state.last and float(grown.ema_weight) == 0.25
+    assert_bit_identical(held, state)
+    with pytest.raises(TypeError, match=r"no figure named 'tokens'"):
+        state.replaced(tokens=1)
+    batched = jax.vmap(lambda n: state.plus(n, jnp.int32(1)))(jnp.arange(3.0))
+    np.testing.assert_array_equal(batched.weighted_sq_norms, [0.0, 1.0, 2.0])
+    np.testing.assert_array_equal(batched.last.windows, [10, 10, 10])
