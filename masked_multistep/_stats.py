@@ -397,8 +397,8 @@ class WindowStatsState(NamedTuple):
 
     def plus(
         self,
-        weighted_sq_norms: jax.Array,
-        microbatches: jax.Array,
+        weighted_sq_norms: jax.typing.ArrayLike,
+        microbatches: jax.typing.ArrayLike,
         where: jax.typing.ArrayLike = True,
     ) -> WindowStatsState:
         """This state with the open window's ``weighted_sq_norms`` and
@@ -409,7 +409,9 @@ class WindowStatsState(NamedTuple):
         through the properties and set with :meth:`replaced`, each figure
         was a kernel of its own on a GPU)."""
 
-        def added(vector: jax.Array, name: str, value: jax.Array) -> jax.Array:
+        def added(
+            vector: jax.Array, name: str, value: jax.typing.ArrayLike
+        ) -> jax.Array:
             i = _WHERE[name][1]
             old = jax.lax.slice_in_dim(vector, i, i + 1, axis=-1)
             value = jnp.asarray(value).astype(vector.dtype)[..., None]
