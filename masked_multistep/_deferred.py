@@ -96,6 +96,20 @@ def _zeros_on(shape: tuple, dtype: Any, sharding: NamedSharding) -> jax.Array:
     if not mixed:
         return jax.device_put(zeros, sharding)
     if jax.sharding.get_abstract_mesh() != mesh.abstract_mesh:
+        if entries and any_explicit(mesh, spec_axes(entries[0])):
+            # The per-device gradients meet a replicated accumulator on an
+            # explicit data axis: the first step would fail inside jax
+            # ("Mapped away dimension of inputs passed to vmap should be
+            # sharded the same").
+            types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+            raise ValueError(
+                "`jax.jit(tx.init)` with reduction=mm.deferred on a mesh of "
+                f"explicit and auto axes ({types}) "
+                "cannot lay the accumulator out over the explicit data axis "
+                "without the mesh set: jax would replicate it, and no step "
+                "could use it. Call it inside `with jax.set_mesh(mesh):`, or "
+                "call `tx.init` without `jit`"
+            )
         warnings.warn(
             "`jax.jit(tx.init)` with reduction=mm.deferred on a mesh of explicit "
             "and auto axes lays the accumulator out over the data axis only "

@@ -751,12 +751,37 @@ def test_a_jitted_init_shards_the_accumulator_on_a_mesh_with_auto_axes_too(types
     assert want.spec[0] == "data" and got.is_equivalent_to(want, 3)
 
 
-def test_a_jitted_init_on_a_mixed_mesh_without_the_mesh_set_warns():
+def test_a_jitted_init_on_a_mixed_mesh_without_the_mesh_set_warns_or_fails():
     # jax replicates the accumulator there (device_put under jit), and a
-    # reshard needs the mesh set: said, not silent.
+    # reshard needs the mesh set: said, not silent. On an automatic data axis
+    # the steps run on the replicated state (every device holds every
+    # device's running mean); on an explicit one the first step failed inside
+    # jax ("Mapped away dimension of inputs passed to vmap should be sharded
+    # the same"), after the warning: refused at once.
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AUTO, EXPLICIT))
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, reduction=mm.deferred(mesh))
+    params = jax.device_put(jnp.ones((4, 6)), NamedSharding(mesh, P(None, "model")))
+    with pytest.warns(UserWarning, match=r"under `jax.set_mesh\(mesh\)`"):
+        state = jax.jit(tx.init)({"w": params})
+    grad_fn = mm.per_device_value_and_grad(
+        lambda p, b: mm.masked_mean(b["x"] @ p["w"], b["mask"]), mesh
+    )
+    batch = {"x": jnp.ones((8, 4)), "mask": jnp.ones((8, 6), bool)}
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+    @jax.jit
+    def step(params, state, batch):
+        (loss, count), grads = grad_fn(params, batch)
+        return tx.apply_gradients(grads, state, params, count=count, value=loss)
+
+    trained = {"w": params}
+    for _ in range(2):
+        trained, state = step(trained, state, batch)
+    assert int(state.gradient_step) == 1
+    assert not np.array_equal(trained["w"], params)
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(EXPLICIT, AUTO))
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, reduction=mm.deferred(mesh))
-    with pytest.warns(UserWarning, match=r"under `jax.set_mesh\(mesh\)`"):
+    with pytest.raises(ValueError, match=r"cannot lay the accumulator out over the"):
         jax.jit(tx.init)({"w": jnp.ones((4, 6))})
 
 
