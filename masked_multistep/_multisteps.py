@@ -25,7 +25,7 @@ from masked_multistep import _checks, _inner, _processes, _stats, _windows
 from masked_multistep._branch import EagerMemo, in_place_cond
 from masked_multistep._collectives import reduced_leaf
 from masked_multistep._deferred import Deferred
-from masked_multistep._reduction import Local, WindowTotals
+from masked_multistep._reduction import Local, WindowTotals, check_on_mesh
 from masked_multistep._running_mean import (
     accumulator_dtype,
     accumulator_fits,
@@ -1209,6 +1209,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         if params is not None:
             _checks.refuse_state_as_params(params)
         self._reduction.check_grads(grads, state.acc_grads)
+        check_on_mesh(grads, state.acc_grads)
         grads = self._reduction.place_inputs(grads, state.acc_grads)
         if apply_params or params is not None:
             # (`update` takes None for an inner optimizer that reads no params.)

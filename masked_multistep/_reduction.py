@@ -49,6 +49,7 @@ __all__ = [
     "names_an_axis",
     "place_uncommitted",
     "resharded_as",
+    "check_on_mesh",
     "spec_axes",
 ]
 
@@ -139,6 +140,28 @@ def resharded_as(x: Any, like: Any) -> Any:
     if not isinstance(like, jax.core.Tracer):
         want = like.sharding
     return jax.sharding.reshard(x, want)
+
+
+def check_on_mesh(grads: Any, acc_grads: Any) -> None:
+    """A ``ValueError`` where a leaf of the accumulator is on no mesh (a host
+    array, as ``flax.serialization`` restores a state) while its gradient is
+    split over an ``AxisType.Explicit`` mesh axis: jax cannot combine the two
+    ("select cases must have the same shardings"), and the accumulator's
+    layout is not known to put it anywhere."""
+    paths = jax.tree_util.tree_flatten_with_path(acc_grads)[0]
+    for (path, acc), grad in zip(paths, jax.tree.leaves(grads), strict=False):
+        have, want = jax.typeof(acc).sharding, jax.typeof(grad).sharding
+        if have is None or want is None or not have.mesh.empty:
+            continue
+        if names_an_axis(want.spec):
+            raise ValueError(
+                f"`state.acc_grads{jax.tree_util.keystr(path)}` is on no mesh "
+                f"while its gradient is split over it ({want.spec}): a state "
+                "restored with flax.serialization holds host arrays. Put it "
+                "where the template's arrays are, e.g. "
+                "`jax.device_put(restored, jax.tree.map(lambda x: x.sharding, "
+                "template))` (orbax restores onto the template's shardings)"
+            )
 
 
 def trimmed(spec: Any) -> tuple:

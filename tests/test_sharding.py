@@ -451,3 +451,49 @@ def test_gradients_laid_out_unlike_the_params_on_an_explicit_mesh(window_stats):
             runs[name, api] = jax.device_get((p, state.inner_opt_state))
     for key, run in runs.items():
         chex.assert_trees_all_close(run, runs["as params", key[1]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["local", "deferred"])
+def test_a_state_restored_to_the_host_is_named_then_continues_once_placed(deferred):
+    """flax.serialization restores host arrays. On an explicit mesh the next
+    step failed inside jax ("select cases must have the same shardings", or
+    under mm.deferred "Mapped away dimension of inputs passed to vmap should
+    be sharded the same"): an error names the accumulator and the way out,
+    and the state put where the template's arrays are continues as the
+    uninterrupted run."""
+    from flax import serialization
+
+    axis = jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis, axis))
+    reduction = mm.deferred(mesh, "data") if deferred else None
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction)
+
+    def loss_fn(p, b):
+        return mm.masked_mean((b["x"] @ p["w"]).sum(-1), b["mask"])
+
+    grad_fn = (
+        mm.per_device_value_and_grad(loss_fn, mesh, "data")
+        if deferred
+        else jax.value_and_grad(loss_fn, has_aux=True)
+    )
+
+    @jax.jit
+    def step(params, state, batch):
+        (loss, count), grads = grad_fn(params, batch)
+        return tx.apply_gradients(grads, state, params, count=count, value=loss)
+
+    with jax.set_mesh(mesh):
+        w = jnp.arange(32.0).reshape(4, 8) / 32
+        params = {"w": jax.device_put(w, NamedSharding(mesh, P(None, "model")))}
+        x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+        batch = {"x": x, "mask": np.arange(8) % 3 > 0}
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        template = tx.init(params)
+        params, state = step(params, template, batch)  # mid-window
+        want, _ = step(params, state, batch)
+        restored = serialization.from_bytes(template, serialization.to_bytes(state))
+        with pytest.raises(ValueError, match=r"`state.acc_grads\['w'\]` is on no mesh"):
+            step(params, restored, batch)
+        placed = jax.device_put(restored, jax.tree.map(lambda x: x.sharding, template))
+        got, _ = step(params, placed, batch)
+    np.testing.assert_array_equal(got["w"], want["w"])
