@@ -103,12 +103,12 @@ def _zeros_on(shape: tuple, dtype: Any, sharding: NamedSharding) -> jax.Array:
             # sharded the same").
             types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
             raise ValueError(
-                "`jax.jit(tx.init)` with reduction=mm.deferred on a mesh of "
-                f"explicit and auto axes ({types}) "
-                "cannot lay the accumulator out over the explicit data axis "
-                "without the mesh set: jax would replicate it, and no step "
-                "could use it. Call it inside `with jax.set_mesh(mesh):`, or "
-                "call `tx.init` without `jit`"
+                "`tx.init` traced (`jax.jit(tx.init)`, `jax.eval_shape`) with "
+                "reduction=mm.deferred on a mesh of explicit and auto axes "
+                f"({types}) cannot lay the accumulator out over the explicit "
+                "data axis without the mesh set: jax would replicate it, and "
+                "no step could use it. Call it inside `with jax.set_mesh(mesh):`, "
+                "or call `tx.init` eagerly"
             )
         warnings.warn(
             "`jax.jit(tx.init)` with reduction=mm.deferred on a mesh of explicit "

@@ -55,6 +55,7 @@ from masked_multistep._checks import (
 from masked_multistep._deferred import _exact_sums
 from masked_multistep._multisteps import MaskedMultiStepsState
 from masked_multistep._reduction import _from_host, mean_over_devices, placed_like
+from masked_multistep._stats import SLOTS
 
 __all__ = ["device_count_target", "from_device_count"]
 
@@ -416,11 +417,14 @@ def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
     return out, ok
 
 
-def _open_figure(packed: Any) -> Any:
-    """The first entry of the statistics' packed vector (the open window's
-    figure); of an abstract one (a ``jax.ShapeDtypeStruct``), its type."""
+def _open_figure(stats: Any, name: str) -> Any:
+    """The open window's figure ``name`` of the bare packed statistics
+    (``weighted_sq_norms`` or ``microbatches``); of an abstract state (a
+    ``jax.ShapeDtypeStruct``), its type."""
+    vector, index = SLOTS[name]
+    packed = getattr(stats, vector)
     if not isinstance(packed, jax.ShapeDtypeStruct):
-        return packed[..., 0]
+        return packed[..., index]
     sharding = packed.sharding
     if isinstance(sharding, NamedSharding):
         spec = P(*tuple(sharding.spec)[: len(packed.shape) - 1])
@@ -428,14 +432,16 @@ def _open_figure(packed: Any) -> Any:
     return jax.ShapeDtypeStruct(packed.shape[:-1], packed.dtype, sharding=sharding)
 
 
-def _with_first(packed: Any, value: Any) -> Any:
-    """The statistics' ``packed`` vector (bare or in its NNX variable) with
-    its first entry (the open window's figure) set to ``value``, placed as
-    it was."""
-    vector = _array(packed)
-    new = np.array(vector)
-    new[..., 0] = np.asarray(value)
-    return _like(packed, _placed(jnp.asarray(new), vector))
+def _with_open_figure(stats: Any, name: str, value: Any) -> dict[str, Any]:
+    """The statistics' packed vector (bare or in its NNX variable, in
+    ``stats`` bare or held by name) that holds the open window's figure
+    ``name``, with it set to ``value``, placed as it was: ``{vector: it}``."""
+    vector, index = SLOTS[name]
+    held = _get(stats, vector)
+    array = _array(held)
+    new = np.array(array)
+    new[..., index] = np.asarray(value)
+    return {vector: _like(held, _placed(jnp.asarray(new), array))}
 
 
 def _fields(node: Any) -> tuple[str, ...]:
@@ -491,8 +497,8 @@ class _Side:
         out = {k: _array(_get(self.node, f)) for k, f in _SCALAR_FIELDS.items()}
         if _fields(self.stats):
             stats = bare_stats(self.stats)
-            out["sq"] = _open_figure(stats.sums)
-            out["k"] = _open_figure(stats.tallies)
+            out["sq"] = _open_figure(stats, "weighted_sq_norms")
+            out["k"] = _open_figure(stats, "microbatches")
             if _fields(self.leaves):
                 out["leaf_sq"] = _array(_get(self.leaves, "weighted_sq_norms"))
         return out
@@ -624,10 +630,11 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
         if name not in _LAYOUT_FIELDS or name == "stats"
     }
     if _fields(t.stats):
+        stats = fields["stats"]
         fields["stats"] = _with(
-            fields["stats"],
-            sums=_with_first(_get(fields["stats"], "sums"), out["sq"]),
-            tallies=_with_first(_get(fields["stats"], "tallies"), out["k"]),
+            stats,
+            **_with_open_figure(stats, "weighted_sq_norms", out["sq"]),
+            **_with_open_figure(stats, "microbatches", out["k"]),
         )
         if _fields(t.leaves):
             leaf_sq = _like(_get(t.leaves, "weighted_sq_norms"), out["leaf_sq"])

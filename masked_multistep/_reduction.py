@@ -143,11 +143,14 @@ def resharded_as(x: Any, like: Any) -> Any:
 
 
 def check_on_mesh(grads: Any, acc_grads: Any) -> None:
-    """A ``ValueError`` where a leaf of the accumulator is on no mesh (a host
-    array, as ``flax.serialization`` restores a state) while its gradient is
-    split over an ``AxisType.Explicit`` mesh axis: jax cannot combine the two
-    ("select cases must have the same shardings"), and the accumulator's
-    layout is not known to put it anywhere."""
+    """A ``ValueError`` where, under ``jax.set_mesh``, a leaf of the
+    accumulator is on no mesh (a host array, as ``flax.serialization``
+    restores a state) while its gradient is split over an
+    ``AxisType.Explicit`` mesh axis: jax cannot combine the two there ("select
+    cases must have the same shardings"), and the accumulator's layout is not
+    known to put it anywhere. (Without a mesh set, jax combines them.)"""
+    if jax.sharding.get_abstract_mesh().empty:
+        return
     paths = jax.tree_util.tree_flatten_with_path(acc_grads)[0]
     for (path, acc), grad in zip(paths, jax.tree.leaves(grads), strict=False):
         have, want = jax.typeof(acc).sharding, jax.typeof(grad).sharding
@@ -156,9 +159,11 @@ def check_on_mesh(grads: Any, acc_grads: Any) -> None:
         if names_an_axis(want.spec):
             raise ValueError(
                 f"`state.acc_grads{jax.tree_util.keystr(path)}` is on no mesh "
-                f"while its gradient is split over it ({want.spec}): a state "
-                "restored with flax.serialization holds host arrays. Put it "
-                "where the template's arrays are, e.g. "
+                f"while its gradient is split over it ({want.spec}), which "
+                "jax cannot combine under `jax.set_mesh` (a state restored with "
+                "flax.serialization holds host arrays; `tx.init` of params on "
+                "no device builds one). Put it where the template's arrays "
+                "are, e.g. "
                 "`jax.device_put(restored, jax.tree.map(lambda x: x.sharding, "
                 "template))` (orbax restores onto the template's shardings)"
             )

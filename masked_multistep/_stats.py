@@ -392,7 +392,7 @@ class WindowStatsState(NamedTuple):
         )
 
     def _figure(self, name: str) -> jax.Array:
-        vector, index = _WHERE[name]
+        vector, index = SLOTS[name]
         return getattr(self, vector)[..., index]
 
     def plus(
@@ -412,11 +412,11 @@ class WindowStatsState(NamedTuple):
         def added(
             vector: jax.Array, name: str, value: jax.typing.ArrayLike
         ) -> jax.Array:
-            i = _WHERE[name][1]
+            i = SLOTS[name][1]
             old = jax.lax.slice_in_dim(vector, i, i + 1, axis=-1)
             value = jnp.asarray(value).astype(vector.dtype)[..., None]
             new = jnp.where(jnp.asarray(where)[..., None], old + value, old)
-            return jax.lax.dynamic_update_slice_in_dim(vector, new, i, axis=-1)
+            return _with_entry(vector, i, new)
 
         return self._replace(
             sums=added(self.sums, "weighted_sq_norms", weighted_sq_norms),
@@ -439,7 +439,7 @@ class WindowStatsState(NamedTuple):
         for name, value in figures.items():
             if name == "last":
                 flat.update(_last_figures(value))
-            elif name in _WHERE and not name.startswith("last."):
+            elif name in SLOTS and not name.startswith("last."):
                 flat[name] = value
             else:
                 raise TypeError(f"no figure named {name!r} in the statistics")
@@ -447,9 +447,9 @@ class WindowStatsState(NamedTuple):
         for vector in ("sums", "tallies", "counts"):
             old = getattr(self, vector)
             entries = {
-                _WHERE[name][1]: value
+                SLOTS[name][1]: value
                 for name, value in flat.items()
-                if _WHERE[name][0] == vector
+                if SLOTS[name][0] == vector
             }
             if len(entries) == _SIZES[vector]:
                 vectors[vector] = _stacked_figures(
@@ -458,14 +458,15 @@ class WindowStatsState(NamedTuple):
                 )
             else:
                 for i, value in sorted(entries.items()):
-                    old = old.at[..., i].set(jnp.asarray(value).astype(old.dtype))
+                    value = jnp.asarray(value).astype(old.dtype)[..., None]
+                    old = _with_entry(old, i, value)
                 vectors[vector] = old
         return WindowStatsState(**vectors, leaves=leaves)
 
 
 # Where each figure of a `WindowStatsState` lies: its vector, and its index
-# there.
-_WHERE = {
+# there (the open window's two sums, which conversions move, first).
+SLOTS = {
     "weighted_sq_norms": ("sums", 0),
     "ema_grad_var_trace": ("sums", 1),
     "ema_true_grad_sq_norm": ("sums", 2),
@@ -484,8 +485,26 @@ _WHERE = {
 _SIZES = {"sums": 9, "tallies": 3, "counts": 2}
 
 
+def _with_entry(vector: jax.Array, i: int, entry: jax.Array) -> jax.Array:
+    """``vector`` with its entry ``i`` along the last axis set to ``entry``
+    (that axis of size 1), written in place.
+
+    jax updates a slice only within one mesh: a vector on no mesh (a state
+    built on params placed nowhere, or restored to the host) beside figures
+    computed on the mesh of `jax.set_mesh` takes an elementwise select
+    instead, which combines the two."""
+    if _mesh_of(vector) == _mesh_of(entry):
+        return jax.lax.dynamic_update_slice_in_dim(vector, entry, i, axis=-1)
+    return jnp.where(jnp.arange(vector.shape[-1]) == i, entry, vector)
+
+
+def _mesh_of(x: jax.Array) -> Any:
+    sharding = jax.typeof(x).sharding
+    return None if sharding is None else sharding.mesh
+
+
 def _last_figures(last: LastWindow) -> dict[str, Any]:
-    """The figures of ``last``, named as :data:`_WHERE` names them."""
+    """The figures of ``last``, named as :data:`SLOTS` names them."""
     figures = {f"last.{name}": getattr(last, name) for name in LastWindow._fields}
     seen = figures.pop("last.tokens_seen")
     figures["last.tokens_seen.hi"], figures["last.tokens_seen.lo"] = seen

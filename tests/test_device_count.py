@@ -241,14 +241,16 @@ def test_orbax_restores_into_the_target_and_converts(tmp_path, new):
     assert moved["opt_state"].acc_grads["w"].sharding.is_equivalent_to(want, 2)
 
 
-def test_an_nnx_optimizer_state_moves():
+@pytest.mark.parametrize("stats", [False, True], ids=["plain", "stats"])
+def test_an_nnx_optimizer_state_moves(stats):
     """``nnx.state(optimizer)`` holds the wrapper's fields by name; the
-    converted state goes back with ``nnx.update``."""
+    converted state goes back with ``nnx.update``. With statistics, the open
+    window's sums (in their packed vectors, held by name) move too."""
     from flax import nnx
 
     def make(n):
         model = nnx.Linear(H, 1, rngs=nnx.Rngs(0))
-        return model, nnx.Optimizer(model, _tx(n, stats=False), wrt=nnx.Param)
+        return model, nnx.Optimizer(model, _tx(n, stats=stats), wrt=nnx.Param)
 
     model, optimizer = make(8)
     # Device d's gradient is d everywhere, over d tokens.
@@ -276,6 +278,13 @@ def test_an_nnx_optimizer_state_moves():
     np.testing.assert_allclose(
         local.opt_state.acc_grads["kernel"][...][0, 0], 140 / 28, rtol=1e-6
     )
+    if stats:
+        # Seven devices held tokens, each a small batch: d tokens of a
+        # gradient d in each of the kernel's and bias's H + 1 entries.
+        moved = local.opt_state.stats
+        assert int(moved.tallies[...][0]) == 7
+        want = sum(d * d**2 * (H + 1) for d in range(8))
+        np.testing.assert_allclose(moved.sums[...][0], want, rtol=1e-6)
     # ... and from there onto 2 devices again: all of it on the first.
     nnx.update(resumed, mm.from_device_count(nnx.state(local), nnx.state(resumed)))
     np.testing.assert_allclose(resumed.opt_state.reduction_state.counts[...], [28, 0])

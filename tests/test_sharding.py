@@ -497,3 +497,42 @@ def test_a_state_restored_to_the_host_is_named_then_continues_once_placed(deferr
         placed = jax.device_put(restored, jax.tree.map(lambda x: x.sharding, template))
         got, _ = step(params, placed, batch)
     np.testing.assert_array_equal(got["w"], want["w"])
+    if not deferred:
+        # Without a mesh set, jax combines host arrays with split gradients:
+        # not refused.
+        got, _ = step(params, restored, batch)
+        np.testing.assert_array_equal(got["w"], want["w"])
+
+
+def test_statistics_of_a_state_placed_nowhere_step_under_a_mesh():
+    """`tx.init` of params on no particular device, stepped under
+    `jax.set_mesh` with the batch split over an explicit axis: the
+    statistics' packed vectors (on no mesh) meet figures computed on the
+    mesh; writing a slice failed there ("dynamic_update_slice operand
+    sharding must be equal to update sharding"). The updates are those of
+    the same run without statistics."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def loss_fn(p, b):
+        return mm.masked_mean((b["x"] @ p["w"]).sum(-1), b["mask"])
+
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    runs = []
+    for stats in (False, True):
+        tx = mm.MaskedMultiSteps(optax.adam(0.1), 2, window_stats=stats)
+        params = {"w": jnp.ones((4, 8))}
+        state = tx.init(params)
+
+        @jax.jit
+        def step(p, s, b, tx=tx):
+            (loss, count), g = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
+            return tx.apply_gradients(g, s, p, count=count, value=loss)
+
+        with jax.set_mesh(mesh):
+            batch = {"x": x, "mask": np.arange(16) % 3 > 0}
+            batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+            for _ in range(4):
+                params, state = step(params, state, batch)
+        runs.append((params, state))
+    np.testing.assert_array_equal(runs[0][0]["w"], runs[1][0]["w"])
+    assert int(mm.window_stats(runs[1][1]).windows) == 2
