@@ -136,6 +136,7 @@ def check_stats_tallies(stats: Any, where: str) -> None:
     sum passes: a step makes one from a gradient not finite). A negative
     microbatch count flips the sign of the noise scale's estimates.
     ``stats`` may be bare or as ``nnx.state`` holds it."""
+    bare = _by_name.bare_stats(stats)
     for path in (
         ("microbatches",),
         ("last", "microbatches"),
@@ -143,7 +144,7 @@ def check_stats_tallies(stats: Any, where: str) -> None:
         ("weighted_sq_norms",),
         ("leaves", "weighted_sq_norms"),
     ):
-        field = _by_name.bare_stats(stats)
+        field = bare
         for name in path:
             # An empty field (no per-leaf sums) holds nothing further down.
             field = () if field == () else getattr(field, name)

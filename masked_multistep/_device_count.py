@@ -421,10 +421,9 @@ def _open_figure(stats: Any, name: str) -> Any:
     """The open window's figure ``name`` of the bare packed statistics
     (``weighted_sq_norms`` or ``microbatches``); of an abstract state (a
     ``jax.ShapeDtypeStruct``), its type."""
-    vector, index = SLOTS[name]
-    packed = getattr(stats, vector)
+    packed = getattr(stats, SLOTS[name][0])
     if not isinstance(packed, jax.ShapeDtypeStruct):
-        return packed[..., index]
+        return getattr(stats, name)  # the state's property reads it
     sharding = packed.sharding
     if isinstance(sharding, NamedSharding):
         spec = P(*tuple(sharding.spec)[: len(packed.shape) - 1])
