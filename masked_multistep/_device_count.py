@@ -55,7 +55,7 @@ from masked_multistep._checks import (
 from masked_multistep._deferred import _exact_sums
 from masked_multistep._multisteps import MaskedMultiStepsState
 from masked_multistep._reduction import _from_host, mean_over_devices, placed_like
-from masked_multistep._stats import SLOTS
+from masked_multistep._stats import SLOTS, LeafSums
 
 __all__ = ["device_count_target", "from_device_count"]
 
@@ -417,30 +417,50 @@ def _convert(r: dict[str, Any], layouts: tuple[str, str], old: int, new: int):
     return out, ok
 
 
+def _open_at(name: str) -> tuple[tuple[str, ...], int, int]:
+    """Where the open window's figure ``name`` lies in the packed statistics:
+    the fields down to its array, its index there, and that index's axis."""
+    if name == "leaves.weighted_sq_norms":  # each leaf's (per_leaf_stats=True)
+        return ("leaves", "shares"), LeafSums.FIGURES.index("weighted_sq_norms"), -2
+    vector, index = SLOTS[name]
+    return (vector,), index, -1
+
+
 def _open_figure(stats: Any, name: str) -> Any:
     """The open window's figure ``name`` of the bare packed statistics
-    (``weighted_sq_norms`` or ``microbatches``); of an abstract state (a
+    (``weighted_sq_norms``, ``microbatches``, or each leaf's
+    ``leaves.weighted_sq_norms``); of an abstract state (a
     ``jax.ShapeDtypeStruct``), its type."""
-    packed = getattr(stats, SLOTS[name][0])
+    path, index, axis = _open_at(name)
+    packed = stats
+    for field in path:
+        packed = getattr(packed, field)
     if not isinstance(packed, jax.ShapeDtypeStruct):
-        return getattr(stats, name)  # the state's property reads it
+        return jax.lax.index_in_dim(packed, index, packed.ndim + axis, keepdims=False)
+    shape = list(packed.shape)
+    del shape[axis]
     sharding = packed.sharding
     if isinstance(sharding, NamedSharding):
-        spec = P(*tuple(sharding.spec)[: len(packed.shape) - 1])
-        sharding = NamedSharding(sharding.mesh, spec)
-    return jax.ShapeDtypeStruct(packed.shape[:-1], packed.dtype, sharding=sharding)
+        spec = [*sharding.spec, *[None] * (len(packed.shape) - len(sharding.spec))]
+        del spec[axis]
+        sharding = NamedSharding(sharding.mesh, P(*spec))
+    return jax.ShapeDtypeStruct(tuple(shape), packed.dtype, sharding=sharding)
 
 
 def _with_open_figure(stats: Any, name: str, value: Any) -> dict[str, Any]:
-    """The statistics' packed vector (bare or in its NNX variable, in
-    ``stats`` bare or held by name) that holds the open window's figure
-    ``name``, with it set to ``value``, placed as it was: ``{vector: it}``."""
-    vector, index = SLOTS[name]
-    held = _get(stats, vector)
+    """The field of ``stats`` (bare or held by name) that holds the open
+    window's figure ``name`` (its packed array bare or in its NNX variable),
+    with the figure set to ``value``, placed as it was: ``{field: it}``."""
+    path, index, axis = _open_at(name)
+    node = stats if len(path) == 1 else _get(stats, path[0])
+    held = _get(node, path[-1])
     array = _array(held)
     new = np.array(array)
-    new[..., index] = np.asarray(value)
-    return {vector: _like(held, _placed(jnp.asarray(new), array))}
+    new[(..., index, *[slice(None)] * (-axis - 1))] = np.asarray(value)
+    field = _like(held, _placed(jnp.asarray(new), array))
+    if len(path) == 1:
+        return {path[0]: field}
+    return {path[0]: _with(node, **{path[1]: field})}
 
 
 def _fields(node: Any) -> tuple[str, ...]:
@@ -499,7 +519,7 @@ class _Side:
             out["sq"] = _open_figure(stats, "weighted_sq_norms")
             out["k"] = _open_figure(stats, "microbatches")
             if _fields(self.leaves):
-                out["leaf_sq"] = _array(_get(self.leaves, "weighted_sq_norms"))
+                out["leaf_sq"] = _open_figure(stats, "leaves.weighted_sq_norms")
         return out
 
 
@@ -526,7 +546,7 @@ def _check_window_arrays(r: _Side, t: _Side) -> None:
         # Each leaf's shares (per_leaf_stats=True) add an axis of the leaves.
         want = (r.devices,)
         if name == "sq_norms" and _fields(t.leaves):
-            want += np.shape(_array(_get(t.leaves, "weighted_sq_norms")))
+            want += np.shape(_array(_get(t.leaves, "shares")))[-1:]
         if shape != want:
             raise ValueError(
                 f"`restored`'s reduction_state.{name} has shape {shape} where "
@@ -636,9 +656,12 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
             **_with_open_figure(stats, "microbatches", out["k"]),
         )
         if _fields(t.leaves):
-            leaf_sq = _like(_get(t.leaves, "weighted_sq_norms"), out["leaf_sq"])
-            leaves = _with(_get(fields["stats"], "leaves"), weighted_sq_norms=leaf_sq)
-            fields["stats"] = _with(fields["stats"], leaves=leaves)
+            fields["stats"] = _with(
+                fields["stats"],
+                **_with_open_figure(
+                    fields["stats"], "leaves.weighted_sq_norms", out["leaf_sq"]
+                ),
+            )
     for k, f in _SCALAR_FIELDS.items():
         fields[f] = _like(_get(t.node, f), out[k])
     fields["acc_grads"] = jax.tree.unflatten(

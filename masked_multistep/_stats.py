@@ -283,26 +283,94 @@ class LastWindow(NamedTuple):
 
 class LeafSums(NamedTuple):
     """Each parameter leaf's share of the window statistics (with
-    ``per_leaf_stats=True``): float32 vectors with one entry per leaf of the
-    params, in ``jax.tree.leaves`` order. The statistics' sums are sums over
-    the leaves, so each group of leaves has its own ``S``, ``‖ḡ‖²`` and
-    estimators (:func:`read_leaf_stats`), and the window's totals are these
-    summed.
+    ``per_leaf_stats=True``): five float32 figures per leaf of the params, in
+    ``jax.tree.leaves`` order, packed into one array (one array of a jitted
+    call's arguments costs the host as much as a scalar, see
+    :class:`WindowStatsState`) and read by name through the properties below.
+    The statistics' sums are sums over the leaves, so each group of leaves has
+    its own ``S``, ``‖ḡ‖²`` and estimators (:func:`read_leaf_stats`), and the
+    window's totals are these summed.
 
     Attributes:
-      weighted_sq_norms: ``Σ nᵢ ‖gᵢ,ₗ‖²`` over the current window.
-      grad_sq_norm: ``‖ḡₗ‖²`` of the last completed window (0 without tokens).
-      sq_deviation: ``Sₗ = Σ nᵢ ‖gᵢ,ₗ − ḡₗ‖²`` of the last completed window.
-      ema_grad_var_trace: moving average of ``tr Σ̂ₗ`` (not debiased; the
-        window's ``ema_weight`` debiases it).
-      ema_true_grad_sq_norm: moving average of ``|Gₗ|²̂`` (not debiased).
+      shares: float32, shape ``(5, L)`` for ``L`` leaves (a state batched by
+        ``jax.vmap`` has the batch's axes first), one row per figure:
+
+    - ``weighted_sq_norms``: ``Σ nᵢ ‖gᵢ,ₗ‖²`` over the current window.
+    - ``grad_sq_norm``: ``‖ḡₗ‖²`` of the last completed window (0 without
+      tokens).
+    - ``sq_deviation``: ``Sₗ = Σ nᵢ ‖gᵢ,ₗ − ḡₗ‖²`` of the last completed window.
+    - ``ema_grad_var_trace``: moving average of ``tr Σ̂ₗ`` (not debiased; the
+      window's ``ema_weight`` debiases it).
+    - ``ema_true_grad_sq_norm``: moving average of ``|Gₗ|²̂`` (not debiased).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from masked_multistep._stats import LeafSums
+      >>> sums = LeafSums.packed(weighted_sq_norms=jnp.array([1.0, 2.0]))
+      >>> print(sums.weighted_sq_norms, sums.shares.shape)
+      [1. 2.] (5, 2)
+      >>> print(sums.replaced(sq_deviation=jnp.array([3.0, 4.0])).sq_deviation)
+      [3. 4.]
     """
 
-    weighted_sq_norms: jax.Array
-    grad_sq_norm: jax.Array
-    sq_deviation: jax.Array
-    ema_grad_var_trace: jax.Array
-    ema_true_grad_sq_norm: jax.Array
+    shares: jax.Array
+
+    FIGURES = (
+        "weighted_sq_norms",
+        "grad_sq_norm",
+        "sq_deviation",
+        "ema_grad_var_trace",
+        "ema_true_grad_sq_norm",
+    )
+
+    @property
+    def weighted_sq_norms(self) -> jax.Array:
+        return self.shares[..., 0, :]
+
+    @property
+    def grad_sq_norm(self) -> jax.Array:
+        return self.shares[..., 1, :]
+
+    @property
+    def sq_deviation(self) -> jax.Array:
+        return self.shares[..., 2, :]
+
+    @property
+    def ema_grad_var_trace(self) -> jax.Array:
+        return self.shares[..., 3, :]
+
+    @property
+    def ema_true_grad_sq_norm(self) -> jax.Array:
+        return self.shares[..., 4, :]
+
+    @classmethod
+    def packed(cls, **figures: jax.typing.ArrayLike) -> LeafSums:
+        """The leaves' figures by name, in float32 (an absent one 0: of the
+        shape of those given, at least one)."""
+        unknown = set(figures) - set(cls.FIGURES)
+        if unknown:
+            raise TypeError(f"no figure named {sorted(unknown)} in the leaf sums")
+        arrays = {name: jnp.asarray(x, _F32) for name, x in figures.items()}
+        shape = jnp.broadcast_shapes(*(a.shape for a in arrays.values()))
+        rows = [
+            jnp.broadcast_to(arrays[name], shape)
+            if name in arrays
+            else jnp.zeros(shape, _F32)
+            for name in cls.FIGURES
+        ]
+        return cls(jnp.stack(rows, axis=-2))
+
+    def replaced(self, **figures: jax.typing.ArrayLike) -> LeafSums:
+        """These sums with the named figures replaced (the properties'
+        names), the others as they are: only the rows replaced are written,
+        in place."""
+        shares = self.shares
+        for name, value in figures.items():
+            if name not in self.FIGURES:
+                raise TypeError(f"no figure named {name!r} in the leaf sums")
+            row = jnp.asarray(value).astype(_F32)[..., None, :]
+            shares = _with_entry(shares, self.FIGURES.index(name), row, axis=-2)
+        return LeafSums(shares)
 
 
 class WindowStatsState(NamedTuple):
@@ -485,17 +553,20 @@ SLOTS = {
 _SIZES = {"sums": 9, "tallies": 3, "counts": 2}
 
 
-def _with_entry(vector: jax.Array, i: int, entry: jax.Array) -> jax.Array:
-    """``vector`` with its entry ``i`` along the last axis set to ``entry``
-    (that axis of size 1), written in place.
+def _with_entry(
+    vector: jax.Array, i: int, entry: jax.Array, axis: int = -1
+) -> jax.Array:
+    """``vector`` with its entry ``i`` along ``axis`` set to ``entry`` (that
+    axis of size 1), written in place.
 
     jax updates a slice only within one mesh: a vector on no mesh (a state
     built on params placed nowhere, or restored to the host) beside figures
     computed on the mesh of `jax.set_mesh` takes an elementwise select
     instead, which combines the two."""
     if _mesh_of(vector) == _mesh_of(entry):
-        return jax.lax.dynamic_update_slice_in_dim(vector, entry, i, axis=-1)
-    return jnp.where(jnp.arange(vector.shape[-1]) == i, entry, vector)
+        return jax.lax.dynamic_update_slice_in_dim(vector, entry, i, axis=axis)
+    at = jnp.expand_dims(jnp.arange(vector.shape[axis]) == i, range(axis + 1, 0))
+    return jnp.where(at, entry, vector)
 
 
 def _mesh_of(x: jax.Array) -> Any:
@@ -561,10 +632,9 @@ def init_window_stats(
       >>> print(stats.noise_scale, float(stats.tokens_seen), int(stats.windows))
       nan 0.0 0
     """
-    # Each leaf its own buffer: a donated state may not hold one twice.
     leaves: LeafSums | tuple[()] = ()
     if num_leaves is not None:
-        leaves = LeafSums(*(jnp.zeros([num_leaves], _F32) for _ in LeafSums._fields))
+        leaves = LeafSums(jnp.zeros([len(LeafSums.FIGURES), num_leaves], _F32))
     return WindowStatsState(
         sums=jnp.zeros([9], _F32),
         tallies=jnp.zeros([3], jnp.int32),
@@ -793,7 +863,7 @@ def accumulate_window_stats(
             sq = jnp.sum(per_leaf)
             weighted = leaves.weighted_sq_norms
             weighted = jnp.where(take, weighted + n * per_leaf, weighted)
-            leaves = leaves._replace(weighted_sq_norms=weighted)
+            leaves = leaves.replaced(weighted_sq_norms=weighted)
         else:
             sq = jnp.where(take, _taken_sq_norm(grads, take).astype(_F32), 0)
         return state.plus(n * sq, 1, where=take)._replace(leaves=leaves)
@@ -853,7 +923,7 @@ def accumulate_window_stats_per_device(
         added, took = device_shares(grads, local_counts, take, per_leaf)
         if isinstance(leaves, LeafSums):
             added = jnp.sum(added, axis=0)  # each leaf's, over the devices
-            leaves = leaves._replace(weighted_sq_norms=leaves.weighted_sq_norms + added)
+            leaves = leaves.replaced(weighted_sq_norms=leaves.weighted_sq_norms + added)
         return state.plus(jnp.sum(added), jnp.sum(took))._replace(leaves=leaves)
 
 
@@ -1113,7 +1183,7 @@ def _close_leaves(
         raise ValueError("each leaf's squared norm of the window's mean is needed")
     g2, s = _deviation(leaves.weighted_sq_norms, tokens, leaf_sq_norms)
     var, true_sq, *_ = _estimates(s, microbatches, tokens, g2)
-    return LeafSums(
+    return LeafSums.packed(
         weighted_sq_norms=jnp.zeros_like(leaves.weighted_sq_norms),
         grad_sq_norm=g2,
         sq_deviation=s,
@@ -1404,7 +1474,7 @@ class Recorder(NamedTuple):
         if sums:
             state = state.replaced(weighted_sq_norms=sums[0], microbatches=sums[1])
             if isinstance(state.leaves, LeafSums):
-                leaves = state.leaves._replace(weighted_sq_norms=sums[2])
+                leaves = state.leaves.replaced(weighted_sq_norms=sums[2])
                 state = state._replace(leaves=leaves)
         leaf_sq_norms = None
         if isinstance(mean_sq_norm, tuple):
@@ -1515,7 +1585,7 @@ def one_window_stats(
         leaf_sq_norms = _sq_norms(mean, False, (), per_leaf=True, window=(tokens, loss))
         grad_sq_norm = jnp.sum(leaf_sq_norms)
         state = state._replace(
-            leaves=cast(LeafSums, state.leaves)._replace(
+            leaves=cast(LeafSums, state.leaves).replaced(
                 weighted_sq_norms=jnp.asarray(leaf_sums, _F32)
             )
         )

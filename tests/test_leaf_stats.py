@@ -168,6 +168,29 @@ def test_the_leaves_add_up_to_the_window_and_the_totals_are_kept_as_without_them
         )
 
 
+def test_each_leafs_shares_are_one_array_of_the_state():
+    # Every array of a jitted call costs the host as much as a scalar: the
+    # leaves' five figures are packed into one (5, L) array, read by name.
+    params = _params()
+    with_leaves = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)
+    without = mm.MaskedMultiSteps(optax.sgd(0.1), K, window_stats=True)
+    stats = with_leaves.init(params).stats
+    assert (
+        len(jax.tree.leaves(stats))
+        == len(jax.tree.leaves(without.init(params).stats)) + 1
+    )
+    assert stats.leaves.shares.shape == (len(_stats.LeafSums.FIGURES), 3)
+    grads, n = _plan()[0]
+    _, state = with_leaves.update(grads, with_leaves.init(params), params, count=n)
+    leaves = state.stats.leaves
+    sq = [float(jnp.sum(jnp.square(g))) for g in jax.tree.leaves(grads)]
+    np.testing.assert_allclose(leaves.weighted_sq_norms, float(n) * np.array(sq))
+    for name in _stats.LeafSums.FIGURES[1:]:  # no window closed yet
+        assert_bit_identical(getattr(leaves, name), jnp.zeros(3))
+    with pytest.raises(TypeError, match="no figure named 'sq_norms'"):
+        leaves.replaced(sq_norms=jnp.zeros(3))
+
+
 def test_each_leafs_spread_matches_a_float64_two_pass_sum():
     plan = _plan(seed=3, windows=1)
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)

@@ -275,7 +275,7 @@ def test_a_negative_step_counter_is_refused(name):
         (
             "stats.leaves.weighted_sq_norms",
             lambda s: s._replace(
-                leaves=s.leaves._replace(
+                leaves=s.leaves.replaced(
                     weighted_sq_norms=-jnp.ones_like(s.leaves.weighted_sq_norms)
                 )
             ),

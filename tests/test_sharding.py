@@ -514,13 +514,13 @@ def test_statistics_of_a_state_placed_nowhere_step_under_a_mesh():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 
     def loss_fn(p, b):
-        return mm.masked_mean((b["x"] @ p["w"]).sum(-1), b["mask"])
+        return mm.masked_mean((b["x"] @ p["w"] + p["b"][None]).sum(-1), b["mask"])
 
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
     runs = []
-    for stats in (False, True):
-        tx = mm.MaskedMultiSteps(optax.adam(0.1), 2, window_stats=stats)
-        params = {"w": jnp.ones((4, 8))}
+    for stats in ({}, {"window_stats": True}, {"per_leaf_stats": True}):
+        tx = mm.MaskedMultiSteps(optax.adam(0.1), 2, **stats)
+        params = {"w": jnp.ones((4, 8)), "b": jnp.zeros(8)}
         state = tx.init(params)
 
         @jax.jit
@@ -529,10 +529,18 @@ def test_statistics_of_a_state_placed_nowhere_step_under_a_mesh():
             return tx.apply_gradients(g, s, p, count=count, value=loss)
 
         with jax.set_mesh(mesh):
-            batch = {"x": x, "mask": np.arange(16) % 3 > 0}
-            batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-            for _ in range(4):
+            for i in range(4):  # microbatches that differ: a spread S > 0
+                batch = {"x": x * (1 + i), "mask": np.arange(16) % (3 + i) > 0}
+                batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
                 params, state = step(params, state, batch)
         runs.append((params, state))
-    np.testing.assert_array_equal(runs[0][0]["w"], runs[1][0]["w"])
-    assert int(mm.window_stats(runs[1][1]).windows) == 2
+    for params, state in runs[1:]:
+        np.testing.assert_array_equal(runs[0][0]["w"], params["w"])
+        assert int(mm.window_stats(state).windows) == 2
+    totals, leaves = (
+        mm.window_stats(runs[1][1]),
+        mm.window_stats(runs[2][1], per_leaf=True),
+    )
+    np.testing.assert_allclose(
+        sum(jax.tree.leaves(leaves.grad_var_trace)), totals.grad_var_trace, rtol=1e-5
+    )
