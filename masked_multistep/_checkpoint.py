@@ -121,7 +121,16 @@ def check_counters(state: Any, where: str) -> None:
     (``mini_step`` -2 with k = 3 closes it after 5 microbatches). ``state``
     may be bare or as ``nnx.state`` holds it."""
     for name in STEP_COUNTERS:
-        counter = int(_by_name.array(_by_name.get(state, name)))
+        held = _by_name.array(_by_name.get(state, name))
+        if np.ndim(held):
+            raise ValueError(
+                f"{where.format(name)} has shape {np.shape(held)}, not (): a "
+                "batch of states (an ensemble built with jax.vmap) is converted "
+                "one member at a time, each against its own template, e.g. "
+                "`jax.tree.map(lambda x: x[i], state)` for each i, the results "
+                "stacked with `jax.tree.map(lambda *xs: jnp.stack(xs), *members)`"
+            )
+        counter = int(held)
         if counter < 0:
             raise ValueError(
                 f"{where.format(name)} must be an integer in [0, 2**31 - 1], got "

@@ -369,7 +369,9 @@ def window_shapes(
     refused = refuses_keyword(opt.update, "value")
     try:
         avals, needs_value = shapes(with_value=False), False
-    except TypeError:
+    except TypeError as err:
+        if not with_grad and _MISSING_GRAD in str(err):
+            raise TypeError(f"{_GRAD_HINT}; it said: {err}") from err
         if refused:
             raise
         avals, needs_value = None, True
@@ -378,17 +380,27 @@ def window_shapes(
         try:
             avals = shapes(with_value=True)
         except TypeError as err:
+            if not with_grad and _MISSING_GRAD in str(err):
+                raise TypeError(f"{_GRAD_HINT}; it said: {err}") from err
             if "unexpected keyword argument 'value'" in str(err):
-                err.add_note(
-                    "(a transformation inside the inner optimizer refuses the "
+                raise TypeError(
+                    "a transformation inside the inner optimizer refuses the "
                     "`value=` that the wrapper hands on (the window's mean "
                     "loss), as optax.contrib.sam does inside optax.chain: wrap "
                     "such a one as optax.GradientTransformation(t.init, t.update), "
-                    "which optax.chain calls without extra arguments)"
-                )
+                    f"which optax.chain calls without extra arguments; it said: {err}"
+                ) from err
             raise
     memo.put(key, (needs_value, passes_value, avals))
     return WindowPlan(needs_value, passes_value, avals, update_of(passes_value))
+
+
+_MISSING_GRAD = "required keyword-only argument: 'grad'"
+_GRAD_HINT = (
+    "the inner optimizer is a line search that needs `grad=`: pass one with "
+    "each microbatch, e.g. `grad=grads`, and the wrapper hands it the window's "
+    "mean gradient in its place"
+)
 
 
 def _in_dtypes_of(avals: Any, like: Any) -> Any:

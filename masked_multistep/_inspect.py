@@ -57,9 +57,8 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
     Examples:
       >>> import jax.numpy as jnp, optax
       >>> import masked_multistep as mm
-      >>> tx = optax.chain(optax.clip_by_global_norm(1.0),
-      ...                  mm.MaskedMultiSteps(optax.sgd(0.1), 2)
-      ...                  .gradient_transformation())
+      >>> tx = optax.chain(mm.MaskedMultiSteps(optax.sgd(0.1), 2),
+      ...                  optax.scale(0.5))
       >>> state = tx.init(jnp.zeros(3))
       >>> int(mm.find_state(state).mini_step)
       0
@@ -138,10 +137,7 @@ def has_updated(opt_state: Any) -> jax.Array:
     Examples:
       >>> import jax.numpy as jnp, optax
       >>> import masked_multistep as mm
-      >>> tx = optax.chain(
-      ...     optax.scale(1.0),
-      ...     mm.MaskedMultiSteps(optax.sgd(0.1), 2).gradient_transformation(),
-      ... )
+      >>> tx = optax.chain(mm.MaskedMultiSteps(optax.sgd(0.1), 2), optax.scale(0.5))
       >>> state = tx.init(jnp.zeros(2))
       >>> for _ in range(2):
       ...     _, state = tx.update(jnp.ones(2), state, count=jnp.array(4))

@@ -165,7 +165,7 @@ def from_optax_multisteps(
 
     Call it eagerly, once; it allocates one fresh state with ``tx.init(params)``.
     For a state inside ``optax.chain``, convert the chain's element that is the
-    ``optax.MultiStepsState`` (and chain ``tx.gradient_transformation()``).
+    ``optax.MultiStepsState`` (and put ``tx`` in the chain in its place).
 
     Args:
       state: an ``optax.MultiStepsState``, with arrays as leaves (or NNX

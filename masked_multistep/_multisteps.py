@@ -581,6 +581,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         _checks.refuse_unknown_keywords(
             "MaskedMultiSteps", unknown, cls.__new__, _KEYWORD_HINTS
         )
+        if not hasattr(opt, "update") and hasattr(every_k_schedule, "update"):
+            raise TypeError(
+                f"`opt` must be an optax GradientTransformation, got "
+                f"{type(opt).__name__} ({opt!r}), and `every_k_schedule` got one: "
+                "the optimizer goes first, "
+                "MaskedMultiSteps(opt, every_k_schedule=k)"
+            )
         _inner.check_opt(opt)
         acc_dtype = _checks.check_accumulator_dtype(accumulator_dtype)
         cnt_dtype = _checks.check_count_dtype(count_dtype)
@@ -733,13 +740,17 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         The wrapper already is one; this returns the bare ``(init, update)``
         pair, for code that wants exactly that type.
 
+        Inside ``optax.chain`` the wrapper goes as it is.
+
         Examples:
           >>> import jax.numpy as jnp, optax
           >>> import masked_multistep as mm
-          >>> tx = optax.chain(
-          ...     mm.MaskedMultiSteps(optax.sgd(0.1), 2).gradient_transformation())
-          >>> state = tx.init(jnp.zeros(2))
-          >>> updates, state = tx.update(jnp.ones(2), state, count=jnp.array(3))
+          >>> tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2)
+          >>> type(tx.gradient_transformation()).__name__
+          'GradientTransformationExtraArgs'
+          >>> chain = optax.chain(tx, optax.scale(0.5))  # the wrapper as it is
+          >>> state = chain.init(jnp.zeros(2))
+          >>> updates, state = chain.update(jnp.ones(2), state, count=jnp.array(3))
         """
         return optax.GradientTransformationExtraArgs(self.init, self.update)
 

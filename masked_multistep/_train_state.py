@@ -254,9 +254,17 @@ class TrainState(_flax_train_state.TrainState):
                 "`state.apply_gradients(grads=grads, count=n)`"
             )
         if grads is None:
+            given = [k for k in kwargs if k != "count"]
+            guess = difflib.get_close_matches("grads", given, n=1, cutoff=0.5)
             raise TypeError(
                 f"{type(self).__name__}.apply_gradients needs the microbatch's "
                 "gradients: call `state.apply_gradients(grads=grads, count=n)`"
+                + (
+                    f", got {', '.join(f'`{k}=`' for k in given)}"
+                    + (" (did you mean `grads=`?)" if guess else "")
+                    if given
+                    else ""
+                )
             )
         own = [k for k in ("step", "params", "opt_state") if k in kwargs]
         if own:
@@ -408,6 +416,13 @@ class TrainState(_flax_train_state.TrainState):
 
     def _multisteps_field(self, attribute: str) -> jax.Array:
         paths = state_paths(self.opt_state, "state.opt_state")
+        if not paths:
+            raise ValueError(
+                f"TrainState.{attribute} reads the MaskedMultiSteps state in "
+                f"`opt_state`, which holds none: this state's `tx` is "
+                f"{_inner.describe(self.tx)}; build the state with "
+                "`tx=mm.MaskedMultiSteps(opt, every_k_schedule=k)`"
+            )
         if len(paths) > 1:
             # (A property takes no argument: say how to read each.)
             raise ValueError(

@@ -67,6 +67,20 @@ def _schedule_value(x: Any, what: str) -> jax.Array:
     return x
 
 
+def _called(schedule: Callable[[Any], Any], arg: Any, what: str) -> Any:
+    """``schedule(arg)``; a schedule that branches in Python on its argument,
+    traced under ``jit`` (a Python ``if``), is told so by name."""
+    try:
+        return schedule(arg)
+    except jax.errors.ConcretizationTypeError as err:
+        raise TypeError(
+            f"{what} is called with a traced value under jit, scan or vmap, "
+            "where a Python `if` or int(...) on it fails: write the schedule "
+            "with jnp.where (e.g. `lambda step: jnp.where(step < 10, 2, 4)`) or "
+            "as an optax schedule"
+        ) from err
+
+
 def _sanitize_k(k: Any, what: str = "`every_k_schedule(step)`") -> jax.Array:
     """A schedule's value as an int32 window size in [1, 2³¹ − 1], total.
 
@@ -137,7 +151,9 @@ def every_k(
     """
     if callable(every_k_schedule):
         check_takes_one(every_k_schedule, "`every_k_schedule`", "the gradient step")
-        return lambda step: _sanitize_k(every_k_schedule(step))
+        return lambda step: _sanitize_k(
+            _called(every_k_schedule, step, "`every_k_schedule(step)`")
+        )
     k = every_k_schedule
     if isinstance(k, (jax.Array, np.ndarray, np.generic)) and np.ndim(k) == 0:
         if not jnp.issubdtype(k.dtype, jnp.integer) or k.dtype == np.bool_:
@@ -377,7 +393,9 @@ def _microbatch_cap(
     if callable(value):
         check_takes_one(value, what, "the gradient step")
         schedule = value
-        return lambda step: _sanitize_k(schedule(step), f"{what[:-1]}(step)`")
+        return lambda step: _sanitize_k(
+            _called(schedule, step, f"{what[:-1]}(step)`"), f"{what[:-1]}(step)`"
+        )
     if isinstance(value, bool) or not isinstance(
         value, (numbers.Integral, jax.Array, np.ndarray, np.generic)
     ):
@@ -639,13 +657,15 @@ def _token_budget(
         if track_seen:
             budget_of = (
                 lambda seen, s: _sanitize_budget(  # noqa: E731
-                    budget_fn(seen.hi + seen.lo), f"{what[:-1]}(tokens_seen)`"
+                    _called(budget_fn, seen.hi + seen.lo, f"{what[:-1]}(tokens_seen)`"),
+                    f"{what[:-1]}(tokens_seen)`",
                 )
             )
         else:
             budget_of = (
                 lambda _, s: _sanitize_budget(  # noqa: E731
-                    budget_fn(s.gradient_step), f"{what[:-1]}(gradient_step)`"
+                    _called(budget_fn, s.gradient_step, f"{what[:-1]}(gradient_step)`"),
+                    f"{what[:-1]}(gradient_step)`",
                 )
             )
     else:

@@ -938,12 +938,14 @@ def test_a_value_refused_deeper_inside_the_inner_optimizer_is_an_error():
     for inner in [gated, optax.chain(sam())]:
         tx = mm.MaskedMultiSteps(inner, 1)
         state = tx.init(PARAMS)
-        with pytest.raises(TypeError, match="unexpected keyword argument 'value'") as e:
+        # The way out first, then what the optimizer said.
+        with pytest.raises(
+            TypeError,
+            match=r"^a transformation inside the inner optimizer refuses the "
+            r"`value=`.*optax.GradientTransformation\(t.init, t.update\).*; it "
+            r"said: .*unexpected keyword argument 'value'",
+        ):
             tx.update(_grads(1.0), state, PARAMS, count=1, value=jnp.float32(1.0))
-        assert any(
-            "optax.GradientTransformation(t.init, t.update)" in n
-            for n in getattr(e.value, "__notes__", [])
-        )
     # The note's way out: wrapped so, optax.chain calls sam without it.
     wrapped = sam()
     tx = mm.MaskedMultiSteps(

@@ -44,6 +44,13 @@ def test_bad_constructor_arguments():
         TypeError, match="`opt` must be an optax GradientTransformation"
     ):
         mm.MaskedMultiSteps(lambda g: g, 2)
+    # The window's length and the optimizer swapped.
+    with pytest.raises(
+        TypeError,
+        match=r"^`opt` must be an optax GradientTransformation, got int \(4\), and "
+        r"`every_k_schedule` got one: the optimizer goes first",
+    ):
+        mm.MaskedMultiSteps(4, optax.sgd(1.0))  # type: ignore[arg-type]
     # The factory in place of the optimizer it builds.
     with pytest.raises(TypeError, match=r"got function 'adam': call it to build"):
         mm.MaskedMultiSteps(optax.adam, 2)
@@ -1173,3 +1180,42 @@ def test_a_transformation_around_the_wrapper_that_drops_count_is_named():
     state = tx.init(params)
     with pytest.raises(TypeError, match=r"must forward `count=`.*put sam inside"):
         tx.update(jnp.ones(2), state, params)
+
+
+@pytest.mark.parametrize(
+    "build, what",
+    [
+        (lambda f: mm.MaskedMultiSteps(optax.sgd(1.0), f), "every_k_schedule"),
+        (
+            lambda f: mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=f),
+            "tokens_per_window",
+        ),
+        (
+            lambda f: mm.MaskedMultiSteps(
+                optax.sgd(1.0),
+                tokens_per_window=mm.token_budget(f, by="gradient_step"),
+            ),
+            "budget",
+        ),
+        (
+            lambda f: mm.MaskedMultiSteps(
+                optax.sgd(1.0), tokens_per_window=mm.token_budget(9, max_microbatches=f)
+            ),
+            "max_microbatches",
+        ),
+    ],
+)
+def test_a_schedule_branching_in_python_is_named_under_jit(build, what):
+    # Eagerly the step is a concrete array and a Python `if` on it runs;
+    # under jit jax's TracerBoolConversionError named neither the schedule
+    # nor the way out.
+    tx = build(lambda step: 2 if step < 10 else 4)
+    params = {"w": jnp.zeros(3)}
+    state = tx.init(params)
+    tx.update({"w": jnp.ones(3)}, state, params, count=3)  # eager: runs
+    with pytest.raises(
+        TypeError,
+        match=rf"^`{what}\(\w+\)` is called with a traced value under jit.*"
+        r"jnp.where",
+    ):
+        jax.jit(tx.update)({"w": jnp.ones(3)}, state, params, count=3)

@@ -211,9 +211,15 @@ def test_gradient_step_needs_one_masked_multisteps_state():
     # Any optax transformation works; it ignores `count`.
     state = state.apply_gradients(grads=jnp.ones(2), count=jnp.array(1))
     np.testing.assert_array_equal(state.params, -jnp.ones(2))
-    with pytest.raises(ValueError, match="gradient_step reads .* found 0"):
+    # The error says what `tx` is instead.
+    with pytest.raises(
+        ValueError,
+        match=r"gradient_step reads .* which holds none: this state's `tx` is "
+        r"chain\(identity, scale\); .*"
+        r"tx=mm.MaskedMultiSteps\(opt, every_k_schedule=k\)",
+    ):
         state.gradient_step  # noqa: B018
-    with pytest.raises(ValueError, match="mini_step reads .* found 0"):
+    with pytest.raises(ValueError, match="mini_step reads .* which holds none"):
         state.mini_step  # noqa: B018
 
 

@@ -184,6 +184,14 @@ def test_lbfgs_runs_on_each_windows_token_weighted_loss_and_gradient():
         w_ref = optax.apply_updates(w_ref, u)
         np.testing.assert_allclose(w, w_ref, rtol=1e-5, atol=1e-6)
     assert int(state.gradient_step) == windows
+    # Without `grad=` the line search failed inside optax ("missing 1 required
+    # keyword-only argument: 'grad'"): the error says to pass one.
+    with pytest.raises(
+        TypeError,
+        match=r"^the inner optimizer is a line search that needs `grad=`: pass one "
+        r"with each microbatch, e.g. `grad=grads`.*; it said: .*'grad'",
+    ):
+        update(g, state, w, count=count, value=loss, window=jnp.int32(0))
 
 
 def test_inside_optax_chain_with_count_as_extra_arg():

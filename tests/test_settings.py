@@ -363,3 +363,44 @@ def test_an_nnx_optimizer_switches_by_name():
     )
     with pytest.raises(TypeError, match=r"pass the running optimizer's the same way"):
         mm.from_other_settings(optimizer.opt_state, nnx.state(new)["opt_state"])
+
+
+def test_an_ensembles_states_are_converted_one_member_at_a_time():
+    # A batch of states (jax.vmap of init) failed inside a conversion of a
+    # counter to a Python int; the error now says how to convert it, and that
+    # way gives each member's window as a run of its own would.
+    members = 3
+    old = mm.MaskedMultiSteps(optax.sgd(1.0), 4, window_stats=True)
+    new = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=10, window_stats=True)
+
+    def step(tx):
+        return jax.vmap(lambda g, s, p, n: tx.apply_gradients(g, s, p, count=n))
+
+    params = {"w": jnp.zeros((members, 3))}
+    params, state = step(old)(
+        {"w": jnp.ones((members, 3))},
+        jax.vmap(old.init)(params),
+        params,
+        jnp.array([4.0, 12.0, 0.0]),
+    )
+    template = jax.vmap(new.init)(params)
+    with pytest.raises(
+        ValueError, match=r"^`state.mini_step` has shape \(3,\), not \(\): a batch"
+    ):
+        mm.from_other_settings(state, template)
+    converted = [
+        mm.from_other_settings(
+            jax.tree.map(lambda x, i=i: x[i], state),
+            jax.tree.map(lambda x, i=i: x[i], template),
+        )
+        for i in range(members)
+    ]
+    state = jax.tree.map(lambda *xs: jnp.stack(xs), *converted)
+    params, state = step(new)(
+        {"w": jnp.full((members, 3), 3.0)}, state, params, jnp.array([8.0, 1.0, 10.0])
+    )
+    # Each member's window: (4 tokens of 1, 8 of 3), (12 of 1, 1 of 3), (10 of 3).
+    np.testing.assert_allclose(
+        params["w"][:, 0], [-(4 + 24) / 12, -(12 + 3) / 13, -3.0], rtol=1e-6
+    )
+    np.testing.assert_array_equal(state.gradient_step, [1, 1, 1])

@@ -322,8 +322,16 @@ def test_positional_or_missing_gradients_say_how_to_call():
         r"count=n\)`",
     ):
         state.apply_gradients(jax.tree.map(jnp.ones_like, state.params), 3)
-    with pytest.raises(TypeError, match=r"needs the microbatch's gradients"):
+    with pytest.raises(TypeError, match=r"needs the microbatch's gradients.*\)`$"):
         state.apply_gradients(count=3)
+    # A misspelt keyword is named (it would otherwise be refused as unknown
+    # only after this check).
+    with pytest.raises(
+        TypeError,
+        match=r"needs the microbatch's gradients: .*, got `grad=` "
+        r"\(did you mean `grads=`\?\)$",
+    ):
+        state.apply_gradients(grad=state.params, count=3)
 
 
 def test_a_tx_replaced_without_its_state_is_named():
