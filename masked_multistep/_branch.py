@@ -201,9 +201,22 @@ def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> An
       Array(-1, dtype=int32)
     """
     taken = concrete_bool(pred)
-    if taken is None:
+    if taken is not None:
+        return (true_fn if taken else false_fn)(*operands)
+    try:
         return jax.lax.cond(pred, true_fn, false_fn, *operands)
-    return (true_fn if taken else false_fn)(*operands)
+    except ValueError as err:
+        if "pvary is a invariant->variant collective" not in str(err):
+            raise
+        raise ValueError(
+            "jax could not batch the window's conditional: `jax.vmap` of a "
+            "`lax.cond` whose predicate differs between the members, inside "
+            "`jax.shard_map`, fails in jax's own batching rule (jax 0.10 to "
+            "0.12, any function whose branch combines a value the same on "
+            "every shard with one that is not). Ensemble members with a "
+            "state of their own each (nothing split over the mesh axis) "
+            "train correctly with `jax.shard_map(..., check_vma=False)`"
+        ) from err
 
 
 def in_place_cond(

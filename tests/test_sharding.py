@@ -544,3 +544,55 @@ def test_statistics_of_a_state_placed_nowhere_step_under_a_mesh():
     np.testing.assert_allclose(
         sum(jax.tree.leaves(leaves.grad_var_trace)), totals.grad_var_trace, rtol=1e-5
     )
+
+
+def test_ensemble_members_vmapped_inside_shard_map():
+    """Two ensemble members per shard, `jax.vmap(tx.apply_gradients)` inside
+    `shard_map`: jax's batching of a `lax.cond` with a predicate that differs
+    between members fails there ("pvary is a invariant->variant collective",
+    jax 0.10.2 to 0.12); the error says so, and `check_vma=False`, as it says,
+    trains each member as a run of its own."""
+    mesh = jax.make_mesh((4,), ("e",), axis_types=(jax.sharding.AxisType.Explicit,))
+    members = 8
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2)
+
+    def per_shard(g, s, p, n):
+        step = jax.vmap(lambda g, s, p, n: tx.apply_gradients(g, s, p, count=n))
+        return step(g, s, p, n)
+
+    rng = np.random.default_rng(0)
+    grads = [{"w": rng.normal(size=(members, 3)).astype(np.float32)} for _ in range(4)]
+    counts = [rng.integers(0, 4, members).astype(np.float32) for _ in range(4)]
+    params = {"w": jnp.zeros((members, 3))}
+    state = jax.vmap(tx.init)(params)
+    # Each member alone, as the reference.
+    want, steps = [], []
+    for m in range(members):
+        p, s = {"w": params["w"][m]}, tx.init({"w": params["w"][m]})
+        for g, n in zip(grads, counts):
+            p, s = tx.apply_gradients({"w": g["w"][m]}, s, p, count=n[m])
+        want.append(p["w"])
+        steps.append(int(s.gradient_step))
+    with jax.set_mesh(mesh):
+        placed = NamedSharding(mesh, P("e"))
+        params, state = jax.device_put((params, state), placed)
+        for check_vma in (True, False):
+            step = jax.jit(
+                jax.shard_map(
+                    per_shard,
+                    mesh=mesh,
+                    in_specs=P("e"),
+                    out_specs=P("e"),
+                    check_vma=check_vma,
+                )
+            )
+            p, s = params, state
+            for g, n in zip(grads, counts):
+                g, n = jax.device_put((g, n), placed)
+                if check_vma:
+                    with pytest.raises(ValueError, match=r"check_vma=False"):
+                        step(g, s, p, n)
+                    break
+                p, s = step(g, s, p, n)
+    np.testing.assert_allclose(p["w"], np.stack(want), rtol=1e-6)
+    np.testing.assert_array_equal(s.gradient_step, steps)
