@@ -131,10 +131,12 @@ from masked_multistep._checks import (
 )
 from masked_multistep._running_mean import (
     compute_dtype,
+    placed_by_type,
     result_type,
     sq_norm,
     squares,
     sum_scalars,
+    sums_of_leaves,
 )
 from masked_multistep._shards import over_slices, varying_axes, window_flag
 from masked_multistep._token_total import TokenTotal, add_tokens
@@ -649,7 +651,8 @@ def tree_sq_norm(tree: Any, window: Any = None) -> jax.Array:
     it, ``window`` (the window's tokens, its loss) the same on each (see
     ``_shards``). On GPUs the leaves' rows are added up before one reduction
     per shape of rows (see :func:`_one_reduction` for where); elsewhere each
-    leaf is reduced on its own. The two differ in the last bits.
+    leaf is reduced on its own, but on CPUs small ones together
+    (``_running_mean.sums_of_leaves``). They differ in the last bits.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -659,7 +662,7 @@ def tree_sq_norm(tree: Any, window: Any = None) -> jax.Array:
     """
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
     if not _one_reduction(leaves):
-        sums = [over_slices(sq_norm(x), window) for x in leaves]
+        sums = sums_of_leaves(leaves, squares, window)
     else:
         # Each leaf's rows summed (on GPUs, in the pass that also accumulates
         # the leaf), the rows of leaves of one shape added up elementwise, then
@@ -698,16 +701,7 @@ def _one_reduction(leaves: list[jax.Array]) -> bool:
         return False
     if ONE_REDUCTION is None and jax.default_backend() not in ("gpu", "cuda", "rocm"):
         return False
-    return jax.device_count() == 1 or all(_typed(x) for x in leaves)
-
-
-def _typed(x: jax.Array) -> bool:
-    """Whether ``x``'s type says where it is: on a mesh of explicit or manual
-    axes only."""
-    mesh: Any = getattr(jax.typeof(x).sharding, "mesh", None)
-    types: tuple[Any, ...] = tuple(getattr(mesh, "axis_types", ()))
-    typed = (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Manual)
-    return bool(types) and all(t in typed for t in types)
+    return jax.device_count() == 1 or all(placed_by_type(x) for x in leaves)
 
 
 def _sharding(x: jax.Array) -> Any:
