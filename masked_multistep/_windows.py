@@ -283,7 +283,11 @@ def describe(rule: Any) -> str:
     callable by its name, anything else by its ``repr``."""
     if isinstance(rule, WindowPolicy):
         return rule.name
-    return getattr(rule, "__name__", "<schedule>") if callable(rule) else repr(rule)
+    if callable(rule):
+        return getattr(rule, "__name__", "<schedule>")
+    if isinstance(rule, (jax.Array, np.ndarray, np.generic)) and np.ndim(rule) == 0:
+        return repr(rule.item())  # a scalar array as the number it holds
+    return repr(rule)
 
 
 def verdict(policy: WindowPolicy, policy_state: Any, scalars: WindowScalars) -> Any:

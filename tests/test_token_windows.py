@@ -428,6 +428,11 @@ def test_bad_window_arguments():
 def test_repr_and_copy_keep_the_window_rules():
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 4, tokens_per_window=4096)
     assert "every_k_schedule=4, tokens_per_window=4096" in repr(tx)
+    # Scalar arrays show as the numbers they hold (not `Array(4, dtype=...)`).
+    arrays = mm.MaskedMultiSteps(
+        optax.sgd(1.0), jnp.array(4), tokens_per_window=np.float32(4096.5)
+    )
+    assert "every_k_schedule=4, tokens_per_window=4096.5," in repr(arrays)
     # A policy shows as the call that built it.
     budget = mm.token_budget(4096, max_microbatches=16)
     assert repr(budget) == "mm.token_budget(4096, max_microbatches=16)"
