@@ -14,7 +14,9 @@ body at most once has no such copies (a loop's state is updated in place), so
 that is what a GPU gets: a program traced while the default backend is a GPU
 (``jax.default_backend()``; a program lowered for a GPU from a host whose
 default is the CPU gets the conditional). Elsewhere it is the plain
-``lax.cond``.
+``lax.cond``, but where jax cannot batch one (``vmap`` inside ``shard_map``
+with a predicate that differs between the members: jax's batching rule fails
+there, see :func:`cond`) the loop, which jax batches.
 
 The loop cannot be differentiated in reverse mode, so it is a ``custom_jvp``
 whose rule runs both branches and selects (the values computed beside the
@@ -208,15 +210,20 @@ def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> An
     except ValueError as err:
         if "pvary is a invariant->variant collective" not in str(err):
             raise
-        raise ValueError(
-            "jax could not batch the window's conditional: `jax.vmap` of a "
+        raise CondBatchingError(
+            "jax could not batch a conditional of the wrapper: `jax.vmap` of a "
             "`lax.cond` whose predicate differs between the members, inside "
-            "`jax.shard_map`, fails in jax's own batching rule (jax 0.10 to "
-            "0.12, any function whose branch combines a value the same on "
-            "every shard with one that is not). Ensemble members with a "
-            "state of their own each (nothing split over the mesh axis) "
-            "train correctly with `jax.shard_map(..., check_vma=False)`"
+            "`jax.shard_map`, fails in jax's own batching rule (jax 0.10.2 to "
+            "0.12, any branch that combines a value the same on every shard "
+            "with one that is not). Ensemble members with a state of their "
+            "own each (nothing split over the mesh axis) train correctly with "
+            "`jax.shard_map(..., check_vma=False)`"
         ) from err
+
+
+class CondBatchingError(ValueError):
+    """jax's batching of ``lax.cond`` failed inside ``shard_map`` (see
+    :func:`cond`)."""
 
 
 def in_place_cond(
@@ -246,7 +253,14 @@ def in_place_cond(
     pred = jnp.asarray(pred, jnp.bool_)
     args = (state, *operands)
     if not _loop_form() or concrete_bool(pred) is not None:
-        return cond(pred, lambda a: true_fn(*a), lambda a: (a[0], false_fn(*a)), args)
+        try:
+            return cond(
+                pred, lambda a: true_fn(*a), lambda a: (a[0], false_fn(*a)), args
+            )
+        except CondBatchingError:
+            # Batched inside shard_map, where jax's batching of `lax.cond`
+            # fails: the loop form, whose batching works there, instead.
+            pass
     # Every value the branches close over (tracers of enclosing transformations
     # included, integer ones too) becomes an argument of the custom_jvp, so that
     # its rule differentiates with respect to them and no trace leaks into it.
@@ -280,9 +294,11 @@ def _loop(true_c, false_c, pred, consts, args):
     state, *operands = args
 
     def body(carry):
-        _, state, _ = carry
+        again, state, _ = carry
         new_state, extra = true_c(t, state, *operands)
-        return jnp.zeros([], jnp.bool_), new_state, extra
+        # False, typed as the predicate (inside shard_map, one that differs
+        # between shards is varying, and the loop's carry must keep its type).
+        return again & False, new_state, extra
 
     init = (pred, state, false_c(f, *args))
     _, state, extra = jax.lax.while_loop(lambda c: c[0], body, init)

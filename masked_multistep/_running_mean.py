@@ -33,7 +33,9 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
@@ -178,63 +180,65 @@ def squares(x: jax.Array) -> jax.Array:
     return jnp.square(x)
 
 
-# Leaves of fewer elements are reduced together on CPUs (`sums_of_leaves`); a
-# larger one alone, with all of XLA:CPU's threads (concatenated, a large leaf's
-# reduction runs on one).
-SMALL_LEAF = 1 << 14
+# On CPUs, leaves of fewer elements are reduced together with the others of
+# their shape (`sums_of_leaves`); a larger one alone, with all of XLA:CPU's
+# threads.
+SMALL_LEAF = 1 << 12
 
 
 def sums_of_leaves(
     leaves: list[jax.Array],
     elementwise: Callable[[jax.Array], jax.Array],
     window: Any = None,
+    together: bool = True,
 ) -> list[jax.Array]:
     """``Σ elementwise(x)`` over the elements of the leaves, in parts whose sum
     is the whole: each leaf's, combined over the shards that hold slices of it
-    (``over_slices`` with ``window``), but on CPUs the small leaves of one
-    dtype and placement together, in one reduction.
+    (``over_slices`` with ``window``), but on CPUs, with ``together``, the
+    small leaves of one shape, dtype and placement in one reduction.
 
     XLA:CPU runs each reduction as a kernel of its own, whose launch costs
     more than a small leaf's work, and compiling it more than its share of
-    the step: with a reduction per leaf, the statistics added 500 kernels to
-    a 200-leaf model's compiled step (120 with this). Concatenated as they are, with
-    ``elementwise`` applied after, the leaves are read where they lie (XLA
-    fuses the concatenation into the reduction). The sums differ from the
-    leaves' one by one in the last bits.
+    the step (the window's finiteness test was 200 kernels of a 200-leaf
+    model's step). Small leaves (fewer than :data:`SMALL_LEAF` elements) of
+    one shape are added up elementwise (``elementwise`` of each) and the sum
+    reduced, which XLA fuses into one kernel that reads each leaf where it
+    lies. Such a kernel needs all its leaves at once: pass ``together=False``
+    for leaves computed in the same step (a microbatch's gradients), which
+    it would keep alive until the last of them is computed. The sums differ
+    from the leaves' one by one in the last bits.
 
     Examples:
       >>> import jax.numpy as jnp
       >>> from masked_multistep._running_mean import sums_of_leaves, squares
-      >>> parts = sums_of_leaves([jnp.ones(3), jnp.full(2, 2.0)], squares)
+      >>> parts = sums_of_leaves([jnp.ones(3), jnp.full(3, 2.0)], squares)
       >>> print(sum(parts))
-      11.0
+      15.0
     """
     parts = []
-    together: dict[Any, list[jax.Array]] = {}
-    for x in leaves:
-        if _reduced_together(x):
-            # (Replicated alike whatever their ranks' specs.)
-            mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-            key = (x.dtype, varying_axes(x), mesh)
-            together.setdefault(key, []).append(x)
-        else:
+    by_kind: dict[Any, list[jax.Array]] = {}
+    for x in map(jnp.asarray, leaves):
+        if not (together and _reduced_together(x)):
             parts.append(over_slices(jnp.sum(elementwise(x)), window))
-    for xs in together.values():
-        joined = xs[0] if len(xs) == 1 else jnp.concatenate([jnp.ravel(x) for x in xs])
-        parts.append(over_slices(jnp.sum(elementwise(joined)), window))
+            continue
+        kind = (x.shape, x.dtype, varying_axes(x), jax.typeof(x).sharding)
+        by_kind.setdefault(kind, []).append(x)
+    for xs in by_kind.values():
+        summed = functools.reduce(operator.add, map(elementwise, xs))
+        parts.append(over_slices(jnp.sum(summed), window))
     return parts
 
 
 def _reduced_together(x: jax.Array) -> bool:
     """Whether :func:`sums_of_leaves` reduces ``x`` with other small leaves: on
     CPUs, a leaf of fewer than :data:`SMALL_LEAF` elements that its type says
-    is replicated, or in a process of one device and not split by its type (a
-    concatenation then moves nothing between devices)."""
+    is replicated, or in a process of one device and not split by its type
+    (adding it to another then moves nothing between devices)."""
     if x.size >= SMALL_LEAF or jax.default_backend() != "cpu":
         return False
     spec = getattr(jax.typeof(x).sharding, "spec", None)
     if spec is not None and any(spec):
-        return False  # split where its type says: not reshaped (jax refuses)
+        return False  # split where its type says
     return placed_by_type(x) or jax.device_count() == 1
 
 

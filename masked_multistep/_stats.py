@@ -645,14 +645,17 @@ def init_window_stats(
     )
 
 
-def tree_sq_norm(tree: Any, window: Any = None) -> jax.Array:
+def tree_sq_norm(tree: Any, window: Any = None, together: bool = True) -> jax.Array:
     """``Σ_leaves ‖leaf‖²`` in at least float32 (real, for complex leaves too);
     inside ``shard_map``, a leaf's summed over the shards that hold slices of
     it, ``window`` (the window's tokens, its loss) the same on each (see
     ``_shards``). On GPUs the leaves' rows are added up before one reduction
     per shape of rows (see :func:`_one_reduction` for where); elsewhere each
-    leaf is reduced on its own, but on CPUs small ones together
-    (``_running_mean.sums_of_leaves``). They differ in the last bits.
+    leaf is reduced on its own, but on CPUs, with ``together``, small ones
+    of one shape together (``_running_mean.sums_of_leaves``: for a tree that
+    is alive anyway, the state's; a microbatch's fresh gradients, read
+    together, would all be kept until the last is computed). They differ in
+    the last bits.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -662,7 +665,7 @@ def tree_sq_norm(tree: Any, window: Any = None) -> jax.Array:
     """
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
     if not _one_reduction(leaves):
-        sums = sums_of_leaves(leaves, squares, window)
+        sums = sums_of_leaves(leaves, squares, window, together)
     else:
         # Each leaf's rows summed (on GPUs, in the pass that also accumulates
         # the leaf), the rows of leaves of one shape added up elementwise, then
@@ -730,12 +733,14 @@ def _sq_norms(
     shape: tuple[int, ...],
     per_leaf: bool = False,
     window: Any = None,
+    together: bool = True,
 ) -> jax.Array:
-    """``tree_sq_norm(tree, window)``, or with ``rows`` each leading-axis row's
-    (the rows' count in ``shape``, which also holds with no leaves at all);
-    with ``per_leaf`` each leaf's apart, float32, stacked along a last axis."""
+    """``tree_sq_norm(tree, window, together)``, or with ``rows`` each
+    leading-axis row's (the rows' count in ``shape``, which also holds with no
+    leaves at all); with ``per_leaf`` each leaf's apart, float32, stacked
+    along a last axis."""
     if not rows and not per_leaf:
-        return tree_sq_norm(tree, window)
+        return tree_sq_norm(tree, window, together)
     if rows:
         parts = [
             jnp.sum(jnp.square(jnp.abs(x).astype(_F32)), axis=tuple(range(1, x.ndim)))
@@ -759,16 +764,24 @@ def _stacked(parts: list[jax.Array], shape: tuple[int, ...]) -> jax.Array:
 
 
 def _taken_sq_norm(
-    tree: Any, take: jax.Array, rows: bool = False, per_leaf: bool = False
+    tree: Any,
+    take: jax.Array,
+    rows: bool = False,
+    per_leaf: bool = False,
+    together: bool = True,
 ) -> jax.Array:
     """:func:`_taken_sq_norm_custom`, typed (jax 0.11 annotates a
     ``custom_jvp``'s result as unknown to type checkers)."""
-    return cast(jax.Array, _taken_sq_norm_custom(tree, take, rows, per_leaf))
+    return cast(jax.Array, _taken_sq_norm_custom(tree, take, rows, per_leaf, together))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
 def _taken_sq_norm_custom(
-    tree: Any, take: jax.Array, rows: bool = False, per_leaf: bool = False
+    tree: Any,
+    take: jax.Array,
+    rows: bool = False,
+    per_leaf: bool = False,
+    together: bool = True,
 ) -> jax.Array:
     """``tree_sq_norm(tree)`` (with ``rows``: each leading-axis row's, and
     ``take`` of shape ``(D,)``; with ``per_leaf``: each leaf's, float32,
@@ -784,16 +797,17 @@ def _taken_sq_norm_custom(
     with a ``where`` before the reduction would fix that too, but XLA:CPU then
     writes the selected gradient to a temporary buffer as large as the
     gradient; the custom derivative keeps the forward pass a bare reduction.
+    ``together``: as :func:`tree_sq_norm` takes it.
     """
-    return _sq_norms(tree, rows, jnp.shape(take), per_leaf, take)
+    return _sq_norms(tree, rows, jnp.shape(take), per_leaf, take, together)
 
 
 @_taken_sq_norm_custom.defjvp
-def _taken_sq_norm_jvp(rows, per_leaf, primals, tangents):
+def _taken_sq_norm_jvp(rows, per_leaf, together, primals, tangents):
     tree, take = primals
     d_tree, _ = tangents
     shape = jnp.shape(take)
-    out = _sq_norms(tree, rows, shape, per_leaf, take)
+    out = _sq_norms(tree, rows, shape, per_leaf, take, together)
 
     def inner(g, dg):
         g, dg = jnp.asarray(g), jnp.asarray(dg)
@@ -859,7 +873,9 @@ def accumulate_window_stats(
             weighted = jnp.where(take, weighted + n * per_leaf, weighted)
             leaves = leaves.replaced(weighted_sq_norms=weighted)
         else:
-            sq = jnp.where(take, _taken_sq_norm(grads, take).astype(_F32), 0)
+            # (Each leaf on its own: see `tree_sq_norm`.)
+            sq = _taken_sq_norm(grads, take, together=False).astype(_F32)
+            sq = jnp.where(take, sq, 0)
         return state.plus(n * sq, 1, where=take)._replace(leaves=leaves)
 
 

@@ -67,17 +67,27 @@ def _schedule_value(x: Any, what: str) -> jax.Array:
     return x
 
 
+# What jax raises where a function reads a traced value as a Python or numpy
+# value: `if step < 10`, `int(step)`, `sizes[step]`, `np.where(step < 10, ...)`.
+_READS_A_TRACER = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
 def _called(schedule: Callable[[Any], Any], arg: Any, what: str) -> Any:
-    """``schedule(arg)``; a schedule that branches in Python on its argument,
-    traced under ``jit`` (a Python ``if``), is told so by name."""
+    """``schedule(arg)``; a schedule that reads its argument, traced under
+    ``jit``, as a Python or numpy value (a Python ``if``) is told so by name."""
     try:
         return schedule(arg)
-    except jax.errors.ConcretizationTypeError as err:
+    except _READS_A_TRACER as err:
         raise TypeError(
-            f"{what} is called with a traced value under jit, scan or vmap, "
-            "where a Python `if` or int(...) on it fails: write the schedule "
-            "with jnp.where (e.g. `lambda step: jnp.where(step < 10, 2, 4)`) or "
-            "as an optax schedule"
+            f"{what} failed on a traced value: under jit, scan or vmap its "
+            "argument is traced, and a Python `if`, int(...), list index or "
+            "numpy function on it fails. Write the schedule with jax.numpy "
+            "(e.g. `lambda step: jnp.where(step < 10, 2, 4)`) or as an optax "
+            "schedule (jax's error follows)"
         ) from err
 
 

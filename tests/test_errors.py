@@ -1209,13 +1209,22 @@ def test_a_schedule_branching_in_python_is_named_under_jit(build, what):
     # Eagerly the step is a concrete array and a Python `if` on it runs;
     # under jit jax's TracerBoolConversionError named neither the schedule
     # nor the way out.
-    tx = build(lambda step: 2 if step < 10 else 4)
-    params = {"w": jnp.zeros(3)}
-    state = tx.init(params)
-    tx.update({"w": jnp.ones(3)}, state, params, count=3)  # eager: runs
-    with pytest.raises(
-        TypeError,
-        match=rf"^`{what}\(\w+\)` is called with a traced value under jit.*"
-        r"jnp.where",
-    ):
-        jax.jit(tx.update)({"w": jnp.ones(3)}, state, params, count=3)
+    sizes = [2] * 10 + [4] * 10
+    schedules = [
+        lambda step: 2 if step < 10 else 4,  # a Python `if`
+        lambda step: sizes[int(step) % 20],  # a Python int
+        lambda step: np.where(step < 10, 2, 4),  # numpy
+    ]
+    if what != "tokens_per_window":  # (a schedule of the tokens seen: a float)
+        schedules.append(lambda step: sizes[step])  # a list index
+    for schedule in schedules:
+        tx = build(schedule)
+        params = {"w": jnp.zeros(3)}
+        state = tx.init(params)
+        tx.update({"w": jnp.ones(3)}, state, params, count=3)  # eager: runs
+        with pytest.raises(
+            TypeError,
+            match=rf"^`{what}\(\w+\)` failed on a traced value: under jit.*"
+            r"jnp.where",
+        ):
+            jax.jit(tx.update)({"w": jnp.ones(3)}, state, params, count=3)

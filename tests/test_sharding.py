@@ -5,6 +5,8 @@ parameters (an FSDP model never holds a full replica of either), and a sharded
 run must reach the parameters a single-device run reaches.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import masked_multistep as mm
+from masked_multistep import _branch
 
 AUTO = jax.sharding.AxisType.Auto
 K, WINDOWS, B, T, D, H = 3, 2, 8, 4, 3, 8
@@ -546,19 +549,36 @@ def test_statistics_of_a_state_placed_nowhere_step_under_a_mesh():
     )
 
 
-def test_ensemble_members_vmapped_inside_shard_map():
-    """Two ensemble members per shard, `jax.vmap(tx.apply_gradients)` inside
-    `shard_map`: jax's batching of a `lax.cond` with a predicate that differs
-    between members fails there ("pvary is a invariant->variant collective",
-    jax 0.10.2 to 0.12); the error says so, and `check_vma=False`, as it says,
-    trains each member as a run of its own."""
+@pytest.mark.parametrize("form", ["cond", "loop"])
+@pytest.mark.parametrize("vmapped", [True, False])
+def test_ensemble_members_inside_shard_map_keep_windows_of_their_own(
+    form, vmapped, monkeypatch
+):
+    """Ensemble members over a mesh axis, each with a state of its own, whose
+    windows close on different microbatches: two members per shard
+    (`jax.vmap(tx.apply_gradients)` inside `shard_map`) or one. jax's
+    batching of a `lax.cond` whose predicate differs between members fails
+    inside `shard_map` ("pvary is a invariant->variant collective", jax
+    0.10.2 to 0.12), where the window's conditional then runs as a loop; the
+    loop form (GPUs') failed with any predicate that differs between shards
+    ("while_loop body function carry input and carry output must have equal
+    types"). Each member trains as a run of its own, with jax's variance
+    checks on or off."""
+    if form == "loop":
+        monkeypatch.setattr(_branch, "FORM", "loop")
     mesh = jax.make_mesh((4,), ("e",), axis_types=(jax.sharding.AxisType.Explicit,))
-    members = 8
-    tx = mm.MaskedMultiSteps(optax.adam(0.1), 2)
+    members = 8 if vmapped else 4
+    # Windows of 4 tokens: they close on different microbatches per member.
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), tokens_per_window=4, window_stats=True)
+
+    def apply(g, s, p, n):
+        return tx.apply_gradients(g, s, p, count=n)
 
     def per_shard(g, s, p, n):
-        step = jax.vmap(lambda g, s, p, n: tx.apply_gradients(g, s, p, count=n))
-        return step(g, s, p, n)
+        if vmapped:
+            return jax.vmap(apply)(g, s, p, n)
+        one = functools.partial(jax.tree.map, lambda x: x[0])
+        return jax.tree.map(lambda x: x[None], apply(one(g), one(s), one(p), one(n)))
 
     rng = np.random.default_rng(0)
     grads = [{"w": rng.normal(size=(members, 3)).astype(np.float32)} for _ in range(4)]
@@ -571,8 +591,9 @@ def test_ensemble_members_vmapped_inside_shard_map():
         p, s = {"w": params["w"][m]}, tx.init({"w": params["w"][m]})
         for g, n in zip(grads, counts):
             p, s = tx.apply_gradients({"w": g["w"][m]}, s, p, count=n[m])
-        want.append(p["w"])
+        want.append((p["w"], mm.window_stats(s).grad_sq_norm))
         steps.append(int(s.gradient_step))
+    assert len(set(steps)) > 1  # the members' windows differ
     with jax.set_mesh(mesh):
         placed = NamedSharding(mesh, P("e"))
         params, state = jax.device_put((params, state), placed)
@@ -588,11 +609,9 @@ def test_ensemble_members_vmapped_inside_shard_map():
             )
             p, s = params, state
             for g, n in zip(grads, counts):
-                g, n = jax.device_put((g, n), placed)
-                if check_vma:
-                    with pytest.raises(ValueError, match=r"check_vma=False"):
-                        step(g, s, p, n)
-                    break
-                p, s = step(g, s, p, n)
-    np.testing.assert_allclose(p["w"], np.stack(want), rtol=1e-6)
-    np.testing.assert_array_equal(s.gradient_step, steps)
+                p, s = step(*jax.device_put((g, s, p, n), placed))
+            np.testing.assert_allclose(p["w"], np.stack([w for w, _ in want]), 1e-6)
+            np.testing.assert_array_equal(s.gradient_step, steps)
+            np.testing.assert_allclose(
+                mm.window_stats(s).grad_sq_norm, [g2 for _, g2 in want], rtol=1e-5
+            )
