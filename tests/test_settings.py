@@ -374,7 +374,9 @@ def test_an_ensembles_states_are_converted_one_member_at_a_time():
     new = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=10, window_stats=True)
 
     def step(tx):
-        return jax.vmap(lambda g, s, p, n: tx.apply_gradients(g, s, p, count=n))
+        return jax.jit(
+            jax.vmap(lambda g, s, p, n: tx.apply_gradients(g, s, p, count=n))
+        )
 
     params = {"w": jnp.zeros((members, 3))}
     params, state = step(old)(
