@@ -71,6 +71,7 @@ __all__ = [
     "safe_fraction",
     "sq_norm",
     "sum_scalars",
+    "summed_by_kind",
     "sums_of_leaves",
 ]
 
@@ -215,18 +216,40 @@ def sums_of_leaves(
       >>> print(sum(parts))
       15.0
     """
-    parts = []
-    by_kind: dict[Any, list[jax.Array]] = {}
-    for x in map(jnp.asarray, leaves):
-        if not (together and _reduced_together(x)):
-            parts.append(over_slices(jnp.sum(elementwise(x)), window))
-            continue
+    leaves = [jnp.asarray(x) for x in leaves]
+    small = [together and _reduced_together(x) for x in leaves]
+    parts = [
+        over_slices(jnp.sum(elementwise(x)), window)
+        for x, joins in zip(leaves, small, strict=True)
+        if not joins
+    ]
+    joined = [elementwise(x) for x, joins in zip(leaves, small, strict=True) if joins]
+    return parts + summed_by_kind(joined, window)
+
+
+def summed_by_kind(arrays: list[jax.Array], window: Any = None) -> list[jax.Array]:
+    """The sums of ``arrays`` grouped by kind (shape, dtype, the manual axes
+    they vary over, sharding): each group added up elementwise, then reduced
+    (and combined over the shards that hold slices, ``over_slices`` with
+    ``window``), one kernel per group where XLA fuses the additions into the
+    reduction. Arrays of one kind lie alike, so adding them moves nothing
+    between devices (the sharding as their type says it: on one device too,
+    a mesh's explicit axes of size 1 name them apart).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from masked_multistep._running_mean import summed_by_kind
+      >>> print(*summed_by_kind([jnp.ones(2), jnp.ones(3), jnp.full(2, 2.0)]))
+      6.0 3.0
+    """
+    groups: dict[Any, list[jax.Array]] = {}
+    for x in arrays:
         kind = (x.shape, x.dtype, varying_axes(x), jax.typeof(x).sharding)
-        by_kind.setdefault(kind, []).append(x)
-    for xs in by_kind.values():
-        summed = functools.reduce(operator.add, map(elementwise, xs))
-        parts.append(over_slices(jnp.sum(summed), window))
-    return parts
+        groups.setdefault(kind, []).append(x)
+    return [
+        over_slices(jnp.sum(functools.reduce(operator.add, xs)), window)
+        for xs in groups.values()
+    ]
 
 
 def _reduced_together(x: jax.Array) -> bool:

@@ -113,7 +113,6 @@ References:
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar, cast
 
@@ -136,9 +135,10 @@ from masked_multistep._running_mean import (
     sq_norm,
     squares,
     sum_scalars,
+    summed_by_kind,
     sums_of_leaves,
 )
-from masked_multistep._shards import over_slices, varying_axes, window_flag
+from masked_multistep._shards import over_slices, window_flag
 from masked_multistep._token_total import TokenTotal, add_tokens
 
 __all__ = [
@@ -670,18 +670,11 @@ def tree_sq_norm(tree: Any, window: Any = None, together: bool = True) -> jax.Ar
         # Each leaf's rows summed (on GPUs, in the pass that also accumulates
         # the leaf), the rows of leaves of one shape added up elementwise, then
         # summed: one reduction where XLA would make a second-stage kernel per
-        # leaf, on every microbatch.
-        groups: dict[Any, list[jax.Array]] = {}
-        for x in leaves:
-            # A last axis split over devices: its rows' sums would be partial
-            # sums, reduced across devices as vectors; its norm, as a scalar.
-            rows = sq_norm(x) if _last_axis_split(x) else _row_sq_norms(x)
-            key = (rows.dtype, rows.shape, varying_axes(rows), _sharding(rows))
-            groups.setdefault(key, []).append(rows)
-        sums = [
-            over_slices(jnp.sum(functools.reduce(operator.add, rows)), window)
-            for rows in groups.values()
-        ]
+        # leaf, on every microbatch. (A last axis split over devices: its
+        # rows' sums would be partial sums, reduced across devices as
+        # vectors; its norm, as a scalar.)
+        rows = [sq_norm(x) if _last_axis_split(x) else _row_sq_norms(x) for x in leaves]
+        sums = summed_by_kind(rows, window)
     return sum_scalars(sums, result_type(_F32, *(x.dtype for x in sums)))
 
 
@@ -705,13 +698,6 @@ def _one_reduction(leaves: list[jax.Array]) -> bool:
     if ONE_REDUCTION is None and jax.default_backend() not in ("gpu", "cuda", "rocm"):
         return False
     return jax.device_count() == 1 or all(placed_by_type(x) for x in leaves)
-
-
-def _sharding(x: jax.Array) -> Any:
-    """``x``'s sharding as its type says it: a key, as leaves' rows of one
-    sharding add up where they are (also on one device, where a mesh's axes
-    of size 1 still name them apart on explicit axes)."""
-    return jax.typeof(x).sharding
 
 
 def _last_axis_split(x: jax.Array) -> bool:
