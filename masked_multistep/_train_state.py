@@ -253,19 +253,6 @@ class TrainState(_flax_train_state.TrainState):
                 f"only, as flax's does, got {len(args)} positional: call "
                 "`state.apply_gradients(grads=grads, count=n)`"
             )
-        if grads is None:
-            given = [k for k in kwargs if k != "count"]
-            guess = difflib.get_close_matches("grads", given, n=1, cutoff=0.5)
-            raise TypeError(
-                f"{type(self).__name__}.apply_gradients needs the microbatch's "
-                "gradients: call `state.apply_gradients(grads=grads, count=n)`"
-                + (
-                    f", got {', '.join(f'`{k}=`' for k in given)}"
-                    + (" (did you mean `grads=`?)" if guess else "")
-                    if given
-                    else ""
-                )
-            )
         own = [k for k in ("step", "params", "opt_state") if k in kwargs]
         if own:
             raise TypeError(
@@ -287,9 +274,15 @@ class TrainState(_flax_train_state.TrainState):
             type(self),
             "apply_gradients",
             kwargs,
-            [*OWN_KEYWORDS, "extra_args"],
+            ["grads", *OWN_KEYWORDS, "extra_args"],
             " Arguments for the optimizer go in `extra_args={...}`.",
         )
+        # (After the keywords' checks: a misspelt `grad=` is named there.)
+        if grads is None:
+            raise TypeError(
+                f"{type(self).__name__}.apply_gradients needs the microbatch's "
+                "gradients: call `state.apply_gradients(grads=grads, count=n)`"
+            )
         if count is None:
             raise TypeError(
                 "TrainState.apply_gradients needs the microbatch's token count: "
@@ -416,13 +409,6 @@ class TrainState(_flax_train_state.TrainState):
 
     def _multisteps_field(self, attribute: str) -> jax.Array:
         paths = state_paths(self.opt_state, "state.opt_state")
-        if not paths:
-            raise ValueError(
-                f"TrainState.{attribute} reads the MaskedMultiSteps state in "
-                f"`opt_state`, which holds none: this state's `tx` is "
-                f"{_inner.describe(self.tx)}; build the state with "
-                "`tx=mm.MaskedMultiSteps(opt, every_k_schedule=k)`"
-            )
         if len(paths) > 1:
             # (A property takes no argument: say how to read each.)
             raise ValueError(
@@ -434,9 +420,16 @@ class TrainState(_flax_train_state.TrainState):
         try:
             return unboxed(getattr(find_boxed(self), attribute))
         except ValueError as err:
+            tx = _inner.describe(self.tx)
+            no_wrapper = (
+                f"; this state's `tx` is {tx}, no MaskedMultiSteps: build the "
+                "state with `tx=mm.MaskedMultiSteps(opt, every_k_schedule=k)`"
+                if "MaskedMultiSteps(" not in tx
+                else ""
+            )
             raise ValueError(
                 f"TrainState.{attribute} reads the MaskedMultiSteps state in "
-                f"`opt_state`: {err}"
+                f"`opt_state`: {err}{no_wrapper}"
             ) from None
 
 

@@ -214,13 +214,20 @@ def test_gradient_step_needs_one_masked_multisteps_state():
     # The error says what `tx` is instead.
     with pytest.raises(
         ValueError,
-        match=r"gradient_step reads .* which holds none: this state's `tx` is "
-        r"chain\(identity, scale\); .*"
-        r"tx=mm.MaskedMultiSteps\(opt, every_k_schedule=k\)",
+        match=r"gradient_step reads .* found 0 in a TrainState; this state's `tx` "
+        r"is chain\(identity, scale\), no MaskedMultiSteps: .*"
+        r"tx=mm.MaskedMultiSteps\(opt, every_k_schedule=k\)`$",
     ):
         state.gradient_step  # noqa: B018
-    with pytest.raises(ValueError, match="mini_step reads .* which holds none"):
+    with pytest.raises(ValueError, match="mini_step reads .* found 0 .* no Masked"):
         state.mini_step  # noqa: B018
+    # A wrapper's `tx` beside another state: the state is what is wrong.
+    wrapper = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    other = state.replace(
+        tx=wrapper, opt_state=optax.MultiSteps(optax.sgd(1.0), 2).init(state.params)
+    )
+    with pytest.raises(ValueError, match=r"from_optax_multisteps.*\)`$"):
+        other.gradient_step  # noqa: B018
 
 
 def test_overwrite_with_gradient_params_are_replaced_by_their_gradient():

@@ -324,12 +324,12 @@ def test_positional_or_missing_gradients_say_how_to_call():
         state.apply_gradients(jax.tree.map(jnp.ones_like, state.params), 3)
     with pytest.raises(TypeError, match=r"needs the microbatch's gradients.*\)`$"):
         state.apply_gradients(count=3)
-    # A misspelt keyword is named (it would otherwise be refused as unknown
-    # only after this check).
+    # A misspelt keyword is named, with the fix (the missing gradients were
+    # reported first, without it).
     with pytest.raises(
         TypeError,
-        match=r"needs the microbatch's gradients: .*, got `grad=` "
-        r"\(did you mean `grads=`\?\)$",
+        match=r"^_StateWithStats.apply_gradients got unexpected keyword "
+        r"argument\(s\) 'grad': .* Did you mean 'grads'\?",
     ):
         state.apply_gradients(grad=state.params, count=3)
 
