@@ -357,9 +357,15 @@ def window_shapes(
         def inner_update_on_mean(window, inner_state, params, dynamic_args):
             return update(mean_of(window), inner_state, params, dynamic_args)
 
-        return jax.eval_shape(
-            inner_update_on_mean, window, inner_state, params, dynamic_args
-        )[0]
+        try:
+            return jax.eval_shape(
+                inner_update_on_mean, window, inner_state, params, dynamic_args
+            )[0]
+        except TypeError as err:
+            if not with_grad and _MISSING_GRAD in str(err):
+                # (Without `value=` too: the try with it raises this again.)
+                raise TypeError(f"{_GRAD_HINT}; it said: {err}") from err
+            raise
 
     # An inner optimizer whose update refuses the keyword by its signature
     # (optax.contrib.sam declares extra arguments and takes none) runs without
@@ -369,9 +375,7 @@ def window_shapes(
     refused = refuses_keyword(opt.update, "value")
     try:
         avals, needs_value = shapes(with_value=False), False
-    except TypeError as err:
-        if not with_grad and _MISSING_GRAD in str(err):
-            raise TypeError(f"{_GRAD_HINT}; it said: {err}") from err
+    except TypeError:
         if refused:
             raise
         avals, needs_value = None, True
@@ -380,8 +384,6 @@ def window_shapes(
         try:
             avals = shapes(with_value=True)
         except TypeError as err:
-            if not with_grad and _MISSING_GRAD in str(err):
-                raise TypeError(f"{_GRAD_HINT}; it said: {err}") from err
             if "unexpected keyword argument 'value'" in str(err):
                 raise TypeError(
                     "a transformation inside the inner optimizer refuses the "
