@@ -406,10 +406,8 @@ def _microbatch_cap(
     """``every_k(value)``, with errors that name ``what`` (a cap's own name)."""
     if callable(value):
         check_takes_one(value, what, "the gradient step")
-        schedule = value
-        return lambda step: _sanitize_k(
-            _called(schedule, step, f"{what[:-1]}(step)`"), f"{what[:-1]}(step)`"
-        )
+        schedule, called = value, f"{what[:-1]}(step)`"
+        return lambda step: _sanitize_k(_called(schedule, step, called), called)
     if isinstance(value, bool) or not isinstance(
         value, (numbers.Integral, jax.Array, np.ndarray, np.generic)
     ):
@@ -669,18 +667,14 @@ def _token_budget(
         )
         budget_fn = budget
         if track_seen:
-            budget_of = (
-                lambda seen, s: _sanitize_budget(  # noqa: E731
-                    _called(budget_fn, seen.hi + seen.lo, f"{what[:-1]}(tokens_seen)`"),
-                    f"{what[:-1]}(tokens_seen)`",
-                )
+            called = f"{what[:-1]}(tokens_seen)`"
+            budget_of = lambda seen, s: _sanitize_budget(  # noqa: E731
+                _called(budget_fn, seen.hi + seen.lo, called), called
             )
         else:
-            budget_of = (
-                lambda _, s: _sanitize_budget(  # noqa: E731
-                    _called(budget_fn, s.gradient_step, f"{what[:-1]}(gradient_step)`"),
-                    f"{what[:-1]}(gradient_step)`",
-                )
+            called = f"{what[:-1]}(gradient_step)`"
+            budget_of = lambda _, s: _sanitize_budget(  # noqa: E731
+                _called(budget_fn, s.gradient_step, called), called
             )
     else:
         if isinstance(budget, (float, np.floating)) and budget == math.inf:
