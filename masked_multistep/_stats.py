@@ -327,23 +327,26 @@ class LeafSums(NamedTuple):
 
     @property
     def weighted_sq_norms(self) -> jax.Array:
-        return self.shares[..., 0, :]
+        return self._row("weighted_sq_norms")
 
     @property
     def grad_sq_norm(self) -> jax.Array:
-        return self.shares[..., 1, :]
+        return self._row("grad_sq_norm")
 
     @property
     def sq_deviation(self) -> jax.Array:
-        return self.shares[..., 2, :]
+        return self._row("sq_deviation")
 
     @property
     def ema_grad_var_trace(self) -> jax.Array:
-        return self.shares[..., 3, :]
+        return self._row("ema_grad_var_trace")
 
     @property
     def ema_true_grad_sq_norm(self) -> jax.Array:
-        return self.shares[..., 4, :]
+        return self._row("ema_true_grad_sq_norm")
+
+    def _row(self, name: str) -> jax.Array:
+        return self.shares[..., self.FIGURES.index(name), :]
 
     @classmethod
     def packed(cls, **figures: jax.typing.ArrayLike) -> LeafSums:
