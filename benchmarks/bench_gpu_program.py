@@ -47,7 +47,7 @@ import steps  # noqa: E402
 from _helpers import traffic  # noqa: E402
 from bench_cli import positive_int  # noqa: E402
 
-from masked_multistep import _branch, _stats  # noqa: E402
+from masked_multistep import _branch, _sq_norms  # noqa: E402
 
 # What the H100 SXM reports (XLA's target config); the programs depend on the
 # compute capability and the memory sizes, not on the exact figures.
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # The default backend here is the CPU: the forms GPUs get are chosen
     # explicitly (the window's conditional, the squared norms' one reduction).
     _branch.FORM = args.form
-    _stats.ONE_REDUCTION = True
+    _sq_norms.ONE_REDUCTION = True
     sharding = gpu_sharding()
     workload = steps.Workload(args.width)
     competitors = COMPETITORS + (FLAX_COMPETITORS if steps.has_train_state() else ())

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from optax import tree as otu
 
-from masked_multistep import _checks, _inner, _processes, _stats, _windows
+from masked_multistep import _checks, _inner, _processes, _sq_norms, _stats, _windows
 from masked_multistep._branch import EagerMemo, in_place_cond
 from masked_multistep._collectives import reduced_leaf
 from masked_multistep._deferred import Deferred
@@ -1134,9 +1134,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # float32); the squared norms the same values, converted apart
             # (no float32 copy written between the two), whose derivatives
             # meet the running mean's in float32 before they are rounded.
-            narrow = _stats.materialized_on_gpu(grads)
-            grads = _stats.in_compute_precision(narrow)
-            for_norms = _stats.for_squared_norms(grads, narrow)
+            narrow = _sq_norms.materialized_on_gpu(grads)
+            grads = _sq_norms.in_compute_precision(narrow)
+            for_norms = _sq_norms.for_squared_norms(grads, narrow)
         acc_grads, acc_count, reduction_state = self._reduction.accumulate(
             state.acc_grads,
             state.acc_count,

@@ -506,11 +506,11 @@ def test_bench_gpu_program_at_k_1_leaves_out_the_norm_test(monkeypatch):
     import jax
     import numpy as np
 
-    from masked_multistep import _branch, _stats
+    from masked_multistep import _branch, _sq_norms
 
     # main() sets the form and the GPUs' reduction: restored after the test.
     monkeypatch.setattr(_branch, "FORM", _branch.FORM)
-    monkeypatch.setattr(_stats, "ONE_REDUCTION", _stats.ONE_REDUCTION)
+    monkeypatch.setattr(_sq_norms, "ONE_REDUCTION", _sq_norms.ONE_REDUCTION)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
     cpu = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     monkeypatch.setattr(bench_gpu_program, "gpu_sharding", lambda: cpu)

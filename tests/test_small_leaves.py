@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import masked_multistep as mm
 from masked_multistep import _running_mean
-from masked_multistep._stats import tree_sq_norm
+from masked_multistep._sq_norms import tree_sq_norm
 
 LEAVES = 40
 
@@ -168,7 +168,7 @@ def test_in_a_process_of_one_device_unplaced_leaves_are_added_up():
         """
         import re
         import jax, jax.numpy as jnp
-        from masked_multistep._stats import tree_sq_norm
+        from masked_multistep._sq_norms import tree_sq_norm
         tree = [jnp.ones((8, 4)) for _ in range(30)] + [jnp.ones(4)] * 30
         compiled = jax.jit(tree_sq_norm).lower(tree).compile()
         print(jax.device_count(), len(re.findall(r"= [^=\\n]*\\bfusion\\(",

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import masked_multistep as mm
-from masked_multistep import _stats, _token_total
+from masked_multistep import _sq_norms, _stats, _token_total
 from tests._helpers import assert_bit_identical
 
 DECAY = 0.9
@@ -33,7 +33,7 @@ def _window(stats, grads, counts, decay=DECAY):
     return _stats.close_window_stats(
         stats,
         tokens=total,
-        grad_sq_norm=_stats.tree_sq_norm(mean),
+        grad_sq_norm=_sq_norms.tree_sq_norm(mean),
         loss=jnp.float32(0),
         loss_tokens=jnp.zeros([], counts.dtype),
         decay=decay,
@@ -271,13 +271,21 @@ _STAT_FIELDS = ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm", "noise_sc
 def _reverse_equals_forward(fn):
     """jax.grad of each statistic equals its forward-mode derivative (jvp,
     which never multiplies by a discarded gradient) and is finite."""
-    for name in _STAT_FIELDS:
 
-        def field(theta, name=name):
-            return getattr(mm.window_stats(fn(theta)), name)
+    def field(theta, name):
+        return getattr(mm.window_stats(fn(theta)), name)
 
-        value, tangent = jax.jit(lambda t: jax.jvp(field, (t,), (1.0,)))(1.0)
-        grad = jax.jit(jax.grad(field))(1.0)
+    def derivatives(theta):
+        # Each statistic's derivatives on its own, in one program (one compile).
+        return {
+            name: (
+                jax.jvp(lambda t, n=name: field(t, n), (theta,), (1.0,)),
+                jax.grad(field)(theta, name),
+            )
+            for name in _STAT_FIELDS
+        }
+
+    for name, ((value, tangent), grad) in jax.jit(derivatives)(1.0).items():
         assert np.isfinite(value) and np.isfinite(tangent), (name, value, tangent)
         np.testing.assert_allclose(grad, tangent, rtol=1e-4, atol=1e-6, err_msg=name)
 
@@ -1440,7 +1448,7 @@ def _scalar_reductions(fn, *args):
 @pytest.fixture
 def as_on_one_gpu(monkeypatch):
     """The squared norms as a GPU's one device gets them (8 CPU devices here)."""
-    monkeypatch.setattr(_stats, "ONE_REDUCTION", True)
+    monkeypatch.setattr(_sq_norms, "ONE_REDUCTION", True)
     monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)
 
 
@@ -1465,20 +1473,20 @@ def test_a_trees_squared_norm_is_one_reduction_per_shape_of_rows(as_on_one_gpu):
         float(np.sum(np.abs(np.asarray(x, np.complex128)) ** 2))
         for x in leaves.values()
     )
-    got = _stats.tree_sq_norm(leaves)
+    got = _sq_norms.tree_sq_norm(leaves)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(float(got), want, rtol=1e-6)
     # (7,): matrix, vector, bf16, complex; then (2, 3), (), (0,), (3,).
-    assert len(_scalar_reductions(_stats.tree_sq_norm, leaves)) == 5
-    assert float(_stats.tree_sq_norm({})) == 0.0
+    assert len(_scalar_reductions(_sq_norms.tree_sq_norm, leaves)) == 5
+    assert float(_sq_norms.tree_sq_norm({})) == 0.0
 
 
 def test_a_trees_squared_norm_leaf_by_leaf_elsewhere():
     # CPUs (and TPUs) reduce leaf by leaf: no kernel per second stage there,
     # and adding the rows up is a pass XLA:CPU would pay for.
     tree = {"a": jnp.ones((4, 3)), "b": jnp.ones((4, 5)), "c": jnp.ones(4)}
-    assert len(_scalar_reductions(_stats.tree_sq_norm, tree)) == 3
-    assert float(_stats.tree_sq_norm(tree)) == 36.0
+    assert len(_scalar_reductions(_sq_norms.tree_sq_norm, tree)) == 3
+    assert float(_sq_norms.tree_sq_norm(tree)) == 36.0
 
 
 def test_a_trees_squared_norm_sums_each_precision_apart_under_x64(as_on_one_gpu):
@@ -1489,10 +1497,10 @@ def test_a_trees_squared_norm_sums_each_precision_apart_under_x64(as_on_one_gpu)
             "b": jnp.ones(5, jnp.float32),
             "c": jnp.ones((5, 2), jnp.float32),
         }
-        got = _stats.tree_sq_norm(tree)
+        got = _sq_norms.tree_sq_norm(tree)
         assert got.dtype == jnp.float64
         np.testing.assert_allclose(float(got), 15 + 20 * 0.01, rtol=1e-13)
-        assert len(_scalar_reductions(_stats.tree_sq_norm, tree)) == 2
+        assert len(_scalar_reductions(_sq_norms.tree_sq_norm, tree)) == 2
 
 
 def _mesh_2x4(axis_type):
@@ -1503,7 +1511,7 @@ def test_rows_split_over_explicit_axes_add_up_where_they_are(monkeypatch):
     # As on GPUs: leaves split over different explicit axes (FSDP beside
     # tensor parallelism) are summed apart by sharding; adding their rows
     # raised jax's ShardingTypeError.
-    monkeypatch.setattr(_stats, "ONE_REDUCTION", True)
+    monkeypatch.setattr(_sq_norms, "ONE_REDUCTION", True)
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -1517,10 +1525,10 @@ def test_rows_split_over_explicit_axes_add_up_where_they_are(monkeypatch):
         for k, s in specs.items()
     }
     want = sum(float(np.sum(np.square(np.asarray(x)))) for x in tree.values())
-    got = jax.jit(_stats.tree_sq_norm)(tree)
+    got = jax.jit(_sq_norms.tree_sq_norm)(tree)
     np.testing.assert_allclose(float(got), want, rtol=1e-6)
     with jax.set_mesh(mesh):
-        assert len(_scalar_reductions(_stats.tree_sq_norm, tree)) == 2
+        assert len(_scalar_reductions(_sq_norms.tree_sq_norm, tree)) == 2
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
     state = tx.init(tree)
     _, state = jax.jit(tx.update)(tree, state, tree, count=jnp.float32(3))
@@ -1543,13 +1551,13 @@ def test_rows_split_over_automatic_axes_are_not_added_up(monkeypatch):
         for k, s in specs.items()
     }
 
-    monkeypatch.setattr(_stats, "ONE_REDUCTION", True)
-    text = jax.jit(lambda t: _stats.tree_sq_norm(t)).lower(tree).compile().as_text()
-    assert float(jax.jit(lambda t: _stats.tree_sq_norm(t))(tree)) == 96.0
+    monkeypatch.setattr(_sq_norms, "ONE_REDUCTION", True)
+    text = jax.jit(lambda t: _sq_norms.tree_sq_norm(t)).lower(tree).compile().as_text()
+    assert float(jax.jit(lambda t: _sq_norms.tree_sq_norm(t))(tree)) == 96.0
     assert not _COLLECTIVE_MOVES.findall(text)
     # (Forced to add them up, the partitioner all-gathers the rows.)
-    monkeypatch.setattr(_stats, "_one_reduction", lambda leaves: True)
-    text = jax.jit(lambda t: _stats.tree_sq_norm(t)).lower(tree).compile().as_text()
+    monkeypatch.setattr(_sq_norms, "_one_reduction", lambda leaves: True)
+    text = jax.jit(lambda t: _sq_norms.tree_sq_norm(t)).lower(tree).compile().as_text()
     assert _COLLECTIVE_MOVES.findall(text)
 
 
@@ -1563,7 +1571,7 @@ _VECTOR_ALL_REDUCE = re.compile(r"= \(?[^=]*f32\[\d+[^=]*all-reduce(-start)?\(")
 def test_a_last_axis_split_over_devices_is_reduced_as_a_scalar(monkeypatch):
     # Its rows' sums would be partial sums, all-reduced across the devices
     # as a vector; reduced to a scalar first, one scalar crosses.
-    monkeypatch.setattr(_stats, "ONE_REDUCTION", True)
+    monkeypatch.setattr(_sq_norms, "ONE_REDUCTION", True)
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -1574,8 +1582,8 @@ def test_a_last_axis_split_over_devices_is_reduced_as_a_scalar(monkeypatch):
         ),
         "v": jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data", None))),
     }
-    text = jax.jit(lambda t: _stats.tree_sq_norm(t)).lower(tree).compile().as_text()
-    assert float(jax.jit(lambda t: _stats.tree_sq_norm(t))(tree)) == 16 * 1032
+    text = jax.jit(lambda t: _sq_norms.tree_sq_norm(t)).lower(tree).compile().as_text()
+    assert float(jax.jit(lambda t: _sq_norms.tree_sq_norm(t))(tree)) == 16 * 1032
     reduces = [line for line in text.splitlines() if "all-reduce(" in line]
     assert reduces and not any(_VECTOR_ALL_REDUCE.search(line) for line in reduces)
     assert not _COLLECTIVE_MOVES.findall(text)
@@ -1599,8 +1607,8 @@ def test_one_device_keeps_rows_on_differently_named_axes_apart(as_on_one_gpu):
         k: jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, s))
         for k, s in specs.items()
     }
-    assert float(jax.jit(lambda t: _stats.tree_sq_norm(t))(tree)) == 144.0
-    assert float(_stats.tree_sq_norm(tree)) == 144.0
+    assert float(jax.jit(lambda t: _sq_norms.tree_sq_norm(t))(tree)) == 144.0
+    assert float(_sq_norms.tree_sq_norm(tree)) == 144.0
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
     _, state = jax.jit(tx.update)(tree, tx.init(tree), tree, count=jnp.float32(1))
     assert float(state.stats.weighted_sq_norms) == 144.0
