@@ -61,7 +61,8 @@ from masked_multistep._per_device import (
 from masked_multistep._running_mean import running_mean_update
 from masked_multistep._schedules import tokens_schedule
 from masked_multistep._settings import from_other_settings
-from masked_multistep._stats import WindowStats, noise_scale_estimates
+from masked_multistep._stats import noise_scale_estimates
+from masked_multistep._stats_state import WindowStats
 from masked_multistep._token_total import TokenTotal
 from masked_multistep._version import __version__ as __version__
 from masked_multistep._windows import (

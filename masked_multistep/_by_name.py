@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from masked_multistep._multisteps import MaskedMultiStepsState
-from masked_multistep._stats import LeafSums, WindowStatsState
+from masked_multistep._stats_state import LeafSums, WindowStatsState
 from masked_multistep._token_total import TokenTotal
 
 # The fields that identify the wrapper's state where it is held by name

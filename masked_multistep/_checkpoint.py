@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_multistep import _by_name, _stats, _token_total
+from masked_multistep import _by_name, _stats, _stats_state, _token_total
 from masked_multistep._checks import (
     check_count_dtype,
     holds_abstract,
@@ -429,7 +429,7 @@ def from_state_0_1(
     )
     value_count = jnp.where(state.acc_value != 0, acc_count, jnp.zeros_like(acc_count))
     stats = state.stats
-    if isinstance(stats, _stats.WindowStatsState):
+    if isinstance(stats, _stats_state.WindowStatsState):
         # 0.1 kept no statistics: the pending window's mean counts as one
         # microbatch of its tokens.
         stats = _stats.accumulate_window_stats(stats, state.acc_grads, acc_count)

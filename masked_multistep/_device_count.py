@@ -55,7 +55,7 @@ from masked_multistep._checks import (
 from masked_multistep._deferred import _exact_sums
 from masked_multistep._multisteps import MaskedMultiStepsState
 from masked_multistep._reduction import _from_host, mean_over_devices, placed_like
-from masked_multistep._stats import SLOTS, LeafSums
+from masked_multistep._stats_state import SLOTS, LeafSums
 
 __all__ = ["device_count_target", "from_device_count"]
 

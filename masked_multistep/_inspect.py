@@ -13,13 +13,12 @@ from masked_multistep._multisteps import (
     has_field_named,
     states_in,
 )
-from masked_multistep._stats import (
+from masked_multistep._stats import read_leaf_stats, read_window_stats
+from masked_multistep._stats_state import (
     LeafSums,
     WindowStats,
     WindowStatsState,
     each_leaf,
-    read_leaf_stats,
-    read_window_stats,
     with_groups,
 )
 

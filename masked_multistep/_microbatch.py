@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_multistep import _nnx_state, _stats
+from masked_multistep import _nnx_state, _stats, _stats_state
 from masked_multistep._checks import (
     check_flag,
     check_microbatches,
@@ -103,7 +103,7 @@ class GradFnWithStats(Protocol[ParamsT, BatchT_contra]):
         batch: BatchT_contra,
         *,
         rng: jax.typing.ArrayLike | None = None,
-    ) -> tuple[Any, ParamsT, _stats.WindowStats[jax.Array]]: ...
+    ) -> tuple[Any, ParamsT, _stats_state.WindowStats[jax.Array]]: ...
 
 
 class GradFnWithLeafStats(Protocol[ParamsT, BatchT_contra]):
@@ -116,7 +116,7 @@ class GradFnWithLeafStats(Protocol[ParamsT, BatchT_contra]):
         batch: BatchT_contra,
         *,
         rng: jax.typing.ArrayLike | None = None,
-    ) -> tuple[Any, ParamsT, _stats.WindowStats[Any]]: ...
+    ) -> tuple[Any, ParamsT, _stats_state.WindowStats[Any]]: ...
 
 
 def _batch_size(batch: Any, num_microbatches: int) -> int:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import jax
 
-from masked_multistep import _by_name, _stats
+from masked_multistep import _by_name, _stats, _stats_state
 from masked_multistep._checkpoint import (
     _check_template,
     check_counters,
@@ -184,7 +184,7 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
                 "`state.policy_state`", old.policy_state, template.policy_state
             )
         )
-    if isinstance(template.stats, _stats.WindowStatsState):
+    if isinstance(template.stats, _stats_state.WindowStatsState):
         if same_layout(old.stats, template.stats):
             check_stats_tallies(old.stats, "`state.{}`")
             # The last window's token totals, in the count dtype, convert as
@@ -244,7 +244,7 @@ def _refuse_abstract(state: Any, fields: tuple[str, ...]) -> None:
 def _tokens_seen_of(state: Any) -> TokenTotal | None:
     """The tokens seen that ``state`` kept (its statistics', or its token
     budget's), or ``None``."""
-    if isinstance(state.stats, _stats.WindowStatsState):
+    if isinstance(state.stats, _stats_state.WindowStatsState):
         return state.stats.last.tokens_seen
     found = []
     jax.tree.map(

@@ -8,12 +8,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import masked_multistep as mm
-from masked_multistep import _stats
+from masked_multistep import _stats, _stats_state
 from tests._helpers import assert_bit_identical
 
 K = 3
 AUTO = jax.sharding.AxisType.Auto
-PER_GROUP = _stats.PER_GROUP  # the fields each leaf or group has
+PER_GROUP = _stats_state.PER_GROUP  # the fields each leaf or group has
 SHARED = ("tokens", "microbatches", "loss", "windows")
 
 
@@ -179,13 +179,13 @@ def test_each_leafs_shares_are_one_array_of_the_state():
         len(jax.tree.leaves(stats))
         == len(jax.tree.leaves(without.init(params).stats)) + 1
     )
-    assert stats.leaves.shares.shape == (len(_stats.LeafSums.FIGURES), 3)
+    assert stats.leaves.shares.shape == (len(_stats_state.LeafSums.FIGURES), 3)
     grads, n = _plan()[0]
     _, state = with_leaves.update(grads, with_leaves.init(params), params, count=n)
     leaves = state.stats.leaves
     sq = [float(jnp.sum(jnp.square(g))) for g in jax.tree.leaves(grads)]
     np.testing.assert_allclose(leaves.weighted_sq_norms, float(n) * np.array(sq))
-    for name in _stats.LeafSums.FIGURES[1:]:  # no window closed yet
+    for name in _stats_state.LeafSums.FIGURES[1:]:  # no window closed yet
         assert_bit_identical(getattr(leaves, name), jnp.zeros(3))
     with pytest.raises(TypeError, match="no figure named 'sq_norms'"):
         leaves.replaced(sq_norms=jnp.zeros(3))
@@ -278,7 +278,7 @@ def test_a_checkpoint_mid_window_resumes_bit_identically(tmp_path):
         checkpointer.wait_until_finished()
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(_params()))
         restored = checkpointer.restore(tmp_path / "ckpt", abstract)
-    assert isinstance(restored.stats.leaves, _stats.LeafSums)
+    assert isinstance(restored.stats.leaves, _stats_state.LeafSums)
     params = _params()
     step = jax.jit(lambda g, s, n: tx.update(g, s, params, count=n)[1])
     state = restored
@@ -339,7 +339,7 @@ def test_errors_name_the_argument_and_what_was_received():
     rebuild, args = tx.__reduce__()
     again = rebuild(*args)
     assert repr(again) == repr(tx)
-    assert isinstance(again.init(params).stats.leaves, _stats.LeafSums)
+    assert isinstance(again.init(params).stats.leaves, _stats_state.LeafSums)
 
 
 def test_a_converted_window_counts_its_mean_as_one_microbatch_for_every_leaf():

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import masked_multistep as mm
-from masked_multistep import _sq_norms, _stats, _token_total
+from masked_multistep import _sq_norms, _stats, _stats_state, _token_total
 from tests._helpers import assert_bit_identical
 
 DECAY = 0.9
@@ -41,7 +41,7 @@ def _window(stats, grads, counts, decay=DECAY):
 
 
 def _one_window(grads, counts):
-    state = _window(_stats.init_window_stats(counts.dtype), grads, counts)
+    state = _window(_stats_state.init_window_stats(counts.dtype), grads, counts)
     return _stats.read_window_stats(state)
 
 
@@ -167,7 +167,7 @@ def test_no_tokens_one_microbatch_and_empty_nan_microbatches():
 
 
 def test_empty_microbatch_leaves_state_bit_identical():
-    stats = _stats.init_window_stats(jnp.float32)
+    stats = _stats_state.init_window_stats(jnp.float32)
     stats = _stats.accumulate_window_stats(stats, jnp.arange(3.0), jnp.float32(2.5))
     after = _stats.accumulate_window_stats(
         stats, jnp.array([jnp.nan, jnp.inf, 1.0]), jnp.float32(0)
@@ -177,7 +177,7 @@ def test_empty_microbatch_leaves_state_bit_identical():
 
 
 def test_non_finite_gradient_spoils_only_its_window():
-    stats = _stats.init_window_stats(jnp.int32)
+    stats = _stats_state.init_window_stats(jnp.int32)
     bad = jnp.array([[1.0, 1.0], [jnp.inf, 0.0], [0.0, 1.0]])
     stats = _window(stats, bad, jnp.array([1, 2, 3], jnp.int32))
     last = _stats.read_window_stats(stats)
@@ -192,7 +192,7 @@ def test_non_finite_gradient_spoils_only_its_window():
 
 def test_smoothing_is_a_ratio_of_debiased_moving_averages():
     rng = np.random.default_rng(3)
-    stats = _stats.init_window_stats(jnp.int32)
+    stats = _stats_state.init_window_stats(jnp.int32)
     counts = jnp.array([4, 7, 2, 9], jnp.int32)
     window = jax.jit(_window)
     var, true_sq, smoothed = [], [], []
@@ -252,7 +252,7 @@ def test_tokens_seen_past_float32s_range_is_inf_not_nan():
 def test_reverse_mode_derivatives_are_finite_through_empty_microbatches():
     def spread(g):
         m, total, s = jnp.zeros(2), jnp.float32(0), jnp.float32(0)
-        stats = _stats.init_window_stats(jnp.float32)
+        stats = _stats_state.init_window_stats(jnp.float32)
         for gi, n in [(g, 2.0), (jnp.full(2, jnp.nan), 0.0), (2 * g + 1, 3.0)]:
             m, total, ds = mm.running_mean_update(
                 m, total, gi, jnp.float32(n), with_sq_deviation=True
@@ -432,7 +432,7 @@ def test_wrapper_reports_each_completed_window_until_the_next():
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), WINDOW, window_stats=True)
     _, states = _run(tx, grads, counts, values)
     seen = 0
-    previous = _stats.read_window_stats(_stats.init_window_stats(jnp.int32))
+    previous = _stats.read_window_stats(_stats_state.init_window_stats(jnp.int32))
     for i, state in enumerate(states):
         last = mm.window_stats(state)
         if (i + 1) % WINDOW:
@@ -635,7 +635,7 @@ def test_checkpoint_mid_window_restores_the_statistics(tmp_path):
         checkpointer.wait_until_finished()
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(jnp.zeros(D)))
         restored = checkpointer.restore(tmp_path / "ckpt", abstract)
-    assert isinstance(restored.stats, _stats.WindowStatsState)
+    assert isinstance(restored.stats, _stats_state.WindowStatsState)
     params = jnp.zeros(D)
     state = restored
     # Under jit, as the run it restores (an eager step runs its operations one by
@@ -893,7 +893,7 @@ def test_repr_and_copies_keep_the_statistics_options():
     assert again is not tx and repr(again) == repr(tx)
     # A copy is the (immutable) wrapper itself.
     assert copy.deepcopy(tx) is tx and copy.copy(tx) is tx
-    assert isinstance(again.init(jnp.zeros(2)).stats, _stats.WindowStatsState)
+    assert isinstance(again.init(jnp.zeros(2)).stats, _stats_state.WindowStatsState)
 
 
 def test_a_0_1_checkpoint_mid_window_keeps_the_statistics_unbiased():
@@ -1618,7 +1618,7 @@ def test_the_packed_state_reads_and_writes_each_figure_by_name():
     """The state's fourteen scalars live in three arrays; each figure reads
     back what was written, the others stay as they were (also for a state
     batched by vmap, whose figures are batched alike)."""
-    state = _stats.init_window_stats(jnp.int32)
+    state = _stats_state.init_window_stats(jnp.int32)
     last = state.last._replace(
         tokens=jnp.int32(7),
         microbatches=jnp.int32(3),
