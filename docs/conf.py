@@ -78,7 +78,7 @@ nitpick_ignore_regex = [
     # ... and `MaskedMultiSteps.apply_gradients`' params type, and the type of
     # `WindowStats`' per-group figures (its docstring says what they are).
     (r"py:class", r"_ParamsT"),
-    (r"py:class", r"(masked_multistep\._stats\.)?_Figure"),
+    (r"py:class", r"(masked_multistep\._stats_state\.)?_Figure"),
     # The type of `MaskedMultiSteps(reduction=...)`: built by `mm.deferred`,
     # whose entry documents it.
     (r"py:class", r"masked_multistep\._deferred\.Deferred"),
