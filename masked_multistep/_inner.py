@@ -250,7 +250,8 @@ class WindowPlan(NamedTuple):
     end, and the update to run there."""
 
     needs_value: bool
-    """Whether it fails without ``value=``."""
+    """Whether it fails without ``value=`` (where the call passes one: whether
+    it reads it and fails without it)."""
     passes_value: bool
     """Whether it gets one."""
     updates_avals: Any
@@ -351,21 +352,37 @@ def window_shapes(
     ):
         explain_other_state(opt, inner_state, *stand_ins)
 
-    def shapes(with_value: bool) -> Any:
+    def shapes(with_value: bool) -> tuple[Any, bool]:
+        # The updates' shapes, and (with the value) whether the update reads
+        # it: whether the value's argument is an operand of any of the traced
+        # update's operations or one of its results (jaxprs close over
+        # nothing: a use inside a conditional or a call is its operand).
+        # (The update gets `dynamic_args` as the window's end passes them,
+        # value included, so that its trace is the one reused there.)
         update = update_of(with_value)
+        others = {k: v for k, v in dynamic_args.items() if k != "value"}
 
-        def inner_update_on_mean(window, inner_state, params, dynamic_args):
-            return update(mean_of(window), inner_state, params, dynamic_args)
+        def inner_update_on_mean(window, inner_state, params, others, value):
+            args = {**others, "value": value}
+            return update(mean_of(window), inner_state, params, args)
 
         try:
-            return jax.eval_shape(
-                inner_update_on_mean, window, inner_state, params, dynamic_args
-            )[0]
+            traced = jax.jit(inner_update_on_mean).trace(
+                window, inner_state, params, others, dynamic_args["value"]
+            )
         except TypeError as err:
             if not with_grad and _MISSING_GRAD in str(err):
                 # (Without `value=` too: the try with it raises this again.)
                 raise TypeError(f"{_GRAD_HINT}; it said: {err}") from err
             raise
+        if not with_value:
+            return traced.out_info[0], False
+        jaxpr = traced.jaxpr.jaxpr
+        var = jaxpr.invars[-1]
+        reads = any(x is var for x in jaxpr.outvars) or any(
+            x is var for eqn in jaxpr.eqns for x in eqn.invars
+        )
+        return traced.out_info[0], reads
 
     # An inner optimizer whose update refuses the keyword by its signature
     # (optax.contrib.sam declares extra arguments and takes none) runs without
@@ -373,16 +390,10 @@ def window_shapes(
     # value stays the wrapper's own (the window's loss). Its TypeError without
     # one is its own, not a sign that it needs one.
     refused = refuses_keyword(opt.update, "value")
-    try:
-        avals, needs_value = shapes(with_value=False), False
-    except TypeError:
-        if refused:
-            raise
-        avals, needs_value = None, True
-    passes_value = needs_value or (has_value and not refused)
-    if passes_value:
+
+    def shapes_with_value() -> tuple[Any, bool]:
         try:
-            avals = shapes(with_value=True)
+            return shapes(with_value=True)
         except TypeError as err:
             if "unexpected keyword argument 'value'" in str(err):
                 raise TypeError(
@@ -393,6 +404,28 @@ def window_shapes(
                     f"which optax.chain calls without extra arguments; it said: {err}"
                 ) from err
             raise
+
+    # Where this call passes a value, the update is traced with it first: one
+    # that does not read it (most: adam drops it) needs none, and is traced
+    # once. Only one that reads it is traced without it as well, to learn
+    # whether it needs it (whether a NaN loss holds the window).
+    avals, needs_value = None, False
+    passes_value = has_value and not refused
+    if passes_value:
+        avals, reads = shapes_with_value()
+        if reads:
+            try:
+                shapes(with_value=False)
+            except TypeError:
+                needs_value = True
+    else:
+        try:
+            avals, _ = shapes(with_value=False)
+        except TypeError:
+            if refused:
+                raise
+            needs_value = passes_value = True
+            avals, _ = shapes_with_value()
     memo.put(key, (needs_value, passes_value, avals))
     return WindowPlan(needs_value, passes_value, avals, update_of(passes_value))
 
