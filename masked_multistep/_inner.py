@@ -354,9 +354,7 @@ def window_shapes(
 
     def shapes(with_value: bool) -> tuple[Any, bool]:
         # The updates' shapes, and (with the value) whether the update reads
-        # it: whether the value's argument is an operand of any of the traced
-        # update's operations or one of its results (jaxprs close over
-        # nothing: a use inside a conditional or a call is its operand).
+        # it (`_reads`).
         # (The update gets `dynamic_args` as the window's end passes them,
         # value included, so that its trace is the one reused there.)
         update = update_of(with_value)
@@ -378,11 +376,7 @@ def window_shapes(
         if not with_value:
             return traced.out_info[0], False
         jaxpr = traced.jaxpr.jaxpr
-        var = jaxpr.invars[-1]
-        reads = any(x is var for x in jaxpr.outvars) or any(
-            x is var for eqn in jaxpr.eqns for x in eqn.invars
-        )
-        return traced.out_info[0], reads
+        return traced.out_info[0], _reads(jaxpr, jaxpr.invars[-1])
 
     # An inner optimizer whose update refuses the keyword by its signature
     # (optax.contrib.sam declares extra arguments and takes none) runs without
@@ -429,6 +423,32 @@ def window_shapes(
     memo.put(key, (needs_value, passes_value, avals))
     return WindowPlan(needs_value, passes_value, avals, update_of(passes_value))
 
+
+def _reads(jaxpr: Any, var: Any) -> bool:
+    """Whether ``jaxpr`` reads its input ``var``: whether ``var`` is one of its
+    results, or an operand of one of its operations, but for a ``jax.jit``
+    call whose own jaxpr does not read it (jax 0.11 and later keep the call
+    of a ``jax.jit(..., inline=True)`` in a jaxpr, inlining it only where it
+    is lowered). Jaxprs close over nothing: a use inside a conditional, a
+    loop or a custom derivative is that operation's operand, taken as a read.
+    """
+    if any(x is var for x in jaxpr.outvars):
+        return True
+    for eqn in jaxpr.eqns:
+        at = [i for i, x in enumerate(eqn.invars) if x is var]
+        if not at:
+            continue
+        called = eqn.params.get("jaxpr") if eqn.primitive.name in _JITS else None
+        called = getattr(called, "jaxpr", called)  # a ClosedJaxpr's Jaxpr
+        if called is None or len(called.invars) != len(eqn.invars):
+            return True
+        if any(_reads(called, called.invars[i]) for i in at):
+            return True
+    return False
+
+
+# The names of a `jax.jit` call's primitive (jax 0.10: `pjit`; later `jit`).
+_JITS = ("jit", "pjit")
 
 _MISSING_GRAD = "required keyword-only argument: 'grad'"
 _GRAD_HINT = (

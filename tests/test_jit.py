@@ -107,6 +107,27 @@ def test_a_compiled_step_traces_the_inner_optimizer_once(how):
     chex.assert_trees_all_close(params, want, rtol=1e-6)
 
 
+def test_an_inner_update_under_its_own_jit_that_ignores_the_value_is_traced_once():
+    # The value reaches the update's `jax.jit` call as an operand; what that
+    # call does with it is read from the call's own jaxpr (as jax 0.11 and
+    # later keep the wrapper's own `jax.jit(..., inline=True)` call).
+    calls = []
+    adam = optax.adam(1e-3)
+    inner = optax.GradientTransformationExtraArgs(adam.init, jax.jit(adam.update))
+    tx = mm.MaskedMultiSteps(_counting(inner, calls), 2)
+    state = tx.init(PARAMS)
+    calls.clear()
+
+    def step(params, state):
+        return tx.apply_gradients(
+            PARAMS, state, params, count=jnp.int32(3), value=jnp.float32(1.0)
+        )
+
+    jaxpr = jax.make_jaxpr(step)(PARAMS, state)
+    assert calls == ["update"]
+    assert "jit" in str(jaxpr)  # (the update's own call)
+
+
 @pytest.mark.parametrize("needs", [True, False])
 def test_an_inner_optimizer_that_reads_the_value_is_traced_without_it_too(needs):
     # To learn whether it needs the value, so whether a window whose loss is
