@@ -128,13 +128,15 @@ def test_an_inner_update_under_its_own_jit_that_ignores_the_value_is_traced_once
     assert "jit" in str(jaxpr)  # (the update's own call)
 
 
-@pytest.mark.parametrize("needs", [True, False])
-def test_an_inner_optimizer_that_reads_the_value_is_traced_without_it_too(needs):
-    # To learn whether it needs the value, so whether a window whose loss is
-    # NaN is held: reduce_on_plateau needs it; one that reads it only where
-    # it is given runs on such a window.
+@pytest.mark.parametrize("kind", ["needs it", "reads it if given", "never reads it"])
+def test_whether_a_nan_loss_holds_the_window_is_read_from_the_update(kind):
+    # An update that reads the value is traced without it too, to learn
+    # whether it needs it, so whether a window whose loss is NaN is held:
+    # reduce_on_plateau needs it; one that reads it only where it is given
+    # runs on such a window, as does one that requires the keyword but never
+    # reads it (its results cannot depend on the loss), traced once.
     calls = []
-    if needs:
+    if kind == "needs it":
         inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau())
     else:
 
@@ -143,7 +145,14 @@ def test_an_inner_optimizer_that_reads_the_value_is_traced_without_it_too(needs)
             scale = 1.0 if value is None else 1.0 + 0.0 * jnp.nan_to_num(value)
             return jax.tree.map(lambda u: -scale * u, updates), state
 
-        inner = optax.GradientTransformationExtraArgs(lambda p: (), update)
+        def update_unread(updates, state, params=None, *, value):
+            del params, value
+            return jax.tree.map(lambda u: -u, updates), state
+
+        unread = kind == "never reads it"
+        inner = optax.GradientTransformationExtraArgs(
+            lambda p: (), update_unread if unread else update
+        )
     tx = mm.MaskedMultiSteps(_counting(inner, calls), 2)
     state = tx.init(PARAMS)
     calls.clear()
@@ -157,9 +166,10 @@ def test_an_inner_optimizer_that_reads_the_value_is_traced_without_it_too(needs)
     params = PARAMS
     for value in (1.0, jnp.nan):  # the window's loss is NaN
         params, state = step(params, state, jnp.float32(value))
-    assert calls == ["update"] * 2
-    assert int(state.gradient_step) == (0 if needs else 1)
-    assert int(state.num_nonfinite_windows) == (1 if needs else 0)
+    assert calls == ["update"] * (1 if kind == "never reads it" else 2)
+    held = kind == "needs it"
+    assert int(state.gradient_step) == (0 if held else 1)
+    assert int(state.num_nonfinite_windows) == (1 if held else 0)
 
 
 def test_init_state_has_no_shared_buffers():
