@@ -308,8 +308,9 @@ def test_an_eager_vmap_or_derivative_step_compiles_nothing_once_warm(how):
     assert states.gradient_step.tolist() == want
 
 
+@pytest.mark.parametrize("with_value", [False, True])
 @pytest.mark.parametrize("reduction", [None, "deferred"])
-def test_a_step_on_a_device_mesh_traces_the_inner_optimizer_once(reduction):
+def test_a_step_on_a_device_mesh_traces_the_inner_optimizer_once(reduction, with_value):
     # The params replicated over an Auto mesh: the window's mean carries the
     # mesh in its type, in the shapes' evaluation as at the window's end.
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -327,7 +328,9 @@ def test_a_step_on_a_device_mesh_traces_the_inner_optimizer_once(reduction):
     else:
         grads = jax.tree.map(lambda p: jnp.stack([p] * 8), PARAMS)
         count = jnp.full(8, 3, jnp.int32)
-    step = lambda p, s, g, n: tx.apply_gradients(g, s, p, count=n)
+    # (The loss as `value=`: one per device with a deferred reduction.)
+    extra = {"value": jnp.ones(jnp.shape(count), jnp.float32)} if with_value else {}
+    step = lambda p, s, g, n: tx.apply_gradients(g, s, p, count=n, **extra)
     jax.jit(step).trace(params, state, grads, count)
     assert calls == ["update"]
 
