@@ -375,8 +375,14 @@ def window_shapes(
             raise
         if not with_value:
             return traced.out_info[0], False
-        jaxpr = traced.jaxpr.jaxpr
-        return traced.out_info[0], _reads(jaxpr, jaxpr.invars[-1])
+        try:
+            jaxpr = traced.jaxpr.jaxpr
+            reads = _reads(jaxpr, jaxpr.invars[-1])
+        except (AttributeError, IndexError, KeyError, TypeError):
+            # A jaxpr of a form this does not know (another jax): the value is
+            # taken as read, and the update traced without it too.
+            reads = True
+        return traced.out_info[0], reads
 
     # An inner optimizer whose update refuses the keyword by its signature
     # (optax.contrib.sam declares extra arguments and takes none) runs without
