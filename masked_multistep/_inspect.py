@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Literal, TypeVar, overload
 
 import jax
@@ -29,13 +30,40 @@ _T = TypeVar("_T")
 
 
 def _is_variable(x: Any) -> bool:
-    # flax NNX variables (``optimizer.opt_state``'s leaves) hold their array
-    # behind ``get_value``; flax is optional, so no isinstance check.
+    # flax NNX variables hold their array behind ``get_value``; flax is
+    # optional, so no isinstance check.
     return not isinstance(x, jax.Array) and callable(getattr(x, "get_value", None))
 
 
+def _is_optimizer_box(x: Any) -> bool:
+    # The variables an `nnx.Optimizer` wraps each leaf of its optax state in
+    # (``optimizer.opt_state``): flax's `nnx.OptState` and its subclasses. Other
+    # variables, such as the `nnx.Param` nodes of a state that a plain loop
+    # built from `nnx.split` params, are part of the state's tree and stay.
+    nnx = sys.modules.get("flax.nnx")  # (no flax imported: no such variable)
+    box = getattr(nnx, "OptState", None)
+    return box is not None and isinstance(x, box)
+
+
 def unboxed(tree: _T) -> _T:
-    """``tree`` with each NNX variable replaced by the array it holds."""
+    """``tree`` with each of an NNX optimizer's variables (``nnx.OptState``)
+    replaced by the array it holds; other NNX variables stay."""
+    return jax.tree.map(
+        lambda x: x.get_value() if _is_optimizer_box(x) else x,
+        tree,
+        is_leaf=_is_optimizer_box,
+    )
+
+
+def holds_optimizer_boxes(tree: Any) -> bool:
+    """Whether ``tree`` holds an NNX optimizer's variables (``nnx.OptState``)."""
+    return any(
+        _is_optimizer_box(x) for x in jax.tree.leaves(tree, is_leaf=_is_optimizer_box)
+    )
+
+
+def unboxed_all(tree: _T) -> _T:
+    """``tree`` with each NNX variable of any kind replaced by its array."""
     return jax.tree.map(
         lambda x: x.get_value() if _is_variable(x) else x, tree, is_leaf=_is_variable
     )
@@ -47,7 +75,8 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
     Looks through any pytree: a bare state, ``optax.chain``,
     ``optax.inject_hyperparams``, ``optax.multi_transform`` and ``optax.masked``
     states, a ``mm.TrainState`` (its ``opt_state``), a flax NNX optimizer's
-    ``opt_state`` (its variables are unwrapped to arrays).
+    ``opt_state`` (its ``nnx.OptState`` variables are unwrapped to arrays;
+    other variables, as in a plain loop's state of ``nnx.split`` params, stay).
 
     Raises:
       ValueError: if ``opt_state`` holds no such state, or more than one (pass
@@ -329,7 +358,7 @@ def leaf_labels(groups: Any, tree: Any) -> list[str]:
         labels = called[0]
     else:
         labels = groups
-    labels = unboxed(labels)
+    labels = unboxed_all(labels)
     for label in jax.tree.leaves(labels):
         if not isinstance(label, str):
             raise TypeError(

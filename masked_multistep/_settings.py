@@ -17,7 +17,13 @@ from masked_multistep._checkpoint import (
     same_layout,
 )
 from masked_multistep._checks import holds_abstract, refuse_restore_target, traced
-from masked_multistep._inspect import find_state, has_deferred_reduction
+from masked_multistep._inspect import (
+    find_boxed,
+    has_deferred_reduction,
+    holds_optimizer_boxes,
+    unboxed,
+    unboxed_all,
+)
 from masked_multistep._reduction import placed_like
 from masked_multistep._token_total import TokenTotal, token_total, with_tokens_seen
 
@@ -79,6 +85,10 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         ``nnx.state(new_optimizer)["opt_state"]``, and the result is an
         ``nnx.State`` like it, to put in place of ``"opt_state"`` in
         ``nnx.state(new_optimizer)`` before ``nnx.update(new_optimizer, ...)``.
+        Where ``state`` is an ``optimizer.opt_state``, ``tx.init(nnx.state(
+        model, nnx.Param))`` serves, and the result holds the arrays that its
+        ``nnx.Param`` variables hold, as the optimizer's state does:
+        ``nnx.update(new_optimizer.opt_state, nnx.state(result))``.
       tokens_seen: the tokens of all completed windows, where ``state`` kept
         no count of them (a whole number in ``[0, 2**48]``); it overrides
         ``state``'s when given.
@@ -134,7 +144,16 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         )
         return _by_name.named(converted, template)
     _check_template(template)
-    old = _by_name.bare(state) if _by_name.is_named(state) else find_state(state)
+    if _by_name.is_named(state):
+        old = _by_name.bare(state)
+    else:
+        boxed = find_boxed(state)
+        old = unboxed(boxed)
+        # `optimizer.opt_state` holds the optax state of the params' arrays:
+        # so does the template built from its params (`nnx.state(model,
+        # nnx.Param)`, whose variables hold them) or taken from the new
+        # optimizer's `opt_state`.
+        template = unboxed_all(template) if holds_optimizer_boxes(boxed) else template
     refuse_restore_target(old, "`state`")
     if traced((old, template)):
         raise TypeError(

@@ -406,3 +406,65 @@ def test_an_ensembles_states_are_converted_one_member_at_a_time():
         params["w"][:, 0], [-(4 + 24) / 12, -(12 + 3) / 13, -3.0], rtol=1e-6
     )
     np.testing.assert_array_equal(state.gradient_step, [1, 1, 1])
+
+
+def test_a_plain_loop_on_nnx_split_params_keeps_their_variables():
+    """A plain optax loop on ``nnx.split`` params: the state holds their
+    ``nnx.Param`` nodes, as ``tx.init(params)`` made it; ``find_state`` returns
+    it as it is, and both conversions give states that the next step takes
+    (no variable stripped, as only an NNX optimizer's own boxes are)."""
+    from flax import nnx
+
+    _, params, _ = nnx.split(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    grads = jax.tree.map(jnp.ones_like, params)
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), every_k_schedule=4)
+    state = tx.init(params)
+    params, state = tx.apply_gradients(grads, state, params, count=3)
+    assert jax.tree.structure(mm.find_state(state)) == jax.tree.structure(state)
+
+    new = mm.MaskedMultiSteps(optax.adam(0.1), every_k_schedule=2)
+    switched = mm.from_other_settings(state, new.init(params))
+    assert jax.tree.structure(switched) == jax.tree.structure(new.init(params))
+    params, switched = new.apply_gradients(grads, switched, params, count=1)
+    assert int(switched.gradient_step) == 1
+
+    old = optax.MultiSteps(optax.adam(0.1), every_k_schedule=4)
+    _, old_state = old.update(grads, old.init(params), params)
+    converted = mm.from_optax_multisteps(old_state, tx, params, acc_count=3)
+    assert jax.tree.structure(converted) == jax.tree.structure(tx.init(params))
+    _, converted = tx.update(grads, converted, params, count=3)
+    assert int(converted.mini_step) == 2
+
+
+@pytest.mark.parametrize("template_from", ["init of nnx.state", "new opt_state"])
+def test_an_nnx_optimizers_opt_state_switches_against_either_template(
+    template_from,
+):
+    """``optimizer.opt_state`` with ``new_tx.init(nnx.state(model,
+    nnx.Param))`` or the new optimizer's ``opt_state`` as the template: the
+    result holds arrays, as the optimizer's state does, and ``nnx.update``
+    loads it; the window in progress closes under the new rule."""
+    from flax import nnx
+
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(
+        model, mm.MaskedMultiSteps(optax.sgd(1.0), 4), wrt=nnx.Param
+    )
+    ones = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    optimizer.update(model, ones, count=jnp.float32(3))
+    new_tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=5)
+    new = nnx.Optimizer(model, new_tx, wrt=nnx.Param)
+    template = (
+        new_tx.init(nnx.state(model, nnx.Param))
+        if template_from == "init of nnx.state"
+        else new.opt_state
+    )
+    converted = mm.from_other_settings(optimizer.opt_state, template)
+    assert int(converted.acc_count) == 3
+    nnx.update(new.opt_state, nnx.state(converted))
+    before = model.kernel[...]
+    new.update(model, jax.tree.map(lambda g: 3 * g, ones), count=jnp.float32(2))
+    assert bool(new.opt_state.updated[...])
+    np.testing.assert_allclose(
+        model.kernel[...] - before, -(3 * 1 + 2 * 3) / 5, rtol=1e-6
+    )
