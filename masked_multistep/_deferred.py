@@ -190,13 +190,6 @@ class Deferred(KnownTotals):
     def __init__(self, mesh: jax.sharding.Mesh, axis_name: Any = "data"):
         self.mesh = mesh
         self.axes, self.size = check_mesh_axes(mesh, axis_name)
-        if any_explicit(mesh, self.axes) and not all_explicit(mesh, self.axes):
-            types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-            raise ValueError(
-                "`axis_name` must name data axes of one type, all "
-                "AxisType.Explicit or all AxisType.Auto, got "
-                f"{self.axes} of types {tuple(str(types[a]) for a in self.axes)}"
-            )
         self._spec_axes = self.axes[0] if len(self.axes) == 1 else self.axes
 
     def __repr__(self) -> str:

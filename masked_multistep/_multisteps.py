@@ -19,13 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax import tree as otu
 
 from masked_multistep import _checks, _inner, _processes, _sq_norms, _stats, _windows
 from masked_multistep._branch import EagerMemo, in_place_cond
 from masked_multistep._collectives import reduced_leaf
 from masked_multistep._deferred import Deferred
-from masked_multistep._reduction import Local, WindowTotals, check_on_mesh
+from masked_multistep._reduction import (
+    Local,
+    WindowTotals,
+    check_on_mesh,
+    resharded_as,
+)
 from masked_multistep._running_mean import (
     accumulator_dtype,
     accumulator_fits,
@@ -172,24 +176,47 @@ def _no_skip(updates, gradient_step, params):
     return jnp.zeros([], jnp.bool_), ()
 
 
-def _zeros_placed_like(avals: Any, *likes: Any) -> Any:
-    """Zeros of ``avals``, each placed as the leaf in its place of the first
-    of ``likes`` whose tree matches and whose leaf there has its shape (an
-    eager step's zeros would otherwise land on the default device, not the
-    gradients' or, where those carry a device axis, the params'; under
-    ``jit`` the same program)."""
+def _placements(avals: Any, *likes: Any) -> list[Any]:
+    """For each leaf of ``avals``, the leaf in its place of the first of
+    ``likes`` whose tree matches and whose leaf there has its shape, or
+    ``None``: where ``update``'s updates are placed (the gradients, or, where
+    those carry a device axis, the params)."""
     structure = jax.tree.structure(avals)
     likes = tuple(t for t in likes if jax.tree.structure(t) == structure)
-    if not likes:
-        return otu.zeros_like(avals)
+    leaves = [structure.flatten_up_to(t) for t in likes]
+    return [
+        next((xs[i] for xs in leaves if jnp.shape(xs[i]) == jnp.shape(aval)), None)
+        for i, aval in enumerate(jax.tree.leaves(avals))
+    ]
 
-    def zeros(aval: Any, *xs: Any) -> jax.Array:
-        for x in xs:
-            if jnp.shape(x) == aval.shape:
-                return jnp.zeros_like(x, dtype=aval.dtype)
-        return jnp.zeros(aval.shape, aval.dtype)
 
-    return jax.tree.map(zeros, avals, *likes)
+def _zeros_placed_like(avals: Any, *likes: Any) -> Any:
+    """Zeros of ``avals``, each placed as its leaf of :func:`_placements` (an
+    eager step's zeros would otherwise land on the default device, not the
+    gradients' or the params'; under ``jit`` the same program)."""
+    zeros = [
+        jnp.zeros_like(aval if like is None else like, dtype=aval.dtype)
+        for aval, like in zip(
+            jax.tree.leaves(avals), _placements(avals, *likes), strict=True
+        )
+    ]
+    return jax.tree.unflatten(jax.tree.structure(avals), zeros)
+
+
+def _placed_like(updates: Any, *likes: Any) -> Any:
+    """``updates`` with the shardings, on explicit mesh axes, of the leaves
+    :func:`_zeros_placed_like` places its zeros as: an inner optimizer that
+    keeps no state of its parameters' layout (``optax.sgd``) returns the
+    window mean's, which can differ (a deferred reduction's mean, replicated,
+    of params split over the data axis), and the window's two branches must
+    agree."""
+    placed = [
+        u if like is None else resharded_as(u, like)
+        for u, like in zip(
+            jax.tree.leaves(updates), _placements(updates, *likes), strict=True
+        )
+    ]
+    return jax.tree.unflatten(jax.tree.structure(updates), placed)
 
 
 def _same_buffers(a: Any, b: Any) -> bool:
@@ -1329,7 +1356,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 return (updates, new_inner, ()), ()
             if apply_params:
                 return (acc_grads, new_inner, optax.apply_updates(params, updates)), ()
-            return (acc_grads, new_inner, ()), updates
+            return (acc_grads, new_inner, ()), _placed_like(
+                updates, grads, read_only_params
+            )
 
         def close_window(carry: _Carry, read_only_params, dynamic_args):
             # The window's global figures (with a deferred reduction that agrees

@@ -157,8 +157,8 @@ def per_device_value_and_grad(
         :func:`masked_mean` returns).
       mesh: the ``jax.sharding.Mesh`` the batch is sharded on; its axes may be
         ``AxisType.Auto`` or ``AxisType.Explicit`` (``jax.make_mesh``'s default).
-      axis_name: the mesh axis (or tuple of axes) the batch's leading axis is
-        split over.
+      axis_name: the mesh axis (or tuple of axes, all of one type) the
+        batch's leading axis is split over.
       num_microbatches: in-jit microbatches per device and call (``k``): each
         device runs :func:`microbatched_value_and_grad` on its rows.
       has_aux: whether ``loss_fn`` returns ``aux``; it comes back per device,
@@ -184,8 +184,9 @@ def per_device_value_and_grad(
       TypeError: if ``mesh`` is not a ``jax.sharding.Mesh``; and as
         :func:`microbatched_value_and_grad` does for ``loss_fn``,
         ``num_microbatches`` and ``has_aux``.
-      ValueError: if ``axis_name`` is not an axis of ``mesh``, or names one
-        twice; when called, if a
+      ValueError: if ``axis_name`` is not an axis of ``mesh``, names one
+        twice, or names axes of both types (``AxisType.Explicit`` and
+        ``AxisType.Auto``); when called, if a
         ``batch`` leaf's leading size is not divisible by ``D·num_microbatches``.
 
     Examples:
@@ -575,7 +576,8 @@ def data_parallel_value_and_grad(
         ``(mean_loss, (count, aux))`` with ``has_aux=True``.
       mesh: the ``jax.sharding.Mesh`` the batch is sharded on; its axes may be
         ``AxisType.Auto`` or ``AxisType.Explicit`` (``jax.make_mesh``'s default).
-      axis_name: the mesh axis (or tuple of axes) the batch is split over.
+      axis_name: the mesh axis (or tuple of axes, all of one type) the batch
+        is split over.
       num_microbatches: microbatches per device (``k``); the batch size must be
         divisible by ``D·k``.
       has_aux: whether ``loss_fn`` returns ``aux``.

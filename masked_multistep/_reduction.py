@@ -104,8 +104,10 @@ def check_mesh_axes(
     """``axis_name`` as a tuple of mesh axis names, and their total size ``D``.
 
     Raises ``TypeError`` if ``mesh`` is not a ``jax.sharding.Mesh`` and
-    ``ValueError`` if an axis is not one of its axes, or is named twice. Axes
-    may be ``AxisType.Auto`` or ``AxisType.Explicit``.
+    ``ValueError`` if an axis is not one of its axes, or is named twice, or
+    the axes are of mixed types. Axes may be ``AxisType.Auto`` or
+    ``AxisType.Explicit``, all of one type (jax cannot reshard over the
+    Explicit ones an array whose spec names the Auto ones with them).
     """
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(
@@ -122,6 +124,13 @@ def check_mesh_axes(
             )
     if len(set(axes)) != len(axes):
         raise ValueError(f"`axis_name` names an axis twice: {axes}")
+    if any_explicit(mesh, axes) and not all_explicit(mesh, axes):
+        types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+        raise ValueError(
+            "`axis_name` must name data axes of one type, all "
+            "AxisType.Explicit or all AxisType.Auto, got "
+            f"{axes} of types {tuple(str(types[a]) for a in axes)}"
+        )
     return axes, math.prod(mesh.shape[a] for a in axes)
 
 

@@ -482,6 +482,58 @@ def test_fsdp_params_on_an_explicit_axis_train_deferred_and_data_parallel():
     chex.assert_trees_all_close((loss, grads), (ref_loss, ref), **TOL)
 
 
+@pytest.mark.parametrize("method", ["update", "apply_gradients"])
+@pytest.mark.parametrize(
+    "inner",
+    [
+        lambda: optax.sgd(0.5),
+        lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.5)),
+    ],
+    ids=["sgd", "clip-sgd"],
+)
+def test_fsdp_deferred_with_an_inner_optimizer_keeping_no_state_of_the_params(
+    inner, method
+):
+    """FSDP params on an explicit data axis, deferred, an inner optimizer whose
+    updates follow the window's mean (sgd keeps no state laid out as the
+    params, as adam's moments are): the mean of the devices' means is
+    replicated, the updates between windows are zeros placed as the params;
+    ``update`` failed to trace ("cond branches must have equal output
+    types"). Both methods train as one device on the full batch."""
+    grid = jax.make_mesh((NDEV,), ("data",))
+    data = NamedSharding(grid, P("data"))
+    batches = _microbatches()
+    grad_fn = mm.per_device_value_and_grad(_loss, grid, "data")
+    tx = mm.MaskedMultiSteps(inner(), K, reduction=mm.deferred(grid, "data"))
+
+    @jax.jit
+    def step(params, state, mb):
+        (loss, count), grads = grad_fn(params, mb)
+        if method == "apply_gradients":
+            return tx.apply_gradients(grads, state, params, count=count)
+        updates, state = tx.update(grads, state, params, count=count)
+        assert jax.typeof(updates["w1"]).sharding.spec == P("data", None)
+        return optax.apply_updates(params, updates), state
+
+    params = jax.device_put(_params(), data)
+    state = tx.init(params)
+    for mb in batches:
+        params, state = step(params, state, jax.device_put(mb, data))
+
+    ref_tx = mm.MaskedMultiSteps(inner(), K)
+
+    @jax.jit
+    def ref_step(params, state, mb):
+        (_, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
+        return ref_tx.apply_gradients(grads, state, params, count=count)
+
+    ref, ref_state = _params(), ref_tx.init(_params())
+    for mb in batches:
+        ref, ref_state = ref_step(ref, ref_state, mb)
+    assert int(state.gradient_step) == int(ref_state.gradient_step) == len(batches) // K
+    chex.assert_trees_all_close(jax.device_get(params), ref, **TOL)
+
+
 @pytest.mark.parametrize("jitted", [True, False], ids=["jit", "eager"])
 def test_per_device_inputs_built_by_hand_meet_the_explicit_accumulator(jitted):
     """On an explicit data axis the accumulator's device axis is sharded over
@@ -785,14 +837,23 @@ def test_a_jitted_init_on_a_mixed_mesh_without_the_mesh_set_warns_or_fails():
         jax.jit(tx.init)({"w": jnp.ones((4, 6))})
 
 
-def test_data_axes_of_both_types_are_refused_when_built():
-    # The first update failed in jax's reshard ("cannot contain axis names
-    # that are of type Auto").
+@pytest.mark.parametrize(
+    "build",
+    [
+        mm.deferred,
+        functools.partial(mm.per_device_value_and_grad, _loss),
+        functools.partial(mm.data_parallel_value_and_grad, _loss),
+    ],
+    ids=["deferred", "per_device", "data_parallel"],
+)
+def test_data_axes_of_both_types_are_refused_when_built(build):
+    # The first update, or the first call, failed in jax's reshard ("cannot
+    # contain axis names that are of type Auto"), whatever the batch's layout.
     mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(EXPLICIT, AUTO))
     with pytest.raises(
         ValueError, match=r"`axis_name` must name data axes of one type"
     ):
-        mm.deferred(mesh, ("a", "b"))
+        build(mesh, ("a", "b"))
 
 
 def _specs(tree):
