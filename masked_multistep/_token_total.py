@@ -36,7 +36,9 @@ class TokenTotal(NamedTuple):
     for integer totals below ``2**53``; ``int(total)``, ``round(total)``,
     ``bool(total)``, formatting (``f"{total:,.0f}"``), arithmetic and
     comparisons work as on that float (``total / 1e6``, ``total > budget``;
-    traced by ``jit``, on ``hi + lo`` in float32). NumPy and jax take it as
+    traced by ``jit``, on ``hi + lo`` in float32); a batched total (under
+    ``jax.vmap``) indexes as its numbers do (``total[i]``, a ``TokenTotal``).
+    NumPy and jax take it as
     the one number it stands for, not as the pair: ``np.asarray(total)`` is
     that float64, and ``jnp.asarray(total)`` is ``hi + lo``, the total
     rounded to float32, also under ``jit``; jax.numpy functions take it so,
@@ -87,6 +89,12 @@ class TokenTotal(NamedTuple):
 
     def __jax_array__(self) -> jax.Array:
         return self.hi + self.lo
+
+    def __getitem__(self, index: Any) -> TokenTotal:  # type: ignore[override]
+        # A batched total (the statistics of runs under `jax.vmap`, or logs
+        # stacked) indexes as the numbers it stands for: `seen[i]` is run i's
+        # total, not the pair's `hi` or `lo` (read those by name).
+        return TokenTotal(self.hi[index], self.lo[index])
 
     def __format__(self, format_spec: str) -> str:
         # The number (as a float64 formats); traced, the tuple.

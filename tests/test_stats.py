@@ -586,23 +586,21 @@ def test_window_stats_in_flax_train_states():
     assert bool(mm.has_updated(optimizer.opt_state))
 
 
-class _Box:
-    """Stands for an NNX variable (an array behind ``get_value``), counting
-    the reads."""
-
-    reads = 0
-
-    def __init__(self, value):
-        self.value = value
-
-    def get_value(self):
-        _Box.reads += 1
-        return self.value
-
-
 def test_reading_a_boxed_state_unwraps_only_the_fields_read():
     # has_updated and window_stats unwrapped the whole state, every parameter
     # leaf's accumulator and inner state (16.7 ms per call for 1000 leaves).
+    from flax import nnx
+
+    class _Box(nnx.OptArray):
+        """An NNX optimizer's variable, as `nnx.Optimizer` wraps each leaf of
+        its optax state in one, counting the reads."""
+
+        reads = 0
+
+        def get_value(self, *args, **kwargs):
+            _Box.reads += 1
+            return super().get_value(*args, **kwargs)
+
     params = {f"w{i}": jnp.zeros(2) for i in range(40)}
     tx = mm.MaskedMultiSteps(optax.adam(0.1), 1, per_leaf_stats=True)
     state = tx.init(params)
@@ -1117,6 +1115,25 @@ def test_tokens_seen_is_true_where_the_number_is():
     assert not mm.window_stats(tx.init(jnp.zeros(2))).tokens_seen
     with pytest.raises(jax.errors.TracerBoolConversionError):
         jax.jit(lambda t: jnp.float32(1.0 if t else 0.0))(zero)
+
+
+def test_batched_tokens_seen_indexes_as_its_numbers():
+    # As a tuple, `seen[1]` was the `lo` of every run, silently.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1, window_stats=True)
+    params = {"w": jnp.zeros(2)}
+
+    def run(count):
+        _, state = tx.update({"w": jnp.ones(2)}, tx.init(params), params, count=count)
+        return mm.window_stats(state).tokens_seen
+
+    seen = jax.vmap(run)(jnp.array([2.0**24, 2.0, 3.0]))
+    assert isinstance(seen[1], mm.TokenTotal) and float(seen[1]) == 2.0
+    assert [float(seen[i]) for i in range(3)] == [2.0**24, 2.0, 3.0]
+    np.testing.assert_array_equal(np.asarray(seen[1:]), [2.0, 3.0])
+    hi, lo = seen  # the pair, by unpacking (or by name)
+    np.testing.assert_array_equal(hi, seen.hi)
+    assert seen._replace(lo=seen.hi).lo is seen.hi  # NamedTuple methods intact
+    assert jax.tree.structure(seen) == jax.tree.structure(mm.TokenTotal(0.0, 0.0))
 
 
 def test_tokens_seen_is_one_number_to_numpy_and_jax():
