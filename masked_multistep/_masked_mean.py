@@ -76,7 +76,9 @@ def masked_mean(
         dtype: weights and values whose products sum beyond its range (500
         weights of 1e34 beside values of 300, in float32) make the mean
         infinite; scale such weights down (the mean does not depend on their
-        scale, the count does).
+        scale, the count does). Weights computed from parameters (a learned
+        soft mask) are differentiated as in ``Σ w·v / Σ w``, also at a weight
+        of 0 (where the entry is finite).
 
     Returns:
       ``(mean, count)``: ``mean`` in ``values``' dtype promoted to at least
@@ -182,6 +184,7 @@ def masked_mean(
                 f"`mask`'s weights sum to {weight_sum:.4g}, beyond {count_dtype}'s "
                 "range (the count's dtype): the count would be infinite"
             )
+    values = values.astype(dtype)
     if jnp.issubdtype(mask.dtype, jnp.floating):
         # Real weights, and so a real count, for complex values too.
         weights = mask.astype(jnp.finfo(dtype).dtype)
@@ -190,11 +193,16 @@ def masked_mean(
             # Unchecked above: a negative weight makes the count NaN (an
             # invalid count), even where the weights' sum is positive.
             count = jnp.where(jnp.any(weights < 0), jnp.nan, count)
+        # A weight of 0 keeps its entry where the entry is finite: the mean's
+        # derivative with respect to that weight is (value − mean) / Σ w (a
+        # learned soft mask), which zeroing the entry would make −mean / Σ w.
+        kept = (weights != 0) | jnp.isfinite(values)
     else:
         # A bool mask as it is (`mask != 0` would promote it).
         real = mask.astype(jnp.bool_)
         weights = real.astype(dtype)
         count = jnp.sum(real, dtype=jnp.int32)
+        kept = real
     # `where` first: a NaN in a masked-out entry must not survive `NaN * 0`.
-    total = jnp.sum(jnp.where(weights != 0, values.astype(dtype), 0) * weights)
+    total = jnp.sum(jnp.where(kept, values, 0) * weights)
     return safe_fraction(total, count).astype(dtype), count

@@ -21,6 +21,7 @@ from masked_multistep._checks import (
     INT32_MAX,
     check_microbatches,
     check_real,
+    check_takes,
     check_takes_one,
     is_host_int,
     python_scalar,
@@ -300,12 +301,37 @@ def describe(rule: Any) -> str:
     return repr(rule)
 
 
+def _policy_call(policy: WindowPolicy, field: str, *args: Any) -> Any:
+    """``policy.<field>(*args)``; where it fails on what jit traces, or on a
+    statistic it reads without ``needs_stats=True`` (``None``), an error
+    naming the policy and the cause (jax's or Python's follows)."""
+    what = f"The window policy {describe(policy)}'s `{field}`"
+    try:
+        return getattr(policy, field)(*args)
+    except _READS_A_TRACER as err:
+        raise TypeError(
+            f"{what} failed on a traced value: under jit, scan or vmap the "
+            "policy state and WindowScalars are traced, and a Python `if`, "
+            "int(...) or numpy function on them fails. Write it with "
+            "jax.numpy (`jnp.where`, `&`, `|`) (jax's error follows)"
+        ) from err
+    except TypeError as err:
+        if policy.needs_stats or "NoneType" not in str(err):
+            raise
+        raise TypeError(
+            f"{what} failed on a `None`: WindowScalars' `counted`, "
+            "`grad_sq_norm` and `grad_var_trace` are None unless the policy "
+            "is built with `needs_stats=True` (and passed as `norm_test=`) "
+            "(Python's error follows)"
+        ) from err
+
+
 def verdict(policy: WindowPolicy, policy_state: Any, scalars: WindowScalars) -> Any:
     """``policy.closes(policy_state, scalars)``, checked: a boolean scalar, or
     an error naming the policy (within :func:`any_of`, the one that returned
     something else)."""
     return returned_flag(
-        policy.closes(policy_state, scalars),
+        _policy_call(policy, "closes", policy_state, scalars),
         f"The window policy {describe(policy)}'s `closes`",
     )
 
@@ -316,7 +342,7 @@ def updated(
     """``policy.update(policy_state, scalars, closed)``, checked: a state of the
     structure, shapes and dtypes that ``policy.init`` built (the state is
     carried through jit, scan and checkpoints), or an error naming the policy."""
-    new = policy.update(policy_state, scalars, closed)
+    new = _policy_call(policy, "update", policy_state, scalars, closed)
     want = jax.tree.structure(policy_state)
     if jax.tree.structure(new) != want:
         raise ValueError(
@@ -345,13 +371,23 @@ def updated(
 def check_policy(policy: WindowPolicy, keyword: str) -> WindowPolicy:
     """``policy`` (a :class:`WindowPolicy` given as ``keyword``), or an error
     naming the first of its functions that is not callable."""
-    for field in ("init", "closes", "update"):
+    arguments = {
+        "init": (0, "no arguments", "nothing"),
+        "closes": (2, "two arguments", "the policy state, the WindowScalars"),
+        "update": (
+            3,
+            "three arguments",
+            "the policy state, the WindowScalars, whether the window closed",
+        ),
+    }
+    for field, (n, count, what) in arguments.items():
         function = getattr(policy, field)
         if not callable(function):
             raise TypeError(
                 f"`{keyword}` got a WindowPolicy whose `{field}` is not callable: "
                 f"{function!r:.60} of type {type(function).__name__}"
             )
+        check_takes(function, f"`{keyword}`'s WindowPolicy `{field}`", count, n, what)
     return policy
 
 
@@ -944,8 +980,11 @@ def _smallest(values: Any) -> Any:
     return min((x for x in values if x is not None), default=None)
 
 
-def _fewest_consulted(min_microbatches: int) -> str:
-    """The norm test's fewest microbatches, in words, for an error message."""
+def _fewest_consulted(min_microbatches: int, test: WindowPolicy | None = None) -> str:
+    """The norm test's fewest microbatches (or those of ``test``, another
+    policy passed as ``norm_test=``), in words, for an error message."""
+    if test is not None and not test.name.startswith("mm.norm_test("):
+        return f"{test.name}'s `minimum` ({min_microbatches} microbatches)"
     if min_microbatches > 2:
         return f"the norm test's `min_microbatches` ({min_microbatches})"
     return "2, the fewest microbatches with tokens the norm test decides on"
@@ -966,7 +1005,7 @@ def _check_consulted(
         if int(every_k_schedule) < min_microbatches:
             raise ValueError(
                 f"`every_k_schedule` ({int(every_k_schedule)}) is below "
-                + _fewest_consulted(min_microbatches)
+                + _fewest_consulted(min_microbatches, test)
                 + never
             )
     if count_dtype is not None and min_tokens > _largest_total(count_dtype):
@@ -980,7 +1019,7 @@ def _check_consulted(
         if max_microbatches is not None and max_microbatches < min_microbatches:
             raise ValueError(
                 f"`tokens_per_window`'s `max_microbatches` ({max_microbatches}) "
-                "is below " + _fewest_consulted(min_microbatches) + never
+                "is below " + _fewest_consulted(min_microbatches, test) + never
             )
         budget = max_tokens
     if budget is None or callable(budget):

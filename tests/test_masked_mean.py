@@ -40,6 +40,22 @@ def test_float_mask_holds_weights():
     np.testing.assert_allclose(mean, 2.5)
 
 
+def test_the_derivative_with_respect_to_a_zero_weight_is_the_smooth_ones():
+    # A learned soft mask (a gated weight at exactly 0): d mean / d w_j is
+    # (v_j - mean) / sum(w). Zeroing the entry under the weight made it
+    # -mean / sum(w), here -1 instead of 0.
+    values = jnp.array([1.0, 2.0, 3.0, jnp.nan])
+    weights = jnp.array([1.0, 0.0, 1.0, 0.0])
+    grad = jax.grad(lambda w: mm.masked_mean(values, w)[0])(weights)
+    finite = values[:3]
+    smooth = jax.grad(lambda w: jnp.sum(w * finite) / jnp.sum(w))(weights[:3])
+    np.testing.assert_allclose(grad[:3], smooth)  # [-0.5, 0, 0.5]
+    assert float(grad[1]) == 0.0
+    # A masked-out NaN still takes no part (as a 0 would): no NaN derivative.
+    assert bool(jnp.all(jnp.isfinite(grad)))
+    assert float(mm.masked_mean(values, weights)[0]) == 2.0
+
+
 def test_a_concrete_negative_weight_is_refused():
     # [-1, 1] summed to an empty microbatch: (0, 0), its tokens dropped.
     with pytest.raises(ValueError, match=r"`mask` holds negative weights .* -1.0"):

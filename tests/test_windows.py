@@ -1058,6 +1058,73 @@ def test_a_custom_policy_whose_functions_are_not_callable_is_refused(field, keyw
         mm.MaskedMultiSteps(optax.sgd(1.0), **window, **{keyword: policy})
 
 
+@pytest.mark.parametrize(
+    ("field", "function", "match"),
+    [
+        ("init", lambda x: (), "`init` must be a callable of no arguments"),
+        ("closes", lambda ps: True, "`closes` must be a callable of two arguments"),
+        ("update", lambda ps, s: ps, "`update` must be a callable of three arg"),
+    ],
+)
+def test_a_custom_policy_whose_functions_take_other_arguments_is_refused(
+    field, function, match
+):
+    # Python's "<lambda>() takes 2 positional arguments but 3 were given",
+    # from deep inside the first step, named neither the policy nor the field.
+    functions = {
+        "init": lambda: (),
+        "closes": lambda ps, s: s.microbatches >= 2,
+        "update": lambda ps, s, c: ps,
+    }
+    functions[field] = function
+    with pytest.raises(TypeError, match=f"`tokens_per_window`'s WindowPolicy {match}"):
+        mm.MaskedMultiSteps(
+            optax.sgd(1.0), tokens_per_window=mm.WindowPolicy(**functions)
+        )
+
+
+@pytest.mark.parametrize(
+    ("closes", "match"),
+    [
+        # Python's "'<' not supported between instances of 'NoneType' and
+        # 'float'": a statistic read without needs_stats=True.
+        (
+            lambda ps, s: s.grad_var_trace < 1.0,
+            r"mine's `closes` failed on a `None`: .* unless the policy is built "
+            r"with `needs_stats=True`",
+        ),
+        # jax's TracerBoolConversionError alone.
+        (
+            lambda ps, s: True if s.tokens > 3 else False,
+            r"mine's `closes` failed on a traced value: .* Write it with jax.numpy",
+        ),
+    ],
+    ids=["statistic-without-needs_stats", "python-if"],
+)
+def test_a_custom_policy_failing_in_its_step_is_named_with_the_cause(closes, match):
+    policy = mm.WindowPolicy(lambda: (), closes, lambda ps, s, c: ps, name="mine")
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=policy)
+    p = jnp.zeros(2)
+    with pytest.raises(TypeError, match=match):
+        jax.jit(lambda s: tx.update(jnp.ones(2), s, p, count=2))(tx.init(p))
+
+
+def test_a_custom_test_below_a_fixed_window_is_named_by_its_own_name():
+    # It was called "the norm test's `min_microbatches`".
+    test = mm.WindowPolicy(
+        lambda: (),
+        lambda ps, s: s.grad_var_trace < 1.0,
+        lambda ps, s, c: ps,
+        needs_stats=True,
+        minimum=(4, 0),
+        name="my_test",
+    )
+    with pytest.raises(
+        ValueError, match=r"\(3\) is below my_test's `minimum` \(4 microbatches\)"
+    ):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 3, norm_test=test)
+
+
 def test_norm_test_waits_for_min_tokens_before_it_is_consulted():
     # The test is not consulted on a window below its minimum budget.
     # tr Σ̂ = 1 <= 0.5² · N · ‖ḡ‖² = 0.25 · 16 · 1 = 4: the test passes.
