@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -308,14 +309,16 @@ def _policy_call(policy: WindowPolicy, field: str, *args: Any) -> Any:
     what = f"The window policy {describe(policy)}'s `{field}`"
     try:
         return getattr(policy, field)(*args)
-    except _READS_A_TRACER as err:
-        raise TypeError(
-            f"{what} failed on a traced value: under jit, scan or vmap the "
-            "policy state and WindowScalars are traced, and a Python `if`, "
-            "int(...) or numpy function on them fails. Write it with "
-            "jax.numpy (`jnp.where`, `&`, `|`) (jax's error follows)"
-        ) from err
     except TypeError as err:
+        if _raised_here(err):
+            raise  # this package's own error (a policy of its own, a check)
+        if isinstance(err, _READS_A_TRACER):
+            raise TypeError(
+                f"{what} failed on a traced value: under jit, scan or vmap the "
+                "policy state and WindowScalars are traced, and a Python `if`, "
+                "int(...) or numpy function on them fails. Write it with "
+                "jax.numpy (`jnp.where`, `&`, `|`) (jax's error follows)"
+            ) from err
         if policy.needs_stats or "NoneType" not in str(err):
             raise
         raise TypeError(
@@ -324,6 +327,18 @@ def _policy_call(policy: WindowPolicy, field: str, *args: Any) -> Any:
             "is built with `needs_stats=True` (and passed as `norm_test=`) "
             "(Python's error follows)"
         ) from err
+
+
+def _raised_here(err: BaseException) -> bool:
+    """Whether ``err`` was raised in this package's code (the frame that
+    raised it, not jax's, numpy's or the user's function)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == here
 
 
 def verdict(policy: WindowPolicy, policy_state: Any, scalars: WindowScalars) -> Any:
