@@ -992,6 +992,15 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         state, the reduction's) are compared by layout, leaves aside, so a state
         whose statistics another configuration would drop is an error, not lost.
         """
+        if isinstance(getattr(state, "mini_step", None), jax.ShapeDtypeStruct):
+            # (Its counters suffice: an abstract state is abstract throughout.)
+            raise TypeError(
+                "`state` holds jax.ShapeDtypeStructs, an abstract state (as "
+                "`jax.eval_shape(tx.init, params)` or a checkpoint's restore "
+                "target gives it): pass the state `tx.init(params)` returns, or "
+                "restore the checkpoint against the abstract one and pass what "
+                "the restore returns"
+            )
         if isinstance(state, optax.MultiStepsState):
             raise TypeError(
                 "`state` is an optax.MultiStepsState: convert it once with "

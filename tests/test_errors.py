@@ -1228,3 +1228,14 @@ def test_a_schedule_branching_in_python_is_named_under_jit(build, what):
             r"jnp.where",
         ):
             jax.jit(tx.update)({"w": jnp.ones(3)}, state, params, count=3)
+
+
+@pytest.mark.parametrize("method", ["update", "apply_gradients"])
+def test_an_abstract_state_is_refused_by_name(method):
+    # It failed inside the running mean: "unsupported operand type(s) for +:
+    # 'ShapeDtypeStruct' and 'ArrayImpl'".
+    params = {"w": jnp.ones(3)}
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2)
+    abstract = jax.eval_shape(tx.init, params)
+    with pytest.raises(TypeError, match=r"`state` holds jax.ShapeDtypeStructs, an"):
+        getattr(tx, method)({"w": jnp.ones(3)}, abstract, params, count=1)
