@@ -55,11 +55,9 @@ def unboxed(tree: _T) -> _T:
     )
 
 
-def holds_optimizer_boxes(tree: Any) -> bool:
-    """Whether ``tree`` holds an NNX optimizer's variables (``nnx.OptState``)."""
-    return any(
-        _is_optimizer_box(x) for x in jax.tree.leaves(tree, is_leaf=_is_optimizer_box)
-    )
+def holds_variables(tree: Any) -> bool:
+    """Whether ``tree`` holds NNX variables of any kind."""
+    return any(_is_variable(x) for x in jax.tree.leaves(tree, is_leaf=_is_variable))
 
 
 def unboxed_all(tree: _T) -> _T:
@@ -296,10 +294,11 @@ def window_stats(
             "`per_leaf_stats=True`."
         )
     # The accumulator's layout (its leaves, without a deferred reduction's
-    # device axis), not the inner optimizer's state.
+    # device axis), not the inner optimizer's state; figures to read, as
+    # arrays (also where a plain loop's state keeps `nnx.Param` nodes).
     state = boxed._replace(
         **{
-            name: unboxed(getattr(boxed, name))
+            name: unboxed_all(getattr(boxed, name))
             for name in ("acc_grads", "acc_count", "reduction_state")
         }
     )

@@ -18,7 +18,7 @@ from masked_multistep._checks import (
     to_count,
 )
 from masked_multistep._deferred import Deferred
-from masked_multistep._inspect import holds_optimizer_boxes, unboxed, unboxed_all
+from masked_multistep._inspect import holds_variables, unboxed, unboxed_all
 from masked_multistep._multisteps import (
     MaskedMultiSteps,
     MaskedMultiStepsState,
@@ -243,13 +243,15 @@ def from_optax_multisteps(
             f"`tx` must be a masked_multistep.MaskedMultiSteps, got {type(tx).__name__}"
         )
     use_grad_mean = check_flag(use_grad_mean, "`use_grad_mean`")
-    if holds_optimizer_boxes(state):
-        # An NNX optimizer keeps its state in variables (`optimizer.opt_state`)
-        # around the optax state of its params' arrays, and `nnx.state(model,
-        # nnx.Param)` holds the params in variables of another type: their
-        # arrays are what converts. (A plain loop's state of `nnx.split`
-        # params holds their `nnx.Param` nodes, as `tx.init(params)` does.)
-        state, params = unboxed(state), unboxed_all(params)
+    # An NNX optimizer keeps its state in variables (`optimizer.opt_state`)
+    # around the optax state of its params' arrays, and `nnx.state(model,
+    # nnx.Param)` holds the params in variables of another type: where the
+    # state holds arrays, theirs are what converts. (A plain loop's state of
+    # `nnx.split` params holds their `nnx.Param` nodes, as `tx.init(params)`
+    # does: those stay.)
+    state = unboxed(state)
+    if not holds_variables(getattr(state, "acc_grads", None)):
+        params = unboxed_all(params)
     mini_step = _step_counter(state.mini_step, "state.mini_step")
     gradient_step = _step_counter(state.gradient_step, "state.gradient_step")
     count = _check_acc_count(acc_count, mini_step)

@@ -194,13 +194,25 @@ def _zeros_placed_like(avals: Any, *likes: Any) -> Any:
     """Zeros of ``avals``, each placed as its leaf of :func:`_placements` (an
     eager step's zeros would otherwise land on the default device, not the
     gradients' or the params'; under ``jit`` the same program)."""
+    places = _placements(avals, *likes)
+    if all(like is None for like in places):
+        return jax.tree.map(jnp.zeros_like, avals)  # as the avals are placed
     zeros = [
-        jnp.zeros_like(aval if like is None else like, dtype=aval.dtype)
-        for aval, like in zip(
-            jax.tree.leaves(avals), _placements(avals, *likes), strict=True
-        )
+        jnp.zeros(aval.shape, aval.dtype)
+        if like is None
+        else jnp.zeros_like(like, dtype=aval.dtype)
+        for aval, like in zip(jax.tree.leaves(avals), places, strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(avals), zeros)
+
+
+def _resharded_like(tree: Any, like: Any) -> Any:
+    """``tree`` with the shardings, on explicit mesh axes, of ``like``'s
+    leaves where their types differ (``tree`` as it is where the two trees'
+    structures differ)."""
+    if jax.tree.structure(tree) != jax.tree.structure(like):
+        return tree
+    return jax.tree.map(resharded_as, tree, like)
 
 
 def _placed_like(updates: Any, *likes: Any) -> Any:
@@ -1310,8 +1322,18 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
         # What the inner optimizer sees: the window's mean (with a deferred
         # reduction, the devices' running means combined).
+        def laid_out(mean: Any, params: Any) -> Any:
+            # A deferred reduction's mean, the devices' combined, is replicated;
+            # on explicit mesh axes the inner optimizer gets it laid out as the
+            # params (split over the data axis, FSDP), as a window's mean
+            # without one is, beside its state laid out so.
+            if not self._reduction.device_axes or params is None:
+                return mean
+            return _resharded_like(mean, params)
+
         def mean_of(w: _Window) -> Any:
-            return self._reduction.mean(w.acc_grads, w.acc_count, w.reduction_state)
+            mean = self._reduction.mean(w.acc_grads, w.acc_count, w.reduction_state)
+            return laid_out(mean, params)
 
         # (It refuses an inner state of another optimizer's structure first.)
         plan = _inner.window_shapes(
@@ -1361,10 +1383,16 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 mean = acc_grads
             updates, new_inner = plan.update(mean, inner_state, params, dynamic_args)
             check_inner_update(updates, mean, params, dynamic_args)
+            # On explicit mesh axes, what this branch returns has the types the
+            # other passes through: an inner state that keeps what it is given
+            # (the window's mean, which a deferred reduction forms replicated)
+            # where its `init` laid it out as the params, say.
+            new_inner = _resharded_like(new_inner, inner_state)
             if reuse_acc:
-                return (updates, new_inner, ()), ()
+                return (_resharded_like(updates, acc_grads), new_inner, ()), ()
             if apply_params:
-                return (acc_grads, new_inner, optax.apply_updates(params, updates)), ()
+                new_params = optax.apply_updates(params, updates)
+                return (acc_grads, new_inner, _resharded_like(new_params, params)), ()
             return (acc_grads, new_inner, ()), _placed_like(
                 updates, grads, read_only_params
             )
@@ -1379,7 +1407,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             has_tokens = totals.tokens > 0
             window_loss = window_value(totals).astype(value_dtype)
             dynamic_args = {**dynamic_args, "value": window_loss}
-            mean = self._reduction.mean(acc_grads, totals.tokens, carry.reduction_state)
+            mean = laid_out(
+                self._reduction.mean(acc_grads, totals.tokens, carry.reduction_state),
+                carry.in_place[2] if apply_params else read_only_params,
+            )
             # ‖ḡ‖² for the statistics (`()` without them), read before the
             # inner optimizer overwrites the mean. (A window without tokens
             # has no mean: its norm is not used, nor differentiated.)

@@ -106,8 +106,8 @@ def check_mesh_axes(
     Raises ``TypeError`` if ``mesh`` is not a ``jax.sharding.Mesh`` and
     ``ValueError`` if an axis is not one of its axes, or is named twice, or
     the axes are of mixed types. Axes may be ``AxisType.Auto`` or
-    ``AxisType.Explicit``, all of one type (jax cannot reshard over the
-    Explicit ones an array whose spec names the Auto ones with them).
+    ``AxisType.Explicit``, all of one type: a batch split over Explicit and
+    Auto axes together is a sharding that jax's ``reshard`` refuses.
     """
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(

@@ -20,7 +20,7 @@ from masked_multistep._checks import holds_abstract, refuse_restore_target, trac
 from masked_multistep._inspect import (
     find_boxed,
     has_deferred_reduction,
-    holds_optimizer_boxes,
+    holds_variables,
     unboxed,
     unboxed_all,
 )
@@ -85,9 +85,10 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         ``nnx.state(new_optimizer)["opt_state"]``, and the result is an
         ``nnx.State`` like it, to put in place of ``"opt_state"`` in
         ``nnx.state(new_optimizer)`` before ``nnx.update(new_optimizer, ...)``.
-        Where ``state`` is an ``optimizer.opt_state``, ``tx.init(nnx.state(
-        model, nnx.Param))`` serves, and the result holds the arrays that its
-        ``nnx.Param`` variables hold, as the optimizer's state does:
+        Where ``state`` is an ``optimizer.opt_state`` (or holds arrays where
+        the params are NNX variables), ``tx.init(nnx.state(model, nnx.Param))``
+        or ``new_optimizer.opt_state`` serves, and the result holds the arrays
+        that the ``nnx.Param`` variables hold, as the optimizer's state does:
         ``nnx.update(new_optimizer.opt_state, nnx.state(result))``.
       tokens_seen: the tokens of all completed windows, where ``state`` kept
         no count of them (a whole number in ``[0, 2**48]``); it overrides
@@ -147,13 +148,15 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
     if _by_name.is_named(state):
         old = _by_name.bare(state)
     else:
-        boxed = find_boxed(state)
-        old = unboxed(boxed)
-        # `optimizer.opt_state` holds the optax state of the params' arrays:
-        # so does the template built from its params (`nnx.state(model,
-        # nnx.Param)`, whose variables hold them) or taken from the new
-        # optimizer's `opt_state`.
-        template = unboxed_all(template) if holds_optimizer_boxes(boxed) else template
+        old = unboxed(find_boxed(state))
+        # `optimizer.opt_state` (or a state restored as arrays) holds the optax
+        # state of the params' arrays: so does the template built from its
+        # params (`nnx.state(model, nnx.Param)`, whose variables hold them) or
+        # taken from the new optimizer's `opt_state`. A plain loop's state of
+        # `nnx.split` params keeps their `nnx.Param` nodes, as its template.
+        template = unboxed(template)
+        if not holds_variables(old.acc_grads):
+            template = unboxed_all(template)
     refuse_restore_target(old, "`state`")
     if traced((old, template)):
         raise TypeError(

@@ -37,7 +37,9 @@ class TokenTotal(NamedTuple):
     ``bool(total)``, formatting (``f"{total:,.0f}"``), arithmetic and
     comparisons work as on that float (``total / 1e6``, ``total > budget``;
     traced by ``jit``, on ``hi + lo`` in float32); a batched total (under
-    ``jax.vmap``) indexes as its numbers do (``total[i]``, a ``TokenTotal``).
+    ``jax.vmap``) indexes as its numbers do (``total[i]``, a ``TokenTotal``),
+    while ``len``, iteration and unpacking give the pair (the number of
+    totals in a batch is ``total.hi.shape[0]``).
     NumPy and jax take it as
     the one number it stands for, not as the pair: ``np.asarray(total)`` is
     that float64, and ``jnp.asarray(total)`` is ``hi + lo``, the total
@@ -94,6 +96,12 @@ class TokenTotal(NamedTuple):
         # A batched total (the statistics of runs under `jax.vmap`, or logs
         # stacked) indexes as the numbers it stands for: `seen[i]` is run i's
         # total, not the pair's `hi` or `lo` (read those by name).
+        if not jnp.ndim(self.hi):
+            raise IndexError(
+                "a TokenTotal of one total (not batched) has no entries to "
+                "index: read the number with float(total), its parts as "
+                "`total.hi` and `total.lo`"
+            )
         return TokenTotal(self.hi[index], self.lo[index])
 
     def __format__(self, format_spec: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import os
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -309,7 +308,7 @@ def _policy_call(policy: WindowPolicy, field: str, *args: Any) -> Any:
     what = f"The window policy {describe(policy)}'s `{field}`"
     try:
         return getattr(policy, field)(*args)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         if _raised_here(err):
             raise  # this package's own error (a policy of its own, a check)
         if isinstance(err, _READS_A_TRACER):
@@ -319,26 +318,29 @@ def _policy_call(policy: WindowPolicy, field: str, *args: Any) -> Any:
                 "int(...) or numpy function on them fails. Write it with "
                 "jax.numpy (`jnp.where`, `&`, `|`) (jax's error follows)"
             ) from err
-        if policy.needs_stats or "NoneType" not in str(err):
+        if policy.needs_stats or "None" not in str(err):
             raise
         raise TypeError(
             f"{what} failed on a `None`: WindowScalars' `counted`, "
             "`grad_sq_norm` and `grad_var_trace` are None unless the policy "
             "is built with `needs_stats=True` (and passed as `norm_test=`) "
-            "(Python's error follows)"
+            "(the original error follows)"
         ) from err
 
 
 def _raised_here(err: BaseException) -> bool:
-    """Whether ``err`` was raised in this package's code (the frame that
-    raised it, not jax's, numpy's or the user's function)."""
+    """Whether ``err`` came through this package's code below the policy's
+    function (a policy of the package's own, or a check it calls), by the
+    frames' module names: not only jax's, numpy's or the user's."""
+    package = __name__.partition(".")[0]
     tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next if tb is not None else None  # below `_policy_call` itself
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module == package or module.startswith(package + "."):
+            return True
         tb = tb.tb_next
-    if tb is None:
-        return False
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == here
+    return False
 
 
 def verdict(policy: WindowPolicy, policy_state: Any, scalars: WindowScalars) -> Any:
@@ -1023,9 +1025,16 @@ def _check_consulted(
                 + _fewest_consulted(min_microbatches, test)
                 + never
             )
+    # Its minimum budget in tokens, in words: the norm test's, or another
+    # policy's passed as `norm_test=`, by its own name.
+    fewest_tokens = (
+        f"the norm test's `min_tokens` ({min_tokens})"
+        if test.name.startswith("mm.norm_test(")
+        else f"{test.name}'s `minimum` ({min_tokens} tokens)"
+    )
     if count_dtype is not None and min_tokens > _largest_total(count_dtype):
         raise ValueError(
-            f"The norm test's `min_tokens` ({min_tokens}) is beyond the largest "
+            f"{fewest_tokens[0].upper()}{fewest_tokens[1:]} is beyond the largest "
             f"window total count_dtype {np.dtype(count_dtype)} holds "
             f"({_largest_total(count_dtype)}): the test would never be consulted"
         )
@@ -1041,8 +1050,7 @@ def _check_consulted(
         return
     if float(budget) < min_tokens:
         raise ValueError(
-            f"`tokens_per_window` ({budget}) is below the norm test's "
-            f"`min_tokens` ({min_tokens})" + never
+            f"`tokens_per_window` ({budget}) is below {fewest_tokens}" + never
         )
 
 

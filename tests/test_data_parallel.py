@@ -488,18 +488,24 @@ def test_fsdp_params_on_an_explicit_axis_train_deferred_and_data_parallel():
     [
         lambda: optax.sgd(0.5),
         lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.5)),
+        # A state that keeps the window's mean; a select between the mean and
+        # a state laid out as the params.
+        lambda: optax.chain(_keeps_its_input(), optax.sgd(0.5)),
+        lambda: optax.optimistic_gradient_descent(0.5),
     ],
-    ids=["sgd", "clip-sgd"],
+    ids=["sgd", "clip-sgd", "keeps-mean", "optimistic"],
 )
 def test_fsdp_deferred_with_an_inner_optimizer_keeping_no_state_of_the_params(
     inner, method
 ):
     """FSDP params on an explicit data axis, deferred, an inner optimizer whose
-    updates follow the window's mean (sgd keeps no state laid out as the
-    params, as adam's moments are): the mean of the devices' means is
-    replicated, the updates between windows are zeros placed as the params;
+    updates or state follow the window's mean (sgd keeps no state laid out as
+    the params, as adam's moments are): the mean of the devices' means was
+    replicated, the updates between windows zeros placed as the params;
     ``update`` failed to trace ("cond branches must have equal output
-    types"). Both methods train as one device on the full batch."""
+    types"), and a select between the mean and a state laid out as the params
+    failed in both. The mean is laid out as the params now. Both methods
+    train as one device on the full batch."""
     grid = jax.make_mesh((NDEV,), ("data",))
     data = NamedSharding(grid, P("data"))
     batches = _microbatches()
@@ -625,6 +631,15 @@ def test_an_optax_multisteps_state_converts_into_the_deferred_mode_at_a_window_s
 WINDOWS = 2
 EMPTY_DEVICE = 2  # its rows hold no tokens in any microbatch
 EMPTY_MICROBATCH = 1  # no tokens on any device
+
+
+def _keeps_its_input():
+    """A transformation whose state is its last input (laid out as the params
+    by ``init``), passed through."""
+    return optax.GradientTransformation(
+        lambda params: jax.tree.map(jnp.zeros_like, params),
+        lambda updates, state, params=None: (updates, updates),
+    )
 
 
 def _microbatches():

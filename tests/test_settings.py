@@ -434,11 +434,25 @@ def test_a_plain_loop_on_nnx_split_params_keeps_their_variables():
     assert jax.tree.structure(converted) == jax.tree.structure(tx.init(params))
     _, converted = tx.update(grads, converted, params, count=3)
     assert int(converted.mini_step) == 2
+    # A state of arrays (as an nnx.Optimizer's holds, or restored so) with the
+    # params as variables converts against the params' arrays.
+    pure = nnx.as_pure(old_state)
+    converted = mm.from_optax_multisteps(pure, tx, params, acc_count=3)
+    want = tx.init(nnx.as_pure(params))
+    assert jax.tree.structure(converted) == jax.tree.structure(want)
+
+    # Each leaf's statistics read as arrays, as from any state.
+    stats_tx = mm.MaskedMultiSteps(optax.adam(0.1), 1, per_leaf_stats=True)
+    _, stats_state = stats_tx.update(grads, stats_tx.init(params), params, count=3)
+    per_leaf = mm.window_stats(stats_state, per_leaf=True)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(per_leaf.grad_sq_norm))
+    assert f"{per_leaf.grad_sq_norm['kernel']:.1f}" == "6.0"
 
 
+@pytest.mark.parametrize("state_as", ["opt_state", "arrays"])
 @pytest.mark.parametrize("template_from", ["init of nnx.state", "new opt_state"])
 def test_an_nnx_optimizers_opt_state_switches_against_either_template(
-    template_from,
+    template_from, state_as
 ):
     """``optimizer.opt_state`` with ``new_tx.init(nnx.state(model,
     nnx.Param))`` or the new optimizer's ``opt_state`` as the template: the
@@ -459,7 +473,11 @@ def test_an_nnx_optimizers_opt_state_switches_against_either_template(
         if template_from == "init of nnx.state"
         else new.opt_state
     )
-    converted = mm.from_other_settings(optimizer.opt_state, template)
+    # As the optimizer holds it, or as arrays (`nnx.as_pure`, or restored so).
+    state = optimizer.opt_state
+    if state_as == "arrays":
+        state = nnx.as_pure(state)
+    converted = mm.from_other_settings(state, template)
     assert int(converted.acc_count) == 3
     nnx.update(new.opt_state, nnx.state(converted))
     before = model.kernel[...]

@@ -1134,6 +1134,8 @@ def test_batched_tokens_seen_indexes_as_its_numbers():
     np.testing.assert_array_equal(hi, seen.hi)
     assert seen._replace(lo=seen.hi).lo is seen.hi  # NamedTuple methods intact
     assert jax.tree.structure(seen) == jax.tree.structure(mm.TokenTotal(0.0, 0.0))
+    with pytest.raises(IndexError, match="has no entries to index"):
+        seen[1][0]  # one total
 
 
 def test_tokens_seen_is_one_number_to_numpy_and_jax():

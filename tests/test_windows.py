@@ -1098,8 +1098,13 @@ def test_a_custom_policy_whose_functions_take_other_arguments_is_refused(
             lambda ps, s: True if s.tokens > 3 else False,
             r"mine's `closes` failed on a traced value: .* Write it with jax.numpy",
         ),
+        # jax's "None is not a valid value for jnp.array" (a ValueError).
+        (
+            lambda ps, s: jnp.asarray(s.grad_sq_norm) < 1.0,
+            r"mine's `closes` failed on a `None`",
+        ),
     ],
-    ids=["statistic-without-needs_stats", "python-if"],
+    ids=["statistic-without-needs_stats", "python-if", "jnp-of-a-statistic"],
 )
 def test_a_custom_policy_failing_in_its_step_is_named_with_the_cause(closes, match):
     policy = mm.WindowPolicy(lambda: (), closes, lambda ps, s, c: ps, name="mine")
@@ -1123,6 +1128,14 @@ def test_a_custom_test_below_a_fixed_window_is_named_by_its_own_name():
         ValueError, match=r"\(3\) is below my_test's `minimum` \(4 microbatches\)"
     ):
         mm.MaskedMultiSteps(optax.sgd(1.0), 3, norm_test=test)
+    with pytest.raises(
+        ValueError, match=r"\(8\) is below my_test's `minimum` \(16 tokens\)"
+    ):
+        mm.MaskedMultiSteps(
+            optax.sgd(1.0),
+            tokens_per_window=8,
+            norm_test=test._replace(minimum=(1, 16)),
+        )
 
 
 def test_norm_test_waits_for_min_tokens_before_it_is_consulted():
