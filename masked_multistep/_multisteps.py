@@ -195,12 +195,8 @@ def _zeros_placed_like(avals: Any, *likes: Any) -> Any:
     eager step's zeros would otherwise land on the default device, not the
     gradients' or the params'; under ``jit`` the same program)."""
     places = _placements(avals, *likes)
-    if all(like is None for like in places):
-        return jax.tree.map(jnp.zeros_like, avals)  # as the avals are placed
     zeros = [
-        jnp.zeros(aval.shape, aval.dtype)
-        if like is None
-        else jnp.zeros_like(like, dtype=aval.dtype)
+        jnp.zeros_like(aval if like is None else like, dtype=aval.dtype)
         for aval, like in zip(jax.tree.leaves(avals), places, strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(avals), zeros)

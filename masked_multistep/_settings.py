@@ -87,9 +87,9 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         ``nnx.state(new_optimizer)`` before ``nnx.update(new_optimizer, ...)``.
         Where ``state`` is an ``optimizer.opt_state`` (or holds arrays where
         the params are NNX variables), ``tx.init(nnx.state(model, nnx.Param))``
-        or ``new_optimizer.opt_state`` serves, and the result holds the arrays
-        that the ``nnx.Param`` variables hold, as the optimizer's state does:
-        ``nnx.update(new_optimizer.opt_state, nnx.state(result))``.
+        or ``new_optimizer.opt_state`` serves; the result, in that template's
+        layout, loads with ``nnx.update(new_optimizer.opt_state,
+        nnx.state(result))``.
       tokens_seen: the tokens of all completed windows, where ``state`` kept
         no count of them (a whole number in ``[0, 2**48]``); it overrides
         ``state``'s when given.
@@ -145,6 +145,7 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         )
         return _by_name.named(converted, template)
     _check_template(template)
+    given = template
     if _by_name.is_named(state):
         old = _by_name.bare(state)
     else:
@@ -241,10 +242,18 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
     # the shardings of every later one; an abstract template places nothing,
     # and the counts made on the host go where the running state's are.
     new = jax.tree.map(placed_like, new, template)
-    return new._replace(
+    new = new._replace(
         acc_count=placed_like(new.acc_count, old.acc_count),
         value_count=placed_like(new.value_count, old.value_count),
     )
+    if template is not given:
+        # In the layout of the template as given: its NNX variables (an
+        # `nnx.Optimizer`'s boxes, or the `nnx.Param` nodes of a state built
+        # from `nnx.state(model, nnx.Param)`) hold the converted arrays.
+        leaves = jax.tree.leaves(new)
+        if len(leaves) == len(jax.tree.leaves(given)):
+            new = jax.tree.unflatten(jax.tree.structure(given), leaves)
+    return new
 
 
 def _refuse_abstract(state: Any, fields: tuple[str, ...]) -> None:

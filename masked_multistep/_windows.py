@@ -318,7 +318,19 @@ def _policy_call(policy: WindowPolicy, field: str, *args: Any) -> Any:
                 "int(...) or numpy function on them fails. Write it with "
                 "jax.numpy (`jnp.where`, `&`, `|`) (jax's error follows)"
             ) from err
-        if policy.needs_stats or "None" not in str(err):
+        # A statistic the policy was not given (`None`) that its own code
+        # used: Python's error on an operator, or jax's on an array of it.
+        unset = [
+            name
+            for name in ("counted", "grad_sq_norm", "grad_var_trace")
+            if getattr(args[1], name, 0) is None
+        ]
+        on_none = (
+            "NoneType" in str(err)
+            if isinstance(err, TypeError)
+            else str(err).startswith("None is not a valid value")
+        )
+        if not unset or not on_none:
             raise
         raise TypeError(
             f"{what} failed on a `None`: WindowScalars' `counted`, "

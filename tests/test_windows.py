@@ -1114,6 +1114,19 @@ def test_a_custom_policy_failing_in_its_step_is_named_with_the_cause(closes, mat
         jax.jit(lambda s: tx.update(jnp.ones(2), s, p, count=2))(tx.init(p))
 
 
+def test_a_custom_policys_own_errors_pass_through_as_they_are():
+    # Not relabelled as a statistic read without needs_stats: the policy's own
+    # ValueError keeps its type and message, "None" in it or not.
+    def closes(ps, s):
+        raise ValueError("the threshold is None for this run")
+
+    policy = mm.WindowPolicy(lambda: (), closes, lambda ps, s, c: ps, name="mine")
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=policy)
+    p = jnp.zeros(2)
+    with pytest.raises(ValueError, match=r"^the threshold is None for this run"):
+        jax.jit(lambda s: tx.update(jnp.ones(2), s, p, count=2))(tx.init(p))
+
+
 def test_a_custom_test_below_a_fixed_window_is_named_by_its_own_name():
     # It was called "the norm test's `min_microbatches`".
     test = mm.WindowPolicy(
