@@ -250,7 +250,7 @@ def from_optax_multisteps(
     # `nnx.split` params holds their `nnx.Param` nodes, as `tx.init(params)`
     # does: those stay.)
     state = unboxed(state)
-    if not holds_variables(getattr(state, "acc_grads", None)):
+    if not holds_variables(state.acc_grads):
         params = unboxed_all(params)
     mini_step = _step_counter(state.mini_step, "state.mini_step")
     gradient_step = _step_counter(state.gradient_step, "state.gradient_step")

@@ -155,9 +155,11 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         # params (`nnx.state(model, nnx.Param)`, whose variables hold them) or
         # taken from the new optimizer's `opt_state`. A plain loop's state of
         # `nnx.split` params keeps their `nnx.Param` nodes, as its template.
-        template = unboxed(template)
-        if not holds_variables(old.acc_grads):
-            template = unboxed_all(template)
+        template = (
+            unboxed(template)
+            if holds_variables(old.acc_grads)
+            else unboxed_all(template)
+        )
     refuse_restore_target(old, "`state`")
     if traced((old, template)):
         raise TypeError(

@@ -39,8 +39,7 @@ class TokenTotal(NamedTuple):
     traced by ``jit``, on ``hi + lo`` in float32); a batched total (under
     ``jax.vmap``) indexes as its numbers do (``total[i]``, a ``TokenTotal``),
     while ``len``, iteration and unpacking give the pair (the number of
-    totals in a batch is ``total.hi.shape[0]``).
-    NumPy and jax take it as
+    totals in a batch is ``total.hi.shape[0]``). NumPy and jax take it as
     the one number it stands for, not as the pair: ``np.asarray(total)`` is
     that float64, and ``jnp.asarray(total)`` is ``hi + lo``, the total
     rounded to float32, also under ``jit``; jax.numpy functions take it so,
