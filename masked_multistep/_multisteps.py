@@ -193,10 +193,15 @@ def _placements(avals: Any, *likes: Any) -> list[Any]:
 def _zeros_placed_like(avals: Any, *likes: Any) -> Any:
     """Zeros of ``avals``, each placed as its leaf of :func:`_placements` (an
     eager step's zeros would otherwise land on the default device, not the
-    gradients' or the params'; under ``jit`` the same program)."""
+    gradients' or the params'; under ``jit`` the same program). Resharded as
+    that leaf where their type lacks its explicit axes: from jax 0.12, under
+    ``jit`` without ``jax.set_mesh``, ``zeros_like`` of a split array is not
+    split (the window's branches then agreed on a replicated output)."""
     places = _placements(avals, *likes)
     zeros = [
-        jnp.zeros_like(aval if like is None else like, dtype=aval.dtype)
+        jnp.zeros_like(aval, dtype=aval.dtype)
+        if like is None
+        else resharded_as(jnp.zeros_like(like, dtype=aval.dtype), like)
         for aval, like in zip(jax.tree.leaves(avals), places, strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(avals), zeros)

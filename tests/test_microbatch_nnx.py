@@ -157,19 +157,24 @@ def test_module_in_place_of_params_with_dropout_per_microbatch():
     )
 
 
-def _looped(loss_fn, model, batch, k=K, wrt=nnx.Param):
+def _looped(loss_fn, model, batch, k=K, wrt=nnx.Param, compiled=False):
     """k calls of ``nnx.value_and_grad`` one after the other on the
     microbatches (rows j, j + k, ...), the module's state carried between
     them, except that a microbatch without tokens leaves every variable but
     the RNG streams' as it was: ``((loss, count), grads)`` token-weighted in
-    float64."""
+    float64. With ``compiled``, each call is an ``nnx.jit`` program, as the
+    in-jit loop's body is (where eager and compiled evaluation round apart
+    by more than the comparison's tolerance)."""
     losses, counts, grads = [], [], []
+    value_and_grad = nnx.value_and_grad(
+        loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True
+    )
+    if compiled:
+        value_and_grad = nnx.jit(value_and_grad)
     for j in range(k):
         microbatch = jax.tree.map(lambda x, j=j: x[j::k], batch)
         before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Not(nnx.RngState)))
-        (loss, count), g = nnx.value_and_grad(
-            loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True
-        )(model, microbatch)
+        (loss, count), g = value_and_grad(model, microbatch)
         if not count:
             nnx.update(model, before)
         losses.append(float(loss))
@@ -332,10 +337,13 @@ def test_a_microbatch_without_tokens_leaves_the_batch_statistics_as_they_were(ji
     # later evaluation NaN). Such a microbatch now leaves the module's state
     # as it found it, as it leaves the accumulated means; its RNG streams
     # still advance, so the dropout draws stay those of k calls in a row.
+    # (Normalised by the variance of a microbatch's few tokens, the gradients
+    # of eager and compiled evaluation differ by 2e-4 relative with jax
+    # 0.12.1's XLA: the reference's calls are compiled.)
     model = _WithMaskedBatchNorm(nnx.Rngs(0, dropout=1))
     batch = _batch()  # microbatch 1 holds no tokens
     looped = nnx.clone(model)
-    want = _looped(_masked_bn_loss, looped, batch)
+    want = _looped(_masked_bn_loss, looped, batch, compiled=True)
     grad_fn = mm.microbatched_value_and_grad(_masked_bn_loss, K)
     got = (nnx.jit(grad_fn) if jit else grad_fn)(model, batch)
     _assert_same_as_looped(got, want)
