@@ -12,13 +12,14 @@ JOBS   ?= 2
 # What `make lint` (and `make test`) check with ruff.
 LINTED := masked_multistep tests benchmarks docs tools examples notebooks/execute.py
 
-.PHONY: help install test lint typecheck demo docs bench bench-quick bench-dp bench-compile clean
+.PHONY: help install test test-latest lint typecheck demo docs bench bench-quick bench-dp bench-compile clean
 
 # The first target, what a bare `make` runs: the list below.
 help:
 	@echo "make demo         the bug and the fix: trains a tiny LM three ways (ARGS=--help for options; installs the demo's extra into .venv)"
 	@echo "make test         ruff, pyright and the whole test suite (installs the development stack into .venv)"
 	@echo "make install      only the development stack, into .venv"
+	@echo "make test-latest  the test suite against the newest releases pip finds for PYTHON (no pins), in .venv-latest"
 	@echo "make lint         ruff check and ruff format --check"
 	@echo "make typecheck    pyright on the package, tools/, tests/test_typing.py and the README's examples"
 	@echo "make docs         the HTML docs (Sphinx) in docs/_build/html"
@@ -55,6 +56,21 @@ test: $(STAMP)
 	$(MAKE) typecheck
 	$(BIN)/python -m pytest -n $(JOBS) --durations=15
 
+# The suite against what `pip install` gives a user today: the newest releases the
+# requirements allow for $(PYTHON) (jax 0.12 needs Python >= 3.12), not the pins of
+# constraints.txt, installed afresh into a venv of its own on every run.
+LATEST := .venv-latest
+test-latest:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+		echo "masked_multistep needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1)."; exit 1; }
+	$(PYTHON) -m venv --clear $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip uv
+	$(LATEST)/bin/python -m uv pip install -q --compile-bytecode --upgrade \
+		--python $(LATEST)/bin/python -e ".[dev]"
+	@$(LATEST)/bin/python -c 'import sys, jax, flax, optax; print("Python", sys.version.split()[0], \
+		"jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__)'
+	$(LATEST)/bin/python -m pytest -n $(JOBS) --durations=15
+
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
@@ -85,6 +101,6 @@ bench-compile: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) demo-output train-lm-output benchmarks/results .pytest_cache .hypothesis \
+	rm -rf $(VENV) $(LATEST) demo-output train-lm-output benchmarks/results .pytest_cache .hypothesis \
 		docs/_build docs/notebooks docs/benchmarks dist build *.egg-info .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

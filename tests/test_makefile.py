@@ -47,3 +47,23 @@ def test_no_recipe_comment_is_echoed_to_the_terminal():
         if line.startswith("\t#")
     ]
     assert not echoed, f"Makefile lines {echoed}: write `@#` or move them out"
+
+
+def test_make_test_latest_installs_unpinned_and_runs_the_suite_as_make_test():
+    # `make test-latest` is the suite against what `pip install` gives a user
+    # today: no constraints file, the newest releases, a venv of its own (the
+    # pinned .venv stays as it is), and the same pytest run as `make test`.
+    proc = make(ROOT, "-n", "test-latest")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    installs = [s for s in lines if "pip install" in s or '-e ".[dev]"' in s]
+    assert installs and not any("constraints" in s for s in installs)
+    assert any("--upgrade" in s for s in installs)
+    assert "-m venv --clear .venv-latest" in proc.stdout
+    assert not any(s.startswith(".venv/") for s in lines)
+    (pytest_line,) = [s for s in lines if "-m pytest" in s]
+    (pinned,) = [
+        s for s in make(ROOT, "-n", "test").stdout.splitlines() if "-m pytest" in s
+    ]
+    assert pytest_line.split("-m pytest", 1)[1] == pinned.split("-m pytest", 1)[1]
+    assert pytest_line.startswith(".venv-latest/bin/python")
