@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from masked_multistep import _checks, _running_mean
+from masked_multistep._placement import names_an_axis, spec_axes, trimmed
 from masked_multistep._reduction import (
     KnownTotals,
     WindowTotals,
@@ -34,10 +35,7 @@ from masked_multistep._reduction import (
     any_explicit,
     check_mesh_axes,
     mean_over_devices,
-    names_an_axis,
     place_uncommitted,
-    spec_axes,
-    trimmed,
 )
 from masked_multistep._running_mean import (
     compute_dtype,

@@ -40,7 +40,7 @@ from masked_multistep._checks import (
     count_weight,
     refuse_unknown_keywords,
 )
-from masked_multistep._reduction import names_an_axis
+from masked_multistep._placement import names_an_axis
 from masked_multistep._running_mean import (
     compute_dtype,
     promote_types,

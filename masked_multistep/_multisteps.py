@@ -24,11 +24,11 @@ from masked_multistep import _checks, _inner, _processes, _sq_norms, _stats, _wi
 from masked_multistep._branch import EagerMemo, in_place_cond
 from masked_multistep._collectives import reduced_leaf
 from masked_multistep._deferred import Deferred
+from masked_multistep._placement import resharded_as, zeros_placed_as
 from masked_multistep._reduction import (
     Local,
     WindowTotals,
     check_on_mesh,
-    resharded_as,
 )
 from masked_multistep._running_mean import (
     accumulator_dtype,
@@ -193,15 +193,14 @@ def _placements(avals: Any, *likes: Any) -> list[Any]:
 def _zeros_placed_like(avals: Any, *likes: Any) -> Any:
     """Zeros of ``avals``, each placed as its leaf of :func:`_placements` (an
     eager step's zeros would otherwise land on the default device, not the
-    gradients' or the params'; under ``jit`` the same program). Resharded as
-    that leaf where their type lacks its explicit axes: from jax 0.12, under
-    ``jit`` without ``jax.set_mesh``, ``zeros_like`` of a split array is not
-    split (the window's branches then agreed on a replicated output)."""
+    gradients' or the params'; under ``jit`` the same program), also where
+    jax 0.12 would not split them (:func:`zeros_placed_as`: the window's
+    branches then agreed on a replicated output)."""
     places = _placements(avals, *likes)
     zeros = [
         jnp.zeros_like(aval, dtype=aval.dtype)
         if like is None
-        else resharded_as(jnp.zeros_like(like, dtype=aval.dtype), like)
+        else zeros_placed_as(like, aval.dtype)
         for aval, like in zip(jax.tree.leaves(avals), places, strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(avals), zeros)

@@ -52,12 +52,11 @@ from masked_multistep._microbatch import (
     check_per_leaf_stats,
 )
 from masked_multistep._nnx_state import check_wrt, refuse_module_state, selected_state
+from masked_multistep._placement import resharded_as, spec_axes
 from masked_multistep._reduction import (
     any_explicit,
     check_mesh_axes,
     mean_over_devices,
-    resharded_as,
-    spec_axes,
 )
 
 __all__ = ["per_device_value_and_grad", "data_parallel_value_and_grad"]

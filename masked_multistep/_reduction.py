@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from masked_multistep import _checks
 from masked_multistep._collectives import weighted_sum
+from masked_multistep._placement import names_an_axis, resharded_as
 from masked_multistep._running_mean import running_mean_update
 
 __all__ = [
@@ -46,11 +47,8 @@ __all__ = [
     "any_explicit",
     "check_mesh_axes",
     "mean_over_devices",
-    "names_an_axis",
     "place_uncommitted",
-    "resharded_as",
     "check_on_mesh",
-    "spec_axes",
 ]
 
 
@@ -134,23 +132,6 @@ def check_mesh_axes(
     return axes, math.prod(mesh.shape[a] for a in axes)
 
 
-def resharded_as(x: Any, like: Any) -> Any:
-    """``x`` with the sharding in ``like``'s type, where the two types differ
-    and ``like``'s is on a mesh (outside ``jit``, on ``like``'s devices)."""
-    want, have = jax.typeof(like).sharding, jax.typeof(x).sharding
-    if want is None or want.mesh.empty or have is None:
-        return x
-    # Only explicit axes appear in a type's spec (under AxisType.Auto both
-    # specs are empty, and the compiler decides).
-    if trimmed(want.spec) == trimmed(have.spec):
-        return x
-    if not (names_an_axis(want.spec) or names_an_axis(have.spec)):
-        return x
-    if not isinstance(like, jax.core.Tracer):
-        want = like.sharding
-    return jax.sharding.reshard(x, want)
-
-
 def check_on_mesh(grads: Any, acc_grads: Any) -> None:
     """A ``ValueError`` where, under ``jax.set_mesh``, a leaf of the
     accumulator is on no mesh (a host array, as ``flax.serialization``
@@ -176,29 +157,6 @@ def check_on_mesh(grads: Any, acc_grads: Any) -> None:
                 "`jax.device_put(restored, jax.tree.map(lambda x: x.sharding, "
                 "template))` (orbax restores onto the template's shardings)"
             )
-
-
-def trimmed(spec: Any) -> tuple:
-    """A spec's entries without trailing ``None``s (``P("data", None)`` is
-    ``P("data")``)."""
-    entries = list(spec)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return tuple(entries)
-
-
-def spec_axes(entry: Any) -> frozenset:
-    """The mesh axes one entry of a ``PartitionSpec`` names (none for ``None``
-    and ``P.UNCONSTRAINED``)."""
-    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-        return frozenset()
-    return frozenset(entry) if isinstance(entry, tuple) else frozenset({entry})
-
-
-def names_an_axis(spec: Any) -> bool:
-    """Whether a ``PartitionSpec`` names a mesh axis (in a type's sharding:
-    an explicit one)."""
-    return any(spec_axes(entry) for entry in spec)
 
 
 def any_explicit(mesh: Any, axes: Any) -> bool:
@@ -335,7 +293,7 @@ class Local(KnownTotals):
         with params on one mesh (``NamedSharding``), its scalars replicated on
         that mesh; with params committed to one device, committed to it; as it
         is otherwise."""
-        places = set()
+        places, on_one_device = set(), None
         for x in jax.tree.leaves(params):
             if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
                 continue
@@ -343,12 +301,15 @@ class Local(KnownTotals):
                 places.add(x.sharding.mesh)
             elif getattr(x, "_committed", False):
                 places.update(x.devices())
+                on_one_device = x.sharding
         if len(places) != 1:
             return state
         place = places.pop()
         if isinstance(place, jax.sharding.Mesh):
             return place_uncommitted(state, NamedSharding(place, PartitionSpec()))
-        return place_uncommitted(state, jax.sharding.SingleDeviceSharding(place))
+        # A parameter's own sharding of its one device (jax 0.12 deprecates
+        # naming `SingleDeviceSharding`).
+        return place_uncommitted(state, on_one_device)
 
     def check_grads(self, grads: Any, acc_grads: Any) -> None:
         _checks.check_grads_match(grads, acc_grads, per_device=False)

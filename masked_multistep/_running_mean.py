@@ -51,6 +51,7 @@ from masked_multistep._checks import (
     real_array,
     refuse_narrow_float,
 )
+from masked_multistep._placement import zeros_placed_as
 from masked_multistep._shards import (
     over_slices,
     varying_axes,
@@ -567,8 +568,9 @@ def running_mean_update(
         ratio = jnp.where(take, safe_fraction(total_n, n), 1)
         m_c = m.astype(dtype)
         # A zero weight must not leak its (possibly NaN) value into the cotangent
-        # of `g` either: zero it before any arithmetic.
-        g_c = jnp.where(take, g.astype(dtype), jnp.zeros_like(m_c))
+        # of `g` either: zero it before any arithmetic. (Zeros laid out as the
+        # mean: per device under `mm.deferred`'s vmap, split over a model axis.)
+        g_c = jnp.where(take, g.astype(dtype), zeros_placed_as(m_c))
         # For the first value δ is 0, not measured from the stale mean (NaN
         # after a non-finite window), whose NaN would reach the cotangent of
         # the ratio, and so of a float count, through `δ / ratio`.

@@ -388,6 +388,51 @@ def test_params_sharded_over_a_model_axis_train_data_parallel(axis_types):
     assert int(stats.microbatches) == sum(shares)
 
 
+@pytest.mark.parametrize("method", ["update", "apply_gradients"])
+@pytest.mark.parametrize(
+    "w1", [P("model"), P(("data", "model"))], ids=["tp", "fsdp_tp"]
+)
+def test_deferred_on_a_data_by_model_mesh_without_set_mesh(w1, method):
+    """Jitted deferred steps on an explicit data × model mesh, called without
+    `jax.set_mesh`: each device's running mean is split over the model axis,
+    and its zeros for an empty microbatch must be too. With jax 0.12 they were
+    not (`zeros_like` under `jit` without a mesh set loses explicit axes), and
+    the running mean's select failed to trace ("select `which` must be scalar
+    or have the same sharding as cases"). Trains as one device on the full
+    batch, the params and updates laid out as the params."""
+    grid = jax.make_mesh((NDEV // 2, 2), ("data", "model"))
+    batches = _microbatches()
+    ref_params, _ = _single_device_run(batches)
+    placement = {"w1": w1, "w2": P()}
+    params = {
+        key: jax.device_put(value, NamedSharding(grid, placement[key]))
+        for key, value in _params().items()
+    }
+    tx = _tx(mm.deferred(grid, "data"), window_stats=True)
+    state = tx.init(params)
+    grad_fn = mm.per_device_value_and_grad(_loss, grid, "data")
+
+    @jax.jit
+    def step(params, state, mb):
+        (loss, count), grads = grad_fn(params, mb)
+        if method == "apply_gradients":
+            return tx.apply_gradients(grads, state, params, count=count, value=loss)
+        updates, state = tx.update(grads, state, params, count=count, value=loss)
+        assert (
+            jax.typeof(updates["w1"]).sharding.spec
+            == jax.typeof(params["w1"]).sharding.spec
+        )
+        return optax.apply_updates(params, updates), state
+
+    for mb in batches:
+        params, state = step(
+            params, state, jax.device_put(mb, NamedSharding(grid, P("data")))
+        )
+    assert params["w1"].sharding.is_equivalent_to(NamedSharding(grid, w1), 2)
+    assert int(state.gradient_step) == len(batches) // K
+    chex.assert_trees_all_close(jax.device_get(params), ref_params, **TOL)
+
+
 @pytest.mark.parametrize("axis_type", [AUTO, EXPLICIT], ids=["auto", "explicit"])
 def test_gradients_per_device_run_eagerly_on_a_data_by_model_mesh(axis_type):
     """Outside `jit`, on a data × model mesh, both functions failed in jax

@@ -360,7 +360,7 @@ def test_inner_state_with_a_typed_key_is_placed_with_the_params(mesh, mesh8, whe
     # step returns them; the key goes there too, and the window's update draws
     # the same noise as the bare optimizer on the window's token-mean gradient.
     sharding = (
-        jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        jax.device_put(jnp.zeros(()), jax.devices()[0]).sharding
         if where == "one device"
         else NamedSharding(mesh, P())
     )
