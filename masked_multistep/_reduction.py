@@ -307,6 +307,8 @@ class Local(KnownTotals):
         place = places.pop()
         if isinstance(place, jax.sharding.Mesh):
             return place_uncommitted(state, NamedSharding(place, PartitionSpec()))
+        if on_one_device is None:  # (not reached: the one device is a parameter's)
+            return state
         # A parameter's own sharding of its one device (jax 0.12 deprecates
         # naming `SingleDeviceSharding`).
         return place_uncommitted(state, on_one_device)
