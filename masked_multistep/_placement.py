@@ -71,7 +71,7 @@ def zeros_placed_as(x: Any, dtype: Any = None) -> jax.Array:
     on explicit mesh axes: ``jnp.zeros_like``, resharded as ``x`` where its
     type lacks them (jax 0.12 under ``jit`` without ``jax.set_mesh``; a
     ``select`` between ``x``'s kind and such zeros fails there, or, between
-    the branches of a conditional, takes the first branch's type).
+    the branches of a conditional, takes the type of the branch taken when false).
 
     Example:
       >>> import jax.numpy as jnp

@@ -394,12 +394,14 @@ def test_params_sharded_over_a_model_axis_train_data_parallel(axis_types):
 )
 def test_deferred_on_a_data_by_model_mesh_without_set_mesh(w1, method):
     """Jitted deferred steps on an explicit data × model mesh, called without
-    `jax.set_mesh`: each device's running mean is split over the model axis,
-    and its zeros for an empty microbatch must be too. With jax 0.12 they were
-    not (`zeros_like` under `jit` without a mesh set loses explicit axes), and
-    the running mean's select failed to trace ("select `which` must be scalar
-    or have the same sharding as cases"). Trains as one device on the full
-    batch, the params and updates laid out as the params."""
+    `jax.set_mesh`. With `w1` split over the model axis ("tp") each device's
+    running mean is split over it, and its zeros for an empty microbatch must
+    be too: with jax 0.12 they were not (`zeros_like` under `jit` without a mesh
+    set loses explicit axes), and the running mean's select failed to trace
+    ("select `which` must be scalar or have the same sharding as cases"). With
+    `w1` split over both axes ("fsdp_tp") the updates between windows were
+    typed replicated. Trains as one device on the full batch, the params and
+    updates laid out as the params."""
     grid = jax.make_mesh((NDEV // 2, 2), ("data", "model"))
     batches = _microbatches()
     ref_params, _ = _single_device_run(batches)
