@@ -11,7 +11,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, TypeGuard, get_args
 
 import jax
 import jax.numpy as jnp
@@ -1009,10 +1009,16 @@ def _smallest(values: Any) -> Any:
     return min((x for x in values if x is not None), default=None)
 
 
+def _another_policy(test: WindowPolicy | None) -> TypeGuard[WindowPolicy]:
+    """Whether ``test`` is a policy passed as ``norm_test=`` other than
+    :func:`norm_test`'s (named by its own name in errors)."""
+    return test is not None and not test.name.startswith("mm.norm_test(")
+
+
 def _fewest_consulted(min_microbatches: int, test: WindowPolicy | None = None) -> str:
     """The norm test's fewest microbatches (or those of ``test``, another
     policy passed as ``norm_test=``), in words, for an error message."""
-    if test is not None and not test.name.startswith("mm.norm_test("):
+    if _another_policy(test):
         return f"{test.name}'s `minimum` ({min_microbatches} microbatches)"
     if min_microbatches > 2:
         return f"the norm test's `min_microbatches` ({min_microbatches})"
@@ -1040,9 +1046,9 @@ def _check_consulted(
     # Its minimum budget in tokens, in words: the norm test's, or another
     # policy's passed as `norm_test=`, by its own name.
     fewest_tokens = (
-        f"the norm test's `min_tokens` ({min_tokens})"
-        if test.name.startswith("mm.norm_test(")
-        else f"{test.name}'s `minimum` ({min_tokens} tokens)"
+        f"{test.name}'s `minimum` ({min_tokens} tokens)"
+        if _another_policy(test)
+        else f"the norm test's `min_tokens` ({min_tokens})"
     )
     if count_dtype is not None and min_tokens > _largest_total(count_dtype):
         raise ValueError(
