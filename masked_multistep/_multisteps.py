@@ -10,6 +10,7 @@ end in ``_inner``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from masked_multistep import _checks, _inner, _processes, _sq_norms, _stats, _wi
 from masked_multistep._branch import EagerMemo, in_place_cond
 from masked_multistep._collectives import reduced_leaf
 from masked_multistep._deferred import Deferred
-from masked_multistep._placement import resharded_as, zeros_placed_as
+from masked_multistep._placement import resharded_as, tree_resharded_as, zeros_placed_as
 from masked_multistep._reduction import (
     Local,
     WindowTotals,
@@ -204,15 +205,6 @@ def _zeros_placed_like(avals: Any, *likes: Any) -> Any:
         for aval, like in zip(jax.tree.leaves(avals), places, strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(avals), zeros)
-
-
-def _resharded_like(tree: Any, like: Any) -> Any:
-    """``tree`` with the shardings, on explicit mesh axes, of ``like``'s
-    leaves where their types differ (``tree`` as it is where the two trees'
-    structures differ)."""
-    if jax.tree.structure(tree) != jax.tree.structure(like):
-        return tree
-    return jax.tree.map(resharded_as, tree, like)
 
 
 def _placed_like(updates: Any, *likes: Any) -> Any:
@@ -986,16 +978,28 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
     @functools.cached_property
     def _settings_layout(self) -> Any:
-        """:func:`_layout` of the state's fields that the settings shape."""
-        return _layout(
-            jax.eval_shape(
-                lambda: (
-                    self._recorder.init(self._count_dtype),
-                    self._policy.init(),
-                    self._reduction.init(self._count_dtype),
+        """:func:`_layout` of the state's fields that the settings shape.
+
+        Traced on the reduction's mesh, where it has one: it is first needed
+        inside a step, which may be traced without ``jax.set_mesh``, and a
+        deferred reduction lays its state out over the data axis only where
+        the mesh is known."""
+        mesh = getattr(self._reduction, "mesh", None)
+        on_mesh = (
+            jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+            if isinstance(mesh, jax.sharding.Mesh)
+            else contextlib.nullcontext()
+        )
+        with on_mesh:
+            return _layout(
+                jax.eval_shape(
+                    lambda: (
+                        self._recorder.init(self._count_dtype),
+                        self._policy.init(),
+                        self._reduction.init(self._count_dtype),
+                    )
                 )
             )
-        )
 
     def _check_state(self, state: Any, params: Any, grads: Any = None) -> None:
         """Refuses a state that this wrapper's ``init`` did not build.
@@ -1329,7 +1333,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # without one is, beside its state laid out so.
             if not self._reduction.device_axes or params is None:
                 return mean
-            return _resharded_like(mean, params)
+            return tree_resharded_as(mean, params)
 
         def mean_of(w: _Window) -> Any:
             mean = self._reduction.mean(w.acc_grads, w.acc_count, w.reduction_state)
@@ -1387,12 +1391,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # other passes through: an inner state that keeps what it is given
             # (the window's mean, which a deferred reduction forms replicated)
             # where its `init` laid it out as the params, say.
-            new_inner = _resharded_like(new_inner, inner_state)
+            new_inner = tree_resharded_as(new_inner, inner_state)
             if reuse_acc:
-                return (_resharded_like(updates, acc_grads), new_inner, ()), ()
+                return (tree_resharded_as(updates, acc_grads), new_inner, ()), ()
             if apply_params:
                 new_params = optax.apply_updates(params, updates)
-                return (acc_grads, new_inner, _resharded_like(new_params, params)), ()
+                return (acc_grads, new_inner, tree_resharded_as(new_params, params)), ()
             return (acc_grads, new_inner, ()), _placed_like(
                 updates, grads, read_only_params
             )

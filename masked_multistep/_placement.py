@@ -21,6 +21,7 @@ __all__ = [
     "names_an_axis",
     "resharded_as",
     "spec_axes",
+    "tree_resharded_as",
     "trimmed",
     "zeros_placed_as",
 ]
@@ -41,6 +42,15 @@ def resharded_as(x: Any, like: Any) -> Any:
     if not isinstance(like, jax.core.Tracer):
         want = like.sharding
     return jax.sharding.reshard(x, want)
+
+
+def tree_resharded_as(tree: Any, like: Any) -> Any:
+    """``tree`` with the shardings, on explicit mesh axes, of ``like``'s
+    leaves where their types differ (:func:`resharded_as` leaf by leaf;
+    ``tree`` as it is where the two trees' structures differ)."""
+    if jax.tree.structure(tree) != jax.tree.structure(like):
+        return tree
+    return jax.tree.map(resharded_as, tree, like)
 
 
 def trimmed(spec: Any) -> tuple:

@@ -390,19 +390,26 @@ def test_params_sharded_over_a_model_axis_train_data_parallel(axis_types):
 
 @pytest.mark.parametrize("method", ["update", "apply_gradients"])
 @pytest.mark.parametrize(
-    "w1", [P("model"), P(("data", "model"))], ids=["tp", "fsdp_tp"]
+    ("w1", "model_axis"),
+    [(P("model"), EXPLICIT), (P(("data", "model")), EXPLICIT), (P("model"), AUTO)],
+    ids=["tp", "fsdp_tp", "tp_auto_model"],
 )
-def test_deferred_on_a_data_by_model_mesh_without_set_mesh(w1, method):
-    """Jitted deferred steps on an explicit data × model mesh, called without
-    `jax.set_mesh`. With `w1` split over the model axis ("tp") each device's
-    running mean is split over it, and its zeros for an empty microbatch must
-    be too: with jax 0.12 they were not (`zeros_like` under `jit` without a mesh
-    set loses explicit axes), and the running mean's select failed to trace
-    ("select `which` must be scalar or have the same sharding as cases"). With
-    `w1` split over both axes ("fsdp_tp") the updates between windows were
-    typed replicated. Trains as one device on the full batch, the params and
-    updates laid out as the params."""
-    grid = jax.make_mesh((NDEV // 2, 2), ("data", "model"))
+def test_deferred_on_a_data_by_model_mesh_without_set_mesh(w1, model_axis, method):
+    """Jitted deferred steps on a data × model mesh (an explicit data axis),
+    called without `jax.set_mesh`. With `w1` split over an explicit model axis
+    ("tp") each device's running mean is split over it, and its zeros for an
+    empty microbatch must be too: with jax 0.12 they were not (`zeros_like`
+    under `jit` without a mesh set loses explicit axes), and the running mean's
+    select failed to trace ("select `which` must be scalar or have the same
+    sharding as cases"). With `w1` split over both axes ("fsdp_tp") the updates
+    between windows were typed replicated. With an automatic model axis
+    ("tp_auto_model") the first step was refused by an error that blamed
+    `tx.init`, called eagerly and right: the step's check of the state traced
+    the reduction's state without the mesh. Trains as one device on the full
+    batch, the params and updates laid out as the params."""
+    grid = jax.make_mesh(
+        (NDEV // 2, 2), ("data", "model"), axis_types=(EXPLICIT, model_axis)
+    )
     batches = _microbatches()
     ref_params, _ = _single_device_run(batches)
     placement = {"w1": w1, "w2": P()}
