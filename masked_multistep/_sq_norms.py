@@ -31,6 +31,7 @@ from masked_multistep._shards import over_slices
 
 __all__ = [
     "ONE_REDUCTION",
+    "gpu_forms",
     "for_squared_norms",
     "in_compute_precision",
     "materialized_on_gpu",
@@ -90,11 +91,18 @@ def _one_reduction(leaves: list[jax.Array]) -> bool:
     only); rows are added up by sharding. Else (any leaf on automatic axes
     with several devices about: rows the partitioner would all-gather to add
     up) every leaf is reduced on its own, as on other platforms."""
-    if ONE_REDUCTION is False or not leaves:
-        return False
-    if ONE_REDUCTION is None and jax.default_backend() not in ("gpu", "cuda", "rocm"):
+    if not leaves or not gpu_forms():
         return False
     return jax.device_count() == 1 or all(placed_by_type(x) for x in leaves)
+
+
+def gpu_forms() -> bool:
+    """Whether a program is traced in the forms chosen for GPUs: as
+    :data:`ONE_REDUCTION` says where it is set, else where the default
+    backend is a GPU."""
+    if ONE_REDUCTION is not None:
+        return ONE_REDUCTION
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 def _last_axis_split(x: jax.Array) -> bool:

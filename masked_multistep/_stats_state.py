@@ -15,6 +15,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import jax
 import jax.numpy as jnp
 
+from masked_multistep._sq_norms import gpu_forms
 from masked_multistep._token_total import TokenTotal
 
 __all__ = [
@@ -339,19 +340,31 @@ class WindowStatsState(NamedTuple):
         """This state with the open window's ``weighted_sq_norms`` and
         ``microbatches`` increased by these where ``where`` (elsewhere, and
         every other figure, exactly as they were): what every microbatch
-        does. Each entry is sliced, added to and written back in place, which
-        XLA fuses into the figures' arithmetic on CPUs and GPUs alike (read
-        through the properties and set with :meth:`replaced`, each figure
-        was a kernel of its own on a GPU)."""
+        does, in the pass of the figures' arithmetic on CPUs and GPUs alike
+        (read through the properties and set with :meth:`replaced`, each
+        figure was a kernel of its own on a GPU).
+
+        Where the squared norms are reduced as on GPUs
+        (:func:`_sq_norms.gpu_forms`: one reduction, a kernel of its own),
+        each vector is rewritten whole, an elementwise select of its entry
+        plus the value: sliced and written back in place, jax 0.12's XLA:GPU
+        copied each vector first, two kernels more per microbatch (six with
+        the norm test). Elsewhere the entry is written in place, which
+        XLA:CPU fuses with each leaf's reduction (rewritten whole, the
+        reductions are four kernels more per microbatch there)."""
+        whole = gpu_forms()
 
         def added(
             vector: jax.Array, name: str, value: jax.typing.ArrayLike
         ) -> jax.Array:
             i = SLOTS[name][1]
-            old = jax.lax.slice_in_dim(vector, i, i + 1, axis=-1)
             value = jnp.asarray(value).astype(vector.dtype)[..., None]
-            new = jnp.where(jnp.asarray(where)[..., None], old + value, old)
-            return _with_entry(vector, i, new)
+            where_ = jnp.asarray(where)[..., None]
+            if whole:
+                at = jax.lax.broadcasted_iota(jnp.int32, vector.shape, vector.ndim - 1)
+                return jnp.where((at == i) & where_, vector + value, vector)
+            old = jax.lax.slice_in_dim(vector, i, i + 1, axis=-1)
+            return _with_entry(vector, i, jnp.where(where_, old + value, old))
 
         return self._replace(
             sums=added(self.sums, "weighted_sq_norms", weighted_sq_norms),

@@ -1522,6 +1522,39 @@ def test_a_trees_squared_norm_sums_each_precision_apart_under_x64(as_on_one_gpu)
         assert len(_scalar_reductions(_sq_norms.tree_sq_norm, tree)) == 2
 
 
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "cpu"])
+def test_a_microbatch_adds_its_figures_in_the_form_of_its_backend(gpu, monkeypatch):
+    # As on GPUs each vector is rewritten whole (an elementwise select): its
+    # entry sliced and written back in place (dynamic_update_slice), jax
+    # 0.12's XLA:GPU copied both vectors first, two kernels more on every
+    # microbatch, six with the norm test (compiled H100 programs). XLA:CPU
+    # fuses each leaf's reduction into the write in place, so CPUs keep it.
+    # The figures are the same to the bit either way, other entries
+    # (non-finite, -0.0) untouched.
+    monkeypatch.setattr(_sq_norms, "ONE_REDUCTION", gpu)
+    state = _stats_state.init_window_stats(jnp.int32)._replace(
+        sums=jnp.array([0.5, -0.0, np.nan, np.inf, -1.5, 2, 3, 4, 5], jnp.float32),
+        tallies=jnp.array([7, -1, 2], jnp.int32),
+    )
+    batch = jax.tree.map(lambda x: jnp.stack([x, x, x]), state)
+    cases = (
+        (state, 0.25, 1, True),
+        (state, 0.25, 1, False),
+        (batch, [0.25, 1, 2], [1, 2, 3], [True, False, True]),
+    )
+    for st, norms, microbatches, where in cases:
+        got = jax.jit(lambda st, n, k, w: st.plus(n, k, where=w))(
+            st, np.float32(norms), np.int32(microbatches), np.bool_(where)
+        )
+        for vector, value in (("sums", norms), ("tallies", microbatches)):
+            old = np.asarray(getattr(st, vector))
+            add = np.asarray(where)[..., None] & (np.arange(old.shape[-1]) == 0)
+            want = np.where(add, old + np.asarray(value, old.dtype)[..., None], old)
+            assert_bit_identical(getattr(got, vector), want)
+    jaxpr = str(jax.make_jaxpr(lambda st: st.plus(np.float32(0.25), 1))(state))
+    assert ("dynamic_update_slice" in jaxpr) is not gpu
+
+
 def _mesh_2x4(axis_type):
     return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
 
