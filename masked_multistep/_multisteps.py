@@ -981,9 +981,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         """:func:`_layout` of the state's fields that the settings shape.
 
         Traced on the reduction's mesh, where it has one: it is first needed
-        inside a step, which may be traced without ``jax.set_mesh``, and a
-        deferred reduction lays its state out over the data axis only where
-        the mesh is known."""
+        inside a step, which may be traced without ``jax.set_mesh``, and on a
+        mesh of explicit and automatic axes a deferred reduction's ``init``
+        refuses to trace without the mesh set (jax would replicate its state
+        over the explicit data axis)."""
         mesh = getattr(self._reduction, "mesh", None)
         on_mesh = (
             jax.sharding.use_abstract_mesh(mesh.abstract_mesh)

@@ -31,8 +31,8 @@ from masked_multistep._shards import over_slices
 
 __all__ = [
     "ONE_REDUCTION",
-    "gpu_forms",
     "for_squared_norms",
+    "gpu_forms",
     "in_compute_precision",
     "materialized_on_gpu",
     "sq_norms",
@@ -76,7 +76,8 @@ def tree_sq_norm(tree: Any, window: Any = None, together: bool = True) -> jax.Ar
     return sum_scalars(sums, result_type(_F32, *(x.dtype for x in sums)))
 
 
-# True or False to choose whether a tree's squared norm is one reduction
+# True or False to choose the forms traced for GPUs (a tree's squared norm as
+# one reduction, the statistics' vectors rewritten whole: `gpu_forms`)
 # whatever the backend (tests, and benchmarks that compile for a GPU without
 # one); None: on GPUs.
 ONE_REDUCTION: bool | None = None

@@ -344,14 +344,14 @@ class WindowStatsState(NamedTuple):
         (read through the properties and set with :meth:`replaced`, each
         figure was a kernel of its own on a GPU).
 
-        Where the squared norms are reduced as on GPUs
-        (:func:`_sq_norms.gpu_forms`: one reduction, a kernel of its own),
-        each vector is rewritten whole, an elementwise select of its entry
-        plus the value: sliced and written back in place, jax 0.12's XLA:GPU
-        copied each vector first, two kernels more per microbatch (six with
-        the norm test). Elsewhere the entry is written in place, which
-        XLA:CPU fuses with each leaf's reduction (rewritten whole, the
-        reductions are four kernels more per microbatch there)."""
+        Where programs take the forms traced for GPUs
+        (:func:`_sq_norms.gpu_forms`), each vector is rewritten whole, an
+        elementwise select of its entry plus the value: sliced and written
+        back in place, jax 0.12's XLA:GPU copied each vector first, two
+        kernels more per microbatch (six with the norm test). Elsewhere the
+        entry is written in place, which XLA:CPU fuses with each leaf's
+        squared-norm reduction (rewritten whole, the reductions are three
+        kernels more per microbatch there)."""
         whole = gpu_forms()
 
         def added(
