@@ -14,6 +14,7 @@ step between window ends communicates nothing.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from masked_multistep import _checks, _running_mean
+from masked_multistep._branch import staging
 from masked_multistep._placement import names_an_axis, spec_axes, trimmed
 from masked_multistep._reduction import (
     KnownTotals,
@@ -193,6 +195,22 @@ class Deferred(KnownTotals):
     def __repr__(self) -> str:
         axes = self._spec_axes
         return f"mm.deferred(mesh of {dict(self.mesh.shape)}, {axes!r})"
+
+    def eager_mesh(self) -> contextlib.AbstractContextManager:
+        """``jax.set_mesh(mesh)`` for a step called outside any trace (eagerly)
+        on a mesh with explicit axes, where no mesh is set: the per-device
+        running means are a ``vmap``, and jax's eager ``vmap`` cannot make a
+        scalar (``ones_like``) of an array split over an explicit axis
+        without a mesh set ("Please enter your `jit` into a mesh context", or
+        on a mesh with automatic axes too "cannot reshape array of size 1").
+        Under ``jit`` the caller's context stands."""
+        if (
+            staging()
+            or not any_explicit(self.mesh, self.mesh.axis_names)
+            or not jax.sharding.get_abstract_mesh().empty
+        ):
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.mesh)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (type(self), (self.mesh, self._spec_axes))

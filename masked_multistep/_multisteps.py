@@ -911,9 +911,16 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             scalar; if ``close_window`` is a boolean array that is not a
             scalar (a ``TypeError`` if it is not a bool at all).
         """
-        return self._step(
-            updates, state, params, count, close_window, extra_args, apply_params=False
-        )
+        with self._reduction.eager_mesh():
+            return self._step(
+                updates,
+                state,
+                params,
+                count,
+                close_window,
+                extra_args,
+                apply_params=False,
+            )
 
     def _apply_gradients(
         self,
@@ -945,9 +952,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
           -2.0
         """
         _refuse_positional_count("apply_gradients", args)
-        return self._step(
-            grads, state, params, count, close_window, extra_args, apply_params=True
-        )
+        with self._reduction.eager_mesh():
+            return self._step(
+                grads, state, params, count, close_window, extra_args, apply_params=True
+            )
 
     if TYPE_CHECKING:
         # What a type checker sees: `count` is required. At run time it

@@ -40,7 +40,9 @@ def resharded_as(x: Any, like: Any) -> Any:
     if not (names_an_axis(want.spec) or names_an_axis(have.spec)):
         return x
     if not isinstance(like, jax.core.Tracer):
-        want = like.sharding
+        # Its placement's mesh, with the type's spec: `reshard` takes explicit
+        # axes only (an automatic one in the placement's spec is refused).
+        want = jax.sharding.NamedSharding(like.sharding.mesh, want.spec)
     return jax.sharding.reshard(x, want)
 
 

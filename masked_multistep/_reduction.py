@@ -24,6 +24,7 @@ checks, and ``keeps_stats``, whether the statistics' sums are per device).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Callable, Hashable, Sequence
@@ -247,6 +248,10 @@ class KnownTotals:
         across two shardings. Under ``AxisType.Auto`` the types hold no
         sharding and the compiler places them itself: a no-op."""
         return jax.tree.map(resharded_as, grads, acc_grads)
+
+    def eager_mesh(self) -> contextlib.AbstractContextManager:
+        """The context a step runs in (none; see ``Deferred``'s)."""
+        return contextlib.nullcontext()
 
     # The window statistics' running sums live in the statistics' state.
     keeps_stats = False

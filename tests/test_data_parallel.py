@@ -442,6 +442,40 @@ def test_deferred_on_a_data_by_model_mesh_without_set_mesh(w1, model_axis, metho
     chex.assert_trees_all_close(jax.device_get(params), ref_params, **TOL)
 
 
+@pytest.mark.parametrize(
+    "axis_types",
+    [(EXPLICIT, EXPLICIT), (EXPLICIT, AUTO), (AUTO, EXPLICIT)],
+    ids=["explicit", "explicit_data", "explicit_model"],
+)
+def test_eager_deferred_steps_on_explicit_axes_without_set_mesh(axis_types):
+    """Deferred steps called without `jit` on a data × model mesh with
+    explicit axes, and no `jax.set_mesh`: jax's eager `vmap` could not make
+    the per-device running means' scalars ("Please enter your `jit` into a
+    mesh context", or "cannot reshape array of size 1" beside an automatic
+    axis), and beside an automatic data axis the gradients' reshard named it
+    (jax 0.10.2, also under `jax.set_mesh`). A step sets the reduction's mesh
+    itself where none is set; one window trains as one device."""
+    grid = jax.make_mesh((NDEV // 2, 2), ("data", "model"), axis_types=axis_types)
+    batches = _microbatches()[:K]
+    ref_params, _ = _single_device_run(batches)
+    placement = {"w1": P("model"), "w2": P()}
+    params = {
+        key: jax.device_put(value, NamedSharding(grid, placement[key]))
+        for key, value in _params().items()
+    }
+    tx = _tx(mm.deferred(grid, "data"))
+    state = tx.init(params)
+    grad_fn = mm.per_device_value_and_grad(_loss, grid, "data")
+    for mb in batches:
+        (loss, count), grads = grad_fn(params, mb)
+        params, state = tx.apply_gradients(
+            grads, state, params, count=count, value=loss
+        )
+    assert int(state.gradient_step) == 1
+    assert jax.sharding.get_abstract_mesh().empty
+    chex.assert_trees_all_close(jax.device_get(params), ref_params, **TOL)
+
+
 @pytest.mark.parametrize("axis_type", [AUTO, EXPLICIT], ids=["auto", "explicit"])
 def test_gradients_per_device_run_eagerly_on_a_data_by_model_mesh(axis_type):
     """Outside `jit`, on a data × model mesh, both functions failed in jax
