@@ -196,16 +196,20 @@ class Deferred(KnownTotals):
         axes = self._spec_axes
         return f"mm.deferred(mesh of {dict(self.mesh.shape)}, {axes!r})"
 
-    def eager_mesh(self) -> contextlib.AbstractContextManager:
-        """``jax.set_mesh(mesh)`` for a step called outside any trace (eagerly)
-        on a mesh with explicit axes, where no mesh is set: the per-device
-        running means are a ``vmap``, and jax's eager ``vmap`` cannot make a
-        scalar (``ones_like``) of an array split over an explicit axis
-        without a mesh set ("Please enter your `jit` into a mesh context", or
-        on a mesh with automatic axes too "cannot reshape array of size 1").
-        Under ``jit`` the caller's context stands."""
+    def eager_mesh(self, *inputs: Any) -> contextlib.AbstractContextManager:
+        """``jax.set_mesh(mesh)`` for a step called outside any trace (eagerly:
+        no input a tracer) on a mesh with explicit axes, where no mesh is set:
+        the per-device running means are a ``vmap``, and jax's eager ``vmap``
+        cannot make a scalar (``ones_like``) of an array split over an
+        explicit axis without a mesh set ("Please enter your `jit` into a
+        mesh context", or on a mesh with automatic axes too "cannot reshape
+        array of size 1"). Inside a trace (``jit``, and eager ``grad``,
+        ``jvp`` or ``vmap``, where jax refuses ``set_mesh``) the caller's
+        context stands."""
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inputs))
         if (
-            staging()
+            traced
+            or staging()
             or not any_explicit(self.mesh, self.mesh.axis_names)
             or not jax.sharding.get_abstract_mesh().empty
         ):

@@ -911,7 +911,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             scalar; if ``close_window`` is a boolean array that is not a
             scalar (a ``TypeError`` if it is not a bool at all).
         """
-        with self._reduction.eager_mesh():
+        with self._reduction.eager_mesh(
+            updates, state, params, count, close_window, extra_args
+        ):
             return self._step(
                 updates,
                 state,
@@ -952,7 +954,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
           -2.0
         """
         _refuse_positional_count("apply_gradients", args)
-        with self._reduction.eager_mesh():
+        with self._reduction.eager_mesh(
+            grads, state, params, count, close_window, extra_args
+        ):
             return self._step(
                 grads, state, params, count, close_window, extra_args, apply_params=True
             )

@@ -249,8 +249,9 @@ class KnownTotals:
         sharding and the compiler places them itself: a no-op."""
         return jax.tree.map(resharded_as, grads, acc_grads)
 
-    def eager_mesh(self) -> contextlib.AbstractContextManager:
-        """The context a step runs in (none; see ``Deferred``'s)."""
+    def eager_mesh(self, *inputs: Any) -> contextlib.AbstractContextManager:
+        """The context a step on ``inputs`` runs in (none; see ``Deferred``'s)."""
+        del inputs
         return contextlib.nullcontext()
 
     # The window statistics' running sums live in the statistics' state.
