@@ -46,6 +46,7 @@ __all__ = [
     "cond",
     "eager_key",
     "in_place_cond",
+    "on_gpu",
     "staging",
 ]
 
@@ -59,6 +60,11 @@ FORM: Literal["loop", "cond"] | None = None
 def _loop_form() -> bool:
     if FORM is not None:
         return FORM == "loop"
+    return on_gpu()
+
+
+def on_gpu() -> bool:
+    """Whether the default backend, for which programs are traced, is a GPU."""
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 

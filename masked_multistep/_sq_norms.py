@@ -17,6 +17,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 
+from masked_multistep._branch import on_gpu
 from masked_multistep._running_mean import (
     compute_dtype,
     placed_by_type,
@@ -103,7 +104,7 @@ def gpu_forms() -> bool:
     backend is a GPU."""
     if ONE_REDUCTION is not None:
         return ONE_REDUCTION
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
+    return on_gpu()
 
 
 def _last_axis_split(x: jax.Array) -> bool:
