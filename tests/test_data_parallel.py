@@ -345,10 +345,7 @@ def test_params_sharded_over_a_model_axis_train_data_parallel(axis_types):
     (ref_loss, ref_count), ref = _full_batch(_loss, whole, has_aux=True)
     ref_params, ref_state = _single_device_run(batches)
     with jax.set_mesh(grid):
-        params = {
-            key: jax.device_put(value, NamedSharding(grid, placement[key]))
-            for key, value in _params().items()
-        }
+        params = _params_on(grid, placement)
 
         def by_device(batch):
             # The rows of `batches`, regrouped onto half as many devices.
@@ -413,10 +410,7 @@ def test_deferred_on_a_data_by_model_mesh_without_set_mesh(w1, model_axis, metho
     batches = _microbatches()
     ref_params, _ = _single_device_run(batches)
     placement = {"w1": w1, "w2": P()}
-    params = {
-        key: jax.device_put(value, NamedSharding(grid, placement[key]))
-        for key, value in _params().items()
-    }
+    params = _params_on(grid, placement)
     tx = _tx(mm.deferred(grid, "data"), window_stats=True)
     state = tx.init(params)
     grad_fn = mm.per_device_value_and_grad(_loss, grid, "data")
@@ -459,10 +453,7 @@ def test_eager_deferred_steps_on_explicit_axes_without_set_mesh(axis_types):
     batches = _microbatches()[:K]
     ref_params, _ = _single_device_run(batches)
     placement = {"w1": P("model"), "w2": P()}
-    params = {
-        key: jax.device_put(value, NamedSharding(grid, placement[key]))
-        for key, value in _params().items()
-    }
+    params = _params_on(grid, placement)
     tx = _tx(mm.deferred(grid, "data"))
     state = tx.init(params)
     grad_fn = mm.per_device_value_and_grad(_loss, grid, "data")
@@ -728,6 +719,14 @@ def _keeps_its_input():
         lambda params: jax.tree.map(jnp.zeros_like, params),
         lambda updates, state, params=None: (updates, updates),
     )
+
+
+def _params_on(grid, placement):
+    """:func:`_params`, each leaf laid out on ``grid`` by its spec in ``placement``."""
+    return {
+        key: jax.device_put(value, NamedSharding(grid, placement[key]))
+        for key, value in _params().items()
+    }
 
 
 def _microbatches():
