@@ -749,18 +749,25 @@ def _tx(reduction=None, **kwargs):
     )
 
 
-def _single_device_run(batches):
-    """The reference: one device, each microbatch's full batch, no reduction."""
-    device = jax.devices()[0]
+@functools.cache
+def _reference_step():
+    """The reference's wrapper and jitted step (one compile per process)."""
     tx = _tx()
-    params = jax.device_put(_params(), device)
-    state = tx.init(params)
 
     @jax.jit
     def step(params, state, mb):
         (loss, count), grads = jax.value_and_grad(_loss, has_aux=True)(params, mb)
         return tx.apply_gradients(grads, state, params, count=count, value=loss)
 
+    return tx, step
+
+
+def _single_device_run(batches):
+    """The reference: one device, each microbatch's full batch, no reduction."""
+    device = jax.devices()[0]
+    tx, step = _reference_step()
+    params = jax.device_put(_params(), device)
+    state = tx.init(params)
     for mb in batches:
         params, state = step(params, state, jax.device_put(mb, device))
     assert int(state.gradient_step) == len(batches) // K

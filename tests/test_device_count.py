@@ -6,6 +6,8 @@ nothing had moved: the same mean gradient (checked against a float64 reference
 built from the same rows), token total, loss and statistics.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -547,6 +549,17 @@ def test_a_window_whose_squared_norms_are_not_finite_moves(bad, new):
     )
 
 
+@functools.cache
+def _stepped_once(skip):
+    """The state after one step on ``LOCAL`` devices (8 with a skip function),
+    and a template on 4: one trace and run per layout, for every field below."""
+    n = LOCAL if skip is None else 8
+    params = {"w": jnp.zeros(H)}
+    tx = _tx(n, skip=skip)
+    _, state = _step(tx, params, tx.init(params), 0, n)
+    return state, _tx(4, skip=skip).init(params)
+
+
 @pytest.mark.parametrize(
     "field",
     [
@@ -568,10 +581,7 @@ def test_the_windows_own_figures_are_checked_too(field, skip):
     # asks for) only the per-device counts were checked: a negative or NaN
     # window total, loss weight, tally or step counter moved into a state that
     # later conversions and `from_other_settings` refuse.
-    n = LOCAL if skip is None else 8
-    params = {"w": jnp.zeros(H)}
-    tx = _tx(n, skip=skip)
-    _, state = _step(tx, params, tx.init(params), 0, n)
+    state, template = _stepped_once(skip)
     if field.startswith("stats.last."):
         last = state.stats.last
         name = field.split(".")[2]
@@ -585,7 +595,6 @@ def test_the_windows_own_figures_are_checked_too(field, skip):
         bad = state._replace(stats=stats)
     else:
         bad = state._replace(**{field: -jnp.ones_like(getattr(state, field))})
-    template = _tx(4, skip=skip).init(params)
     refused = r"negative or not finite|must be an integer|must not be negative"
     with pytest.raises(ValueError, match=refused):
         mm.from_device_count(bad, template)

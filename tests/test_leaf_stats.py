@@ -35,7 +35,9 @@ def _plan(seed=0, windows=4):
     for _ in range(windows):
         for i in range(K):
             if i == 1:
-                grads = jax.tree.map(lambda p: jnp.full(p.shape, jnp.nan), params)
+                grads = jax.tree.map(
+                    lambda p: jnp.full(p.shape, jnp.nan, jnp.float32), params
+                )
                 plan.append((grads, jnp.float32(0)))
                 continue
             n = int(rng.integers(1, 40))
@@ -427,10 +429,11 @@ def test_deferred_devices_shares_are_small_batches_for_every_leaf(per_window):
         for (_, count), grads in pieces:
             updates, state = step(state, grads, count)
             outs.append(updates)
-        return outs, state
+        return outs, state, step
 
-    leaf_out, with_leaves = run(make(per_leaf_stats=True))
-    totals_out, totals = run(make(window_stats=True))
+    leaf_tx, totals_tx = make(per_leaf_stats=True), make(window_stats=True)
+    leaf_out, with_leaves, leaf_step = run(leaf_tx)
+    totals_out, totals, totals_step = run(totals_tx)
     assert_bit_identical(leaf_out, totals_out)
     assert bool(with_leaves.updated)
     _close_stats(mm.window_stats(with_leaves), mm.window_stats(totals))
@@ -439,6 +442,7 @@ def test_deferred_devices_shares_are_small_batches_for_every_leaf(per_window):
     ref = ref_tx.init(params)
     ref_step = jax.jit(lambda g, s, n: ref_tx.update(g, s, params, count=n)[1])
     for (_, count), grads in pieces:
+        grads, count = jax.tree.map(np.asarray, grads), np.asarray(count)
         for d in range(ndev):
             ref = ref_step(jax.tree.map(lambda g, d=d: g[d], grads), ref, count[d])
     got = mm.window_stats(with_leaves, per_leaf=True)
@@ -449,14 +453,13 @@ def test_deferred_devices_shares_are_small_batches_for_every_leaf(per_window):
     if per_window:
         # No collective between window ends; the leaves' sums (4 bytes each,
         # in place of the total's) ride on the window's closing all-reduces.
-        def compiled(tx):
+        def compiled(tx, step):
             (_, count), grads = pieces[0]
-            step = jax.jit(lambda s, g, n: tx.update(g, s, params, count=n))
             text = step.lower(tx.init(params), grads, count).compile().as_text()
             return sorted((c.kind, c.where, c.bytes) for c in collectives(text))
 
-        base = compiled(make(window_stats=True))
-        more = compiled(make(per_leaf_stats=True))
+        base = compiled(totals_tx, totals_step)
+        more = compiled(leaf_tx, leaf_step)
         assert {where for _, where, _ in more} == {"branch"}, more
         assert len(more) == len(base), (base, more)
         assert sum(c[2] for c in more) == sum(c[2] for c in base) + 4 * (2 - 1), more
@@ -856,7 +859,8 @@ def test_data_parallel_returns_each_leafs_statistics_in_the_one_reduction():
             )
         )
 
-    _, _, stats = grad_fn(True)(params, sharded)
+    grad_fns = {per_leaf: grad_fn(per_leaf) for per_leaf in (False, True)}
+    _, _, stats = grad_fns[True](params, sharded)
     # Device d's microbatch j holds its rows j, j + k, ... : each a small batch.
     microbatches = [
         jax.tree.map(lambda x, d=d, j=j: x[8 * d : 8 * (d + 1)][j::k], batch)
@@ -866,7 +870,7 @@ def test_data_parallel_returns_each_leafs_statistics_in_the_one_reduction():
     _close_stats(stats, _wrapper_fed(microbatches, params))
     # The leaves' sums join the call's one gradient reduction.
     reductions = [
-        _all_reduces(grad_fn(per_leaf).lower(params, sharded).compile().as_text())
+        _all_reduces(grad_fns[per_leaf].lower(params, sharded).compile().as_text())
         for per_leaf in (False, True)
     ]
     assert len(reductions[0]) == len(reductions[1])

@@ -587,10 +587,11 @@ def test_ensemble_members_inside_shard_map_keep_windows_of_their_own(
     state = jax.vmap(tx.init)(params)
     # Each member alone, as the reference.
     want, steps = [], []
+    alone = jax.jit(tx.apply_gradients)
     for m in range(members):
         p, s = {"w": params["w"][m]}, tx.init({"w": params["w"][m]})
         for g, n in zip(grads, counts):
-            p, s = tx.apply_gradients({"w": g["w"][m]}, s, p, count=n[m])
+            p, s = alone({"w": g["w"][m]}, s, p, count=n[m])
         want.append((p["w"], mm.window_stats(s).grad_sq_norm))
         steps.append(int(s.gradient_step))
     assert len(set(steps)) > 1  # the members' windows differ

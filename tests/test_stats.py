@@ -268,45 +268,53 @@ def test_reverse_mode_derivatives_are_finite_through_empty_microbatches():
 _STAT_FIELDS = ("grad_sq_norm", "grad_var_trace", "true_grad_sq_norm", "noise_scale")
 
 
-def _reverse_equals_forward(fn):
+def _reverse_equals_forward(fn, *cases):
     """jax.grad of each statistic equals its forward-mode derivative (jvp,
-    which never multiplies by a discarded gradient) and is finite."""
+    which never multiplies by a discarded gradient) and is finite, for
+    ``fn(theta, *case)`` with each case (one compiled program for them all)."""
 
-    def fields(theta):
-        stats = mm.window_stats(fn(theta))
+    def fields(theta, *case):
+        stats = mm.window_stats(fn(theta, *case))
         return {name: getattr(stats, name) for name in _STAT_FIELDS}
 
-    def derivatives(theta):
+    def derivatives(theta, *case):
         # Every statistic's forward derivative in one jvp, and its reverse
         # one in a jacrev (a vjp per statistic, each with a cotangent of 0 for
         # the others, as jax.grad of it alone), in one program (one compile).
-        return jax.jvp(fields, (theta,), (1.0,)), jax.jacrev(fields)(theta)
+        def of_theta(t):
+            return fields(t, *case)
 
-    (values, tangents), grads = jax.jit(derivatives)(1.0)
-    for name in _STAT_FIELDS:
-        value, tangent, grad = values[name], tangents[name], grads[name]
-        assert np.isfinite(value) and np.isfinite(tangent), (name, value, tangent)
-        np.testing.assert_allclose(grad, tangent, rtol=1e-4, atol=1e-6, err_msg=name)
+        return jax.jvp(of_theta, (theta,), (1.0,)), jax.jacrev(of_theta)(theta)
+
+    derivatives = jax.jit(derivatives)
+    for case in cases or [()]:
+        (values, tangents), grads = derivatives(1.0, *case)
+        for name in _STAT_FIELDS:
+            value, tangent, grad = values[name], tangents[name], grads[name]
+            assert np.isfinite(value) and np.isfinite(tangent), (name, case, value)
+            np.testing.assert_allclose(
+                grad, tangent, rtol=1e-4, atol=1e-6, err_msg=f"{name} {case}"
+            )
 
 
-@pytest.mark.parametrize("bad", [np.inf, np.nan])
-def test_reverse_mode_derivatives_skip_an_earlier_non_finite_window(bad):
-    """A window with a non-finite gradient is recorded, then reset: the next
-    window's statistics do not depend on it, and neither do their derivatives
-    (its zero cotangent times the non-finite gradient was NaN)."""
+def test_reverse_mode_derivatives_skip_an_earlier_non_finite_window():
+    """A window with a non-finite gradient (inf, then NaN) is recorded, then
+    reset: the next window's statistics do not depend on it, and neither do
+    their derivatives (its zero cotangent times the non-finite gradient was
+    NaN)."""
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
     params = {"w": jnp.ones(3)}
-    offset = jnp.array([0.0, bad, 0.0])  # not a function of theta
     rows = jnp.array([[1.0, 2, 3], [1, 0, 3], [2, 2, 1], [1, 5, 3]])
 
-    def run(theta):
+    def run(theta, bad):
+        offset = jnp.zeros(3).at[1].set(bad)  # not a function of theta
         state = tx.init(params)
         for i in range(4):
             g = theta * rows[i] + (offset if i == 1 else 0)
             _, state = tx.update({"w": g}, state, params, count=jnp.float32(i + 1))
         return state
 
-    _reverse_equals_forward(run)
+    _reverse_equals_forward(run, (jnp.float32(np.inf),), (jnp.float32(np.nan),))
 
 
 def test_reverse_mode_derivatives_skip_an_empty_device_with_nan_gradients():
@@ -958,13 +966,15 @@ def test_deferred_reduction_counts_each_devices_share_as_a_small_batch():
         for (loss, count), grads in pieces:
             updates, state = step(state, grads, count, loss)
             outs.append(updates)
-        return outs, state
+        return outs, state, step
 
     reduction = mm.deferred(mesh, "data")
-    plain_out, plain = run(mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction))
-    stats_out, with_stats = run(
-        mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction, window_stats=True)
+    plain_tx = mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction)
+    stats_tx = mm.MaskedMultiSteps(
+        optax.adam(0.1), 2, reduction=reduction, window_stats=True
     )
+    plain_out, plain, plain_step = run(plain_tx)
+    stats_out, with_stats, stats_step = run(stats_tx)
     for a, b in zip(plain_out, stats_out, strict=True):
         assert np.array_equal(a, b)
     assert bool(with_stats.updated)
@@ -976,20 +986,16 @@ def test_deferred_reduction_counts_each_devices_share_as_a_small_batch():
     # closing all-reduces.
     from _helpers import collectives
 
-    def compiled(tx):
-        def step(s, g, n, v):
-            return tx.update(g, s, params, count=n, value=v)
-
+    def compiled(tx, step):
+        # The program `run` compiled (the same jitted function: no new compile).
         (loss, count), grads = pieces[0]
-        lowered = jax.jit(step).lower(tx.init(params), grads, count, loss)
+        lowered = step.lower(tx.init(params), grads, count, loss)
         return sorted(
             (c.kind, c.where, c.bytes) for c in collectives(lowered.compile().as_text())
         )
 
-    base = compiled(mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction))
-    more = compiled(
-        mm.MaskedMultiSteps(optax.adam(0.1), 2, reduction=reduction, window_stats=True)
-    )
+    base = compiled(plain_tx, plain_step)
+    more = compiled(stats_tx, stats_step)
     assert {where for _, where, _ in base} == {"branch"}, base
     assert {where for _, where, _ in more} == {"branch"}, more
     assert max(size for *_, size in base) >= 4 * width, base
@@ -1001,8 +1007,9 @@ def test_deferred_reduction_counts_each_devices_share_as_a_small_batch():
     ref = ref_tx.init(jnp.zeros(width))
     ref_step = jax.jit(lambda g, s, n: ref_tx.update(g, s, jnp.zeros(width), count=n))
     for (_, count), grads in pieces:
+        grads, count = np.asarray(grads), np.asarray(count)  # on one device
         for d in range(ndev):
-            _, ref = ref_step(jnp.asarray(grads[d]), ref, count[d])
+            _, ref = ref_step(grads[d], ref, count[d])
     got, want = mm.window_stats(with_stats), mm.window_stats(ref)
     assert int(got.microbatches) == int(want.microbatches) == 2 * (ndev - 1)
     assert float(got.tokens) == float(want.tokens)
@@ -1233,8 +1240,9 @@ def test_tokens_seen_is_exact_for_float64_counts_under_x64():
             optax.sgd(1.0), 1, window_stats=True, count_dtype=jnp.float64
         )
         state = tx.init(jnp.zeros(2))
+        update = jax.jit(tx.update)
         for _ in range(3):
-            _, state = tx.update(jnp.ones(2), state, count=jnp.float64(2**24 + 1))
+            _, state = update(jnp.ones(2), state, count=jnp.float64(2**24 + 1))
         seen = mm.window_stats(state).tokens_seen
         assert int(seen) == 3 * (2**24 + 1), seen
 
