@@ -216,6 +216,14 @@ class Deferred(KnownTotals):
             return contextlib.nullcontext()
         return jax.set_mesh(self.mesh)
 
+    def traced_mesh(self) -> contextlib.AbstractContextManager:
+        """The mesh's abstract form, as the context of a trace of this
+        reduction's state outside any step (``jax.eval_shape`` of ``init``):
+        on a mesh of explicit and automatic axes, ``init`` refuses to trace
+        without a mesh set (jax would replicate the state over the explicit
+        data axis)."""
+        return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
+
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (type(self), (self.mesh, self._spec_axes))
 

@@ -10,7 +10,6 @@ end in ``_inner``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
 from collections.abc import Callable
@@ -997,13 +996,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         mesh of explicit and automatic axes a deferred reduction's ``init``
         refuses to trace without the mesh set (jax would replicate its state
         over the explicit data axis)."""
-        mesh = getattr(self._reduction, "mesh", None)
-        on_mesh = (
-            jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
-            if isinstance(mesh, jax.sharding.Mesh)
-            else contextlib.nullcontext()
-        )
-        with on_mesh:
+        with self._reduction.traced_mesh():
             return _layout(
                 jax.eval_shape(
                     lambda: (

@@ -254,6 +254,11 @@ class KnownTotals:
         del inputs
         return contextlib.nullcontext()
 
+    def traced_mesh(self) -> contextlib.AbstractContextManager:
+        """The context this reduction's state is traced in, outside any step
+        (none; see ``Deferred``'s)."""
+        return contextlib.nullcontext()
+
     # The window statistics' running sums live in the statistics' state.
     keeps_stats = False
     # Leading (device) axes of the accumulator beyond the params' shape.
