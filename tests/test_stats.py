@@ -273,18 +273,15 @@ def _reverse_equals_forward(fn, *cases):
     which never multiplies by a discarded gradient) and is finite, for
     ``fn(theta, *case)`` with each case (one compiled program for them all)."""
 
-    def fields(theta, *case):
-        stats = mm.window_stats(fn(theta, *case))
-        return {name: getattr(stats, name) for name in _STAT_FIELDS}
-
     def derivatives(theta, *case):
         # Every statistic's forward derivative in one jvp, and its reverse
         # one in a jacrev (a vjp per statistic, each with a cotangent of 0 for
         # the others, as jax.grad of it alone), in one program (one compile).
-        def of_theta(t):
-            return fields(t, *case)
+        def fields(t):
+            stats = mm.window_stats(fn(t, *case))
+            return {name: getattr(stats, name) for name in _STAT_FIELDS}
 
-        return jax.jvp(of_theta, (theta,), (1.0,)), jax.jacrev(of_theta)(theta)
+        return jax.jvp(fields, (theta,), (1.0,)), jax.jacrev(fields)(theta)
 
     derivatives = jax.jit(derivatives)
     for case in cases or [()]:
