@@ -166,6 +166,39 @@ def check_stats_tallies(stats: Any, where: str) -> None:
                 )
 
 
+def _progress(node: Any) -> dict[str, int] | None:
+    """A state's step counters, where they are concrete scalars (None for an
+    abstract template, or a batch of states)."""
+    counters = {}
+    for name in ("gradient_step", "mini_step"):
+        x = _by_name.array(_by_name.get(node, name))
+        if isinstance(x, jax.Array):
+            # (A replicated scalar: every process holds it whole.)
+            x = x.addressable_data(0)
+        elif not isinstance(x, (np.ndarray, np.generic, int)):
+            return None
+        if np.ndim(x):  # a batch of states: refused by its own check
+            return None
+        counters[name] = int(np.asarray(x))
+    return counters
+
+
+def refuse_swapped(state: Any, template: Any, name: str, usage: str) -> None:
+    """An error where ``template`` holds a run in progress and ``state`` (the
+    argument called ``name``) none: the two swapped, which would keep the
+    fresh state's values (the running window and the inner optimizer's state
+    lost without a word). ``usage`` says what the call does with which."""
+    got, want = _progress(state), _progress(template)
+    if got is None or want is None or any(got.values()) or not any(want.values()):
+        return
+    raise ValueError(
+        "`template` holds a run in progress ("
+        + ", ".join(f"{k}={v}" for k, v in want.items())
+        + f") and `{name}` a state that has taken no step: are the arguments "
+        f"swapped? {usage}"
+    )
+
+
 def like_template(where: str, got: Any, want: Any) -> Any:
     """The restored field ``got`` in the dtypes of the template's ``want``
     (``where``: how the error names ``got``).

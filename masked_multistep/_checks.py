@@ -255,6 +255,11 @@ def to_count(
         raise TypeError(_MISSING_COUNT)
     if isinstance(count, (bool, np.bool_)):
         raise TypeError(f"{what} must be a number of tokens, got a bool ({count})")
+    if isinstance(count, jax.ShapeDtypeStruct):
+        raise TypeError(
+            f"{what} must be a number of tokens, got a jax.ShapeDtypeStruct (a "
+            f"shape and dtype, no value: {count}): pass the count itself"
+        )
     if shape != ():
         if not hasattr(count, "dtype") or not hasattr(count, "shape"):
             raise TypeError(
@@ -517,6 +522,13 @@ def refuse_count_as_value(value: Any) -> None:
         )
 
 
+def _leaf_paths(tree: Any) -> list[str]:
+    # (An NNX State and the dict of its pure arrays compare equal.)
+    return [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)
+    ]
+
+
 def _paired_with_state(
     tree: Any, acc_grads: Any, what: str, leaf_name: str
 ) -> Iterator[tuple[str, Any, Any]]:
@@ -539,6 +551,22 @@ def _paired_with_state(
                 ". These are {'params': ...}, a linen model's variables: pass "
                 f"the {what} of variables['params']"
             )
+        else:
+            # (The {what} beside something else: a pair from a `grad` with
+            # `has_aux=True`, say.)
+            inside = [
+                jax.tree_util.keystr(path)
+                for path, child in jax.tree_util.tree_flatten_with_path(
+                    tree, is_leaf=lambda x: x is not tree
+                )[0]
+                if _leaf_paths(child) == _leaf_paths(acc_grads)
+            ]
+            if inside:
+                hint = (
+                    f". Its {inside[0]} has the state's structure: pass that "
+                    f"alone (`jax.grad(..., has_aux=True)` and `nnx.grad(..., "
+                    "has_aux=True)` return `(grads, aux)`)"
+                )
         raise ValueError(
             f"The {what}' tree structure does not match the state's: got "
             f"{t_def}, expected {a_def} (the structure of the params passed to "

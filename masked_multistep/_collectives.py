@@ -94,7 +94,8 @@ def weighted_mean_across(
         respect to a replicated input is summed over shards automatically.
         Differentiate with respect to
         ``jax.lax.pcast(params, axis_name, to="varying")`` instead.
-      NameError: if ``axis_name`` is not bound (outside ``shard_map``).
+      NameError: if ``axis_name`` is not bound (outside ``shard_map``, or a
+        name that the ``shard_map`` it runs in does not map over).
 
     Examples:
       Three shards with 1, 2 and 0 tokens; the empty one's NaN is ignored:
@@ -110,7 +111,7 @@ def weighted_mean_across(
       [3. 3. 3.] [3. 3. 3.]
     """
     count = count_weight(count, "`count` (this shard's token count)")
-    names = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not isinstance(leaf, PARAM_LEAF_TYPES):  # a string is read as a dtype
             raise TypeError(
@@ -123,6 +124,7 @@ def weighted_mean_across(
                 "`tree` leaves must be floating (or complex), got dtype "
                 f"{jnp.result_type(leaf)} at tree{jax.tree_util.keystr(path)}"
             )
+    _check_bound(names)
     if reduced := reduced_leaf(tree, count, frozenset(names)):
         # Inside shard_map, the gradient of a replicated (invariant) input is
         # already summed over the shards; weighting that sum again is wrong.
@@ -140,9 +142,28 @@ def weighted_mean_across(
         # with no tokens is left out of the mean and of its derivatives (with
         # respect to its count too), as if it were not there.
         count = jnp.where(count > 0, count, jnp.zeros_like(count))
+        total = jax.lax.psum(count, axis_name)
+        mean = weighted_sum_across(tree, count, total, axis_name)
+    return mean, total
+
+
+def _check_bound(names: tuple[Hashable, ...]) -> None:
+    """A ``NameError`` that says what to do where an axis of ``names`` is not
+    bound (inside an eager ``shard_map`` that checks varying axes, jax's own
+    ``psum`` fails on one with a bare ``AssertionError``)."""
+    for name in names:
         try:
-            total = jax.lax.psum(count, axis_name)
+            jax.lax.axis_size(name)
         except NameError as err:
+            mesh = jax.sharding.get_abstract_mesh()
+            manual = tuple(getattr(mesh, "manual_axes", ()))
+            if manual:
+                # Inside a shard_map already: the name is the mistake.
+                raise NameError(
+                    f"`axis_name` {name!r} is not bound here: the `shard_map` "
+                    f"this runs in maps over {manual}; pass the name of the "
+                    "axis to average over"
+                ) from err
             raise NameError(
                 f"{str(err).rstrip('.')}: `weighted_mean_across` reduces over a "
                 "named axis, so it runs inside `jax.shard_map` (or "
@@ -151,8 +172,6 @@ def weighted_mean_across(
                 "MaskedMultiSteps(..., reduction=mm.deferred(mesh, axis_name)) "
                 "do it for you"
             ) from err
-        mean = weighted_sum_across(tree, count, total, axis_name)
-    return mean, total
 
 
 def weighted_sum_across(

@@ -46,6 +46,7 @@ from masked_multistep._checkpoint import (
     check_matches,
     check_stats_tallies,
     like_template,
+    refuse_swapped,
 )
 from masked_multistep._checks import (
     check_microbatches,
@@ -122,39 +123,6 @@ def _state_path(tree: Any, what: str) -> tuple[Any, ...]:
     return found[0]
 
 
-def _progress(node: Any) -> dict[str, int] | None:
-    """A state's step counters, where they are concrete (None for an abstract
-    template)."""
-    counters = {}
-    for name in ("gradient_step", "mini_step"):
-        x = _array(_get(node, name))
-        if isinstance(x, jax.Array):
-            # (A replicated scalar: every process holds it whole.)
-            x = x.addressable_data(0)
-        elif not isinstance(x, (np.ndarray, np.generic, int)):
-            return None
-        counters[name] = int(np.asarray(x))
-    return counters
-
-
-def _refuse_swapped(restored: Any, template: Any) -> None:
-    """An error where the template holds a run in progress and ``restored``
-    none: the arguments swapped, which would keep the fresh state's values
-    (the checkpoint's window and optimizer state lost, without a word where
-    both have the same number of devices)."""
-    got, want = _progress(restored), _progress(template)
-    if got is None or want is None or any(got.values()) or not any(want.values()):
-        return
-    raise ValueError(
-        "`template` holds a run in progress ("
-        + ", ".join(f"{k}={v}" for k, v in want.items())
-        + ") and `restored` a state that has taken no step: are the arguments "
-        "swapped? from_device_count(restored, template) keeps `restored`'s "
-        "values in `template`'s layout: pass the restored checkpoint first, and "
-        "`tx.init(params)` (or its abstract form) as the template"
-    )
-
-
 def _where(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
@@ -202,6 +170,12 @@ def device_count_target(template: Any, num_devices: int) -> Any:
       >>> target.acc_grads["w"].shape, target.reduction_state.counts.shape
       ((4, 3), (4,))
     """
+    if isinstance(template, (int, np.integer)) and not isinstance(template, bool):
+        raise TypeError(
+            f"`num_devices` must be an integer, got {type(num_devices).__name__}, "
+            f"and `template` is one ({template}): are the arguments swapped? "
+            "The call is device_count_target(template, num_devices)"
+        )
     num = check_microbatches(num_devices, "`num_devices`")
     at = _state_path(template, "template")
 
@@ -704,7 +678,9 @@ def from_device_count(restored: Any, template: Any) -> Any:
         ``nnx.state(optimizer)`` (then ``nnx.update(optimizer, converted)``).
         Its wrapper must be configured like the one that saved the state
         (inner optimizer, params, ``window_stats``, skip function, window
-        policy), but for ``reduction=``.
+        policy), but for ``reduction=``; window rules that keep no state
+        (``k`` alone, a fixed budget alone) stand in for each other, the
+        window carried over as :func:`from_other_settings` would carry it.
 
     Returns:
       ``restored`` converted, in ``template``'s structure, on its devices.
@@ -787,7 +763,14 @@ def from_device_count(restored: Any, template: Any) -> Any:
         )
     # Where the wrapper's scalars are: replicated over the template's devices.
     state = next(x for path, x in t_outside if path == at)
-    _refuse_swapped(next(x for path, x in r_outside if path == at), state)
+    refuse_swapped(
+        next(x for path, x in r_outside if path == at),
+        state,
+        "restored",
+        "from_device_count(restored, template) keeps `restored`'s values in "
+        "`template`'s layout: pass the restored checkpoint first, and "
+        "`tx.init(params)` (or its abstract form) as the template",
+    )
     replicated = _array(_get(state, "acc_count")).sharding
     out = []
     for (path, t), (_, r) in zip(t_outside, r_outside):

@@ -8,7 +8,7 @@ from typing import Any, Literal, TypeVar, overload
 import jax
 import optax
 
-from masked_multistep._checks import check_flag, instances_in
+from masked_multistep._checks import check_flag, check_takes_one, instances_in
 from masked_multistep._multisteps import (
     MaskedMultiStepsState,
     has_field_named,
@@ -344,6 +344,7 @@ def leaf_labels(groups: Any, tree: Any) -> list[str]:
     variables holding labels count as the labels they hold.
     """
     if callable(groups):
+        check_takes_one(groups, "`groups`", "the params")
         called = []
         try:
             jax.eval_shape(lambda t: called.append(groups(t)) or (), tree)
@@ -428,6 +429,15 @@ def _labels_by_path(labels: Any, tree: Any) -> list[str]:
             f"no label for the params' leaf at {_spelt(unmatched[0])} (a None "
             "label is no label)"
         )
+        if unused:
+            problem += (
+                f", and a label at {_spelt(unused[0])}, where the params have no leaf"
+            )
+            if isinstance(labels, (list, tuple)) != isinstance(tree, (list, tuple)):
+                problem += (
+                    f" (the labels are a {type(labels).__name__}, the params a "
+                    f"{type(tree).__name__})"
+                )
     elif unused:
         problem = f"a label at {_spelt(unused[0])}, where the params have no leaf"
     if problem:

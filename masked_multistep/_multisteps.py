@@ -1078,6 +1078,14 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "alone would drop the inner optimizer's state and the pending "
                 "window)"
             )
+        shape = jnp.shape(state.acc_count)
+        if shape:
+            raise ValueError(
+                f"`state` is a batch of states (its acc_count has shape {shape}, "
+                "not ()), as `jax.vmap(tx.init)` builds one per ensemble member: "
+                "call the step under `jax.vmap` too, over the states, gradients "
+                "and params (and counts) of the members"
+            )
         # A restore against another wrapper's state keeps that state's dtypes
         # (flax.serialization does): its tokens would be counted, or its mean
         # kept, in the other precision.

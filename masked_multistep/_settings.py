@@ -14,6 +14,7 @@ from masked_multistep._checkpoint import (
     check_stats_tallies,
     host_count,
     like_template,
+    refuse_swapped,
     same_layout,
 )
 from masked_multistep._checks import holds_abstract, refuse_restore_target, traced
@@ -84,7 +85,8 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         itself; or, for an ``nnx.Optimizer`` built with it,
         ``nnx.state(new_optimizer)["opt_state"]``, and the result is an
         ``nnx.State`` like it, to put in place of ``"opt_state"`` in
-        ``nnx.state(new_optimizer)`` before ``nnx.update(new_optimizer, ...)``.
+        ``nnx.state(optimizer)`` (the running optimizer's: its ``step`` carries
+        over too) before ``nnx.update(new_optimizer, ...)``.
         Where ``state`` is an ``optimizer.opt_state`` (or holds arrays where
         the params are NNX variables), ``tx.init(nnx.state(model, nnx.Param))``
         or ``new_optimizer.opt_state`` serves; the result, in that template's
@@ -98,12 +100,16 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
       A state of ``template``'s layout, placement and dtypes.
 
     Raises:
-      TypeError: if ``template`` is not a ``MaskedMultiStepsState``; if
-        ``state`` holds ``jax.ShapeDtypeStruct`` leaves, or ``template`` does
-        where ``state`` carries nothing over (a token budget's tokens seen,
-        statistics of another kind, a skip function's state); or if the call
-        is traced by ``jit`` (the counts are read and checked).
-      ValueError: if ``state`` holds no wrapper state (or several); if either
+      TypeError: if ``template`` is not a ``MaskedMultiStepsState``; if one
+        of ``state`` and ``template`` is an NNX optimizer's state by name and
+        the other not; if ``state`` holds ``jax.ShapeDtypeStruct`` leaves, or
+        ``template`` does where ``state`` carries nothing over (a token
+        budget's tokens seen, statistics of another kind, a skip function's
+        state); or if the call is traced by ``jit`` (the counts are read and
+        checked).
+      ValueError: if ``state`` holds no wrapper state (or several); if
+        ``template`` holds a run in progress and ``state`` a state that has
+        taken no step (the arguments swapped); if either
         has ``reduction=mm.deferred(...)`` (move the window onto one device
         first with :func:`from_device_count`); if the inner optimizer's state
         or the accumulator differ from the template's in structure or shapes,
@@ -140,10 +146,23 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
                 "optimizer's the same way, `nnx.state(optimizer)['opt_state']`, "
                 f"got {type(state).__name__}"
             )
-        converted = from_other_settings(
-            state, _by_name.bare(template), tokens_seen=tokens_seen
-        )
+        converted = _carried_over(state, _by_name.bare(template), tokens_seen)
         return _by_name.named(converted, template)
+    if _by_name.is_named(state) and not isinstance(state, dict):
+        # (An `nnx.State`; a plain dict is a checkpoint restored without a
+        # target, which `refuse_restore_target` names.)
+        raise TypeError(
+            "`state` is an NNX optimizer's state by name "
+            "(`nnx.state(optimizer)['opt_state']`): pass the new optimizer's the "
+            "same way as the template, `nnx.state(new_optimizer)['opt_state']` "
+            f"(or `optimizer.opt_state` as the state), got {type(template).__name__}"
+        )
+    return _carried_over(state, template, tokens_seen)
+
+
+def _carried_over(state: Any, template: Any, tokens_seen: Any) -> Any:
+    """:func:`from_other_settings` onto a template not by name (``state`` by
+    name only where the template given was)."""
     _check_template(template)
     given = template
     if _by_name.is_named(state):
@@ -166,6 +185,14 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
             "from_other_settings reads the state's counts to check them, so it "
             "must be called eagerly (outside jit), once, when switching"
         )
+    refuse_swapped(
+        old,
+        template,
+        "state",
+        "from_other_settings(state, template) carries `state`'s run over to "
+        "`template`'s settings: pass the running state first, and "
+        "`new_tx.init(params)` as the template",
+    )
     for what, s in (("`state`", old), ("`template`", template)):
         if has_deferred_reduction(s):
             raise ValueError(

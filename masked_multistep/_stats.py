@@ -321,6 +321,19 @@ def noise_scale_estimates(
         "tokens": tokens,
         "grad_sq_norm": grad_sq_norm,
     }
+    for name, x in given.items():
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            # (jnp.asarray makes a NamedTuple's fields a vector.)
+            hint = ""
+            if isinstance(x, WindowStats):
+                hint = (
+                    ": its fields are the window's estimates already "
+                    "(`.grad_var_trace`, `.true_grad_sq_norm`, `.noise_scale`)"
+                )
+            raise TypeError(
+                f"`{name}` must be a real number or an array of them, got a "
+                f"{type(x).__name__}{hint}"
+            )
     # Host integers by value: jnp.asarray would wrap a numpy int64 into int32.
     arrays = {
         name: real_array(host_int_to_float(x), f"`{name}`") for name, x in given.items()

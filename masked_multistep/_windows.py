@@ -101,9 +101,9 @@ def _sanitize_k(k: Any, what: str = "`every_k_schedule(step)`") -> jax.Array:
     (traced, or concrete in an eager step: not read back to check it) is
     made total: NaN counts as 1 (every microbatch closes its own window, so a
     broken schedule shows at once as an update per microbatch instead of a
-    window that never closes). Floats are rounded to the nearest integer;
-    everything is clipped to [1, 2³¹ − 1]. ``what`` names the schedule in
-    errors.
+    window that never closes). Floats are rounded to the nearest integer
+    (ties to even); everything is clipped to [1, 2³¹ − 1]. ``what`` names the
+    schedule in errors.
     """
     if isinstance(k, np.ndarray) and k.ndim == 0:
         k = k[()]
@@ -141,10 +141,10 @@ def every_k(
     Args:
       every_k_schedule: an integer in ``[1, 2³¹ − 1]`` (checked here), or a
         callable of ``gradient_step`` returning one. A callable's result is made
-        total under ``jit``: rounded to the nearest integer, clipped to
-        ``[1, 2³¹ − 1]``, a jax array's NaN counts as 1; a non-scalar raises at
-        trace time, and so does a Python or numpy number that is NaN or
-        rounds below 1 (a ``ValueError``).
+        total under ``jit``: rounded to the nearest integer (ties to even),
+        clipped to ``[1, 2³¹ − 1]``, a jax array's NaN counts as 1; a non-scalar
+        raises at trace time, and so does a Python or numpy number that is NaN
+        or rounds below 1 (a ``ValueError``).
 
     Returns:
       ``k(step) -> int32 scalar``.

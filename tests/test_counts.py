@@ -754,10 +754,12 @@ def test_host_cap_value_below_one_is_a_clear_error():
 
 @pytest.mark.parametrize(
     "k,expected",
-    [(2.6, 3), (2.4, 2), (jnp.float32(0.2), 1), (jnp.float32(-7.0), 1), (1.5, 2)],
+    [(2.6, 3), (2.4, 2), (jnp.float32(0.2), 1), (jnp.float32(-7.0), 1), (2.5, 2)],
     ids=repr,
 )
-def test_fractional_schedule_is_rounded_to_the_nearest_integer(k, expected):
+def test_fractional_schedule_is_rounded_to_the_nearest_integer_ties_to_even(
+    k, expected
+):
     flags, _ = _flags(mm.MaskedMultiSteps(optax.sgd(1.0), lambda s: k), 6)
     assert flags == [(i + 1) % expected == 0 for i in range(6)]
 

@@ -211,6 +211,10 @@ def test_swapped_arguments_are_named(devices):
         mm.from_device_count(_tx(devices).init(params), restored)
     # A template in progress with a restored state in progress too is taken.
     mm.from_device_count(running, running)
+    # device_count_target's two arguments swapped (it printed the whole state
+    # as the number of devices).
+    with pytest.raises(TypeError, match=r"`template` is one \(4\): are the arguments"):
+        mm.device_count_target(4, running)  # pyright: ignore[reportArgumentType]
 
 
 @pytest.mark.parametrize("new", [4, 3])

@@ -485,6 +485,32 @@ def test_mismatched_trees_are_clear(tx):
         tx.update({"w": GRADS["w"]}, state, PARAMS, count=1)
     with pytest.raises(ValueError, match=r"\['b'\] has shape \(4,\).*expects \(3,\)"):
         tx.update({"w": GRADS["w"], "b": jnp.ones(4)}, state, PARAMS, count=1)
+    # `jax.grad(..., has_aux=True)`'s pair as the gradients.
+    with pytest.raises(
+        ValueError, match=r"Its \[0\] has the state's structure: pass that alone"
+    ):
+        tx.update((GRADS, jnp.int32(3)), state, PARAMS, count=1)
+
+
+def test_a_batch_of_states_outside_vmap_says_so(tx):
+    # An ensemble's states (`jax.vmap(tx.init)`) stepped without vmap: it
+    # blamed `total`, a name the caller never passed.
+    members = jax.tree.map(lambda x: jnp.stack([x] * 4), PARAMS)
+    states = jax.vmap(tx.init)(members)
+    for step in (tx.update, jax.jit(tx.apply_gradients)):
+        with pytest.raises(
+            ValueError,
+            match=r"`state` is a batch of states \(its acc_count has shape \(4,\).*"
+            r"under `jax.vmap`",
+        ):
+            step(members, states, members, count=1)
+
+
+def test_an_abstract_count_is_named(tx):
+    with pytest.raises(
+        TypeError, match=r"`count` must be a number of tokens, got a jax"
+    ):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS, count=jax.ShapeDtypeStruct((), int))
 
 
 @pytest.mark.parametrize(
@@ -765,6 +791,26 @@ def test_weighted_mean_across_outside_shard_map_says_where_it_runs():
         NameError, match="unbound axis name: data.*inside `jax.shard_map`"
     ):
         mm.weighted_mean_across(jnp.ones(2), 3, "data")
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_weighted_mean_across_on_a_misspelt_axis_names_the_bound_ones(check_vma):
+    mesh = jax.make_mesh(
+        (2,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
+    )
+    mean = jax.shard_map(
+        lambda x: mm.weighted_mean_across(x, jnp.sum(x), "batch")[0],
+        mesh=mesh,
+        in_specs=jax.P("data"),
+        out_specs=jax.P(),
+        check_vma=check_vma,
+    )
+    with pytest.raises(
+        NameError,
+        match=r"`axis_name` 'batch' is not bound here: the `shard_map` this runs "
+        r"in maps over \('data',\)",
+    ):
+        mean(jnp.arange(4.0))
 
 
 def test_find_state_on_an_optax_multisteps_state_points_to_the_conversion():

@@ -335,6 +335,17 @@ def test_errors_name_the_argument_and_what_was_received():
         match=r"the labels for the params' leaf at \['dec'\]\['w'\] are nested",
     ):
         mm.window_stats(state, groups={"enc": "e", "dec": {"w": ["d"]}})
+    # Labels in a list for a dict's leaves (it said only that a leaf had none).
+    with pytest.raises(
+        ValueError,
+        match=r"and a label at \[0\], where the params have no leaf \(the labels "
+        r"are a list, the params a dict\)",
+    ):
+        mm.window_stats(state, groups=["e", "d"])
+    with pytest.raises(
+        TypeError, match=r"`groups` must be a callable of one argument \(the params\)"
+    ):
+        mm.window_stats(state, groups=lambda params, extra: "all")
     with pytest.raises(TypeError, match="`per_leaf`"):
         mm.window_stats(state, per_leaf=1)
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)

@@ -215,6 +215,14 @@ def test_what_cannot_carry_over_is_named():
         mm.from_other_settings(half, jax.eval_shape(longer.init, PARAMS)),
         mm.from_other_settings(half, longer.init(PARAMS)),
     )
+    # The arguments swapped: the result would have been a fresh state, the
+    # running window and the inner state dropped without a word.
+    with pytest.raises(
+        ValueError,
+        match=r"`template` holds a run in progress \(gradient_step=0, mini_step=1\) "
+        r"and `state` a state that has taken no step: are the arguments swapped\?",
+    ):
+        mm.from_other_settings(longer.init(PARAMS), half)
     # Placed as the concrete template's, on a mesh too: the counts made on
     # the host were left uncommitted on one device.
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
@@ -349,11 +357,12 @@ def test_an_nnx_optimizer_switches_by_name():
         optax.sgd(1.0), tokens_per_window=10, window_stats=True
     )
     new = nnx.Optimizer(model, new_tx, wrt=nnx.Param)
-    state = nnx.state(new)
+    state = nnx.state(optimizer)  # its `step` carries over too
     state["opt_state"] = mm.from_other_settings(
-        nnx.state(optimizer)["opt_state"], state["opt_state"]
+        state["opt_state"], nnx.state(new)["opt_state"]
     )
     nnx.update(new, state)
+    assert int(new.step[...]) == 2
     before = model.kernel[...]
     new.update(model, grads[2], count=jnp.float32(2))
     assert bool(new.opt_state.updated[...])
@@ -363,6 +372,12 @@ def test_an_nnx_optimizer_switches_by_name():
     )
     with pytest.raises(TypeError, match=r"pass the running optimizer's the same way"):
         mm.from_other_settings(optimizer.opt_state, nnx.state(new)["opt_state"])
+    # The other way round (it blamed a checkpoint restored without a target).
+    with pytest.raises(TypeError, match=r"`state` is an NNX optimizer's state by name"):
+        mm.from_other_settings(nnx.state(optimizer)["opt_state"], new.opt_state)
+    fresh = nnx.state(nnx.Optimizer(model, new_tx, wrt=nnx.Param))["opt_state"]
+    with pytest.raises(ValueError, match=r"are the arguments swapped\?"):
+        mm.from_other_settings(fresh, nnx.state(optimizer)["opt_state"])
 
 
 def test_an_ensembles_states_are_converted_one_member_at_a_time():

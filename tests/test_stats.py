@@ -1046,6 +1046,12 @@ def test_noise_scale_estimates_are_nan_outside_their_domain():
     ]:
         with pytest.raises(TypeError, match=f"`{name}` must be a real number"):
             mm.noise_scale_estimates(*args)
+    # A WindowStats (a NamedTuple) became a vector of its fields: ten estimates.
+    stats = mm.window_stats(
+        mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True).init(jnp.zeros(2))
+    )
+    with pytest.raises(TypeError, match=r"got a WindowStats: its fields are the"):
+        mm.noise_scale_estimates(stats, 2, 4, 4.0)  # pyright: ignore[reportArgumentType]
     var, true_sq, b = mm.noise_scale_estimates(0.0, 2, 4, 4.0)  # agreeing microbatches
     assert (float(var), float(true_sq), float(b)) == (0.0, 4.0, 0.0)
     # Host integers by value: numpy int64 sums (mask.sum()) are not wrapped.
