@@ -258,7 +258,8 @@ def to_count(
     if isinstance(count, jax.ShapeDtypeStruct):
         raise TypeError(
             f"{what} must be a number of tokens, got a jax.ShapeDtypeStruct (a "
-            f"shape and dtype, no value: {count}): pass the count itself"
+            f"shape and dtype, no value: {count}): pass the count itself (under "
+            "`jax.eval_shape` or `.lower`, as an argument, not bound in)"
         )
     if shape != ():
         if not hasattr(count, "dtype") or not hasattr(count, "shape"):
@@ -554,19 +555,21 @@ def _paired_with_state(
         else:
             # (The {what} beside something else: a pair from a `grad` with
             # `has_aux=True`, say.)
+            want = _leaf_paths(acc_grads)
             inside = [
                 jax.tree_util.keystr(path)
                 for path, child in jax.tree_util.tree_flatten_with_path(
                     tree, is_leaf=lambda x: x is not tree
                 )[0]
-                if _leaf_paths(child) == _leaf_paths(acc_grads)
+                if _leaf_paths(child) == want
             ]
             if inside:
-                hint = (
-                    f". Its {inside[0]} has the state's structure: pass that "
-                    f"alone (`jax.grad(..., has_aux=True)` and `nnx.grad(..., "
-                    "has_aux=True)` return `(grads, aux)`)"
-                )
+                hint = f". Its {inside[0]} has the state's structure: pass that alone"
+                if what == "gradients":
+                    hint += (
+                        " (`jax.grad(..., has_aux=True)` and `nnx.grad(..., "
+                        "has_aux=True)` return `(grads, aux)`)"
+                    )
         raise ValueError(
             f"The {what}' tree structure does not match the state's: got "
             f"{t_def}, expected {a_def} (the structure of the params passed to "
@@ -909,7 +912,8 @@ OWN_KEYWORDS = ("count", "value", "close_window")
 # (`loss_scale`, `value_fn`) may be an inner optimizer's own, and is forwarded.
 _GUESSES = {
     "value": (
-        frozenset(["loss", "losses", "val", "vals", "value", "values"]),
+        frozenset(["loss", "losses", "val", "vals", "value", "values"])
+        | frozenset(["objective", "obj", "fval", "metric"]),
         frozenset(
             ["mean", "avg", "average", "mb", "microbatch", "batch", "train"]
             + ["training", "step", "current", "cur", "total", "scalar"]
@@ -917,11 +921,13 @@ _GUESSES = {
     ),
     "close_window": (
         frozenset(["close", "closes", "closing", "flush", "last", "final", "end"])
-        | frozenset(["finish", "finished", "sync", "force", "now"]),
+        | frozenset(["finish", "finished", "sync", "force", "now", "done", "commit"])
+        | frozenset(["finalize", "finalise", "update", "apply", "accumulate"])
+        | frozenset(["accumulating"]),
         frozenset(
             ["is", "of", "the", "window", "windows", "batch", "microbatch", "data"]
             + ["epoch", "step", "gradients", "grads", "accumulation", "accum"]
-            + ["update", "apply", "do", "should", "microbatches"]
+            + ["do", "should", "microbatches"]
         ),
     ),
 }

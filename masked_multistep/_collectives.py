@@ -161,7 +161,8 @@ def _check_bound(names: tuple[Hashable, ...]) -> None:
                 # Inside a shard_map already: the name is the mistake.
                 raise NameError(
                     f"`axis_name` {name!r} is not bound here: the `shard_map` "
-                    f"this runs in maps over {manual}; pass the name of the "
+                    f"this runs in maps over {manual} (and an enclosing "
+                    "`vmap` over its `axis_name`, if any); pass the name of the "
                     "axis to average over"
                 ) from err
             raise NameError(

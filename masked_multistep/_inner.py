@@ -127,14 +127,62 @@ def _chain_members(opt: Any) -> list[Any]:
         fns = _held(update, lambda x: isinstance(x, tuple) and all(map(callable, x)))
         if fns is not None:
             return [m for fn in fns for m in _chain_members(fn)]
+    if name == "named_chain":
+        named = _held(update, _is_named_transforms)
+        if named is not None:
+            return [m for _, tx in named for m in _chain_members(tx)]
     return [update]
+
+
+def _is_named_transforms(x: Any) -> bool:
+    # `named_chain`'s `(name, transformation)` pairs.
+    return isinstance(x, list) and all(
+        isinstance(p, tuple)
+        and len(p) == 2
+        and isinstance(p[1], optax.GradientTransformation)
+        for p in x
+    )
+
+
+def _branches(update: Any) -> list[Any]:
+    """The transformations of ``optax.partition``'s (``multi_transform``'s)
+    groups, where ``update`` is one's; else none."""
+    if _function_name(update) not in ("partition", "multi_transform"):
+        return []
+    groups = _held(
+        update,
+        lambda x: (
+            isinstance(x, dict)
+            and all(isinstance(t, optax.GradientTransformation) for t in x.values())
+        ),
+    )
+    return [] if groups is None else list(groups.values())
+
+
+def _around(opt: Any) -> tuple[list[Any], list[Any]] | None:
+    """The update functions run before and after the first ``MaskedMultiSteps``
+    on the way to it (through chains, and into the ``optax.partition`` group
+    that holds it: its params see the chain's members around the partition,
+    and the group's own around the wrapper); None where there is none."""
+    members = _chain_members(opt)
+    for i, fn in enumerate(members):
+        if _function_name(fn) == _WRAPPER_UPDATE:
+            return members[:i], members[i + 1 :]
+        for branch in _branches(fn):
+            inside = _around(branch)
+            if inside is not None:
+                return members[:i] + inside[0], inside[1] + members[i + 1 :]
+    return None
 
 
 def chained_around_wrapper(tx: Any) -> tuple[list[str], list[str]]:
     """The transformations a chain ``tx`` runs before and after the one
     ``MaskedMultiSteps`` in it, by name, but those that are harmless there
     (``identity``, ``scale``, and ``zero_nans`` before it); two empty lists
-    where ``tx`` is no such chain.
+    where ``tx`` is no such chain. Chains are ``optax.chain`` and
+    ``optax.named_chain``, nested or not; a wrapper in a group of
+    ``optax.partition`` sees the chain around the partition and the group's
+    own. (Two wrappers in series are refused where the state is built.)
 
     Examples:
       >>> import optax
@@ -147,12 +195,13 @@ def chained_around_wrapper(tx: Any) -> tuple[list[str], list[str]]:
       >>> chained_around_wrapper(optax.chain(optax.scale(2.0), tx))
       ([], [])
     """
-    members = _chain_members(tx)
-    at = [i for i, fn in enumerate(members) if _function_name(fn) == _WRAPPER_UPDATE]
-    if len(members) < 2 or len(at) != 1:
+    around = _around(tx)
+    if around is None:
         return [], []
-    before = [describe(fn) for fn in members[: at[0]]]
-    after = [describe(fn) for fn in members[at[0] + 1 :]]
+    before = [describe(fn) for fn in around[0]]
+    after = [describe(fn) for fn in around[1]]
+    if any(n.startswith("MaskedMultiSteps") for n in before + after):
+        return [], []
     return (
         [n for n in before if n not in _HARMLESS_BEFORE],
         [n for n in after if n not in _HARMLESS_AFTER],

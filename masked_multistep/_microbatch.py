@@ -787,7 +787,10 @@ def microbatched_value_and_grad(
         leaf), the strided split of ``optax.microbatching``: a batch sharded over
         devices along its leading axis stays evenly sharded in every microbatch,
         so each loop step runs data-parallel on all devices with no resharding.
-        The combined result does not depend on the split (only rounding does); to
+        The combined result does not depend on the split (only rounding does)
+        for a loss that is a mean over rows; one that couples rows (pairs, in-batch
+        negatives) sees each microbatch as a batch of its own: keep coupled rows
+        in one row (pairs stacked along a second axis, not consecutive rows). To
         reproduce a microbatch on the host, take ``batch[j::k]``.
       * Counts are weights in float32, and the returned total ``count`` is a
         float32 scalar: ``loss_fn`` may return any integer (8-64 bit, signed or

@@ -254,7 +254,8 @@ def _per_device(
     ``wrt``: a checked ``nnx`` filter (:func:`_nnx_state.check_wrt`)."""
     names = tuple(getattr(mesh, "axis_names", ()))
     if (
-        isinstance(axis_name, (int, np.integer))
+        isinstance(mesh, jax.sharding.Mesh)
+        and isinstance(axis_name, (int, np.integer))
         and not isinstance(axis_name, bool)
         and axis_name not in names
     ):

@@ -155,7 +155,8 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
             "`state` is an NNX optimizer's state by name "
             "(`nnx.state(optimizer)['opt_state']`): pass the new optimizer's the "
             "same way as the template, `nnx.state(new_optimizer)['opt_state']` "
-            f"(or `optimizer.opt_state` as the state), got {type(template).__name__}"
+            "(or `optimizer.opt_state` as the state); `template` is a "
+            f"{type(template).__name__}"
         )
     return _carried_over(state, template, tokens_seen)
 
@@ -191,7 +192,8 @@ def _carried_over(state: Any, template: Any, tokens_seen: Any) -> Any:
         "state",
         "from_other_settings(state, template) carries `state`'s run over to "
         "`template`'s settings: pass the running state first, and "
-        "`new_tx.init(params)` as the template",
+        "`new_tx.init(params)` (for an nnx.Optimizer, "
+        "`nnx.state(new_optimizer)['opt_state']`) as the template",
     )
     for what, s in (("`state`", old), ("`template`", template)):
         if has_deferred_reduction(s):

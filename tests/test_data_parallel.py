@@ -308,6 +308,8 @@ def test_bad_arguments(mesh):
     for grad_fn in (mm.data_parallel_value_and_grad, mm.per_device_value_and_grad):
         with pytest.raises(TypeError, match=r"got the int 4: .*`num_microbatches=4`"):
             grad_fn(_loss, mesh, 4)
+        with pytest.raises(TypeError, match=r"`mesh` must be a jax.sharding.Mesh"):
+            grad_fn(_loss, "mesh", 4)
     with pytest.raises(TypeError, match=r"`num_microbatches` must be"):
         mm.per_device_value_and_grad(_loss, mesh, num_microbatches=2.0)
     with pytest.raises(TypeError, match=r"`with_stats` must be a bool, got 1"):

@@ -215,6 +215,8 @@ def test_swapped_arguments_are_named(devices):
     # as the number of devices).
     with pytest.raises(TypeError, match=r"`template` is one \(4\): are the arguments"):
         mm.device_count_target(4, running)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=r"`template` must hold exactly one"):
+        mm.device_count_target(4, 8)
 
 
 @pytest.mark.parametrize("new", [4, 3])

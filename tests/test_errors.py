@@ -241,7 +241,7 @@ def test_the_loss_under_its_own_name_is_sent_to_value():
     # was NaN, and reduce_on_plateau inside never applied a window.
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
     state = tx.init(PARAMS)
-    for name in ("loss", "mean_loss", "val", "vals", "loss_val", "mb_loss"):
+    for name in ("loss", "mean_loss", "val", "vals", "loss_val", "mb_loss", "metric"):
         with pytest.raises(TypeError, match=rf"{name!r}: .* goes in `value=`"):
             tx.update(GRADS, state, PARAMS, count=3, **{name: jnp.float32(0.7)})
     train_state = mm.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
@@ -264,6 +264,7 @@ def test_names_with_words_of_their_own_go_to_the_inner_optimizer():
     tx = mm.MaskedMultiSteps(inner, 1)
     extra = {"loss_scale": 2.0, "end_value": 3.0, "last_lr": 4.0, "value_fn": 5.0}
     extra |= {"val_loss": 6.0, "eval_loss": 7.0, "validation_loss": 8.0}
+    extra |= {"update_scale": 9.0, "objective_fn": 10.0}
     tx.update(GRADS, tx.init(PARAMS), PARAMS, count=3, **extra)
     assert seen == extra
 

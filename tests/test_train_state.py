@@ -147,7 +147,29 @@ def test_transformations_chained_around_the_wrapper_are_warned_of(jit):
             params=jnp.ones(2),
             tx=optax.chain(optax.chain(optax.clip(1.0)), wrapper, optax.adam(0.1)),
         )
-    # Linear, stateless neighbours (and zeros for NaNs before it) are harmless.
+    # The same chains written with optax.named_chain, or with the wrapper in a
+    # group of optax.partition (freezing other params): no word was said.
+    labels = {"t": "t", "f": "f"}
+    frozen = optax.set_to_zero()
+    for tx, where in [
+        (optax.named_chain(("clip", clip), ("acc", wrapper)), "before"),
+        (
+            optax.partition({"t": optax.chain(clip, wrapper), "f": frozen}, labels),
+            "before",
+        ),
+        (
+            optax.chain(clip, optax.partition({"t": wrapper, "f": frozen}, labels)),
+            "before",
+        ),
+        (optax.named_chain(("acc", wrapper), ("decay", decay)), "after"),
+    ]:
+        params = {"t": jnp.ones(2), "f": jnp.ones(2)}
+        with pytest.warns(
+            UserWarning, match=rf"^`tx` chains \w+ {where} MaskedMultiSteps"
+        ):
+            mm.TrainState.create(apply_fn=None, params=params, tx=tx)
+    # Linear, stateless neighbours (and zeros for NaNs before it) are harmless;
+    # so are other groups' transformations beside the wrapper's.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for tx in [
@@ -157,6 +179,8 @@ def test_transformations_chained_around_the_wrapper_are_warned_of(jit):
             mm.MaskedMultiSteps(optax.chain(clip, decay, optax.sgd(1.0)), 2),
         ]:
             mm.TrainState.create(apply_fn=None, params=jnp.ones(2), tx=tx)
+        tx = optax.partition({"t": wrapper, "f": optax.chain(clip, decay)}, labels)
+        mm.TrainState.create(apply_fn=None, params=params, tx=tx)
 
 
 def test_two_wrappers_in_series_are_refused():
