@@ -237,7 +237,8 @@ def window_stats(
         for ``per_leaf`` and ``groups``, without ``per_leaf_stats=True``), or
         ``groups`` does not match the params' structure.
       TypeError: if ``per_leaf`` is not a bool, or both ``per_leaf`` and
-        ``groups`` are given, or a label is not a ``str``.
+        ``groups`` are given, or a label is not a ``str``, or ``groups`` is a
+        function that cannot be called with the params alone.
 
     Examples:
       >>> import jax.numpy as jnp, optax

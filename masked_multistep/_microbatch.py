@@ -958,7 +958,9 @@ def microbatched_value_and_grad(
         ``AxisType.Explicit`` mesh axis whose devices do not divide each
         microbatch's rows, ``aux_reduction`` is not a prefix of
         ``aux``, or ``loss_fn``'s loss or count is not a scalar (or the count
-        is a constant that is negative, non-finite or beyond float32's range).
+        is a Python or numpy constant that is negative, non-finite or beyond
+        float32's range; a jax array made inside ``loss_fn`` is traced with
+        it, and such a count leaves its microbatch out, as under ``jit``).
 
     Examples:
       Four rows with 1, 0, 2 and 1 real tokens, two microbatches (rows 0, 2 and

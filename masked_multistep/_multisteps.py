@@ -904,10 +904,14 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             keyword names the loss (``loss=``: it goes in ``value=``); if
             ``should_skip_update_fn`` or a window policy's ``closes`` returns
             a flag that is not boolean.
-          ValueError: if ``count`` is not a scalar, or is concretely negative,
-            non-finite or too large; if ``value`` is not a scalar; if the
-            gradients do not match the state's tree; if that flag is not a
-            scalar; if ``close_window`` is a boolean array that is not a
+          ValueError: if ``count`` is not a scalar (with
+            ``reduction=mm.deferred(...)``: not one count per device, shape
+            ``(D,)``), or is concretely negative, non-finite or too large; if
+            ``value`` is not a scalar (or ``(D,)``); if the gradients do not
+            match the state's tree (with a deferred reduction: lack the
+            leading device axis); if ``state`` is a batch of states (from
+            ``jax.vmap(tx.init)``, stepped without ``vmap``); if that flag is
+            not a scalar; if ``close_window`` is a boolean array that is not a
             scalar (a ``TypeError`` if it is not a bool at all).
         """
         with self._reduction.eager_mesh(
@@ -938,6 +942,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         Returns the new params directly. Between windows the params pass through
         untouched instead of receiving a tree of zeros, which saves a pass over
         them on every microbatch that does not end a window.
+
+        Raises:
+          TypeError: as :meth:`update`, and if ``params`` is ``None`` or not
+            the model's parameters (the wrapper's state, say).
+          ValueError: as :meth:`update`, and if ``params`` do not match the
+            state's tree.
 
         Examples:
           >>> import jax.numpy as jnp, optax

@@ -420,10 +420,11 @@ def running_mean_update(
         are a ``TypeError``).
         Zero leaves ``mean`` and ``total`` bit-identical, whatever ``value`` holds;
         so does an array weight that is negative, NaN or infinite (a Python or
-        numpy number such is a ``ValueError``, as is such a ``total``), or that
-        would take
+        numpy number such is a ``ValueError``, as is such a ``total``, or a
+        host float ``total`` beyond its dtype's range), or that would take
         ``total`` past its dtype's range (an integer's maximum, a float's
-        largest finite value; a Python or numpy integer that does not fit an
+        largest finite value: a Python or numpy number beyond a float
+        ``total``'s range too; a Python or numpy integer that does not fit an
         integer ``total``'s dtype is a ``ValueError``), and so does any weight
         when ``total`` is negative, NaN or infinite (no sum of weights is).
       with_sq_deviation: also return ``n·(N_old/N)·Σ_leaves ‖value − mean‖²``,
@@ -443,8 +444,10 @@ def running_mean_update(
         of ``value`` is complex where ``mean``'s is real, or
         ``with_sq_deviation`` is not a bool.
       ValueError: if ``total`` or ``count`` is not a scalar, ``value`` does not
-        have ``mean``'s tree structure and shapes, or a host integer ``count``
-        does not fit an integer ``total``'s dtype.
+        have ``mean``'s tree structure and shapes, a host ``total`` or
+        ``count`` is negative, NaN or infinite, a host float ``total`` is
+        beyond its dtype's range, or a host integer ``count`` does not fit an
+        integer ``total``'s dtype.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -486,8 +489,17 @@ def running_mean_update(
                 raise ValueError(
                     f"{name} must be a finite number >= 0 ({what}), got {x!r}"
                 )
-    total = real_array(_host_total(total), "`total`", scalar=True)
-    count = real_array(_host_count(count, total.dtype), "`count`", scalar=True)
+    given_total = total
+    with np.errstate(over="ignore"):
+        # A host weight beyond the float total's range converts to inf: a
+        # weight past its range, which leaves the mean as it was (not numpy's
+        # overflow warning).
+        total = real_array(_host_total(total), "`total`", scalar=True)
+        count = real_array(_host_count(count, total.dtype), "`count`", scalar=True)
+    if isinstance(given_total, (float, np.floating)) and not np.isfinite(total):
+        # (A finite host total that does not fit: an infinite one is refused
+        # above; as a sum of weights it would hold every later update.)
+        raise ValueError(f"`total` is too large for {total.dtype}, got {given_total!r}")
     refuse_narrow_float(total.dtype, "`total`")
     refuse_narrow_float(count.dtype, "`count`")
     if jax.tree.structure(mean) != jax.tree.structure(value):

@@ -302,6 +302,11 @@ def noise_scale_estimates(
     Returns:
       ``(grad_var_trace, true_grad_sq_norm, noise_scale)``.
 
+    Raises:
+      TypeError: if an argument is not a real number or an array of them (a
+        bool, complex, ``None``, a string, a ``WindowStats``).
+      ValueError: if the arguments' shapes do not broadcast together.
+
     Examples:
       Two microbatches of 2 tokens with gradients 1 and 3 (so ``ḡ = 2``,
       ``S = 2·1 + 2·1 = 4``):

@@ -148,7 +148,13 @@ class TrainState(_flax_train_state.TrainState):
         the other in a chain; in different branches of
         ``optax.multi_transform`` they are fine). So are ``params=None`` and a
         keyword that is no field of the class (with the field's likely
-        spelling, or how to add a field in a subclass)."""
+        spelling, or how to add a field in a subclass).
+
+        A ``UserWarning`` names the transformations chained before or after
+        the wrapper (in ``optax.chain`` or ``optax.named_chain``, or around
+        it in its ``optax.partition`` group) but for linear, stateless ones:
+        they run on every microbatch, not once per window on its mean
+        (clipping there clips each microbatch)."""
         if isinstance(tx, type):
             raise TypeError(
                 f"`tx` must be an optimizer, got the class {tx.__name__}: build "

@@ -257,7 +257,9 @@ class WindowPolicy(NamedTuple):
         the window without it). A window that ``close_window=True`` alone
         closes without tokens is dropped: ``closed`` is then False. It must
         return a state of the structure, shapes and dtypes that ``init``
-        built (an error names the policy otherwise). The policies here change
+        built (an error names the policy otherwise: a ``TypeError`` for a
+        dtype of another kind, a ``ValueError`` for another structure or
+        shape). The policies here change
         their state only when a window closes.
       needs_stats: whether ``closes`` reads ``counted``, ``grad_sq_norm`` and
         ``grad_var_trace``.
@@ -388,7 +390,10 @@ def updated(
         weak = isinstance(old, (int, float)) or jax.typeof(old).weak_type
         promoted = weak and dtypes[0].kind == dtypes[1].kind
         if shapes[0] != shapes[1] or (dtypes[0] != dtypes[1] and not promoted):
-            raise ValueError(
+            # (A dtype of its own is the wrong kind of state; a shape, the
+            # wrong value of the right kind.)
+            error = ValueError if shapes[0] != shapes[1] else TypeError
+            raise error(
                 f"The window policy {describe(policy)}'s `update` must return a "
                 "state of the shapes and dtypes its `init` built: got a leaf of "
                 f"shape {shapes[0]} and dtype {dtypes[0]} where `init` built "

@@ -235,7 +235,7 @@ def test_running_mean_refuses_what_is_outside_its_contract():
             update(*args)
 
 
-def test_running_mean_ignores_a_python_count_beyond_float64():
+def test_running_mean_ignores_a_host_count_beyond_its_range():
     # It was an OverflowError, where a weight past the total's range is
     # documented to leave the mean and total as they were.
     mean, total = mm.running_mean_update(
@@ -243,6 +243,17 @@ def test_running_mean_ignores_a_python_count_beyond_float64():
     )
     assert float(total) == 1.0 and float(mean[0]) == 1.0
     assert np.isnan(mm.noise_scale_estimates(4.0, 2, 10**400, 4.0)).all()
+    # Host floats beyond float32 likewise (numpy warned of an overflow in the
+    # cast, an error under this suite's warnings); a total beyond is refused.
+    for count in (1e39, np.float64(1e39), 2**130):
+        mean, total = mm.running_mean_update(
+            jnp.ones(2), jnp.float32(1), jnp.full(2, 5.0), count
+        )
+        assert float(total) == 1.0 and float(mean[0]) == 1.0, count
+    with pytest.raises(
+        ValueError, match=r"`total` is too large for float32, got 1e\+39"
+    ):
+        mm.running_mean_update(jnp.ones(2), 1e39, jnp.full(2, 5.0), 1.0)
 
 
 def test_running_mean_derivatives_are_finite_after_a_stale_nan_or_an_inf_count():
