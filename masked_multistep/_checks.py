@@ -949,9 +949,14 @@ def guessed_keyword(key: str) -> str | None:
     return None
 
 
-def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
+def check_extra_args(
+    extra_args: dict[str, Any],
+    count: Any,
+    taken: Callable[[str], bool] = lambda key: False,
+) -> None:
     """Refuses an extra keyword that looks like a misspelt ``count``/``value``,
-    and a missing ``count`` (naming the keywords that came instead).
+    and a missing ``count`` (naming the keywords that came instead); but for
+    a keyword that ``taken`` says the inner optimizer names.
 
     Other extra arguments go to the inner optimizer, which (like optax's
     ``chain``) drops what it does not take: a misspelt ``value=`` would vanish
@@ -959,13 +964,16 @@ def check_extra_args(extra_args: dict[str, Any], count: Any) -> None:
     """
     for key in extra_args:
         close = difflib.get_close_matches(key, OWN_KEYWORDS, n=1, cutoff=0.8)
+        meant = guessed_keyword(key)
+        suspect = (close and close[0] != key) or meant is not None
+        if suspect and taken(key):
+            continue  # an inner transformation's own keyword
         if close and close[0] != key:
             raise TypeError(
                 f"MaskedMultiSteps got the keyword argument {key!r}: did you mean "
                 f"{close[0]!r}? (Other keywords go to the inner optimizer; one "
                 f"this close to {close[0]!r} is taken for a misspelling.)"
             )
-        meant = guessed_keyword(key)
         if meant == "close_window":
             raise TypeError(
                 f"MaskedMultiSteps got the keyword argument {key!r}: to close "

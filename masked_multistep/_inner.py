@@ -9,6 +9,7 @@ dtypes ``init`` gave it).
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -159,20 +160,34 @@ def _branches(update: Any) -> list[Any]:
     return [] if groups is None else list(groups.values())
 
 
-def _around(opt: Any) -> tuple[list[Any], list[Any]] | None:
-    """The update functions run before and after the first ``MaskedMultiSteps``
-    on the way to it (through chains, and into the ``optax.partition`` group
-    that holds it: its params see the chain's members around the partition,
-    and the group's own around the wrapper); None where there is none."""
+def _around(opt: Any) -> list[tuple[list[Any], list[Any]]]:
+    """For each ``MaskedMultiSteps`` in ``opt``, the update functions run
+    before and after it on the way to it (through chains, and into the
+    ``optax.partition`` group that holds it: its params see the chain's
+    members around the partition, and the group's own around the wrapper)."""
     members = _chain_members(opt)
+    found = []
     for i, fn in enumerate(members):
         if _function_name(fn) == _WRAPPER_UPDATE:
-            return members[:i], members[i + 1 :]
+            found.append((members[:i], members[i + 1 :]))
         for branch in _branches(fn):
-            inside = _around(branch)
-            if inside is not None:
-                return members[:i] + inside[0], inside[1] + members[i + 1 :]
-    return None
+            for before, after in _around(branch):
+                found.append((members[:i] + before, after + members[i + 1 :]))
+    return found
+
+
+def takes_keyword(opt: Any, key: str) -> bool:
+    """Whether an update function that ``opt`` runs (through chains and
+    ``optax.partition`` groups) names the keyword ``key`` in its signature."""
+    for fn in _chain_members(opt):
+        try:
+            if key in inspect.signature(fn).parameters:
+                return True
+        except (TypeError, ValueError):
+            pass
+        if any(takes_keyword(branch, key) for branch in _branches(fn)):
+            return True
+    return False
 
 
 def chained_around_wrapper(tx: Any) -> tuple[list[str], list[str]]:
@@ -195,17 +210,27 @@ def chained_around_wrapper(tx: Any) -> tuple[list[str], list[str]]:
       >>> chained_around_wrapper(optax.chain(optax.scale(2.0), tx))
       ([], [])
     """
-    around = _around(tx)
-    if around is None:
-        return [], []
-    before = [describe(fn) for fn in around[0]]
-    after = [describe(fn) for fn in around[1]]
-    if any(n.startswith("MaskedMultiSteps") for n in before + after):
-        return [], []
-    return (
-        [n for n in before if n not in _HARMLESS_BEFORE],
-        [n for n in after if n not in _HARMLESS_AFTER],
-    )
+    before: list[str] = []
+    after: list[str] = []
+    for fns_before, fns_after in _around(tx):
+        names = [describe(fn) for fn in fns_before], [describe(fn) for fn in fns_after]
+        if any(n.startswith("MaskedMultiSteps") for n in names[0] + names[1]):
+            continue  # two in series: refused where the state is built
+        before += [
+            n for n in names[0] if n not in before and _named(n, _HARMLESS_BEFORE)
+        ]
+        after += [n for n in names[1] if n not in after and _named(n, _HARMLESS_AFTER)]
+    return before, after
+
+
+def _named(name: str, harmless: frozenset[str]) -> bool:
+    # What to name around a wrapper: not a harmless neighbour, nor a
+    # transformation of some params only (`optax.partition`'s or `masked`'s,
+    # whose groups the wrapper's params may not be in).
+    return name not in harmless and not name.startswith(_PARTIAL)
+
+
+_PARTIAL = ("partition(", "multi_transform(", "masked(")
 
 
 def _function_name(fn: Any) -> str:

@@ -1290,7 +1290,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         Returns ``(updates, state)``, or with ``apply_params``
         ``(new_params, state)``.
         """
-        _checks.check_extra_args(extra_args, count)
+        _checks.check_extra_args(
+            extra_args, count, lambda key: _inner.takes_keyword(self._opt, key)
+        )
         forced = _checks.close_flag(close)  # `close_window=`
         self._check_state(state, params, grads)
         if params is not None:

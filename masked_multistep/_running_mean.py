@@ -363,6 +363,18 @@ def _host_total(total: Any) -> Any:
     )
 
 
+def _beyond_float_range(x: Any) -> bool:
+    """Whether ``x`` is a host floating scalar (Python, numpy, 0-d array)
+    beyond the range of the float jax makes of it (float32 without x64)."""
+    if isinstance(x, bool) or not isinstance(x, (float, np.floating, np.ndarray)):
+        return False
+    a = np.asarray(x)
+    if a.ndim or a.dtype.kind != "f":
+        return False
+    top = np.finfo(jax.dtypes.canonicalize_dtype(a.dtype)).max
+    return not bool(np.abs(a) <= top)
+
+
 def _host_count(count: Any, total_dtype: Any) -> Any:
     """A host integer ``count`` by value: into an integer ``total``'s dtype if
     it fits, else a ``ValueError``; as a float otherwise."""
@@ -489,17 +501,19 @@ def running_mean_update(
                 raise ValueError(
                     f"{name} must be a finite number >= 0 ({what}), got {x!r}"
                 )
-    given_total = total
-    with np.errstate(over="ignore"):
-        # A host weight beyond the float total's range converts to inf: a
-        # weight past its range, which leaves the mean as it was (not numpy's
-        # overflow warning).
-        total = real_array(_host_total(total), "`total`", scalar=True)
-        count = real_array(_host_count(count, total.dtype), "`count`", scalar=True)
-    if isinstance(given_total, (float, np.floating)) and not np.isfinite(total):
-        # (A finite host total that does not fit: an infinite one is refused
-        # above; as a sum of weights it would hold every later update.)
-        raise ValueError(f"`total` is too large for {total.dtype}, got {given_total!r}")
+    if _beyond_float_range(total):
+        # (As a sum of weights it would hold every later update.)
+        raise ValueError(
+            "`total` must be a finite number its dtype holds (float32 without "
+            f"x64), got {total!r}"
+        )
+    total = real_array(_host_total(total), "`total`", scalar=True)
+    count = _host_count(count, total.dtype)
+    if _beyond_float_range(count):
+        # A weight past any float total's range, which leaves the mean as it
+        # was; made inf here, not by a cast that numpy warns of.
+        count = math.inf
+    count = real_array(count, "`count`", scalar=True)
     refuse_narrow_float(total.dtype, "`total`")
     refuse_narrow_float(count.dtype, "`count`")
     if jax.tree.structure(mean) != jax.tree.structure(value):

@@ -152,9 +152,9 @@ class TrainState(_flax_train_state.TrainState):
 
         A ``UserWarning`` names the transformations chained before or after
         the wrapper (in ``optax.chain`` or ``optax.named_chain``, or around
-        it in its ``optax.partition`` group) but for linear, stateless ones:
-        they run on every microbatch, not once per window on its mean
-        (clipping there clips each microbatch)."""
+        it in its ``optax.partition`` group), but for linear, stateless ones
+        (and ``zero_nans`` before it): they run on every microbatch, not once
+        per window on its mean (clipping there clips each microbatch)."""
         if isinstance(tx, type):
             raise TypeError(
                 f"`tx` must be an optimizer, got the class {tx.__name__}: build "

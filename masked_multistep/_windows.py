@@ -257,10 +257,9 @@ class WindowPolicy(NamedTuple):
         the window without it). A window that ``close_window=True`` alone
         closes without tokens is dropped: ``closed`` is then False. It must
         return a state of the structure, shapes and dtypes that ``init``
-        built (an error names the policy otherwise: a ``TypeError`` for a
-        dtype of another kind, a ``ValueError`` for another structure or
-        shape). The policies here change
-        their state only when a window closes.
+        built (an error names the policy otherwise: a ``TypeError`` for
+        another dtype, a ``ValueError`` for another structure or shape). The
+        policies here change their state only when a window closes.
       needs_stats: whether ``closes`` reads ``counted``, ``grad_sq_norm`` and
         ``grad_var_trace``.
       bounded: whether the policy sets a maximum window by itself (a number of

@@ -243,17 +243,23 @@ def test_running_mean_ignores_a_host_count_beyond_its_range():
     )
     assert float(total) == 1.0 and float(mean[0]) == 1.0
     assert np.isnan(mm.noise_scale_estimates(4.0, 2, 10**400, 4.0)).all()
-    # Host floats beyond float32 likewise (numpy warned of an overflow in the
-    # cast, an error under this suite's warnings); a total beyond is refused.
-    for count in (1e39, np.float64(1e39), 2**130):
-        mean, total = mm.running_mean_update(
-            jnp.ones(2), jnp.float32(1), jnp.full(2, 5.0), count
-        )
-        assert float(total) == 1.0 and float(mean[0]) == 1.0, count
-    with pytest.raises(
-        ValueError, match=r"`total` is too large for float32, got 1e\+39"
-    ):
-        mm.running_mean_update(jnp.ones(2), 1e39, jnp.full(2, 5.0), 1.0)
+    # Host floats beyond float32 likewise, eagerly and inside a jitted function
+    # (numpy warned of an overflow in the cast, an error under this suite's
+    # warnings); a total beyond is refused. A host float total in range is
+    # taken under jit.
+    for count in (1e39, np.float64(1e39), np.array(1e39), 2**130):
+        for jit in (False, True):
+            update = functools.partial(mm.running_mean_update, count=count)
+            update = jax.jit(update) if jit else update
+            mean, total = update(jnp.ones(2), jnp.float32(1), jnp.full(2, 5.0))
+            assert float(total) == 1.0 and float(mean[0]) == 1.0, (count, jit)
+    for total in (1e39, np.float64(1e39)):
+        with pytest.raises(ValueError, match=r"`total` must be a finite number its"):
+            mm.running_mean_update(jnp.ones(2), total, jnp.full(2, 5.0), 1.0)
+    mean, total = jax.jit(lambda m, v: mm.running_mean_update(m, 2.0, v, 1.0))(
+        jnp.zeros(2), jnp.full(2, 3.0)
+    )
+    assert float(total) == 3.0 and float(mean[0]) == 1.0
 
 
 def test_running_mean_derivatives_are_finite_after_a_stale_nan_or_an_inf_count():

@@ -269,6 +269,25 @@ def test_names_with_words_of_their_own_go_to_the_inner_optimizer():
     assert seen == extra
 
 
+def test_a_guessed_name_that_an_inner_transformation_names_reaches_it():
+    # `metric=` guesses at `value=`, but a transformation of the user's that
+    # takes it by name gets it (inside a chain too).
+    seen = {}
+
+    def update(updates, state, params=None, *, metric, **extra_args):
+        seen["metric"] = metric
+        return updates, state
+
+    own = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+    for inner in (own, optax.chain(optax.sgd(1.0), own)):
+        tx = mm.MaskedMultiSteps(inner, 1)
+        tx.update(GRADS, tx.init(PARAMS), PARAMS, count=3, metric=jnp.float32(2.0))
+        assert float(seen.pop("metric")) == 2.0
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1)
+    with pytest.raises(TypeError, match=r"'metric': .* goes in `value=`"):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS, count=3, metric=jnp.float32(2.0))
+
+
 def test_an_integer_array_value_is_taken_for_a_swapped_count():
     # `(count, loss), g = ...` unpacked the wrong way round: microbatches were
     # weighed by their loss, silently.

@@ -181,6 +181,18 @@ def test_transformations_chained_around_the_wrapper_are_warned_of(jit):
             mm.TrainState.create(apply_fn=None, params=jnp.ones(2), tx=tx)
         tx = optax.partition({"t": wrapper, "f": optax.chain(clip, decay)}, labels)
         mm.TrainState.create(apply_fn=None, params=params, tx=tx)
+        # (A partition or mask after it may act on other params only.)
+        grouped = optax.partition({"t": wrapper, "f": optax.adam(0.1)}, labels)
+        for then in (
+            optax.partition({"t": optax.identity(), "f": decay}, labels),
+            optax.masked(decay, {"t": False, "f": True}),
+        ):
+            tx = optax.chain(grouped, then)
+            mm.TrainState.create(apply_fn=None, params=params, tx=tx)
+    # Of two wrappers in two groups, the one with clipping around it.
+    tx = optax.partition({"t": wrapper, "f": optax.chain(clip, wrapper)}, labels)
+    with pytest.warns(UserWarning, match=r"^`tx` chains clip_by_global_norm before"):
+        mm.TrainState.create(apply_fn=None, params=params, tx=tx)
 
 
 def test_two_wrappers_in_series_are_refused():
