@@ -364,12 +364,13 @@ def _host_total(total: Any) -> Any:
 
 
 def _beyond_float_range(x: Any) -> bool:
-    """Whether ``x`` is a host floating scalar (Python, numpy, 0-d array)
-    beyond the range of the float jax makes of it (float32 without x64)."""
+    """Whether ``x`` is a host floating scalar (Python, numpy, 0-d array) of
+    float32 or wider beyond the range of the float jax makes of it (float32
+    without x64). (Narrower floats are refused as they are.)"""
     if isinstance(x, bool) or not isinstance(x, (float, np.floating, np.ndarray)):
         return False
     a = np.asarray(x)
-    if a.ndim or a.dtype.kind != "f":
+    if a.ndim or a.dtype.kind != "f" or a.dtype.itemsize < 4:
         return False
     top = np.finfo(jax.dtypes.canonicalize_dtype(a.dtype)).max
     return not bool(np.abs(a) <= top)
