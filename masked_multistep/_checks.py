@@ -952,7 +952,7 @@ def guessed_keyword(key: str) -> str | None:
 def check_extra_args(
     extra_args: dict[str, Any],
     count: Any,
-    taken: Callable[[str], bool] = lambda key: False,
+    taken: Callable[[str], bool],
 ) -> None:
     """Refuses an extra keyword that looks like a misspelt ``count``/``value``,
     and a missing ``count`` (naming the keywords that came instead); but for

@@ -50,6 +50,7 @@ from masked_multistep._checkpoint import (
 )
 from masked_multistep._checks import (
     check_microbatches,
+    is_host_int,
     refuse_restore_target,
     traced,
 )
@@ -127,10 +128,6 @@ def _where(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def device_count_target(template: Any, num_devices: int) -> Any:
     """The tree to restore a deferred state saved on ``num_devices`` devices into.
 
@@ -174,7 +171,7 @@ def device_count_target(template: Any, num_devices: int) -> Any:
       >>> target.acc_grads["w"].shape, target.reduction_state.counts.shape
       ((4, 3), (4,))
     """
-    if _is_int(template) and not _is_int(num_devices):
+    if is_host_int(template) and not is_host_int(num_devices):
         raise TypeError(
             f"`num_devices` must be an integer, got {type(num_devices).__name__}, "
             f"and `template` is one ({template}): are the arguments swapped? "

@@ -252,20 +252,13 @@ def _per_device(
     returns its microbatches' ``(Σ nᵢ‖gᵢ‖², K)`` (shape ``(D,)`` each; with
     ``per_leaf``, each leaf's sums instead of the total, shape ``(D, L)``).
     ``wrt``: a checked ``nnx`` filter (:func:`_nnx_state.check_wrt`)."""
-    names = tuple(getattr(mesh, "axis_names", ()))
-    if (
-        isinstance(mesh, jax.sharding.Mesh)
-        and isinstance(axis_name, (int, np.integer))
-        and not isinstance(axis_name, bool)
-        and axis_name not in names
-    ):
-        # (`microbatched_value_and_grad` takes the number positionally.)
-        raise TypeError(
-            f"`axis_name` must name axes of the mesh {names}, "
-            f"got the int {axis_name}: the number of microbatches is keyword-only "
-            f"here (`num_microbatches={axis_name}`)"
-        )
-    axes, num_devices = check_mesh_axes(mesh, axis_name)
+    # (`microbatched_value_and_grad` takes the number positionally.)
+    axes, num_devices = check_mesh_axes(
+        mesh,
+        axis_name,
+        int_hint="the number of microbatches is keyword-only here "
+        "(`num_microbatches={}`)",
+    )
     k, has_aux, stats_sums = _check_args(
         loss_fn, num_microbatches, has_aux, aux_reduction, stats_sums
     )

@@ -98,13 +98,15 @@ def placed_like(x: Any, like: Any) -> Any:
 
 
 def check_mesh_axes(
-    mesh: Any, axis_name: Hashable | Sequence[Hashable]
+    mesh: Any, axis_name: Hashable | Sequence[Hashable], int_hint: str = ""
 ) -> tuple[tuple[Hashable, ...], int]:
     """``axis_name`` as a tuple of mesh axis names, and their total size ``D``.
 
     Raises ``TypeError`` if ``mesh`` is not a ``jax.sharding.Mesh`` and
     ``ValueError`` if an axis is not one of its axes, or is named twice, or
-    the axes are of mixed types. Axes may be ``AxisType.Auto`` or
+    the axes are of mixed types; with ``int_hint``, an integer that is no
+    axis is a ``TypeError`` ending with ``int_hint.format(the_integer)``
+    (what else it may be meant for). Axes may be ``AxisType.Auto`` or
     ``AxisType.Explicit``, all of one type: a batch split over Explicit and
     Auto axes together is a sharding that jax's ``reshard`` refuses.
     """
@@ -117,10 +119,10 @@ def check_mesh_axes(
         raise ValueError("`axis_name` must name at least one mesh axis, got ()")
     for axis in axes:
         if axis not in mesh.axis_names:
-            raise ValueError(
-                f"`axis_name` must name axes of the mesh {tuple(mesh.axis_names)}, "
-                f"got {axis!r}"
-            )
+            named = f"`axis_name` must name axes of the mesh {tuple(mesh.axis_names)}"
+            if int_hint and _checks.is_host_int(axis):
+                raise TypeError(f"{named}, got the int {axis}: {int_hint.format(axis)}")
+            raise ValueError(f"{named}, got {axis!r}")
     if len(set(axes)) != len(axes):
         raise ValueError(f"`axis_name` names an axis twice: {axes}")
     if any_explicit(mesh, axes) and not all_explicit(mesh, axes):
