@@ -287,6 +287,12 @@ def state_0_1_target(
       the restore target. :func:`from_state_0_1` then converts the total to
       the template's count dtype by the count contract.
 
+    Raises:
+      TypeError: if ``template`` is not a wrapper's state, or ``count_dtype``
+        not a dtype.
+      ValueError: if ``count_dtype`` cannot count tokens (as the wrapper's
+        ``count_dtype``: float32, float64, int32 or int64).
+
     Examples:
       >>> import jax.numpy as jnp, optax
       >>> import masked_multistep as mm
@@ -365,8 +371,8 @@ def from_state_0_1(
 
     Raises:
       TypeError: if ``template`` is not a concrete state (``tx.init(params)``,
-        not its abstract form), ``restored`` not a mapping, or the call is
-        traced by ``jit``.
+        not its abstract form), ``restored`` not a mapping, ``tokens_seen``
+        not a number, or the call is traced by ``jit``.
       ValueError: if ``tokens_seen`` is not a whole number in ``[0, 2**48]``;
         if ``restored`` does not have the 0.1 fields, or their
         structure or shapes differ from ``template``'s; if a field holds

@@ -687,7 +687,9 @@ def from_device_count(restored: Any, template: Any) -> Any:
       ``restored`` converted, in ``template``'s structure, on its devices.
 
     Raises:
-      TypeError: if called under ``jit`` (the restored counts are read).
+      TypeError: if called under ``jit`` (the restored counts are read); if
+        ``restored`` is abstract (a restore target, not what the restore
+        returned), or ``template`` is abstract without shardings.
       ValueError: if either tree holds no wrapper state (or several), the
         trees differ outside the window's layout (another configuration, or
         the accumulator for other params), a leaf's shape is not the

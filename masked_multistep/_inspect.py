@@ -160,6 +160,10 @@ def has_updated(opt_state: Any) -> jax.Array:
     withholding a non-finite gradient) leaves it as it was, so there log when
     ``gradient_step`` changes instead.
 
+    Raises:
+      ValueError: as :func:`find_state`, if ``opt_state`` holds no wrapper's
+        state, or more than one.
+
     Examples:
       >>> import jax.numpy as jnp, optax
       >>> import masked_multistep as mm

@@ -369,8 +369,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ``tokens_per_window`` is not a number, callable or policy, or
         ``norm_test`` not a number or policy, or ``reduction`` is neither
         ``None`` nor ``mm.deferred(...)``, or ``window_stats`` or
-        ``per_leaf_stats`` is not a bool,
-        or an ``optax.MultiSteps``-only keyword is passed, or it is built by
+        ``per_leaf_stats`` is not a bool, or ``count_dtype`` or
+        ``accumulator_dtype`` is not a dtype, or ``stats_decay`` not a real
+        number, or an ``optax.MultiSteps``-only keyword is passed, or it is built by
         ``optax.inject_hyperparams`` (inject the inner optimizer's
         hyperparameters instead; raised where that builds it, in its ``init``).
       ValueError: if ``every_k_schedule`` is out of range, or a budget is not
@@ -381,7 +382,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         dtype cannot serve, or ``stats_decay`` is outside ``[0, 1)`` or, other
         than the default, given with the statistics off. ``init`` raises
         ``TypeError`` if ``opt`` holds an accumulator of its own (another
-        ``MaskedMultiSteps``, an ``optax.MultiSteps`` or ``optax.apply_every``).
+        ``MaskedMultiSteps``, an ``optax.MultiSteps`` or ``optax.apply_every``),
+        and ``ValueError`` if traced (``jax.jit(tx.init)``) with
+        ``reduction=mm.deferred(...)`` on a mesh of explicit and auto axes
+        outside ``jax.set_mesh`` (it could not lay the accumulator out).
 
     Examples:
       Three microbatches with 1, 1 and 2 tokens; the window's update is the
@@ -838,6 +842,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ``state`` is this wrapper's own state; :func:`masked_multistep.has_updated`
         finds it inside a chain's state, a ``TrainState`` or an NNX optimizer.
 
+        Raises:
+          TypeError: if ``state`` is not a wrapper's state (a nested one, or
+            another optimizer's: the message names :func:`has_updated`).
+
         Examples:
           >>> import jax.numpy as jnp, optax
           >>> import masked_multistep as mm
@@ -903,7 +911,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             array and is refused: pass losses as floats); if a
             keyword names the loss (``loss=``: it goes in ``value=``); if
             ``should_skip_update_fn`` or a window policy's ``closes`` returns
-            a flag that is not boolean.
+            a flag that is not boolean; if a callable ``every_k_schedule``
+            returns something other than a number.
           ValueError: if ``count`` is not a scalar (with
             ``reduction=mm.deferred(...)``: not one count per device, shape
             ``(D,)``), or is concretely negative, non-finite or too large; if
@@ -912,7 +921,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             leading device axis); if ``state`` is a batch of states (from
             ``jax.vmap(tx.init)``, stepped without ``vmap``); if that flag is
             not a scalar; if ``close_window`` is a boolean array that is not a
-            scalar (a ``TypeError`` if it is not a bool at all).
+            scalar (a ``TypeError`` if it is not a bool at all); if a callable
+            ``every_k_schedule`` returns an array that is not a scalar, or a
+            Python or numpy number that is NaN or rounds below 1 (a jax
+            array's is clipped: see the constructor).
         """
         with self._reduction.eager_mesh(
             updates, state, params, count, close_window, extra_args

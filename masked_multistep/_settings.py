@@ -105,9 +105,10 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         the other not; if ``state`` holds ``jax.ShapeDtypeStruct`` leaves, or
         ``template`` does where ``state`` carries nothing over (a token
         budget's tokens seen, statistics of another kind, a skip function's
-        state); or if the call is traced by ``jit`` (the counts are read and
-        checked).
-      ValueError: if ``state`` holds no wrapper state (or several); if
+        state); if ``tokens_seen`` is not a number; or if the call is traced
+        by ``jit`` (the counts are read and checked).
+      ValueError: if ``tokens_seen`` is not a whole number in ``[0, 2**48]``;
+        if ``state`` holds no wrapper state (or several); if
         ``template`` holds a run in progress and ``state`` a state that has
         taken no step (the arguments swapped); if either
         has ``reduction=mm.deferred(...)`` (move the window onto one device

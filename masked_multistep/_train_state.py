@@ -146,7 +146,8 @@ class TrainState(_flax_train_state.TrainState):
         that accumulates with ``optax.MultiSteps`` (which would ignore every
         ``count``) or holds two :class:`MaskedMultiSteps` in series (one after
         the other in a chain; in different branches of
-        ``optax.multi_transform`` they are fine). So are ``params=None`` and a
+        ``optax.multi_transform`` they are fine). So are ``params=None`` or a
+        state in their place (a ``TrainState``, the wrapper's state), and a
         keyword that is no field of the class (with the field's likely
         spelling, or how to add a field in a subclass).
 
@@ -236,7 +237,9 @@ class TrainState(_flax_train_state.TrainState):
             one of the above (a misspelt field would otherwise vanish), or is
             ``step``, ``params`` or ``opt_state``, which this method sets; if
             ``tx`` accumulates with ``optax.MultiSteps``, which would ignore
-            ``count``.
+            ``count``; and as :meth:`MaskedMultiSteps.update` raises for
+            ``count``, ``value`` and the gradients.
+          ValueError: as :meth:`MaskedMultiSteps.update`.
 
         Examples:
           Two microbatches of 3 and 1 tokens, mean gradients 1 and 5: the window's

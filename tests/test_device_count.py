@@ -335,6 +335,9 @@ def test_bad_input_is_refused_by_name():
     # An abstract template without shardings cannot say where the arrays go.
     with pytest.raises(TypeError, match=r"`template`'s arrays must say where they"):
         mm.from_device_count(saved, jax.eval_shape(_tx(4).init, params))
+    # A restore target passed where the restored state goes.
+    with pytest.raises(TypeError, match=r"`restored` holds jax.ShapeDtypeStructs"):
+        mm.from_device_count(mm.device_count_target(template, 8), template)
     with pytest.raises(ValueError, match=r"elsewhere than the template"):
         mm.from_device_count(saved, (template,))
 
