@@ -30,13 +30,21 @@ help:
 
 install: $(STAMP)
 
-# A .venv left by an interrupted install (no pip) or made by a Python older than
-# 3.11 is made again; a python3 older than 3.11 is refused with a hint.
+# A python3 older than 3.11, or newer than the pinned jaxlib has wheels for
+# (constraints.txt), is refused with a hint. A .venv left by an interrupted
+# install (no pip) or made by another Python version than $(PYTHON)'s (a retry
+# with another PYTHON= after a failed install) is made again.
+PY_MINOR := import sys; print(*sys.version_info[:2], sep=".")
 $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP): $(VENV)/.installed-%: setup.cfg pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
 		echo "masked_multistep needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1)." \
 		"Run e.g. \`make $(MAKECMDGOALS) PYTHON=python3.11\`."; exit 1; }
-	$(BIN)/python -c 'import pip, sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info >= (3, 15))' || { \
+		echo "The versions make installs (constraints.txt: $$(grep '^jaxlib==' constraints.txt))" \
+		"have wheels for Python 3.11 to 3.14; $(PYTHON) is $$($(PYTHON) -V 2>&1). Run e.g." \
+		"\`make $(MAKECMDGOALS) PYTHON=python3.14\`, or \`make test-latest\` (the suite" \
+		"against the newest releases for your Python, unpinned)."; exit 1; }
+	@[ "$$($(BIN)/python -c 'import pip; $(PY_MINOR)' 2>/dev/null)" = "$$($(PYTHON) -c '$(PY_MINOR)')" ] \
 		|| $(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@# uv installs the same pinned set several times faster than pip; where uv

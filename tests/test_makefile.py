@@ -15,8 +15,7 @@ def make(cwd, *args):
 
 
 def test_a_python_older_than_3_11_is_refused_before_the_venv_is_made(tmp_path):
-    for name in ("Makefile", "setup.cfg", "pyproject.toml", "constraints.txt"):
-        shutil.copy(ROOT / name, tmp_path / name)
+    _copy_make_inputs(tmp_path)
     old = tmp_path / "python3"  # answers like Python 3.10
     old.write_text(
         '#!/bin/sh\n[ "$1" = "-V" ] && echo "Python 3.10.13" && exit 0\nexit 1\n'
@@ -27,6 +26,72 @@ def test_a_python_older_than_3_11_is_refused_before_the_venv_is_made(tmp_path):
     assert "needs Python >= 3.11" in proc.stdout and "Python 3.10.13" in proc.stdout
     assert "make install PYTHON=python3.11" in proc.stdout
     assert not (tmp_path / ".venv").exists()
+
+
+def _fake_python(path, version, log):
+    """A stand-in interpreter that answers the Makefile's version checks as
+    Python ``version`` would and logs (and fails) anything else it is asked."""
+    minor = ".".join(version.split(".")[:2])
+    too_new = int(tuple(map(int, version.split(".")[:2])) >= (3, 15))
+    path.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = "-V" ] && echo "Python {version}" && exit 0\n'
+        'case "$2" in\n'
+        '  *"< (3, 11)"*) exit 0 ;;\n'
+        f'  *">= (3, 15)"*) exit {too_new} ;;\n'
+        f'  *"print(*sys.version_info"*) echo {minor}; exit 0 ;;\n'
+        "esac\n"
+        f'echo "$0 $*" >> {log}\n'
+        "exit 1\n"
+    )
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def _copy_make_inputs(to):
+    for name in ("Makefile", "setup.cfg", "pyproject.toml", "constraints.txt"):
+        shutil.copy(ROOT / name, to / name)
+
+
+def test_a_python_newer_than_the_pins_have_wheels_for_is_refused(tmp_path):
+    # jaxlib 0.10.2 (constraints.txt) has wheels for Python 3.11 to 3.14 only:
+    # with a newer python3 the pinned install fails in the resolver, after the
+    # venv is made. Refused first, with what to run instead.
+    _copy_make_inputs(tmp_path)
+    log = tmp_path / "calls"
+    _fake_python(tmp_path / "python3", "3.15.0", log)
+    proc = make(tmp_path, "test", f"PYTHON={tmp_path / 'python3'}")
+    assert proc.returncode != 0
+    assert "jaxlib==0.10.2" in proc.stdout and "Python 3.15.0" in proc.stdout
+    assert "have wheels for Python 3.11 to 3.14" in proc.stdout
+    assert "make test PYTHON=python3.14" in proc.stdout
+    assert "make test-latest" in proc.stdout
+    assert not log.exists() and not (tmp_path / ".venv").exists()
+    # The bound is the pinned jaxlib's, and 3.14 itself passes the check.
+    assert "jaxlib==0.10.2\n" in (ROOT / "constraints.txt").read_text()
+    _fake_python(tmp_path / "python3", "3.14.1", log)
+    make(tmp_path, "install", f"PYTHON={tmp_path / 'python3'}")
+    assert "-m venv --clear .venv" in log.read_text()
+
+
+def test_a_venv_of_another_python_version_is_made_again(tmp_path):
+    # After a failed install with one PYTHON=, a retry with another must not
+    # keep the first one's .venv (the install would fail the same way).
+    _copy_make_inputs(tmp_path)
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    log = tmp_path / "calls"
+    for venv, python, remade in [
+        ("3.15.0", "3.13.2", True),
+        ("3.13.0", "3.13.2", False),
+    ]:
+        _fake_python(tmp_path / ".venv" / "bin" / "python", venv, log)
+        _fake_python(tmp_path / "python3", python, log)
+        log.unlink(missing_ok=True)
+        proc = make(tmp_path, "install", f"PYTHON={tmp_path / 'python3'}")
+        assert proc.returncode != 0  # the stand-ins install nothing
+        calls = log.read_text().splitlines()
+        assert ("-m venv --clear .venv" in calls[0]) == remade, calls
+        if not remade:  # the kept venv's pip comes next
+            assert calls[0].startswith(".venv/bin/python -m pip"), calls
 
 
 def test_make_test_lints_as_make_lint_does():
