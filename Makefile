@@ -30,12 +30,22 @@ help:
 
 install: $(STAMP)
 
+# A PYTHON= that is not installed is named, with the Pythons that are.
+define PYTHON_FOUND
+@command -v $(PYTHON) >/dev/null 2>&1 || { \
+	found=$$(for v in 3.11 3.12 3.13 3.14; do \
+		command -v python$$v >/dev/null 2>&1 && printf ' python%s' $$v; done); \
+	echo "$(PYTHON) was not found. Name an installed Python 3.11 to 3.14 with" \
+	"PYTHON= (on this PATH:$${found:- none})."; exit 1; }
+endef
+
 # A python3 older than 3.11, or newer than the pinned jaxlib has wheels for
 # (constraints.txt), is refused with a hint. A .venv left by an interrupted
 # install (no pip) or made by another Python version than $(PYTHON)'s (a retry
 # with another PYTHON= after a failed install) is made again.
 PY_MINOR := import sys; print(*sys.version_info[:2], sep=".")
 $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP): $(VENV)/.installed-%: setup.cfg pyproject.toml constraints.txt
+	$(PYTHON_FOUND)
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
 		echo "masked_multistep needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1)." \
 		"Run e.g. \`make $(MAKECMDGOALS) PYTHON=python3.11\`."; exit 1; }
@@ -69,6 +79,7 @@ test: $(STAMP)
 # constraints.txt, installed afresh into a venv of its own on every run.
 LATEST := .venv-latest
 test-latest:
+	$(PYTHON_FOUND)
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
 		echo "masked_multistep needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1)."; exit 1; }
 	$(PYTHON) -m venv --clear $(LATEST)

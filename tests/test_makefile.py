@@ -1,5 +1,6 @@
 """The Makefile's guards: what a fresh clone meets before anything installs."""
 
+import os
 import shutil
 import stat
 import subprocess
@@ -71,6 +72,32 @@ def test_a_python_newer_than_the_pins_have_wheels_for_is_refused(tmp_path):
     _fake_python(tmp_path / "python3", "3.14.1", log)
     make(tmp_path, "install", f"PYTHON={tmp_path / 'python3'}")
     assert "-m venv --clear .venv" in log.read_text()
+
+
+def test_a_python_that_is_not_installed_is_named_with_those_that_are(tmp_path):
+    # The hints above name PYTHON=python3.14: where there is none, say so (the
+    # version check printed "needs Python >= 3.11; python3.14 is /bin/sh: ...
+    # not found").
+    _copy_make_inputs(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls"
+    _fake_python(bin_dir / "python3.12", "3.12.4", log)
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    for target in ("install", "test-latest"):
+        proc = subprocess.run(
+            ["make", target, "PYTHON=python3.14"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert proc.returncode != 0
+        assert "python3.14 was not found" in proc.stdout, proc.stdout
+        found = proc.stdout.split("on this PATH:")[1].split(")")[0].split()
+        assert "python3.12" in found and len(found) == len(set(found)), found
+    assert not (tmp_path / ".venv").exists() and not log.exists()
 
 
 def test_a_venv_of_another_python_version_is_made_again(tmp_path):
