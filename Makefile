@@ -52,8 +52,7 @@ $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP): $(VENV)/.installed-%: setup.cfg pyproject.
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info >= (3, 15))' || { \
 		echo "The versions make installs (constraints.txt: $$(grep '^jaxlib==' constraints.txt))" \
 		"have wheels for Python 3.11 to 3.14; $(PYTHON) is $$($(PYTHON) -V 2>&1). Run e.g." \
-		"\`make $(MAKECMDGOALS) PYTHON=python3.14\`, or \`make test-latest\` (the suite" \
-		"against the newest releases for your Python, unpinned)."; exit 1; }
+		"\`make $(MAKECMDGOALS) PYTHON=python3.14\`."; exit 1; }
 	@[ "$$($(BIN)/python -c 'import pip; $(PY_MINOR)' 2>/dev/null)" = "$$($(PYTHON) -c '$(PY_MINOR)')" ] \
 		|| $(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
