@@ -54,7 +54,7 @@ $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP): $(VENV)/.installed-%: setup.cfg pyproject.
 		"have wheels for Python 3.11 to 3.14; $(PYTHON) is $$($(PYTHON) -V 2>&1). Run e.g." \
 		"\`make $(MAKECMDGOALS) PYTHON=python3.14\`."; exit 1; }
 	@[ "$$($(BIN)/python -c 'import pip; $(PY_MINOR)' 2>/dev/null)" = "$$($(PYTHON) -c '$(PY_MINOR)')" ] \
-		|| $(PYTHON) -m venv --clear $(VENV)
+		|| { echo "$(PYTHON) -m venv --clear $(VENV)"; $(PYTHON) -m venv --clear $(VENV); }
 	$(BIN)/python -m pip install -q --upgrade pip
 	@# uv installs the same pinned set several times faster than pip; where uv
 	@# cannot be installed (no wheel for the platform), pip does it. Compiled to
