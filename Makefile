@@ -30,19 +30,22 @@ help:
 
 install: $(STAMP)
 
-# A PYTHON= that is not installed is named, with the Pythons that are.
+# A PYTHON= that does not run (not installed, or a pyenv shim of a version not
+# installed) is named, with the Pythons that do.
 define PYTHON_FOUND
-@command -v $(PYTHON) >/dev/null 2>&1 || { \
+@$(PYTHON) -c '' >/dev/null 2>&1 || { \
 	found=$$(for v in 3.11 3.12 3.13 3.14; do \
-		command -v python$$v >/dev/null 2>&1 && printf ' python%s' $$v; done); \
-	echo "$(PYTHON) was not found. Name an installed Python 3.11 to 3.14 with" \
-	"PYTHON= (on this PATH:$${found:- none})."; exit 1; }
+		python$$v -c '' >/dev/null 2>&1 && printf ' python%s' $$v; done); \
+	echo "$(PYTHON) was not found (or does not run). Name an installed Python 3.11" \
+	"to 3.14 with PYTHON= (these run here:$${found:- none})."; exit 1; }
 endef
 
 # A python3 older than 3.11, or newer than the pinned jaxlib has wheels for
-# (constraints.txt), is refused with a hint. A .venv left by an interrupted
-# install (no pip) or made by another Python version than $(PYTHON)'s (a retry
-# with another PYTHON= after a failed install) is made again.
+# (constraints.txt), is refused with a hint. A .venv is made again where it has
+# no pip (an interrupted install) or a Python outside 3.11 to 3.14, or where
+# nothing was ever installed into it and it is of another Python version than
+# $(PYTHON)'s (a retry with another PYTHON= after a failed install); a .venv
+# that holds an install keeps its Python (`make clean` to change it).
 PY_MINOR := import sys; print(*sys.version_info[:2], sep=".")
 $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP): $(VENV)/.installed-%: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON_FOUND)
@@ -53,8 +56,11 @@ $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP): $(VENV)/.installed-%: setup.cfg pyproject.
 		echo "The versions make installs (constraints.txt: $$(grep '^jaxlib==' constraints.txt))" \
 		"have wheels for Python 3.11 to 3.14; $(PYTHON) is $$($(PYTHON) -V 2>&1). Run e.g." \
 		"\`make $(MAKECMDGOALS) PYTHON=python3.14\`."; exit 1; }
-	@[ "$$($(BIN)/python -c 'import pip; $(PY_MINOR)' 2>/dev/null)" = "$$($(PYTHON) -c '$(PY_MINOR)')" ] \
-		|| { echo "$(PYTHON) -m venv --clear $(VENV)"; $(PYTHON) -m venv --clear $(VENV); }
+	@v=$$($(BIN)/python -c 'import pip; $(PY_MINOR)' 2>/dev/null); \
+	case "$$v" in 3.11|3.12|3.13|3.14) ;; *) v= ;; esac; \
+	if [ -z "$$v" ] || { ! ls $(VENV)/.installed-* >/dev/null 2>&1 \
+			&& [ "$$v" != "$$($(PYTHON) -c '$(PY_MINOR)')" ]; }; then \
+		echo "$(PYTHON) -m venv --clear $(VENV)"; $(PYTHON) -m venv --clear $(VENV); fi
 	$(BIN)/python -m pip install -q --upgrade pip
 	@# uv installs the same pinned set several times faster than pip; where uv
 	@# cannot be installed (no wheel for the platform), pip does it. Compiled to

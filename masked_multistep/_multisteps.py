@@ -379,13 +379,15 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         ``count_dtype`` holds, or the norm test has no maximum window, or a window
         policy is given to the other keyword (:func:`norm_test` to
         ``tokens_per_window``, :func:`token_budget` to ``norm_test``), or a
-        dtype cannot serve, or ``stats_decay`` is outside ``[0, 1)`` or, other
-        than the default, given with the statistics off. ``init`` raises
+        dtype cannot serve, or ``stats_decay`` is not a scalar, or outside
+        ``[0, 1)``, or, other than the default, given with the statistics off.
+        ``init`` raises
         ``TypeError`` if ``opt`` holds an accumulator of its own (another
         ``MaskedMultiSteps``, an ``optax.MultiSteps`` or ``optax.apply_every``),
-        and ``ValueError`` if traced (``jax.jit(tx.init)``) with
-        ``reduction=mm.deferred(...)`` on a mesh of explicit and auto axes
-        outside ``jax.set_mesh`` (it could not lay the accumulator out).
+        and ``ValueError`` if traced (``jax.jit(tx.init)``,
+        ``jax.eval_shape``) outside ``jax.set_mesh`` with
+        ``reduction=mm.deferred(...)`` over an explicit data axis of a mesh
+        that has auto axes too (it could not lay the accumulator out).
 
     Examples:
       Three microbatches with 1, 1 and 2 tokens; the window's update is the
@@ -912,7 +914,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             keyword names the loss (``loss=``: it goes in ``value=``); if
             ``should_skip_update_fn`` or a window policy's ``closes`` returns
             a flag that is not boolean; if a callable ``every_k_schedule``
-            returns something other than a number.
+            returns something that is not a number (a string, ``None``, a
+            bool).
           ValueError: if ``count`` is not a scalar (with
             ``reduction=mm.deferred(...)``: not one count per device, shape
             ``(D,)``), or is concretely negative, non-finite or too large; if
@@ -922,9 +925,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             ``jax.vmap(tx.init)``, stepped without ``vmap``); if that flag is
             not a scalar; if ``close_window`` is a boolean array that is not a
             scalar (a ``TypeError`` if it is not a bool at all); if a callable
-            ``every_k_schedule`` returns an array that is not a scalar, or a
-            Python or numpy number that is NaN or rounds below 1 (a jax
-            array's is clipped: see the constructor).
+            ``every_k_schedule`` returns more than one number (an array or a
+            list), or a Python or numpy number that is NaN or rounds below 1
+            (a jax array's is clipped, and so is ``inf``: see the
+            constructor).
         """
         with self._reduction.eager_mesh(
             updates, state, params, count, close_window, extra_args

@@ -19,7 +19,10 @@ def test_a_python_older_than_3_11_is_refused_before_the_venv_is_made(tmp_path):
     _copy_make_inputs(tmp_path)
     old = tmp_path / "python3"  # answers like Python 3.10
     old.write_text(
-        '#!/bin/sh\n[ "$1" = "-V" ] && echo "Python 3.10.13" && exit 0\nexit 1\n'
+        "#!/bin/sh\n"
+        '[ "$1" = "-V" ] && echo "Python 3.10.13" && exit 0\n'
+        '[ "$1" = "-c" ] && [ -z "$2" ] && exit 0\n'  # it runs
+        "exit 1\n"
     )
     old.chmod(old.stat().st_mode | stat.S_IEXEC)
     proc = make(tmp_path, "install", f"PYTHON={old}")
@@ -38,6 +41,7 @@ def _fake_python(path, version, log):
         "#!/bin/sh\n"
         f'[ "$1" = "-V" ] && echo "Python {version}" && exit 0\n'
         'case "$2" in\n'
+        '  "") exit 0 ;;\n'  # `-c ''`: it runs
         '  *"< (3, 11)"*) exit 0 ;;\n'
         f'  *">= (3, 15)"*) exit {too_new} ;;\n'
         f'  *"print(*sys.version_info"*) echo {minor}; exit 0 ;;\n'
@@ -73,19 +77,29 @@ def test_a_python_newer_than_the_pins_have_wheels_for_is_refused(tmp_path):
     assert "-m venv --clear .venv" in log.read_text()
 
 
-def test_a_python_that_is_not_installed_is_named_with_those_that_are(tmp_path):
+def test_a_python_that_does_not_run_is_named_with_those_that_do(tmp_path):
     # The hints above name PYTHON=python3.14: where there is none, say so (the
     # version check printed "needs Python >= 3.11; python3.14 is /bin/sh: ...
-    # not found").
+    # not found"), also for a pyenv shim of a version not installed (found on
+    # the PATH, but it does not run).
     _copy_make_inputs(tmp_path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls"
     _fake_python(bin_dir / "python3.12", "3.12.4", log)
-    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
-    for target in ("install", "test-latest"):
+    shim = bin_dir / "python3.13"
+    shim.write_text(
+        '#!/bin/sh\necho "pyenv: python3.13: command not found"; exit 127\n'
+    )
+    shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    # Only the stand-ins on the PATH: what the machine has installed does not
+    # matter (make runs the recipes with /bin/sh, whose built-ins do the rest).
+    env = {**os.environ, "PATH": str(bin_dir)}
+    make_path = shutil.which("make")
+    assert make_path is not None
+    for target, python in [("install", "python3.14"), ("test-latest", "python3.13")]:
         proc = subprocess.run(
-            ["make", target, "PYTHON=python3.14"],
+            [make_path, target, f"PYTHON={python}"],
             cwd=tmp_path,
             capture_output=True,
             text=True,
@@ -93,29 +107,41 @@ def test_a_python_that_is_not_installed_is_named_with_those_that_are(tmp_path):
             env=env,
         )
         assert proc.returncode != 0
-        assert "python3.14 was not found" in proc.stdout, proc.stdout
-        found = proc.stdout.split("on this PATH:")[1].split(")")[0].split()
-        assert "python3.12" in found and len(found) == len(set(found)), found
+        assert f"{python} was not found (or does not run)" in proc.stdout, proc.stdout
+        found = proc.stdout.split("these run here:")[1].split(")")[0].split()
+        assert found == ["python3.12"], proc.stdout
     assert not (tmp_path / ".venv").exists() and not log.exists()
 
 
-def test_a_venv_of_another_python_version_is_made_again(tmp_path):
+def test_a_venv_is_made_again_where_broken_or_a_failed_install_of_another_python(
+    tmp_path,
+):
     # After a failed install with one PYTHON=, a retry with another must not
-    # keep the first one's .venv (the install would fail the same way).
+    # keep the first one's .venv (the install would fail the same way); a
+    # .venv that holds an install keeps its Python.
     _copy_make_inputs(tmp_path)
-    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    venv = tmp_path / ".venv"
+    (venv / "bin").mkdir(parents=True)
     log = tmp_path / "calls"
-    for venv, python, remade in [
-        ("3.15.0", "3.13.2", True),
-        ("3.13.0", "3.13.2", False),
+    for in_venv, python, stamp, remade in [
+        ("3.15.0", "3.13.2", None, True),  # outside 3.11-3.14
+        ("3.10.4", "3.13.2", ".installed-dev", True),
+        ("3.12.0", "3.13.2", None, True),  # nothing installed, another Python
+        ("3.13.0", "3.13.2", None, False),  # nothing installed, the same
+        ("3.11.7", "3.13.2", ".installed-demo", False),  # an install
     ]:
-        _fake_python(tmp_path / ".venv" / "bin" / "python", venv, log)
+        for old in venv.glob(".installed-*"):
+            old.unlink()
+        if stamp:  # older than setup.cfg: the install runs again
+            (venv / stamp).touch()
+            os.utime(venv / stamp, (0, 0))
+        _fake_python(venv / "bin" / "python", in_venv, log)
         _fake_python(tmp_path / "python3", python, log)
         log.unlink(missing_ok=True)
         proc = make(tmp_path, "install", f"PYTHON={tmp_path / 'python3'}")
         assert proc.returncode != 0  # the stand-ins install nothing
         calls = log.read_text().splitlines()
-        assert ("-m venv --clear .venv" in calls[0]) == remade, calls
+        assert ("-m venv --clear .venv" in calls[0]) == remade, (in_venv, calls)
         if not remade:  # the kept venv's pip comes next
             assert calls[0].startswith(".venv/bin/python -m pip"), calls
 
