@@ -523,8 +523,10 @@ def refuse_count_as_value(value: Any) -> None:
         )
 
 
-def _leaf_paths(tree: Any) -> list[str]:
-    # (An NNX State and the dict of its pure arrays compare equal.)
+def leaf_paths(tree: Any) -> list[str]:
+    """Each leaf's path in ``tree``, as ``jax.tree_util.keystr`` spells it, in
+    flattening order. (An NNX State and the dict of its pure arrays give the
+    same paths.)"""
     return [
         jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)
     ]
@@ -555,13 +557,13 @@ def _paired_with_state(
         else:
             # (The {what} beside something else: a pair from a `grad` with
             # `has_aux=True`, say.)
-            want = _leaf_paths(acc_grads)
+            want = leaf_paths(acc_grads)
             inside = [
                 jax.tree_util.keystr(path)
                 for path, child in jax.tree_util.tree_flatten_with_path(
                     tree, is_leaf=lambda x: x is not tree
                 )[0]
-                if _leaf_paths(child) == want
+                if leaf_paths(child) == want
             ]
             if inside:
                 hint = f". Its {inside[0]} has the state's structure: pass that alone"

@@ -38,6 +38,7 @@ from masked_multistep._checks import (
     check_param_leaves,
     check_takes,
     count_weight,
+    leaf_paths,
     refuse_unknown_keywords,
 )
 from masked_multistep._placement import names_an_axis
@@ -254,9 +255,7 @@ def _as_aux_leaf(leaf: Any, name: str) -> jax.Array:
 
 def _aux_reductions(aux: Any, aux_reduction: AuxReduction) -> tuple[str, ...]:
     """``"sum"`` or ``"mean"`` for each leaf of ``aux``, in flattening order."""
-    paths = [
-        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(aux)
-    ]
+    paths = leaf_paths(aux)
     leaves = jax.tree.leaves(aux)
     if aux_reduction is None:
         reductions = ["sum"] * len(leaves)
