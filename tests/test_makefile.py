@@ -17,32 +17,27 @@ def make(cwd, *args):
 
 def test_a_python_older_than_3_11_is_refused_before_the_venv_is_made(tmp_path):
     _copy_make_inputs(tmp_path)
-    old = tmp_path / "python3"  # answers like Python 3.10
-    old.write_text(
-        "#!/bin/sh\n"
-        '[ "$1" = "-V" ] && echo "Python 3.10.13" && exit 0\n'
-        '[ "$1" = "-c" ] && [ -z "$2" ] && exit 0\n'  # it runs
-        "exit 1\n"
-    )
-    old.chmod(old.stat().st_mode | stat.S_IEXEC)
-    proc = make(tmp_path, "install", f"PYTHON={old}")
+    log = tmp_path / "calls"
+    _fake_python(tmp_path / "python3", "3.10.13", log)
+    proc = make(tmp_path, "install", f"PYTHON={tmp_path / 'python3'}")
     assert proc.returncode != 0
     assert "needs Python >= 3.11" in proc.stdout and "Python 3.10.13" in proc.stdout
     assert "make install PYTHON=python3.11" in proc.stdout
-    assert not (tmp_path / ".venv").exists()
+    assert not (tmp_path / ".venv").exists() and not log.exists()
 
 
 def _fake_python(path, version, log):
     """A stand-in interpreter that answers the Makefile's version checks as
     Python ``version`` would and logs (and fails) anything else it is asked."""
     minor = ".".join(version.split(".")[:2])
-    too_new = int(tuple(map(int, version.split(".")[:2])) >= (3, 15))
+    major_minor = tuple(map(int, version.split(".")[:2]))
+    too_old, too_new = int(major_minor < (3, 11)), int(major_minor >= (3, 15))
     path.write_text(
         "#!/bin/sh\n"
         f'[ "$1" = "-V" ] && echo "Python {version}" && exit 0\n'
         'case "$2" in\n'
         '  "") exit 0 ;;\n'  # `-c ''`: it runs
-        '  *"< (3, 11)"*) exit 0 ;;\n'
+        f'  *"< (3, 11)"*) exit {too_old} ;;\n'
         f'  *">= (3, 15)"*) exit {too_new} ;;\n'
         f'  *"print(*sys.version_info"*) echo {minor}; exit 0 ;;\n'
         "esac\n"
