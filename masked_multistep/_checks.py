@@ -43,6 +43,7 @@ import difflib
 import inspect
 import math
 import numbers
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -63,6 +64,7 @@ __all__ = [
     "check_grads_match",
     "check_microbatches",
     "check_param_leaves",
+    "equinox_hint",
     "check_real",
     "check_value",
     "count_weight",
@@ -460,16 +462,50 @@ def refuse_state_as_params(params: Any, argument: str = "`params`") -> None:
     )
 
 
-def check_param_leaves(params: Any, wanted: str = "arrays (or Python numbers)") -> None:
+# What an equinox module's optimizer state is built from and its steps take,
+# as in equinox's and optax's examples: its arrays (its functions and other
+# fields None), and the gradients `eqx.filter_grad` returns, of that structure.
+EQX_ARRAYS = (
+    "pass its arrays, `eqx.filter(model, eqx.is_array)`, to `init` and as "
+    "params (`eqx.filter_grad` gives gradients of that structure)"
+)
+
+
+def holds_equinox(tree: Any) -> bool:
+    """Whether ``tree`` is or holds an equinox module (equinox not imported
+    here: a tree can hold one only where it is)."""
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return False
+    kind = eqx.Module
+    return any(
+        isinstance(x, kind)
+        for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind))
+    )
+
+
+def equinox_hint(tree: Any, fix: str = EQX_ARRAYS) -> str:
+    """For a tree holding an equinox module (whose functions and other
+    non-array fields are leaves too): what to do instead, ``fix``."""
+    return f". For an equinox module, {fix}" if holds_equinox(tree) else ""
+
+
+def check_param_leaves(
+    params: Any,
+    wanted: str = "arrays (or Python numbers)",
+    eqx_fix: str = EQX_ARRAYS,
+) -> None:
     """Refuses a params leaf that is not an array or a Python number (the
-    error says the params must hold ``wanted``): the accumulator's dtype comes
-    from ``jnp.result_type``, which reads a string leaf as a dtype name
-    ("int8") or fails without saying where ("relu")."""
+    error says the params must hold ``wanted``, and for an equinox module
+    what to do, ``eqx_fix``): the accumulator's dtype comes from
+    ``jnp.result_type``, which reads a string leaf as a dtype name ("int8")
+    or fails without saying where ("relu")."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if not isinstance(leaf, PARAM_LEAF_TYPES):
             raise TypeError(
                 f"`params` must hold {wanted}, got {type(leaf).__name__} "
                 f"{leaf!r:.60} at params{jax.tree_util.keystr(path)}"
+                + equinox_hint(params, eqx_fix)
             )
 
 
@@ -572,6 +608,10 @@ def _paired_with_state(
                         " (`jax.grad(..., has_aux=True)` and `nnx.grad(..., "
                         "has_aux=True)` return `(grads, aux)`)"
                     )
+        if not hint:
+            # A whole equinox module, its functions as leaves, where the
+            # state was built from its arrays.
+            hint = equinox_hint(tree)
         raise ValueError(
             f"The {what}' tree structure does not match the state's: got "
             f"{t_def}, expected {a_def} (the structure of the params passed to "

@@ -38,6 +38,7 @@ from masked_multistep._checks import (
     check_param_leaves,
     check_takes,
     count_weight,
+    equinox_hint,
     leaf_paths,
     refuse_unknown_keywords,
 )
@@ -419,7 +420,9 @@ def _check_params(params: Any, whole_ok: bool = False) -> None:
     """
     _nnx_state.check_nnx_modules(params, whole_ok)
     check_param_leaves(
-        params, "only floating (or complex) arrays, the variables to differentiate"
+        params,
+        "only floating (or complex) arrays, the variables to differentiate",
+        _EQX_SPLIT,
     )
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         dtype = jnp.result_type(leaf)
@@ -428,13 +431,21 @@ def _check_params(params: Any, whole_ok: bool = False) -> None:
                 ". An NNX module that holds RNG streams, batch statistics or "
                 f"other non-parameter state: {_nnx_state.SPLIT_RECIPE}"
                 if _nnx_state.holds_nnx(params)
-                else ""
+                else equinox_hint(params, _EQX_SPLIT)
             )
             raise TypeError(
                 "`params` must hold only floating (or complex) arrays, the "
                 f"variables to differentiate, got dtype {dtype} at "
                 f"params{jax.tree_util.keystr(path)}{hint}"
             )
+
+
+# An equinox module's floating arrays are what `loss_fn` differentiates; the
+# rest (its functions, integer arrays) it closes over.
+_EQX_SPLIT = (
+    "differentiate its floating arrays: `params, static = eqx.partition(model, "
+    "eqx.is_inexact_array)`, and `eqx.combine(params, static)` in `loss_fn`"
+)
 
 
 def _vary_like(tree: Any, types: Any) -> Any:

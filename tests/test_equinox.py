@@ -1,0 +1,154 @@
+"""Equinox modules: the wrapper on their arrays, as optax takes them."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import masked_multistep as mm
+
+K = 3
+# Rows per microbatch that carry a loss: 2, 1 and 4 of 4.
+MASK = np.array([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]], bool)
+
+
+def _model():
+    # An MLP holds its activation functions as fields (pytree leaves).
+    return eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0))
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(K, 4, 3)).astype(np.float32)
+    y = rng.normal(size=(K, 4, 2)).astype(np.float32)
+    return x, y
+
+
+def _loss(model, x, y, mask):
+    per_row = jnp.sum((jax.vmap(model)(x) - y) ** 2, axis=-1)
+    return mm.masked_mean(per_row, mask)
+
+
+def _full_batch(model):
+    """The full batch's token-mean loss, its gradient and adam's step on it."""
+    x, y = _data()
+    (loss, count), grads = eqx.filter_value_and_grad(_loss, has_aux=True)(
+        model, x.reshape(-1, 3), y.reshape(-1, 2), MASK.reshape(-1)
+    )
+    opt = optax.adam(1e-2)
+    params = eqx.filter(model, eqx.is_array)
+    updates, _ = opt.update(grads, opt.init(params), params)
+    return loss, count, grads, eqx.apply_updates(model, updates)
+
+
+def _assert_close(a, b):
+    a, b = eqx.filter(a, eqx.is_array), eqx.filter(b, eqx.is_array)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("wrapper", ["masked", "optax"])
+def test_a_window_of_an_equinox_module_is_its_full_batch_step(wrapper):
+    # The README's loop: state and steps on the module's arrays.
+    model = _model()
+    if wrapper == "masked":
+        tx = mm.MaskedMultiSteps(optax.adam(1e-2), K, window_stats=True)
+    else:  # equal weights for unequal counts: the test tells them apart
+        tx = optax.MultiSteps(optax.adam(1e-2), K)
+    state = tx.init(eqx.filter(model, eqx.is_array))
+
+    @eqx.filter_jit
+    def step(model, state, x, y, mask):
+        (loss, count), grads = eqx.filter_value_and_grad(_loss, has_aux=True)(
+            model, x, y, mask
+        )
+        kwargs = dict(count=count, value=loss) if wrapper == "masked" else {}
+        updates, state = tx.update(
+            grads, state, eqx.filter(model, eqx.is_array), **kwargs
+        )
+        return eqx.apply_updates(model, updates), state
+
+    x, y = _data()
+    for i in range(K):
+        model, state = step(model, state, x[i], y[i], MASK[i])
+        assert bool(tx.has_updated(state)) == (i == K - 1)
+    loss, count, _, want = _full_batch(_model())
+    assert model.activation is jax.nn.relu  # the module's functions kept
+    if wrapper == "optax":
+        with pytest.raises(AssertionError):
+            _assert_close(model, want)
+        return
+    _assert_close(model, want)
+    stats = mm.window_stats(state)
+    assert int(stats.tokens) == int(count) == 7
+    np.testing.assert_allclose(stats.loss, loss, rtol=1e-6)
+
+
+def test_apply_gradients_takes_and_returns_the_arrays():
+    model = _model()
+    params, static = eqx.partition(model, eqx.is_array)
+    tx = mm.MaskedMultiSteps(optax.adam(1e-2), K)
+    state = tx.init(params)
+    x, y = _data()
+    for i in range(K):
+        (_, count), grads = eqx.filter_value_and_grad(_loss, has_aux=True)(
+            eqx.combine(params, static), x[i], y[i], MASK[i]
+        )
+        params, state = tx.apply_gradients(grads, state, params, count=count)
+    _assert_close(eqx.combine(params, static), _full_batch(_model())[3])
+
+
+def test_in_jit_microbatching_of_a_partitioned_module():
+    model = _model()
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    grad_fn = eqx.filter_jit(
+        mm.microbatched_value_and_grad(
+            lambda params, mb: _loss(eqx.combine(params, static), *mb), K
+        )
+    )
+    x, y = _data()
+    # Row r * K + j is row r of microbatch j (the strided split): any order of
+    # the rows gives the full batch's token mean.
+    batch = (x.reshape(-1, 3), y.reshape(-1, 2), MASK.reshape(-1))
+    (loss, count), grads = grad_fn(params, batch)
+    want_loss, want_count, want_grads, _ = _full_batch(model)
+    assert int(count) == int(want_count) == 7
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    _assert_close(grads, want_grads)
+
+
+class _Indexed(eqx.Module):
+    weight: jax.Array
+    index: jax.Array  # an integer array: not differentiable
+
+    def __call__(self, x):
+        return x @ self.weight[self.index]
+
+
+def test_a_whole_module_where_its_arrays_belong_is_refused_with_the_recipe():
+    model = _model()
+    params = eqx.filter(model, eqx.is_array)
+    tx = mm.MaskedMultiSteps(optax.adam(1e-2), K)
+    state = tx.init(params)
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(3))))(model)
+    recipe = r"an equinox module, pass its arrays, `eqx.filter\(model, eqx.is_array\)`"
+    with pytest.raises(TypeError, match=r"at params.activation\. For " + recipe):
+        tx.init(model)
+    with pytest.raises(ValueError, match=r"params' tree structure .*" + recipe):
+        tx.update(grads, state, model, count=2)
+    with pytest.raises(ValueError, match=r"params' tree structure .*" + recipe):
+        tx.apply_gradients(grads, state, model, count=2)
+    split = r"`params, static = eqx.partition\(model, eqx.is_inexact_array\)`"
+    grad_fn = mm.microbatched_value_and_grad(lambda params, mb: 0.0, 2)
+    with pytest.raises(TypeError, match=r"at params.activation\. .*" + split):
+        grad_fn(model, jnp.ones((2, 3)))
+    indexed = _Indexed(jnp.ones((2, 3)), jnp.array([1, 0]))
+    with pytest.raises(TypeError, match=r"dtype int32 at params.index\. .*" + split):
+        grad_fn(indexed, jnp.ones((2, 3)))
+    # Other trees' messages say nothing of equinox.
+    with pytest.raises(TypeError) as refused:
+        tx.init({"w": jnp.ones(2), "act": jax.nn.relu})
+    assert "equinox" not in str(refused.value)
