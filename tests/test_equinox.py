@@ -152,3 +152,29 @@ def test_a_whole_module_where_its_arrays_belong_is_refused_with_the_recipe():
     with pytest.raises(TypeError) as refused:
         tx.init({"w": jnp.ones(2), "act": jax.nn.relu})
     assert "equinox" not in str(refused.value)
+
+
+def test_data_parallel_deferred_on_a_partitioned_module():
+    # Each device's own running mean, combined once per window: as one device.
+    devices = jax.devices()[:4]
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    params, static = eqx.partition(_model(), eqx.is_inexact_array)
+    params = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
+
+    def loss(params, batch):
+        return _loss(eqx.combine(params, static), *batch)
+
+    grad_fn = mm.per_device_value_and_grad(loss, mesh, "data")
+    tx = mm.MaskedMultiSteps(optax.adam(1e-2), K, reduction=mm.deferred(mesh, "data"))
+    state = tx.init(params)
+    x, y = _data()
+    for i in range(K):
+        batch = jax.device_put(
+            (x[i], y[i], MASK[i]), jax.NamedSharding(mesh, jax.P("data"))
+        )
+        (_, count), grads = grad_fn(params, batch)
+        params, state = eqx.filter_jit(tx.apply_gradients)(
+            grads, state, params, count=count
+        )
+    assert int(state.gradient_step) == 1
+    _assert_close(eqx.combine(params, static), _full_batch(_model())[3])
