@@ -462,12 +462,14 @@ def refuse_state_as_params(params: Any, argument: str = "`params`") -> None:
     )
 
 
-# What an equinox module's optimizer state is built from and its steps take,
-# as in equinox's and optax's examples: its arrays (its functions and other
-# fields None), and the gradients `eqx.filter_grad` returns, of that structure.
+# What an equinox module's optimizer state is built from and its steps take:
+# its floating arrays (its functions, other fields and integer arrays None),
+# the structure of the gradients `eqx.filter_grad` returns. (Equinox's
+# examples filter by `eqx.is_array`, the same for a module without integer
+# arrays; with them, a state would hold leaves no gradient has.)
 EQX_ARRAYS = (
-    "pass its arrays, `eqx.filter(model, eqx.is_array)`, to `init` and as "
-    "params (`eqx.filter_grad` gives gradients of that structure)"
+    "pass its floating arrays, `eqx.filter(model, eqx.is_inexact_array)`, to "
+    "`init` and as params (the structure of `eqx.filter_grad`'s gradients)"
 )
 
 

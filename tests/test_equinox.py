@@ -38,13 +38,13 @@ def _full_batch(model):
         model, x.reshape(-1, 3), y.reshape(-1, 2), MASK.reshape(-1)
     )
     opt = optax.adam(1e-2)
-    params = eqx.filter(model, eqx.is_array)
+    params = eqx.filter(model, eqx.is_inexact_array)
     updates, _ = opt.update(grads, opt.init(params), params)
     return loss, count, grads, eqx.apply_updates(model, updates)
 
 
 def _assert_close(a, b):
-    a, b = eqx.filter(a, eqx.is_array), eqx.filter(b, eqx.is_array)
+    a, b = eqx.filter(a, eqx.is_inexact_array), eqx.filter(b, eqx.is_inexact_array)
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
@@ -58,7 +58,7 @@ def test_a_window_of_an_equinox_module_is_its_full_batch_step(wrapper):
         tx = mm.MaskedMultiSteps(optax.adam(1e-2), K, window_stats=True)
     else:  # equal weights for unequal counts: the test tells them apart
         tx = optax.MultiSteps(optax.adam(1e-2), K)
-    state = tx.init(eqx.filter(model, eqx.is_array))
+    state = tx.init(eqx.filter(model, eqx.is_inexact_array))
 
     @eqx.filter_jit
     def step(model, state, x, y, mask):
@@ -67,7 +67,7 @@ def test_a_window_of_an_equinox_module_is_its_full_batch_step(wrapper):
         )
         kwargs = dict(count=count, value=loss) if wrapper == "masked" else {}
         updates, state = tx.update(
-            grads, state, eqx.filter(model, eqx.is_array), **kwargs
+            grads, state, eqx.filter(model, eqx.is_inexact_array), **kwargs
         )
         return eqx.apply_updates(model, updates), state
 
@@ -89,7 +89,7 @@ def test_a_window_of_an_equinox_module_is_its_full_batch_step(wrapper):
 
 def test_apply_gradients_takes_and_returns_the_arrays():
     model = _model()
-    params, static = eqx.partition(model, eqx.is_array)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
     tx = mm.MaskedMultiSteps(optax.adam(1e-2), K)
     state = tx.init(params)
     x, y = _data()
@@ -125,16 +125,19 @@ class _Indexed(eqx.Module):
     index: jax.Array  # an integer array: not differentiable
 
     def __call__(self, x):
-        return x @ self.weight[self.index]
+        return jnp.sum(self.weight[self.index] @ x)
 
 
 def test_a_whole_module_where_its_arrays_belong_is_refused_with_the_recipe():
     model = _model()
-    params = eqx.filter(model, eqx.is_array)
+    params = eqx.filter(model, eqx.is_inexact_array)
     tx = mm.MaskedMultiSteps(optax.adam(1e-2), K)
     state = tx.init(params)
     grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(3))))(model)
-    recipe = r"an equinox module, pass its arrays, `eqx.filter\(model, eqx.is_array\)`"
+    recipe = (
+        r"an equinox module, pass its floating arrays, "
+        r"`eqx.filter\(model, eqx.is_inexact_array\)`"
+    )
     with pytest.raises(TypeError, match=r"at params.activation\. For " + recipe):
         tx.init(model)
     with pytest.raises(ValueError, match=r"params' tree structure .*" + recipe):
@@ -148,6 +151,16 @@ def test_a_whole_module_where_its_arrays_belong_is_refused_with_the_recipe():
     indexed = _Indexed(jnp.ones((2, 3)), jnp.array([1, 0]))
     with pytest.raises(TypeError, match=r"dtype int32 at params.index\. .*" + split):
         grad_fn(indexed, jnp.ones((2, 3)))
+    # A state holding the integer arrays (`eqx.is_array`, as equinox's examples
+    # filter), which `eqx.filter_grad` gives no gradient: the message says so.
+    with_ints = eqx.filter(indexed, eqx.is_array)
+    grads = eqx.filter_grad(lambda m: m(jnp.ones(3)))(indexed)
+    assert grads.index is None
+    with pytest.raises(ValueError, match=r"gradients' tree structure .*" + recipe):
+        tx.update(grads, tx.init(with_ints), with_ints, count=2)
+    floats = eqx.filter(indexed, eqx.is_inexact_array)
+    updates, _ = tx.update(grads, tx.init(floats), floats, count=2)
+    assert updates.index is None
     # Other trees' messages say nothing of equinox.
     with pytest.raises(TypeError) as refused:
         tx.init({"w": jnp.ones(2), "act": jax.nn.relu})
