@@ -64,10 +64,11 @@ __all__ = [
     "check_grads_match",
     "check_microbatches",
     "check_param_leaves",
-    "equinox_hint",
     "check_real",
     "check_value",
     "count_weight",
+    "equinox_hint",
+    "holds_instance",
     "host_int_to_float",
     "is_host_int",
     "python_scalar",
@@ -463,51 +464,92 @@ def refuse_state_as_params(params: Any, argument: str = "`params`") -> None:
 
 
 # What an equinox module's optimizer state is built from and its steps take:
-# its floating arrays (its functions, other fields and integer arrays None),
-# the structure of the gradients `eqx.filter_grad` returns. (Equinox's
-# examples filter by `eqx.is_array`, the same for a module without integer
-# arrays; with them, a state would hold leaves no gradient has.)
-EQX_ARRAYS = (
+# its floating arrays (its functions, other fields and non-floating arrays
+# None), the structure of the gradients `eqx.filter_grad` returns. (Equinox's
+# examples filter by `eqx.is_array`, the same for a module of floating arrays
+# only; with integer or boolean arrays or PRNG keys, a state would hold leaves
+# no gradient has.)
+EQX_RECIPE = (
     "pass its floating arrays, `eqx.filter(model, eqx.is_inexact_array)`, to "
     "`init` and as params (the structure of `eqx.filter_grad`'s gradients)"
 )
 
 
-def holds_equinox(tree: Any) -> bool:
-    """Whether ``tree`` is or holds an equinox module (equinox not imported
-    here: a tree can hold one only where it is)."""
-    eqx = sys.modules.get("equinox")
-    if eqx is None:
+def holds_instance(tree: Any, module: str, *names: str) -> bool:
+    """Whether ``tree`` is or holds an instance of the classes ``names`` of
+    the module ``module`` (not imported here: a tree can hold one only where
+    it is)."""
+    found = sys.modules.get(module)
+    if found is None:
         return False
-    kind = eqx.Module
-    return any(
-        isinstance(x, kind)
-        for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind))
-    )
+    return bool(instances_in(tree, tuple(getattr(found, n) for n in names)))
 
 
-def equinox_hint(tree: Any, fix: str = EQX_ARRAYS) -> str:
+def equinox_hint(tree: Any, fix: str = EQX_RECIPE) -> str:
     """For a tree holding an equinox module (whose functions and other
-    non-array fields are leaves too): what to do instead, ``fix``."""
-    return f". For an equinox module, {fix}" if holds_equinox(tree) else ""
+    non-array fields are leaves too): what to do instead, ``fix``.
+
+    Examples:
+      >>> from masked_multistep._checks import equinox_hint
+      >>> equinox_hint({"w": 1.0})  # no equinox module: no hint
+      ''
+    """
+    if not holds_instance(tree, "equinox", "Module"):
+        return ""
+    return f". For an equinox module, {fix}"
+
+
+def _filter_hint(tree: Any, acc_grads: Any, what: str) -> str:
+    """Where ``tree`` (the params or gradients, holding an equinox module)
+    and the state's accumulator differ only where one holds ``None`` (an
+    equinox filter's placeholder) and the other a leaf: those paths, and that
+    both must come from one filter."""
+    if not holds_instance(tree, "equinox", "Module"):
+        return ""
+    is_none = lambda x: x is None  # noqa: E731
+    if jax.tree.structure(tree, is_leaf=is_none) != jax.tree.structure(
+        acc_grads, is_leaf=is_none
+    ):
+        return ""  # another model, not another filter of it
+    apart = [
+        jax.tree_util.keystr(path)
+        for (path, x), a in zip(
+            jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)[0],
+            jax.tree.leaves(acc_grads, is_leaf=is_none),
+            strict=True,
+        )
+        if (x is None) != (a is None)
+    ]
+    return (
+        f". The {what} and the state differ where one holds None, at "
+        f"{first_three(apart)}: for an equinox module both come from one filter; "
+        f"{EQX_RECIPE}, or for `eqx.partition(model, spec)` (frozen layers) its "
+        "first part"
+    )
 
 
 def check_param_leaves(
     params: Any,
     wanted: str = "arrays (or Python numbers)",
-    eqx_fix: str = EQX_ARRAYS,
+    eqx_fix: str = EQX_RECIPE,
 ) -> None:
-    """Refuses a params leaf that is not an array or a Python number (the
-    error says the params must hold ``wanted``, and for an equinox module
-    what to do, ``eqx_fix``): the accumulator's dtype comes from
-    ``jnp.result_type``, which reads a string leaf as a dtype name ("int8")
-    or fails without saying where ("relu")."""
+    """Refuses a params leaf that is not an array or a Python number, or an
+    array of PRNG keys (the error says the params must hold ``wanted``, and
+    for an equinox module what to do, ``eqx_fix``): the accumulator's dtype
+    comes from ``jnp.result_type``, which reads a string leaf as a dtype name
+    ("int8") or fails without saying where ("relu", a key's dtype)."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        got = None
         if not isinstance(leaf, PARAM_LEAF_TYPES):
+            got = f"{type(leaf).__name__} {leaf!r:.60}"
+        elif isinstance(leaf, jax.Array) and jnp.issubdtype(
+            leaf.dtype, jax.dtypes.extended
+        ):
+            got = f"an array of {leaf.dtype}"
+        if got is not None:
             raise TypeError(
-                f"`params` must hold {wanted}, got {type(leaf).__name__} "
-                f"{leaf!r:.60} at params{jax.tree_util.keystr(path)}"
-                + equinox_hint(params, eqx_fix)
+                f"`params` must hold {wanted}, got {got} at "
+                f"params{jax.tree_util.keystr(path)}" + equinox_hint(params, eqx_fix)
             )
 
 
@@ -611,9 +653,9 @@ def _paired_with_state(
                         "has_aux=True)` return `(grads, aux)`)"
                     )
         if not hint:
-            # A whole equinox module, its functions as leaves, where the
-            # state was built from its arrays.
-            hint = equinox_hint(tree)
+            # An equinox module filtered otherwise than the state's params (or
+            # whole, its functions as leaves).
+            hint = _filter_hint(tree, acc_grads, what)
         raise ValueError(
             f"The {what}' tree structure does not match the state's: got "
             f"{t_def}, expected {a_def} (the structure of the params passed to "

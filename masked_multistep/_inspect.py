@@ -335,6 +335,12 @@ def params_like(state: MaskedMultiStepsState) -> Any:
     )
 
 
+def _all_labels(tree: Any) -> bool:
+    """Whether ``tree``'s leaves are labels (``str``), one at least."""
+    leaves = jax.tree.leaves(unboxed_all(tree))
+    return bool(leaves) and all(isinstance(x, str) for x in leaves)
+
+
 def leaf_labels(groups: Any, tree: Any) -> list[str]:
     """The label of each leaf of ``tree`` (in ``jax.tree.leaves`` order) that
     ``groups`` gives: a pytree of ``str`` labels shaped like ``tree`` or a
@@ -348,7 +354,8 @@ def leaf_labels(groups: Any, tree: Any) -> list[str]:
     alike), so a plain ``dict`` of labels matches an NNX ``State``, and NNX
     variables holding labels count as the labels they hold.
     """
-    if callable(groups):
+    # (A tree of labels may be callable itself: an equinox module's.)
+    if callable(groups) and not _all_labels(groups):
         check_takes_one(groups, "`groups`", "the params")
         called = []
         try:

@@ -412,6 +412,14 @@ def _check_output(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
     return loss, weight, aux
 
 
+# An equinox module's floating arrays are what `loss_fn` differentiates; the
+# rest (its functions, integer arrays) it closes over.
+_EQX_SPLIT = (
+    "differentiate its floating arrays: `params, static = eqx.partition(model, "
+    "eqx.is_inexact_array)`, and `eqx.combine(params, static)` in `loss_fn`"
+)
+
+
 def _check_params(params: Any, whole_ok: bool = False) -> None:
     """``params`` holds only floating (or complex) leaves, as ``jax.grad`` needs.
 
@@ -438,14 +446,6 @@ def _check_params(params: Any, whole_ok: bool = False) -> None:
                 f"variables to differentiate, got dtype {dtype} at "
                 f"params{jax.tree_util.keystr(path)}{hint}"
             )
-
-
-# An equinox module's floating arrays are what `loss_fn` differentiates; the
-# rest (its functions, integer arrays) it closes over.
-_EQX_SPLIT = (
-    "differentiate its floating arrays: `params, static = eqx.partition(model, "
-    "eqx.is_inexact_array)`, and `eqx.combine(params, static)` in `loss_fn`"
-)
 
 
 def _vary_like(tree: Any, types: Any) -> Any:

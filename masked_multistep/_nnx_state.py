@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from masked_multistep._checks import first_three
+from masked_multistep._checks import first_three, holds_instance
 from masked_multistep._shards import varying_axes
 
 SPLIT_RECIPE = (
@@ -251,14 +251,7 @@ def refuse_module_state(params: Any, wrt: Any) -> None:
 
 def holds_nnx(params: Any) -> bool:
     """Whether ``params`` is or holds an NNX module, variable or state."""
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None:
-        return False
-    kinds = (nnx.Module, nnx.Variable, nnx.State)
-    return any(
-        isinstance(x, kinds)
-        for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, kinds))
-    )
+    return holds_instance(params, "flax.nnx", "Module", "Variable", "State")
 
 
 def layout_text(layout: Any) -> str:

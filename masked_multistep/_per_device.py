@@ -46,6 +46,7 @@ from masked_multistep._microbatch import (
     _aux_reductions,
     _batch_size,
     _check_args,
+    _check_params,
     _check_rng,
     _grad_fn,
     _sum_dtype,
@@ -314,6 +315,8 @@ def _per_device(
         _check_batch(batch, num_devices, k)
         if wrt is not None:
             refuse_module_state(params, wrt)
+        else:  # (jax's own error names no path: a function where an array belongs)
+            _check_params(params)
         key = None if rng is None else _check_rng(rng)
         with jax.named_scope("masked_multistep/per_device"):
             return mapped(

@@ -12,6 +12,9 @@ import masked_multistep as mm
 K = 3
 # Rows per microbatch that carry a loss: 2, 1 and 4 of 4.
 MASK = np.array([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]], bool)
+# A step of minus the gradient: a gradient of the wrong size shows (adam's first
+# step, about the learning rate times the gradient's sign, would hide it).
+OPT = optax.sgd(1.0)
 
 
 def _model():
@@ -32,14 +35,13 @@ def _loss(model, x, y, mask):
 
 
 def _full_batch(model):
-    """The full batch's token-mean loss, its gradient and adam's step on it."""
+    """The full batch's token-mean loss, its gradient and the step on it."""
     x, y = _data()
     (loss, count), grads = eqx.filter_value_and_grad(_loss, has_aux=True)(
         model, x.reshape(-1, 3), y.reshape(-1, 2), MASK.reshape(-1)
     )
-    opt = optax.adam(1e-2)
     params = eqx.filter(model, eqx.is_inexact_array)
-    updates, _ = opt.update(grads, opt.init(params), params)
+    updates, _ = OPT.update(grads, OPT.init(params), params)
     return loss, count, grads, eqx.apply_updates(model, updates)
 
 
@@ -55,9 +57,9 @@ def test_a_window_of_an_equinox_module_is_its_full_batch_step(wrapper):
     # The README's loop: state and steps on the module's arrays.
     model = _model()
     if wrapper == "masked":
-        tx = mm.MaskedMultiSteps(optax.adam(1e-2), K, window_stats=True)
+        tx = mm.MaskedMultiSteps(OPT, K, window_stats=True)
     else:  # equal weights for unequal counts: the test tells them apart
-        tx = optax.MultiSteps(optax.adam(1e-2), K)
+        tx = optax.MultiSteps(OPT, K)
     state = tx.init(eqx.filter(model, eqx.is_inexact_array))
 
     @eqx.filter_jit
@@ -90,7 +92,7 @@ def test_a_window_of_an_equinox_module_is_its_full_batch_step(wrapper):
 def test_apply_gradients_takes_and_returns_the_arrays():
     model = _model()
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    tx = mm.MaskedMultiSteps(optax.adam(1e-2), K)
+    tx = mm.MaskedMultiSteps(OPT, K)
     state = tx.init(params)
     x, y = _data()
     for i in range(K):
@@ -128,26 +130,37 @@ class _Indexed(eqx.Module):
         return jnp.sum(self.weight[self.index] @ x)
 
 
+class _Keyed(eqx.Module):
+    weight: jax.Array
+    key: jax.Array  # a PRNG key: not a parameter
+
+
 def test_a_whole_module_where_its_arrays_belong_is_refused_with_the_recipe():
     model = _model()
     params = eqx.filter(model, eqx.is_inexact_array)
-    tx = mm.MaskedMultiSteps(optax.adam(1e-2), K)
+    tx = mm.MaskedMultiSteps(OPT, K)
     state = tx.init(params)
     grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(3))))(model)
     recipe = (
-        r"an equinox module, pass its floating arrays, "
+        r"an equinox module.* pass its floating arrays, "
         r"`eqx.filter\(model, eqx.is_inexact_array\)`"
     )
     with pytest.raises(TypeError, match=r"at params.activation\. For " + recipe):
         tx.init(model)
-    with pytest.raises(ValueError, match=r"params' tree structure .*" + recipe):
+    apart = r"differ where one holds None, at .activation, .final_activation: for "
+    with pytest.raises(ValueError, match=r"params' tree structure .*" + apart + recipe):
         tx.update(grads, state, model, count=2)
-    with pytest.raises(ValueError, match=r"params' tree structure .*" + recipe):
+    with pytest.raises(ValueError, match=r"params' tree structure .*" + apart + recipe):
         tx.apply_gradients(grads, state, model, count=2)
     split = r"`params, static = eqx.partition\(model, eqx.is_inexact_array\)`"
     grad_fn = mm.microbatched_value_and_grad(lambda params, mb: 0.0, 2)
     with pytest.raises(TypeError, match=r"at params.activation\. .*" + split):
         grad_fn(model, jnp.ones((2, 3)))
+    # (jax's own error there named no path.)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    per_device = mm.per_device_value_and_grad(lambda params, mb: 0.0, mesh)
+    with pytest.raises(TypeError, match=r"at params.activation\. .*" + split):
+        per_device(model, jnp.ones((2, 3)))
     indexed = _Indexed(jnp.ones((2, 3)), jnp.array([1, 0]))
     with pytest.raises(TypeError, match=r"dtype int32 at params.index\. .*" + split):
         grad_fn(indexed, jnp.ones((2, 3)))
@@ -156,20 +169,65 @@ def test_a_whole_module_where_its_arrays_belong_is_refused_with_the_recipe():
     with_ints = eqx.filter(indexed, eqx.is_array)
     grads = eqx.filter_grad(lambda m: m(jnp.ones(3)))(indexed)
     assert grads.index is None
-    with pytest.raises(ValueError, match=r"gradients' tree structure .*" + recipe):
+    at_index = r"differ where one holds None, at .index: for " + recipe
+    with pytest.raises(ValueError, match=r"gradients' tree structure .*" + at_index):
         tx.update(grads, tx.init(with_ints), with_ints, count=2)
     floats = eqx.filter(indexed, eqx.is_inexact_array)
     updates, _ = tx.update(grads, tx.init(floats), floats, count=2)
     assert updates.index is None
+    # A PRNG key among the arrays (`eqx.is_array` keeps it) is named, where the
+    # dtype's conversion failed without a path.
+    keyed = eqx.filter(_Keyed(jnp.ones(2), jax.random.key(0)), eqx.is_array)
+    with pytest.raises(TypeError, match=r"an array of key<fry> at params.key\. For "):
+        tx.init(keyed)
+
+
+def test_the_hint_is_for_another_filter_of_the_same_module_only():
+    tx = mm.MaskedMultiSteps(OPT, K)
+    state = tx.init(eqx.filter(_model(), eqx.is_inexact_array))
+    # Another architecture, filtered alike: the structures say it all.
+    other = eqx.filter(eqx.nn.MLP(3, 2, 4, 2, key=jax.random.key(1)), eqx.is_array)
+    with pytest.raises(ValueError, match="tree structure") as refused:
+        tx.update(other, state, other, count=1)
+    assert "equinox" not in str(refused.value)
+    # Frozen layers (equinox's `eqx.partition` by a spec): the state of what
+    # trains, the gradients of the whole module, apart at the frozen ones.
+    model = _model()
+    spec = jax.tree.map(lambda _: False, model)
+    spec = eqx.tree_at(lambda m: m.layers[-1].weight, spec, replace=True)
+    trained, _ = eqx.partition(model, spec)
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(3))))(model)
+    with pytest.raises(
+        ValueError, match=r"at .layers\[0\].weight, .layers\[0\].bias, .*first part"
+    ):
+        tx.update(grads, tx.init(trained), trained, count=1)
     # Other trees' messages say nothing of equinox.
     with pytest.raises(TypeError) as refused:
         tx.init({"w": jnp.ones(2), "act": jax.nn.relu})
     assert "equinox" not in str(refused.value)
 
 
+def test_window_stats_groups_by_a_module_shaped_tree_of_labels():
+    # An equinox module is callable: a tree of labels shaped like one is not
+    # taken for a function of the params.
+    params = eqx.filter(_model(), eqx.is_inexact_array)
+    tx = mm.MaskedMultiSteps(OPT, 1, per_leaf_stats=True)
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    _, state = tx.update(grads, state, params, count=2)
+    labels = jax.tree.map(lambda _: "all", params)
+    labels = eqx.tree_at(lambda m: m.layers[0].weight, labels, replace="first")
+    stats = mm.window_stats(state, groups=labels)
+    first = params.layers[0].weight.size
+    total = sum(x.size for x in jax.tree.leaves(params))
+    assert float(stats.grad_sq_norm["first"]) == first
+    assert float(stats.grad_sq_norm["all"]) == total - first
+
+
 def test_data_parallel_deferred_on_a_partitioned_module():
     # Each device's own running mean, combined once per window: as one device.
     devices = jax.devices()[:4]
+    assert len(devices) == 4  # one per row: a device without tokens
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     params, static = eqx.partition(_model(), eqx.is_inexact_array)
     params = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
@@ -178,7 +236,7 @@ def test_data_parallel_deferred_on_a_partitioned_module():
         return _loss(eqx.combine(params, static), *batch)
 
     grad_fn = mm.per_device_value_and_grad(loss, mesh, "data")
-    tx = mm.MaskedMultiSteps(optax.adam(1e-2), K, reduction=mm.deferred(mesh, "data"))
+    tx = mm.MaskedMultiSteps(OPT, K, reduction=mm.deferred(mesh, "data"))
     state = tx.init(params)
     x, y = _data()
     for i in range(K):
