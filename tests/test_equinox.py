@@ -249,3 +249,36 @@ def test_data_parallel_deferred_on_a_partitioned_module():
         )
     assert int(state.gradient_step) == 1
     _assert_close(eqx.combine(params, static), _full_batch(_model())[3])
+
+
+def test_a_mid_window_checkpoint_by_equinox_resumes_bit_identically(tmp_path):
+    # equinox's own serialisation of the wrapper's state (leaves in order,
+    # into a state of the same settings), mid-window.
+    params, static = eqx.partition(_model(), eqx.is_inexact_array)
+    tx = mm.MaskedMultiSteps(OPT, K, window_stats=True)
+    step = jax.jit(tx.apply_gradients)
+    x, y = _data()
+
+    def grads_of(params, i):
+        model = eqx.combine(params, static)
+        (_, count), grads = eqx.filter_value_and_grad(_loss, has_aux=True)(
+            model, x[i], y[i], MASK[i]
+        )
+        return grads, count
+
+    state = tx.init(params)
+    grads, count = grads_of(params, 0)
+    params, state = step(grads, state, params, count=count)
+    path = tmp_path / "state.eqx"
+    eqx.tree_serialise_leaves(path, (params, state))
+    restored = eqx.tree_deserialise_leaves(path, (params, tx.init(params)))
+    runs = []
+    for params_i, state_i in [(params, state), restored]:
+        for i in range(1, K):
+            grads, count = grads_of(params_i, i)
+            params_i, state_i = step(grads, state_i, params_i, count=count)
+        runs.append((params_i, state_i))
+    (a, sa), (b, sb) = runs
+    assert int(sb.gradient_step) == 1
+    for u, v in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, sb)), strict=True):
+        np.testing.assert_array_equal(u, v)
