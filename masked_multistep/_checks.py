@@ -541,7 +541,9 @@ def check_param_leaves(
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         got = None
         if not isinstance(leaf, PARAM_LEAF_TYPES):
-            got = f"{type(leaf).__name__} {leaf!r:.60}"
+            text = repr(leaf)
+            text = text if len(text) <= 60 else text[:57] + "..."
+            got = f"{type(leaf).__name__} {text}"
         elif isinstance(leaf, jax.Array) and jnp.issubdtype(
             leaf.dtype, jax.dtypes.extended
         ):

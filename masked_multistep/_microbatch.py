@@ -137,7 +137,9 @@ def _batch_size(batch: Any, num_microbatches: int) -> int:
         ):
             raise TypeError(
                 "`batch` leaves must be arrays of numbers (or keys), got "
-                f"{type(leaf).__name__} {leaf!r:.40} at batch{name}"
+                f"{type(leaf).__name__} {leaf!r:.40} at batch{name}: the rows "
+                "to split into microbatches (close over anything else in "
+                "`loss_fn`)"
             )
         shape = jnp.shape(leaf)
         if not shape:
@@ -1095,6 +1097,31 @@ def check_per_leaf_stats(per_leaf_stats: Any, with_stats: bool) -> bool:
     return per_leaf
 
 
+def _key_hint(loss_fn: Callable[..., Any]) -> str:
+    """For a ``loss_fn`` with a third required argument not named ``rng``
+    (equinox names a dropout key ``key``): how its PRNG key goes in."""
+    try:
+        parameters = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):
+        return ""
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    extra = [
+        q.name
+        for q in parameters[2:]
+        if q.default is inspect.Parameter.empty and q.kind not in variadic
+    ]
+    if len(extra) != 1 or extra[0] == "rng":
+        return ""
+    name = getattr(loss_fn, "__name__", "")
+    name = name if name.isidentifier() else "loss_fn"
+    return (
+        f". A third argument, a PRNG key, must be named `rng` (`grad_fn(params, "
+        f"batch, rng=key)` gives each microbatch a key of its own): rename "
+        f"`{extra[0]}`, or pass `lambda params, microbatch, rng: "
+        f"{name}(params, microbatch, {extra[0]}=rng)`"
+    )
+
+
 def _check_args(
     loss_fn: Any,
     num_microbatches: Any,
@@ -1109,7 +1136,14 @@ def _check_args(
             f"`loss_fn` must be callable, got {loss_fn!r} of type "
             f"{type(loss_fn).__name__}"
         )
-    check_takes(loss_fn, "`loss_fn`", "two arguments", 2, "params, microbatch")
+    check_takes(
+        loss_fn,
+        "`loss_fn`",
+        "two arguments",
+        2,
+        "params, microbatch",
+        _key_hint(loss_fn),
+    )
     k = check_microbatches(num_microbatches, "`num_microbatches`")
     has_aux = check_flag(has_aux, "`has_aux`")
     with_stats = check_flag(with_stats, "`with_stats`")

@@ -282,3 +282,72 @@ def test_a_mid_window_checkpoint_by_equinox_resumes_bit_identically(tmp_path):
     assert int(sb.gradient_step) == 1
     for u, v in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, sb)), strict=True):
         np.testing.assert_array_equal(u, v)
+
+
+def test_counts_as_arrays_compile_the_step_once_under_filter_jit():
+    # eqx.filter_jit takes Python ints as static: one compile per new count.
+    params = eqx.filter(_model(), eqx.is_inexact_array)
+    tx = mm.MaskedMultiSteps(OPT, K)
+    grads = jax.tree.map(jnp.ones_like, params)
+    traces = []
+
+    @eqx.filter_jit
+    def step(params, state, count):
+        traces.append(count)
+        return tx.apply_gradients(grads, state, params, count=count)
+
+    for counts in ([3, 5, 7, 3], [jnp.asarray(n) for n in (3, 5, 7, 3)]):
+        traces.clear()
+        state = tx.init(params)
+        for n in counts:
+            _, state = step(params, state, n)
+        assert len(traces) == (3 if isinstance(counts[0], int) else 1)
+
+
+def test_frozen_layers_train_on_the_partition_alone():
+    # equinox's recipe: partition by a spec, differentiate the first part.
+    model = _model()
+    spec = jax.tree.map(lambda _: False, model)
+    spec = eqx.tree_at(lambda m: m.layers[-1].weight, spec, replace=True)
+    trained, frozen = eqx.partition(model, spec)
+    tx = mm.MaskedMultiSteps(OPT, K)
+    state = tx.init(trained)
+    x, y = _data()
+    for i in range(K):
+        (_, count), grads = eqx.filter_value_and_grad(
+            lambda t, *data: _loss(eqx.combine(t, frozen), *data), has_aux=True
+        )(trained, x[i], y[i], MASK[i])
+        trained, state = tx.apply_gradients(grads, state, trained, count=count)
+    model_after = eqx.combine(trained, frozen)
+    _, _, full_grads, _ = _full_batch(model)
+    np.testing.assert_allclose(
+        model_after.layers[-1].weight,
+        model.layers[-1].weight - full_grads.layers[-1].weight,
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    assert model_after.layers[0].weight is model.layers[0].weight
+
+
+def test_a_dropout_key_goes_in_as_rng():
+    model = eqx.nn.Sequential(
+        [eqx.nn.Linear(3, 2, key=jax.random.key(0)), eqx.nn.Dropout(0.5)]
+    )
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def loss(model, mb, key):
+        out = model(mb[0][0], key=key)  # a microbatch of one row
+        return mm.masked_mean(out**2, jnp.ones(out.shape, bool))
+
+    with pytest.raises(TypeError, match="rename `key`, or pass `lambda params"):
+        mm.microbatched_value_and_grad(loss, 2)
+    grad_fn = eqx.filter_jit(
+        mm.microbatched_value_and_grad(
+            lambda params, mb, rng: loss(eqx.combine(params, static), mb, key=rng), 2
+        )
+    )
+    batch = (jnp.ones((2, 3)),)
+    (a, _), _ = grad_fn(params, batch, rng=jax.random.key(1))
+    (b, _), _ = grad_fn(params, batch, rng=jax.random.key(1))
+    (c, _), _ = grad_fn(params, batch, rng=jax.random.key(2))
+    assert a == b and a != c
