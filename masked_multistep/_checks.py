@@ -66,6 +66,8 @@ __all__ = [
     "check_param_leaves",
     "check_real",
     "check_value",
+    "EQX_RECIPE",
+    "EQX_SPLIT",
     "count_weight",
     "equinox_hint",
     "holds_instance",
@@ -75,6 +77,7 @@ __all__ = [
     "real_array",
     "refuse_count_as_value",
     "refuse_narrow_float",
+    "short_repr",
     "same_avals",
     "to_count",
     "traced",
@@ -473,12 +476,25 @@ EQX_RECIPE = (
     "pass its floating arrays, `eqx.filter(model, eqx.is_inexact_array)`, to "
     "`init` and as params (the structure of `eqx.filter_grad`'s gradients)"
 )
+# Where a function differentiates the params itself (in-jit microbatching):
+# what `loss_fn` differentiates, the rest (its functions, integer arrays)
+# closed over.
+EQX_SPLIT = (
+    "differentiate its floating arrays: `params, static = eqx.partition(model, "
+    "eqx.is_inexact_array)`, and `eqx.combine(params, static)` in `loss_fn`"
+)
+
+
+def short_repr(x: Any, width: int = 60) -> str:
+    """``repr(x)``, cut to ``width`` characters with an ellipsis."""
+    text = repr(x)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def holds_instance(tree: Any, module: str, *names: str) -> bool:
     """Whether ``tree`` is or holds an instance of the classes ``names`` of
-    the module ``module`` (not imported here: a tree can hold one only where
-    it is)."""
+    the module ``module`` (looked up in ``sys.modules``, never imported: a
+    tree can hold one only once it is)."""
     found = sys.modules.get(module)
     if found is None:
         return False
@@ -537,13 +553,12 @@ def check_param_leaves(
     array of PRNG keys (the error says the params must hold ``wanted``, and
     for an equinox module what to do, ``eqx_fix``): the accumulator's dtype
     comes from ``jnp.result_type``, which reads a string leaf as a dtype name
-    ("int8") or fails without saying where ("relu", a key's dtype)."""
+    ("int8") or fails without saying where ("relu"); a key's dtype fails
+    later, where the accumulator is made, without saying where either."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         got = None
         if not isinstance(leaf, PARAM_LEAF_TYPES):
-            text = repr(leaf)
-            text = text if len(text) <= 60 else text[:57] + "..."
-            got = f"{type(leaf).__name__} {text}"
+            got = f"{type(leaf).__name__} {short_repr(leaf)}"
         elif isinstance(leaf, jax.Array) and jnp.issubdtype(
             leaf.dtype, jax.dtypes.extended
         ):
@@ -672,7 +687,7 @@ def _paired_with_state(
         if not isinstance(x, PARAM_LEAF_TYPES):
             raise TypeError(
                 f"The {leaf_name} at {where} must be an array, got "
-                f"{type(x).__name__} {x!r:.60}"
+                f"{type(x).__name__} {short_repr(x)}"
             )
         yield where, x, a
 

@@ -335,16 +335,25 @@ def params_like(state: MaskedMultiStepsState) -> Any:
     )
 
 
-def _all_labels(tree: Any) -> bool:
-    """Whether ``tree``'s leaves are labels (``str``), one at least."""
-    leaves = jax.tree.leaves(unboxed_all(tree))
-    return bool(leaves) and all(isinstance(x, str) for x in leaves)
+def _labels_for(groups: Any, tree: Any) -> bool:
+    """Whether ``groups``, callable, is a tree of labels for ``tree`` all the
+    same (an equinox module's, which is callable): its leaves labels
+    (``str``), one at least, in ``tree``'s structure or a prefix of it."""
+    leaves = jax.tree.leaves(unboxed_all(groups))
+    if not leaves or not all(isinstance(x, str) for x in leaves):
+        return False
+    try:
+        jax.tree.map(lambda label, subtree: None, groups, tree)
+    except (ValueError, TypeError):
+        return False  # a function holding strings (a `Partial`'s arguments)
+    return True
 
 
 def leaf_labels(groups: Any, tree: Any) -> list[str]:
     """The label of each leaf of ``tree`` (in ``jax.tree.leaves`` order) that
     ``groups`` gives: a pytree of ``str`` labels shaped like ``tree`` or a
-    prefix of it, or a function of ``tree`` returning one.
+    prefix of it (callable or not: an equinox module of labels), or a
+    function of ``tree`` returning one.
 
     ``tree``'s leaves may be abstract (``jax.ShapeDtypeStruct``): a function is
     called on them under ``jax.eval_shape``, so it sees arrays with their
@@ -354,8 +363,7 @@ def leaf_labels(groups: Any, tree: Any) -> list[str]:
     alike), so a plain ``dict`` of labels matches an NNX ``State``, and NNX
     variables holding labels count as the labels they hold.
     """
-    # (A tree of labels may be callable itself: an equinox module's.)
-    if callable(groups) and not _all_labels(groups):
+    if callable(groups) and not _labels_for(groups, tree):
         check_takes_one(groups, "`groups`", "the params")
         called = []
         try:

@@ -33,6 +33,7 @@ import optax
 
 from masked_multistep import _nnx_state, _stats, _stats_state
 from masked_multistep._checks import (
+    EQX_SPLIT,
     check_flag,
     check_microbatches,
     check_param_leaves,
@@ -41,6 +42,7 @@ from masked_multistep._checks import (
     equinox_hint,
     leaf_paths,
     refuse_unknown_keywords,
+    short_repr,
 )
 from masked_multistep._placement import names_an_axis
 from masked_multistep._running_mean import (
@@ -137,9 +139,9 @@ def _batch_size(batch: Any, num_microbatches: int) -> int:
         ):
             raise TypeError(
                 "`batch` leaves must be arrays of numbers (or keys), got "
-                f"{type(leaf).__name__} {leaf!r:.40} at batch{name}: the rows "
-                "to split into microbatches (close over anything else in "
-                "`loss_fn`)"
+                f"{type(leaf).__name__} {short_repr(leaf, 40)} at batch{name}: "
+                "the rows to split into microbatches (close over anything else "
+                "in `loss_fn`)"
             )
         shape = jnp.shape(leaf)
         if not shape:
@@ -414,14 +416,6 @@ def _check_output(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
     return loss, weight, aux
 
 
-# An equinox module's floating arrays are what `loss_fn` differentiates; the
-# rest (its functions, integer arrays) it closes over.
-_EQX_SPLIT = (
-    "differentiate its floating arrays: `params, static = eqx.partition(model, "
-    "eqx.is_inexact_array)`, and `eqx.combine(params, static)` in `loss_fn`"
-)
-
-
 def _check_params(params: Any, whole_ok: bool = False) -> None:
     """``params`` holds only floating (or complex) leaves, as ``jax.grad`` needs.
 
@@ -432,7 +426,7 @@ def _check_params(params: Any, whole_ok: bool = False) -> None:
     check_param_leaves(
         params,
         "only floating (or complex) arrays, the variables to differentiate",
-        _EQX_SPLIT,
+        EQX_SPLIT,
     )
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         dtype = jnp.result_type(leaf)
@@ -441,7 +435,7 @@ def _check_params(params: Any, whole_ok: bool = False) -> None:
                 ". An NNX module that holds RNG streams, batch statistics or "
                 f"other non-parameter state: {_nnx_state.SPLIT_RECIPE}"
                 if _nnx_state.holds_nnx(params)
-                else equinox_hint(params, _EQX_SPLIT)
+                else equinox_hint(params, EQX_SPLIT)
             )
             raise TypeError(
                 "`params` must hold only floating (or complex) arrays, the "
@@ -541,6 +535,7 @@ def _check_accepts_rng(loss_fn: Callable[..., Any]) -> None:
             "`grad_fn` was called with `rng`, so `loss_fn` is called as "
             "loss_fn(params, microbatch, rng=key), but its signature "
             f"{signature} does not accept an `rng` keyword argument"
+            + _key_hint(loss_fn, required=False)
         ) from err
 
 
@@ -1097,9 +1092,15 @@ def check_per_leaf_stats(per_leaf_stats: Any, with_stats: bool) -> bool:
     return per_leaf
 
 
-def _key_hint(loss_fn: Callable[..., Any]) -> str:
-    """For a ``loss_fn`` with a third required argument not named ``rng``
-    (equinox names a dropout key ``key``): how its PRNG key goes in."""
+def _looks_like_a_key(name: str) -> bool:
+    """A parameter name for a PRNG key (``key``, ``dropout_key``, ``rngs``)."""
+    return name == "key" or name.endswith("_key") or name.startswith(("rng", "prng"))
+
+
+def _key_hint(loss_fn: Callable[..., Any], required: bool = True) -> str:
+    """For a ``loss_fn`` whose third argument is a PRNG key by another name
+    than ``rng`` (equinox names a dropout key ``key``): how its key goes in.
+    (``required``: only a third argument without a default counts.)"""
     try:
         parameters = list(inspect.signature(loss_fn).parameters.values())
     except (TypeError, ValueError):
@@ -1108,9 +1109,10 @@ def _key_hint(loss_fn: Callable[..., Any]) -> str:
     extra = [
         q.name
         for q in parameters[2:]
-        if q.default is inspect.Parameter.empty and q.kind not in variadic
+        if q.kind not in variadic
+        and (q.default is inspect.Parameter.empty or not required)
     ]
-    if len(extra) != 1 or extra[0] == "rng":
+    if len(extra) != 1 or extra[0] == "rng" or not _looks_like_a_key(extra[0]):
         return ""
     name = getattr(loss_fn, "__name__", "")
     name = name if name.isidentifier() else "loss_fn"

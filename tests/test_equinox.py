@@ -223,6 +223,13 @@ def test_window_stats_groups_by_a_module_shaped_tree_of_labels():
     assert float(stats.grad_sq_norm["first"]) == first
     assert float(stats.grad_sq_norm["all"]) == total - first
 
+    # A function holding strings (a Partial's arguments) is still called.
+    def label_fn(prefix, tree):
+        return jax.tree.map(lambda _: prefix + "all", tree)
+
+    by_fn = mm.window_stats(state, groups=jax.tree_util.Partial(label_fn, "g_"))
+    assert float(by_fn.grad_sq_norm["g_all"]) == total
+
 
 def test_data_parallel_deferred_on_a_partitioned_module():
     # Each device's own running mean, combined once per window: as one device.
@@ -341,6 +348,28 @@ def test_a_dropout_key_goes_in_as_rng():
 
     with pytest.raises(TypeError, match="rename `key`, or pass `lambda params"):
         mm.microbatched_value_and_grad(loss, 2)
+
+    # A key that defaults to None passes the first check; called with `rng`:
+    def loss_or_none(params, mb, key=None):
+        return loss(eqx.combine(params, static), mb, key)
+
+    grad_fn = mm.microbatched_value_and_grad(loss_or_none, 2)
+    with pytest.raises(TypeError, match="rename `key`, or pass `lambda params"):
+        grad_fn(params, (jnp.ones((2, 3)),), rng=jax.random.key(1))
+    # A third argument that is no key is not taken for one.
+    with pytest.raises(TypeError) as refused:
+        mm.microbatched_value_and_grad(lambda params, x, y: 0.0, 2)
+    assert "rng" not in str(refused.value)
+
+    def draws(params, mb, rng):
+        # Each microbatch's loss is a draw from its key.
+        return mm.masked_mean(jax.random.uniform(rng, (1,)), jnp.ones(1, bool))
+
+    grad_fn = eqx.filter_jit(mm.microbatched_value_and_grad(draws, 2))
+    (mean, _), _ = grad_fn(params, (jnp.ones((2, 3)),), rng=jax.random.key(1))
+    keys = [jax.random.fold_in(jax.random.key(1), j) for j in range(2)]
+    want = np.mean([jax.random.uniform(k, (1,))[0] for k in keys])
+    np.testing.assert_allclose(mean, want, rtol=1e-6)  # a key each, as documented
     grad_fn = eqx.filter_jit(
         mm.microbatched_value_and_grad(
             lambda params, mb, rng: loss(eqx.combine(params, static), mb, key=rng), 2

@@ -557,6 +557,10 @@ def test_tied_weights_are_refused_and_the_split_recipe_gives_their_whole_gradien
         r"at params\.b\.bias \(shared, tied weights\).*nnx\.split",
     ):
         mm.microbatched_value_and_grad(loss_fn, 2)(model, batch)
+    # Per device too (it ran, and split the gradient the same way).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    with pytest.raises(TypeError, match=r"same NNX variable at params\.a\.bias"):
+        mm.per_device_value_and_grad(loss_fn, mesh)(model, batch)
     graphdef, params = nnx.split(model)
 
     def merged_loss(params, batch):
