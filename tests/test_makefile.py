@@ -15,11 +15,18 @@ def make(cwd, *args):
     )
 
 
-def test_a_python_older_than_3_11_is_refused_before_the_venv_is_made(tmp_path):
+def _make_with_python(tmp_path, version, target):
+    """``make target`` in a copy of the make inputs at ``tmp_path``, with
+    ``PYTHON=`` a stand-in of Python ``version``: the run, and the path of the
+    stand-in's log of anything it was asked past the version checks."""
     _copy_make_inputs(tmp_path)
     log = tmp_path / "calls"
-    _fake_python(tmp_path / "python3", "3.10.13", log)
-    proc = make(tmp_path, "install", f"PYTHON={tmp_path / 'python3'}")
+    _fake_python(tmp_path / "python3", version, log)
+    return make(tmp_path, target, f"PYTHON={tmp_path / 'python3'}"), log
+
+
+def test_a_python_older_than_3_11_is_refused_before_the_venv_is_made(tmp_path):
+    proc, log = _make_with_python(tmp_path, "3.10.13", "install")
     assert proc.returncode != 0
     assert "needs Python >= 3.11" in proc.stdout and "Python 3.10.13" in proc.stdout
     assert "make install PYTHON=python3.11" in proc.stdout
@@ -56,10 +63,7 @@ def test_a_python_newer_than_the_pins_have_wheels_for_is_refused(tmp_path):
     # jaxlib 0.10.2 (constraints.txt) has wheels for Python 3.11 to 3.14 only:
     # with a newer python3 the pinned install fails in the resolver, after the
     # venv is made. Refused first, with what to run instead.
-    _copy_make_inputs(tmp_path)
-    log = tmp_path / "calls"
-    _fake_python(tmp_path / "python3", "3.15.0", log)
-    proc = make(tmp_path, "test", f"PYTHON={tmp_path / 'python3'}")
+    proc, log = _make_with_python(tmp_path, "3.15.0", "test")
     assert proc.returncode != 0
     assert "jaxlib==0.10.2" in proc.stdout and "Python 3.15.0" in proc.stdout
     assert "have wheels for Python 3.11 to 3.14" in proc.stdout
