@@ -17,6 +17,10 @@ read and write (``benchmarks/bench_gpu_program.py``).
 
 ``assert_bit_identical(a, b)`` asserts two pytrees equal leaf by leaf: the same
 structure, dtypes and values (NaN where the other is NaN).
+
+``TESTS_XLA_FLAGS`` names the environment variable holding the XLA flags the
+tests' own programs compile with (``tests/conftest.py``): a process whose
+results a test compares bit for bit with its own runs with them as XLA_FLAGS.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from collections.abc import Iterable, Iterator
 
 import jax
 import numpy as np
+
+TESTS_XLA_FLAGS = "MASKED_MULTISTEP_TESTS_XLA_FLAGS"
 
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 _OP = re.compile(

@@ -7,11 +7,33 @@ import shutil
 import tempfile
 
 import jax
+from _helpers import TESTS_XLA_FLAGS
 from hypothesis import settings
 
 # Must happen before any JAX backend is created.
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# The suite is compile-bound: its own programs compile with LLVM's
+# optimizations off, which takes about a seventh off its time. XLA reads
+# XLA_FLAGS once, when the backend starts; the variable is then put back, so
+# the processes that tests start (notebooks, the demo, the two-process runs)
+# compile as a user's programs do. The programs' HLO, fusions and memory
+# (`memory_analysis()`) are the same either way; the machine code differs, and
+# so may the last bit of a float (a fused multiply-add): a process whose
+# results a test compares bit for bit with its own gets TESTS_XLA_FLAGS.
+_OPT_FLAG = "--xla_backend_optimization_level"
+_USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
+if _OPT_FLAG in (_USER_XLA_FLAGS or ""):
+    os.environ[TESTS_XLA_FLAGS] = _USER_XLA_FLAGS or ""
+else:
+    os.environ[TESTS_XLA_FLAGS] = f"{_USER_XLA_FLAGS or ''} {_OPT_FLAG}=0".strip()
+    os.environ["XLA_FLAGS"] = os.environ[TESTS_XLA_FLAGS]
+    jax.devices()
+    if _USER_XLA_FLAGS is None:
+        del os.environ["XLA_FLAGS"]
+    else:
+        os.environ["XLA_FLAGS"] = _USER_XLA_FLAGS
 
 # One persistent compilation cache per test session, shared by the xdist
 # workers (they inherit the folder through the environment) and removed when

@@ -7,6 +7,7 @@ a template from ``tx.init`` (here via ``TrainState.create``), and training
 continues exactly as if it had never stopped.
 """
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from _helpers import TESTS_XLA_FLAGS
 from flax import serialization
 
 import masked_multistep as mm
@@ -131,8 +133,14 @@ def test_resume_mid_window_in_a_fresh_process_is_bit_identical(tmp_path):
             tests_dir=str(pathlib.Path(__file__).parent), ckpt_dir=str(tmp_path)
         )
     )
+    # (Compiled as this process compiles: bit for bit.)
+    env = {**os.environ, "XLA_FLAGS": os.environ[TESTS_XLA_FLAGS]}
     result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=180
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-4000:]
 
