@@ -67,7 +67,6 @@ __all__ = [
     "check_real",
     "check_value",
     "EQX_RECIPE",
-    "EQX_SPLIT",
     "count_weight",
     "equinox_hint",
     "holds_instance",
@@ -476,13 +475,6 @@ EQX_RECIPE = (
     "pass its floating arrays, `eqx.filter(model, eqx.is_inexact_array)`, to "
     "`init` and as params (the structure of `eqx.filter_grad`'s gradients)"
 )
-# Where a function differentiates the params itself (in-jit microbatching):
-# what `loss_fn` differentiates, the rest (its functions, integer arrays)
-# closed over.
-EQX_SPLIT = (
-    "differentiate its floating arrays: `params, static = eqx.partition(model, "
-    "eqx.is_inexact_array)`, and `eqx.combine(params, static)` in `loss_fn`"
-)
 
 
 def short_repr(x: Any, width: int = 60) -> str:
@@ -547,11 +539,10 @@ def _filter_hint(tree: Any, acc_grads: Any, what: str) -> str:
 def check_param_leaves(
     params: Any,
     wanted: str = "arrays (or Python numbers)",
-    eqx_fix: str = EQX_RECIPE,
 ) -> None:
     """Refuses a params leaf that is not an array or a Python number, or an
     array of PRNG keys (the error says the params must hold ``wanted``, and
-    for an equinox module what to do, ``eqx_fix``): the accumulator's dtype
+    for an equinox module what to do): the accumulator's dtype
     comes from ``jnp.result_type``, which reads a string leaf as a dtype name
     ("int8") or fails without saying where ("relu"); a key's dtype fails
     later, where the accumulator is made, without saying where either."""
@@ -566,7 +557,7 @@ def check_param_leaves(
         if got is not None:
             raise TypeError(
                 f"`params` must hold {wanted}, got {got} at "
-                f"params{jax.tree_util.keystr(path)}" + equinox_hint(params, eqx_fix)
+                f"params{jax.tree_util.keystr(path)}" + equinox_hint(params)
             )
 
 

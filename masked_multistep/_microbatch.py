@@ -31,15 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_multistep import _nnx_state, _stats, _stats_state
+from masked_multistep import _equinox, _nnx_state, _stats, _stats_state
 from masked_multistep._checks import (
-    EQX_SPLIT,
     check_flag,
     check_microbatches,
     check_param_leaves,
     check_takes,
     count_weight,
-    equinox_hint,
     leaf_paths,
     refuse_unknown_keywords,
     short_repr,
@@ -424,9 +422,7 @@ def _check_params(params: Any, whole_ok: bool = False) -> None:
     """
     _nnx_state.check_nnx_modules(params, whole_ok)
     check_param_leaves(
-        params,
-        "only floating (or complex) arrays, the variables to differentiate",
-        EQX_SPLIT,
+        params, "only floating (or complex) arrays, the variables to differentiate"
     )
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         dtype = jnp.result_type(leaf)
@@ -435,7 +431,7 @@ def _check_params(params: Any, whole_ok: bool = False) -> None:
                 ". An NNX module that holds RNG streams, batch statistics or "
                 f"other non-parameter state: {_nnx_state.SPLIT_RECIPE}"
                 if _nnx_state.holds_nnx(params)
-                else equinox_hint(params, EQX_SPLIT)
+                else ""
             )
             raise TypeError(
                 "`params` must hold only floating (or complex) arrays, the "
@@ -893,6 +889,16 @@ def microbatched_value_and_grad(
         nor counted in the statistics; like the differentiated ones, a value
         that ``loss_fn`` writes to one is not kept), and its other state is
         carried as above.
+      * An equinox module goes in whole as well, as
+        ``eqx.filter_value_and_grad`` takes it: its floating (and complex)
+        arrays are differentiated and the rest (its functions, Python numbers,
+        integer arrays, PRNG keys) held fixed; the gradients are a module of
+        the same structure with ``None`` there, the structure of
+        ``eqx.filter(model, eqx.is_inexact_array)`` that the wrapper's state
+        is built from. No ``eqx.nn.State`` is carried from microbatch to
+        microbatch. Frozen layers: ``params, static = eqx.partition(model,
+        spec)``, pass ``params`` and rebuild the module in ``loss_fn`` with
+        ``eqx.combine(params, static)``.
       * ``with_stats=True`` also returns the call's :class:`WindowStats`, the
         statistics :class:`MaskedMultiSteps` keeps per window (the call is one
         window of ``k`` microbatches): tokens, microbatches with tokens, loss,
@@ -1176,9 +1182,11 @@ def _grad_fn(
     ``module_state``); its other ``nnx.Param`` variables are held fixed.
     """
 
-    def normalized_loss(params, microbatch, key, rest, *, module):
+    def normalized_loss(params, microbatch, key, rest, *, module, held):
         if module is not None:  # the module, rebuilt around traced params
             params = module.merge(params, rest)
+        elif held is not None:  # an equinox module's functions and the like
+            params = _equinox.combine(params, held)
         if key is None:
             out = loss_fn(params, microbatch)
         else:
@@ -1187,10 +1195,12 @@ def _grad_fn(
         rest = None if module is None else module.rest_of(params)
         return loss, (weight, aux, rest)
 
-    def value_and_grad(module: _nnx_state.ModuleState | None) -> Callable[..., Any]:
+    def value_and_grad(
+        module: _nnx_state.ModuleState | None, held: Any
+    ) -> Callable[..., Any]:
         """One microbatch's ``((loss, weight, aux, grads), rest)``."""
         # The module's split is closed over, not traced: only `rest` changes.
-        fn = functools.partial(normalized_loss, module=module)
+        fn = functools.partial(normalized_loss, module=module, held=held)
         grad_of = jax.value_and_grad(fn, has_aux=True)
 
         def per_microbatch(params, microbatch, key, rest):
@@ -1222,14 +1232,19 @@ def _grad_fn(
         if wrt is not None:
             _nnx_state.refuse_non_module(params, wrt)
         module = _nnx_state.ModuleState.of(params, wrt) if module_state else None
+        held = None
         if module is not None:
             params = module.params
+        elif _equinox.holds_module(params):
+            # Its floating arrays differentiated, the rest held fixed (as
+            # `eqx.filter_value_and_grad` does).
+            params, held = _equinox.split(params)
         # Traced once: the shapes' evaluation below traces it, and the loop's
         # body calls it on arguments of the same types, which hits jax's trace
         # cache and inlines the cached jaxpr (the same instructions as the
         # plain function's). `loss_fn` and its derivative are then traced once
         # per call, not twice.
-        per_microbatch = jax.jit(value_and_grad(module), inline=True)
+        per_microbatch = jax.jit(value_and_grad(module, held), inline=True)
         rest = None if module is None else module.rest
         _check_params(params, whole_ok=module_state)
         batch_size = _batch_size(batch, k)

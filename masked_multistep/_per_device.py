@@ -24,6 +24,7 @@ own, never summed over the devices.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Concatenate, Literal, Never, cast, overload
 
@@ -33,7 +34,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from masked_multistep import _stats
+from masked_multistep import _equinox, _stats
 from masked_multistep._checks import check_flag, refuse_unknown_keywords, type_spec
 from masked_multistep._microbatch import (
     CALL_HINTS,
@@ -149,7 +150,12 @@ def per_device_value_and_grad(
     :func:`microbatched_value_and_grad`); a module that also holds RNG
     streams or batch statistics is refused with the ``nnx.split`` recipe, as
     state carried from one microbatch to the next cannot be split over
-    devices.
+    devices. An equinox module goes in whole, as in
+    :func:`microbatched_value_and_grad` (its floating arrays differentiated,
+    ``None`` in the gradients elsewhere); its leaves that are neither arrays
+    nor ``None`` (functions, Python numbers) are a static argument of the
+    compiled program, as under ``eqx.filter_jit``: hashable, a compile for
+    each new one.
 
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
@@ -183,7 +189,8 @@ def per_device_value_and_grad(
     Raises:
       TypeError: if ``mesh`` is not a ``jax.sharding.Mesh``; and as
         :func:`microbatched_value_and_grad` does for ``loss_fn``,
-        ``num_microbatches`` and ``has_aux``.
+        ``num_microbatches`` and ``has_aux``; when called, if an equinox
+        module holds a leaf that is neither an array nor hashable.
       ValueError: if ``axis_name`` is not an axis of ``mesh``, names one
         twice, or names axes of both types (``AxisType.Explicit`` and
         ``AxisType.Auto``); when called, if a
@@ -277,7 +284,8 @@ def _per_device(
     )
     spec = P(axes[0] if len(axes) == 1 else axes)
 
-    def on_device(params, batch, rng):
+    def on_device(params, batch, rng, *, static):
+        params = _equinox.rebuild(params, static)
         if rng is None:
             out = grad_fn(params, batch)
         else:
@@ -288,9 +296,10 @@ def _per_device(
     # Jitted: outside `jit`, jax runs a shard_map over some of a mesh's axes
     # (the data axes of a data × model mesh) only traced. (Under the caller's
     # `jit` the inner one is inlined.)
-    mapped = jax.jit(
-        jax.shard_map(
-            on_device,
+    # (`static`: an equinox module's leaves that are not arrays, its functions.)
+    def mapped(params, batch, rng, static):
+        return jax.shard_map(
+            functools.partial(on_device, static=static),
             mesh=mesh,
             in_specs=(P(), spec, P()),
             out_specs=spec,
@@ -301,8 +310,9 @@ def _per_device(
             # were pcast to varying, and the in-jit loop's carry, which starts from
             # invariant zeros, would not type-check.)
             check_vma=False,
-        )
-    )
+        )(params, batch, rng)
+
+    mapped = jax.jit(mapped, static_argnums=3)
 
     def per_device(
         params: optax.Params,
@@ -313,16 +323,19 @@ def _per_device(
     ) -> tuple[Any, optax.Updates]:
         refuse_unknown_keywords("grad_fn", keywords, per_device, CALL_HINTS)
         _check_batch(batch, num_devices, k)
+        # An equinox module's arrays cross the shard_map, the rest is static.
+        arrays, static = _equinox.arrays_and_static(params)
         if wrt is not None:
             refuse_module_state(params, wrt)
-        else:  # (jax's own error names no path: a function where an array belongs)
+        elif static is None:  # (jax's error names no path: a function, say)
             _check_params(params)
         key = None if rng is None else _check_rng(rng)
         with jax.named_scope("masked_multistep/per_device"):
             return mapped(
-                _gathered_over(params, frozenset(axes)),
+                _gathered_over(arrays, frozenset(axes)),
                 _split_over(batch, mesh, axes),
                 key,
+                static,
             )
 
     return per_device
@@ -578,6 +591,8 @@ def data_parallel_value_and_grad(
     microbatch's gradient inside the loop: ``k`` reductions per call instead of
     one. The microbatches differ too: device ``d`` splits its own block of rows
     (``d·B/D …``), so the loss is the same up to rounding, whatever the split.
+    ``params`` takes what :func:`per_device_value_and_grad` takes (an NNX
+    module of parameters, an equinox module whole).
 
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> (mean_loss, count)``, or
@@ -680,7 +695,13 @@ def data_parallel_value_and_grad(
         with jax.named_scope("masked_multistep/combine_devices"):
             (value, grads) = _combine(out[:2], has_aux, aux_reduction)
             # (With `wrt`, laid out as the variables it selects are.)
-            template = params if wrt is None else selected_state(params, wrt)
+            # (For an equinox module, its floating arrays.)
+            if wrt is not None:
+                template = selected_state(params, wrt)
+            elif _equinox.holds_module(params):
+                template = _equinox.split(params)[0]
+            else:
+                template = params
             combined = value, _placed_like(grads, template)
         if not with_stats:
             return combined

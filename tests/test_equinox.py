@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import backend_compiles
 
 import masked_multistep as mm
 
@@ -122,6 +123,79 @@ def test_in_jit_microbatching_of_a_partitioned_module():
     _assert_close(grads, want_grads)
 
 
+def _whole_batch():
+    x, y = _data()
+    return (x.reshape(-1, 3), y.reshape(-1, 2), MASK.reshape(-1))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_in_jit_microbatching_takes_the_module_whole(jit):
+    # As eqx.filter_value_and_grad: its floating arrays differentiated, the
+    # rest (functions, integer arrays, PRNG keys) held fixed, None in the
+    # gradients, whose structure the wrapper's state is built from.
+    model = _model()
+    grad_fn = mm.microbatched_value_and_grad(lambda m, mb: _loss(m, *mb), K)
+    grad_fn = eqx.filter_jit(grad_fn) if jit else grad_fn
+    (loss, count), grads = grad_fn(model, _whole_batch())
+    want_loss, want_count, want_grads, want_model = _full_batch(model)
+    assert int(count) == int(want_count) == 7
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    assert grads.activation is None
+    _assert_close(grads, want_grads)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    tx = mm.MaskedMultiSteps(OPT, 1)
+    updates, _ = tx.update(grads, tx.init(params), params, count=count)
+    _assert_close(eqx.apply_updates(model, updates), want_model)
+
+    class Indexed(eqx.Module):  # an integer array and a PRNG key among its leaves
+        weight: jax.Array
+        index: jax.Array
+        key: jax.Array
+
+        def __call__(self, x):
+            return self.weight[self.index] @ x
+
+    def loss(m, mb):
+        return mm.masked_mean(jax.vmap(m)(mb[0])[:, 0], mb[1])
+
+    indexed = Indexed(jnp.arange(6.0).reshape(3, 2), jnp.array([2]), jax.random.key(0))
+    batch = (jnp.arange(8.0).reshape(4, 2), jnp.array([True, False, True, True]))
+    (_, count), grads = mm.microbatched_value_and_grad(loss, 2)(indexed, batch)
+    _, want = eqx.filter_value_and_grad(loss, has_aux=True)(indexed, batch)
+    assert grads.index is None and grads.key is None and int(count) == 3
+    np.testing.assert_allclose(grads.weight, want.weight, rtol=1e-6)
+    assert float(jnp.abs(grads.weight[2]).sum()) > 0  # the row it indexes
+
+    # Statistics per leaf: a tree like the gradients.
+    stats_fn = mm.microbatched_value_and_grad(
+        lambda m, mb: _loss(m, *mb), K, with_stats=True, per_leaf_stats=True
+    )
+    *_, stats = stats_fn(model, _whole_batch())
+    assert jax.tree.structure(stats.grad_sq_norm) == jax.tree.structure(params)
+    assert int(stats.microbatches) == K
+
+
+def test_the_module_whole_compiles_once_and_its_functions_stay_its_own():
+    # Its functions are static under eqx.filter_jit: a step compiles once for
+    # one module, again for another activation (which the loss then runs).
+    traces = []
+
+    def loss(m, mb):
+        traces.append(None)
+        return _loss(m, *mb)
+
+    grad_fn = eqx.filter_jit(mm.microbatched_value_and_grad(loss, K))
+    model = _model()
+    (first, _), _ = grad_fn(model, _whole_batch())
+    (again, _), _ = grad_fn(model, _whole_batch())
+    assert len(traces) == 1 and first == again
+    tanh = eqx.tree_at(lambda m: m.activation, model, jnp.tanh)
+    (other, _), _ = grad_fn(tanh, _whole_batch())
+    assert len(traces) == 2 and other != first
+    np.testing.assert_allclose(other, _full_batch(tanh)[0], rtol=1e-6)
+
+
 class _Indexed(eqx.Module):
     weight: jax.Array
     index: jax.Array  # an integer array: not differentiable
@@ -152,18 +226,7 @@ def test_a_whole_module_where_its_arrays_belong_is_refused_with_the_recipe():
         tx.update(grads, state, model, count=2)
     with pytest.raises(ValueError, match=r"params' tree structure .*" + apart + recipe):
         tx.apply_gradients(grads, state, model, count=2)
-    split = r"`params, static = eqx.partition\(model, eqx.is_inexact_array\)`"
-    grad_fn = mm.microbatched_value_and_grad(lambda params, mb: 0.0, 2)
-    with pytest.raises(TypeError, match=r"at params.activation\. .*" + split):
-        grad_fn(model, jnp.ones((2, 3)))
-    # (jax's own error there named no path.)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
-    per_device = mm.per_device_value_and_grad(lambda params, mb: 0.0, mesh)
-    with pytest.raises(TypeError, match=r"at params.activation\. .*" + split):
-        per_device(model, jnp.ones((2, 3)))
     indexed = _Indexed(jnp.ones((2, 3)), jnp.array([1, 0]))
-    with pytest.raises(TypeError, match=r"dtype int32 at params.index\. .*" + split):
-        grad_fn(indexed, jnp.ones((2, 3)))
     # A state holding the integer arrays (`eqx.is_array`, as equinox's examples
     # filter), which `eqx.filter_grad` gives no gradient: the message says so.
     with_ints = eqx.filter(indexed, eqx.is_array)
@@ -231,16 +294,22 @@ def test_window_stats_groups_by_a_module_shaped_tree_of_labels():
     assert float(by_fn.grad_sq_norm["g_all"]) == total
 
 
-def test_data_parallel_deferred_on_a_partitioned_module():
-    # Each device's own running mean, combined once per window: as one device.
+def _mesh():
     devices = jax.devices()[:4]
     assert len(devices) == 4  # one per row: a device without tokens
-    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    return jax.sharding.Mesh(np.array(devices), ("data",))
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_data_parallel_deferred_on_an_equinox_module(whole):
+    # Each device's own running mean, combined once per window: as one device.
+    # The module whole (its functions static), or partitioned by hand.
+    mesh = _mesh()
     params, static = eqx.partition(_model(), eqx.is_inexact_array)
     params = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
 
     def loss(params, batch):
-        return _loss(eqx.combine(params, static), *batch)
+        return _loss(params if whole else eqx.combine(params, static), *batch)
 
     grad_fn = mm.per_device_value_and_grad(loss, mesh, "data")
     tx = mm.MaskedMultiSteps(OPT, K, reduction=mm.deferred(mesh, "data"))
@@ -250,12 +319,47 @@ def test_data_parallel_deferred_on_a_partitioned_module():
         batch = jax.device_put(
             (x[i], y[i], MASK[i]), jax.NamedSharding(mesh, jax.P("data"))
         )
-        (_, count), grads = grad_fn(params, batch)
+        (_, count), grads = grad_fn(
+            eqx.combine(params, static) if whole else params, batch
+        )
         params, state = eqx.filter_jit(tx.apply_gradients)(
             grads, state, params, count=count
         )
     assert int(state.gradient_step) == 1
     _assert_close(eqx.combine(params, static), _full_batch(_model())[3])
+
+
+def test_data_parallel_gradients_of_the_module_whole():
+    mesh = _mesh()
+    model = _model()
+    batch = jax.device_put(_whole_batch(), jax.NamedSharding(mesh, jax.P("data")))
+    want_loss, want_count, want_grads, _ = _full_batch(model)
+    grad_fn = mm.data_parallel_value_and_grad(
+        lambda m, mb: _loss(m, *mb), mesh, "data", num_microbatches=K
+    )
+    for fn in (grad_fn, eqx.filter_jit(grad_fn)):
+        (loss, count), grads = fn(model, batch)
+        assert int(count) == int(want_count) and grads.activation is None
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+        _assert_close(grads, want_grads)
+    # Eagerly, a second call with the same module runs the program compiled
+    # for the first (its functions are a static argument, hashed).
+    with backend_compiles() as compiled:
+        grad_fn(model, batch)
+    assert compiled == []
+
+    class Tagged(eqx.Module):  # a leaf neither array nor hashable
+        weight: jax.Array
+        tags: set
+
+    def loss(m, mb):
+        return mm.masked_mean(mb[0] @ m.weight, mb[1])
+
+    tagged = Tagged(jnp.ones(3), {"a"})
+    with pytest.raises(
+        TypeError, match=r"neither arrays nor hashable.*set at params.tags"
+    ):
+        mm.per_device_value_and_grad(loss, mesh, "data")(tagged, batch[::2])
 
 
 def test_a_mid_window_checkpoint_by_equinox_resumes_bit_identically(tmp_path):
@@ -380,3 +484,9 @@ def test_a_dropout_key_goes_in_as_rng():
     (b, _), _ = grad_fn(params, batch, rng=jax.random.key(1))
     (c, _), _ = grad_fn(params, batch, rng=jax.random.key(2))
     assert a == b and a != c
+    # The module whole: the same draws.
+    whole_fn = eqx.filter_jit(
+        mm.microbatched_value_and_grad(lambda m, mb, rng: loss(m, mb, key=rng), 2)
+    )
+    (whole, _), grads = whole_fn(model, batch, rng=jax.random.key(1))
+    assert whole == a and grads.layers[1].p is None  # (the rate: held fixed)
