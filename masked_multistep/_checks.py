@@ -270,7 +270,7 @@ def to_count(
         if not hasattr(count, "dtype") or not hasattr(count, "shape"):
             raise TypeError(
                 f"{what} must be an integer or floating array of shape {shape}, "
-                f"got {count!r:.120} of type {type(count).__name__}"
+                f"got {short_repr(count, 120)} of type {type(count).__name__}"
             )
         if tuple(count.shape) != shape:
             raise ValueError(
@@ -284,7 +284,7 @@ def to_count(
         return jnp.asarray(np.asarray(value).astype(dtype)), jnp.ones([], jnp.bool_)
     if not hasattr(count, "dtype") or not hasattr(count, "shape"):
         raise TypeError(
-            f"{what} must be a real scalar, got {count!r:.120} of type "
+            f"{what} must be a real scalar, got {short_repr(count, 120)} of type "
             f"{type(count).__name__}" + _pair_hint(count, "count=count")
         )
     if tuple(count.shape) != shape:
@@ -380,7 +380,8 @@ def returned_flag(x: Any, what: str) -> jax.Array:
         flag = jnp.asarray(x)
     except (TypeError, ValueError) as err:
         raise TypeError(
-            f"{what} must return a boolean scalar, got {type(x).__name__} {x!r:.60}"
+            f"{what} must return a boolean scalar, got {type(x).__name__} "
+            f"{short_repr(x)}"
         ) from err
     got = f"got dtype {flag.dtype} and shape {flag.shape}"
     if flag.dtype != jnp.bool_:
@@ -399,10 +400,13 @@ def real_array(x: Any, what: str, *, scalar: bool = False) -> jax.Array:
     try:
         arr = jnp.asarray(x)
     except OverflowError as err:  # a Python int beyond int64: a value too large
-        raise ValueError(f"{what} holds a number too large, got {x!r:.60}") from err
+        raise ValueError(
+            f"{what} holds a number too large, got {short_repr(x)}"
+        ) from err
     except (TypeError, ValueError) as err:
         raise TypeError(
-            f"{what} must be a real {noun}, got {x!r:.60} of type {type(x).__name__}"
+            f"{what} must be a real {noun}, got {short_repr(x)} of type "
+            f"{type(x).__name__}"
         ) from err
     if _kind(arr.dtype) not in ("int", "float"):
         raise TypeError(f"{what} must be a real {noun}, got dtype {arr.dtype}")
@@ -585,7 +589,7 @@ def check_value(value: Any) -> jax.Array | None:
     except (TypeError, ValueError) as err:
         raise TypeError(
             "`value` must be a real scalar (the microbatch's mean loss), got "
-            f"{value!r:.60} of type {type(value).__name__}"
+            f"{short_repr(value)} of type {type(value).__name__}"
         ) from err
     if arr.shape != ():
         raise ValueError(
@@ -933,7 +937,7 @@ def close_flag(value: Any) -> jax.Array | None:
     if dtype is None or dtype != np.bool_:
         raise TypeError(
             "`close_window` must be a bool or a boolean scalar array (whether "
-            f"this microbatch ends its window), got {value!r:.60} of type "
+            f"this microbatch ends its window), got {short_repr(value)} of type "
             f"{type(value).__name__}" + ("" if dtype is None else f" and dtype {dtype}")
         )
     if np.shape(value) != ():

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from masked_multistep._checks import PARAM_LEAF_TYPES, count_weight
+from masked_multistep._checks import PARAM_LEAF_TYPES, count_weight, short_repr
 from masked_multistep._running_mean import compute_dtype, safe_fraction
 from masked_multistep._shards import varying_axes
 
@@ -116,7 +116,7 @@ def weighted_mean_across(
         if not isinstance(leaf, PARAM_LEAF_TYPES):  # a string is read as a dtype
             raise TypeError(
                 "`tree` leaves must be floating arrays, got "
-                f"{type(leaf).__name__} {leaf!r:.40} at "
+                f"{type(leaf).__name__} {short_repr(leaf, 40)} at "
                 f"tree{jax.tree_util.keystr(path)}"
             )
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):

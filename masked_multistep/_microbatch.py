@@ -228,7 +228,7 @@ def _as_aux_leaf(leaf: Any, name: str) -> jax.Array:
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         raise TypeError(
             "`aux` leaves must be floating or integer arrays, got "
-            f"{type(leaf).__name__} {leaf!r:.60} at {name}"
+            f"{type(leaf).__name__} {short_repr(leaf)} at {name}"
         )
     if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "iu":
         # Without x64 jax wraps a numpy int64 into int32 (2**33 became 0).

@@ -1144,7 +1144,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             raise TypeError(
                 "`should_skip_update_fn` must return a pair `(should_skip, "
                 "state)`, as optax's ShouldSkipUpdateFunction does (e.g. "
-                f"optax.skip_not_finite), got {out!r:.60}"
+                f"optax.skip_not_finite), got {_checks.short_repr(out)}"
             )
         return _checks.returned_flag(out[0], "`should_skip_update_fn`"), out[1]
 

@@ -27,6 +27,7 @@ from masked_multistep._checks import (
     python_scalar,
     refuse_narrow_float,
     returned_flag,
+    short_repr,
 )
 from masked_multistep._running_mean import compute_dtype
 from masked_multistep._token_total import TokenTotal, add_tokens
@@ -418,7 +419,7 @@ def check_policy(policy: WindowPolicy, keyword: str) -> WindowPolicy:
         if not callable(function):
             raise TypeError(
                 f"`{keyword}` got a WindowPolicy whose `{field}` is not callable: "
-                f"{function!r:.60} of type {type(function).__name__}"
+                f"{short_repr(function)} of type {type(function).__name__}"
             )
         check_takes(function, f"`{keyword}`'s WindowPolicy `{field}`", count, n, what)
     return policy

@@ -1305,3 +1305,12 @@ def test_an_abstract_state_is_refused_by_name(method):
     abstract = jax.eval_shape(tx.init, params)
     with pytest.raises(TypeError, match=r"`state` holds jax.ShapeDtypeStructs, an"):
         getattr(tx, method)({"w": jnp.ones(3)}, abstract, params, count=1)
+
+
+@pytest.mark.parametrize("keyword", ["count", "value"])
+def test_a_long_argument_is_cut_with_an_ellipsis_in_the_message(keyword):
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    params = {"w": jnp.ones(2)}
+    arguments = {"count": 1, keyword: "a" * 300}
+    with pytest.raises(TypeError, match=rf"`{keyword}` .*'aaa+\.\.\. of type str$"):
+        tx.update(params, tx.init(params), params, **arguments)
