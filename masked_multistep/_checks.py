@@ -497,9 +497,9 @@ def holds_instance(tree: Any, module: str, *names: str) -> bool:
     return bool(instances_in(tree, tuple(getattr(found, n) for n in names)))
 
 
-def equinox_hint(tree: Any, fix: str = EQX_RECIPE) -> str:
+def equinox_hint(tree: Any) -> str:
     """For a tree holding an equinox module (whose functions and other
-    non-array fields are leaves too): what to do instead, ``fix``.
+    non-array fields are leaves too): what to do instead.
 
     Examples:
       >>> from masked_multistep._checks import equinox_hint
@@ -508,7 +508,7 @@ def equinox_hint(tree: Any, fix: str = EQX_RECIPE) -> str:
     """
     if not holds_instance(tree, "equinox", "Module"):
         return ""
-    return f". For an equinox module, {fix}"
+    return f". For an equinox module, {EQX_RECIPE}"
 
 
 def _filter_hint(tree: Any, acc_grads: Any, what: str) -> str:

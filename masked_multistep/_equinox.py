@@ -68,7 +68,7 @@ def arrays_and_static(tree: Any) -> tuple[Any, Static]:
                 "neither arrays nor hashable, which the data-parallel gradient "
                 "functions take as static (as `eqx.filter_jit` does), got "
                 f"{type(leaf).__name__} at params{jax.tree_util.keystr(path)}: "
-                "mark the field `eqx.field(static=True)` or make it an array"
+                "make it hashable (a frozenset for a set) or an array"
             ) from None
     return arrays, (treedef, tuple(leaves))
 

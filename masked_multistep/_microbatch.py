@@ -896,9 +896,11 @@ def microbatched_value_and_grad(
         the same structure with ``None`` there, the structure of
         ``eqx.filter(model, eqx.is_inexact_array)`` that the wrapper's state
         is built from. No ``eqx.nn.State`` is carried from microbatch to
-        microbatch. Frozen layers: ``params, static = eqx.partition(model,
-        spec)``, pass ``params`` and rebuild the module in ``loss_fn`` with
-        ``eqx.combine(params, static)``.
+        microbatch. A tree that holds an equinox module (a dict of modules
+        and other arrays) is filtered whole the same way, as
+        ``eqx.filter_value_and_grad`` filters it. Frozen layers: ``params,
+        static = eqx.partition(model, spec)``, pass ``params`` and rebuild
+        the module in ``loss_fn`` with ``eqx.combine(params, static)``.
       * ``with_stats=True`` also returns the call's :class:`WindowStats`, the
         statistics :class:`MaskedMultiSteps` keeps per window (the call is one
         window of ``k`` microbatches): tokens, microbatches with tokens, loss,
@@ -951,7 +953,8 @@ def microbatched_value_and_grad(
         filter; when called, if ``wrt`` is given with ``params`` that is not
         an NNX module, or selects none of its variables or ones that are not
         parameters, if ``params`` has
-        a leaf that is not floating (the error names it) or holds, below its
+        a leaf that is not floating (the error names it; a tree holding an
+        equinox module is filtered instead) or holds, below its
         top level, an NNX module with state other than ``nnx.Param`` (the
         error names its variables), ``loss_fn`` changes the variables of a
         module passed whole, their shapes or dtypes, ``rng`` is not a PRNG

@@ -224,10 +224,20 @@ def filter_text(wrt: Any) -> str:
 def refuse_non_module(params: Any, wrt: Any) -> None:
     """Refuses ``wrt`` with ``params`` that is not an NNX module."""
     if not is_module(params):
+        fix = (
+            "pass the NNX module, or leave `wrt` out and pass the pytree of what "
+            "to differentiate"
+        )
+        if holds_instance(params, "equinox", "Module"):
+            fix = (
+                "an equinox module whole is differentiated in its floating arrays; "
+                "for a part of it, leave `wrt` out, pass `params` from `params, "
+                "static = eqx.partition(model, spec)` and rebuild the module in "
+                "`loss_fn` with `eqx.combine(params, static)`"
+            )
         raise TypeError(
             f"`wrt={filter_text(wrt)}` selects variables of an NNX module passed whole "
-            f"as `params`, got {type(params).__name__}: pass the module, or "
-            "leave `wrt` out and pass the pytree of what to differentiate"
+            f"as `params`, got {type(params).__name__}: {fix}"
         )
 
 

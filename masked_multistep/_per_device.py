@@ -323,11 +323,11 @@ def _per_device(
     ) -> tuple[Any, optax.Updates]:
         refuse_unknown_keywords("grad_fn", keywords, per_device, CALL_HINTS)
         _check_batch(batch, num_devices, k)
-        # An equinox module's arrays cross the shard_map, the rest is static.
-        arrays, static = _equinox.arrays_and_static(params)
         if wrt is not None:
             refuse_module_state(params, wrt)
-        elif static is None:  # (jax's error names no path: a function, say)
+        # An equinox module's arrays cross the shard_map, the rest is static.
+        arrays, static = _equinox.arrays_and_static(params)
+        if wrt is None and static is None:  # (jax's error names no path)
             _check_params(params)
         key = None if rng is None else _check_rng(rng)
         with jax.named_scope("masked_multistep/per_device"):

@@ -21,6 +21,8 @@ structure, dtypes and values (NaN where the other is NaN).
 ``TESTS_XLA_FLAGS`` names the environment variable holding the XLA flags the
 tests' own programs compile with (``tests/conftest.py``): a process whose
 results a test compares bit for bit with its own runs with them as XLA_FLAGS.
+A test session started with ``FULL_OPTIMIZATION`` set compiles as a user's
+programs do.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import jax
 import numpy as np
 
 TESTS_XLA_FLAGS = "MASKED_MULTISTEP_TESTS_XLA_FLAGS"
+FULL_OPTIMIZATION = "MASKED_MULTISTEP_TESTS_FULL_OPTIMIZATION"
 
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 _OP = re.compile(

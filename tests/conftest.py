@@ -7,7 +7,7 @@ import shutil
 import tempfile
 
 import jax
-from _helpers import TESTS_XLA_FLAGS
+from _helpers import FULL_OPTIMIZATION, TESTS_XLA_FLAGS
 from hypothesis import settings
 
 # Must happen before any JAX backend is created.
@@ -21,10 +21,13 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # compile as a user's programs do. The programs' HLO, fusions and memory
 # (`memory_analysis()`) are the same either way; the machine code differs, and
 # so may the last bit of a float (a fused multiply-add): a process whose
-# results a test compares bit for bit with its own gets TESTS_XLA_FLAGS.
+# results a test compares bit for bit with its own gets TESTS_XLA_FLAGS, and
+# the claims that two programs give the same bits (statistics on or off, ...)
+# are checked again at the default level (tests/test_full_optimization.py,
+# which sets FULL_OPTIMIZATION).
 _OPT_FLAG = "--xla_backend_optimization_level"
 _USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
-if _OPT_FLAG in (_USER_XLA_FLAGS or ""):
+if _OPT_FLAG in (_USER_XLA_FLAGS or "") or os.environ.get(FULL_OPTIMIZATION):
     os.environ[TESTS_XLA_FLAGS] = _USER_XLA_FLAGS or ""
 else:
     os.environ[TESTS_XLA_FLAGS] = f"{_USER_XLA_FLAGS or ''} {_OPT_FLAG}=0".strip()

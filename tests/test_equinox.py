@@ -490,3 +490,27 @@ def test_a_dropout_key_goes_in_as_rng():
     )
     (whole, _), grads = whole_fn(model, batch, rng=jax.random.key(1))
     assert whole == a and grads.layers[1].p is None  # (the rate: held fixed)
+
+
+def test_a_tree_holding_a_module_is_filtered_whole_and_wrt_points_to_partition():
+    # As eqx.filter_value_and_grad filters its first argument: the module's and
+    # the tree's other floating arrays differentiated, the rest held fixed.
+    tree = {"model": _model(), "scale": jnp.asarray(2.0), "steps": jnp.asarray(3)}
+
+    def loss(tree, mb):
+        return _loss(lambda x: tree["scale"] * tree["model"](x), *mb)
+
+    (_, count), grads = mm.microbatched_value_and_grad(loss, K)(tree, _whole_batch())
+    _, want = eqx.filter_value_and_grad(loss, has_aux=True)(tree, _whole_batch())
+    assert grads["steps"] is None and int(count) == 7
+    _assert_close(grads, want)
+    np.testing.assert_allclose(grads["scale"], want["scale"], rtol=1e-5)
+    from flax import nnx
+
+    mesh = _mesh()
+    for fn in (
+        mm.microbatched_value_and_grad(lambda m, mb: _loss(m, *mb), K, wrt=nnx.Param),
+        mm.per_device_value_and_grad(lambda m, mb: _loss(m, *mb), mesh, wrt=nnx.Param),
+    ):
+        with pytest.raises(TypeError, match=r"got MLP: an equinox module whole .*eqx"):
+            fn(_model(), _whole_batch())

@@ -94,12 +94,20 @@ def _assert_same_run(got, want):
     for field in ("gradient_step", "mini_step", "num_nonfinite_windows", "updated"):
         np.testing.assert_array_equal(getattr(s, field), getattr(s_want, field))
     if isinstance(s.stats, tuple) and s.stats:
-        for a, b in zip(mm.window_stats(s), mm.window_stats(s_want)):
+        got, want = mm.window_stats(s), mm.window_stats(s_want)
+        for name, a, b in zip(got._fields, got, want, strict=True):
             # Sums of squares over the shards, added in another order than on
-            # one device: float32 rounding, a few units in the sixth digit;
-            # |G|²̂, a difference of such sums, cancels: absolute.
+            # one device, agree to float32 rounding; tr Σ̂ and |G|²̂ are
+            # differences of such sums (and B_simple their ratio): they cancel,
+            # relative and absolute (3.7e-6 relative seen).
+            cancels = name in ("grad_var_trace", "true_grad_sq_norm") or "noise" in name
+            rtol = 1e-5 if cancels else 2e-6
             np.testing.assert_allclose(
-                np.asarray(a, np.float64), np.asarray(b, np.float64), 1e-5, 1e-5
+                np.asarray(a, np.float64),
+                np.asarray(b, np.float64),
+                rtol,
+                1e-5,
+                err_msg=name,
             )
 
 
