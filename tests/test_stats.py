@@ -289,8 +289,15 @@ def _reverse_equals_forward(fn, *cases):
         for name in _STAT_FIELDS:
             value, tangent, grad = values[name], tangents[name], grads[name]
             assert np.isfinite(value) and np.isfinite(tangent), (name, case, value)
+            # (B_simple does not change when every gradient is scaled: its
+            # derivative is 0, computed as a difference of terms of about its
+            # value, a few float32 units of which either mode may keep.)
             np.testing.assert_allclose(
-                grad, tangent, rtol=1e-4, atol=1e-6, err_msg=f"{name} {case}"
+                grad,
+                tangent,
+                rtol=1e-4,
+                atol=1e-5 * max(1.0, abs(float(value))),
+                err_msg=f"{name} {case}",
             )
 
 
