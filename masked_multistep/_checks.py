@@ -69,6 +69,7 @@ __all__ = [
     "EQX_RECIPE",
     "count_weight",
     "equinox_hint",
+    "holds_equinox_module",
     "holds_instance",
     "host_int_to_float",
     "is_host_int",
@@ -497,6 +498,11 @@ def holds_instance(tree: Any, module: str, *names: str) -> bool:
     return bool(instances_in(tree, tuple(getattr(found, n) for n in names)))
 
 
+def holds_equinox_module(tree: Any) -> bool:
+    """Whether ``tree`` is or holds an equinox module."""
+    return holds_instance(tree, "equinox", "Module")
+
+
 def equinox_hint(tree: Any) -> str:
     """For a tree holding an equinox module (whose functions and other
     non-array fields are leaves too): what to do instead.
@@ -506,7 +512,7 @@ def equinox_hint(tree: Any) -> str:
       >>> equinox_hint({"w": 1.0})  # no equinox module: no hint
       ''
     """
-    if not holds_instance(tree, "equinox", "Module"):
+    if not holds_equinox_module(tree):
         return ""
     return f". For an equinox module, {EQX_RECIPE}"
 
@@ -516,7 +522,7 @@ def _filter_hint(tree: Any, acc_grads: Any, what: str) -> str:
     and the state's accumulator differ only where one holds ``None`` (an
     equinox filter's placeholder) and the other a leaf: those paths, and that
     both must come from one filter."""
-    if not holds_instance(tree, "equinox", "Module"):
+    if not holds_equinox_module(tree):
         return ""
     is_none = lambda x: x is None  # noqa: E731
     if jax.tree.structure(tree, is_leaf=is_none) != jax.tree.structure(

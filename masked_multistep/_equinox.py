@@ -18,17 +18,12 @@ from typing import Any
 
 import jax
 
-from masked_multistep._checks import holds_instance
+from masked_multistep._checks import holds_equinox_module
 
 # The part of a module passed as a static argument of `jax.jit`: its tree
 # structure and its leaves that are not arrays (hashable, as for
 # `eqx.filter_jit`), or None for a tree holding no equinox module.
 Static = tuple[Any, tuple[Any, ...]] | None
-
-
-def holds_module(tree: Any) -> bool:
-    """Whether ``tree`` is or holds an equinox module."""
-    return holds_instance(tree, "equinox", "Module")
 
 
 def split(tree: Any) -> tuple[Any, Any]:
@@ -54,12 +49,12 @@ def arrays_and_static(tree: Any) -> tuple[Any, Static]:
     Raises:
       TypeError: if a leaf that is not an array is not hashable either.
     """
-    if not holds_module(tree):
+    if not holds_equinox_module(tree):
         return tree, None
     eqx = sys.modules["equinox"]
     arrays, rest = eqx.partition(tree, eqx.is_array)
-    leaves, treedef = jax.tree.flatten(rest)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(rest)[0]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(rest)
+    for path, leaf in flat:
         try:
             hash(leaf)
         except TypeError:
@@ -70,7 +65,7 @@ def arrays_and_static(tree: Any) -> tuple[Any, Static]:
                 f"{type(leaf).__name__} at params{jax.tree_util.keystr(path)}: "
                 "make it hashable (a frozenset for a set) or an array"
             ) from None
-    return arrays, (treedef, tuple(leaves))
+    return arrays, (treedef, tuple(leaf for _, leaf in flat))
 
 
 def rebuild(arrays: Any, static: Static) -> Any:

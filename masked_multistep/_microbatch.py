@@ -38,6 +38,7 @@ from masked_multistep._checks import (
     check_param_leaves,
     check_takes,
     count_weight,
+    holds_equinox_module,
     leaf_paths,
     refuse_unknown_keywords,
     short_repr,
@@ -1238,7 +1239,7 @@ def _grad_fn(
         held = None
         if module is not None:
             params = module.params
-        elif _equinox.holds_module(params):
+        elif holds_equinox_module(params):
             # Its floating arrays differentiated, the rest held fixed (as
             # `eqx.filter_value_and_grad` does).
             params, held = _equinox.split(params)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from masked_multistep._checks import first_three, holds_instance
+from masked_multistep._checks import first_three, holds_equinox_module, holds_instance
 from masked_multistep._shards import varying_axes
 
 SPLIT_RECIPE = (
@@ -228,7 +228,7 @@ def refuse_non_module(params: Any, wrt: Any) -> None:
             "pass the NNX module, or leave `wrt` out and pass the pytree of what "
             "to differentiate"
         )
-        if holds_instance(params, "equinox", "Module"):
+        if holds_equinox_module(params):
             fix = (
                 "an equinox module whole is differentiated in its floating arrays; "
                 "for a part of it, leave `wrt` out, pass `params` from `params, "

@@ -35,7 +35,12 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from masked_multistep import _equinox, _stats
-from masked_multistep._checks import check_flag, refuse_unknown_keywords, type_spec
+from masked_multistep._checks import (
+    check_flag,
+    holds_equinox_module,
+    refuse_unknown_keywords,
+    type_spec,
+)
 from masked_multistep._microbatch import (
     CALL_HINTS,
     KEYWORD_HINTS,
@@ -297,7 +302,7 @@ def _per_device(
     # (the data axes of a data × model mesh) only traced. (Under the caller's
     # `jit` the inner one is inlined.)
     # (`static`: an equinox module's leaves that are not arrays, its functions.)
-    def mapped(params, batch, rng, static):
+    def on_devices(params, batch, rng, static):
         return jax.shard_map(
             functools.partial(on_device, static=static),
             mesh=mesh,
@@ -312,7 +317,7 @@ def _per_device(
             check_vma=False,
         )(params, batch, rng)
 
-    mapped = jax.jit(mapped, static_argnums=3)
+    mapped = jax.jit(on_devices, static_argnums=3)
 
     def per_device(
         params: optax.Params,
@@ -698,7 +703,7 @@ def data_parallel_value_and_grad(
             # (For an equinox module, its floating arrays.)
             if wrt is not None:
                 template = selected_state(params, wrt)
-            elif _equinox.holds_module(params):
+            elif holds_equinox_module(params):
                 template = _equinox.split(params)[0]
             else:
                 template = params

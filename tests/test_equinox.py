@@ -30,6 +30,11 @@ def _data():
     return x, y
 
 
+def _whole_batch():
+    x, y = _data()
+    return (x.reshape(-1, 3), y.reshape(-1, 2), MASK.reshape(-1))
+
+
 def _loss(model, x, y, mask):
     per_row = jnp.sum((jax.vmap(model)(x) - y) ** 2, axis=-1)
     return mm.masked_mean(per_row, mask)
@@ -37,9 +42,8 @@ def _loss(model, x, y, mask):
 
 def _full_batch(model):
     """The full batch's token-mean loss, its gradient and the step on it."""
-    x, y = _data()
     (loss, count), grads = eqx.filter_value_and_grad(_loss, has_aux=True)(
-        model, x.reshape(-1, 3), y.reshape(-1, 2), MASK.reshape(-1)
+        model, *_whole_batch()
     )
     params = eqx.filter(model, eqx.is_inexact_array)
     updates, _ = OPT.update(grads, OPT.init(params), params)
@@ -112,20 +116,13 @@ def test_in_jit_microbatching_of_a_partitioned_module():
             lambda params, mb: _loss(eqx.combine(params, static), *mb), K
         )
     )
-    x, y = _data()
     # Row r * K + j is row r of microbatch j (the strided split): any order of
     # the rows gives the full batch's token mean.
-    batch = (x.reshape(-1, 3), y.reshape(-1, 2), MASK.reshape(-1))
-    (loss, count), grads = grad_fn(params, batch)
+    (loss, count), grads = grad_fn(params, _whole_batch())
     want_loss, want_count, want_grads, _ = _full_batch(model)
     assert int(count) == int(want_count) == 7
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     _assert_close(grads, want_grads)
-
-
-def _whole_batch():
-    x, y = _data()
-    return (x.reshape(-1, 3), y.reshape(-1, 2), MASK.reshape(-1))
 
 
 @pytest.mark.parametrize("jit", [False, True])
