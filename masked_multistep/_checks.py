@@ -78,6 +78,7 @@ __all__ = [
     "refuse_count_as_value",
     "refuse_narrow_float",
     "short_repr",
+    "signature",
     "same_avals",
     "to_count",
     "traced",
@@ -838,12 +839,39 @@ def python_scalar(value: Any, what: str, kinds: tuple, noun: str) -> Any:
     return value
 
 
+def signature(
+    fn: Callable[..., Any], *, follow_wrapped: bool = True
+) -> inspect.Signature:
+    """``inspect.signature(fn)`` without evaluating its annotations.
+
+    The checks read only the parameters' names, kinds and defaults. From
+    Python 3.14 annotations are evaluated lazily (PEP 649), and
+    ``inspect.signature`` evaluates them by default: a function annotated with
+    a name imported only under ``typing.TYPE_CHECKING`` would raise
+    ``NameError`` here though it runs. Such names are read as forward
+    references instead.
+
+    >>> def loss_fn(params: "NotImportedHere", batch): ...
+    >>> list(signature(loss_fn).parameters)
+    ['params', 'batch']
+    """
+    if sys.version_info >= (3, 14):
+        import annotationlib
+
+        return inspect.signature(
+            fn,
+            follow_wrapped=follow_wrapped,
+            annotation_format=annotationlib.Format.FORWARDREF,
+        )
+    return inspect.signature(fn, follow_wrapped=follow_wrapped)
+
+
 def refuses_keyword(fn: Callable[..., Any], name: str) -> bool:
     """Whether ``fn``'s own signature has neither a parameter ``name`` nor
     ``**kwargs`` (a decorator's, not the function it wraps: one may add the
     keyword); a signature Python cannot read refuses nothing."""
     try:
-        parameters = inspect.signature(fn, follow_wrapped=False).parameters
+        parameters = signature(fn, follow_wrapped=False).parameters
     except (TypeError, ValueError):
         return False
     return name not in parameters and not any(
@@ -871,25 +899,25 @@ def check_takes(
     ``hint`` follows the message); callables whose signature Python cannot
     read pass unchecked."""
     try:
-        signature = inspect.signature(fn)
+        sig = signature(fn)
     except (TypeError, ValueError):
         return
     try:
-        signature.bind(*[None] * n)
+        sig.bind(*[None] * n)
     except TypeError:
-        if "rng" in signature.parameters:
+        if "rng" in sig.parameters:
             # `loss_fn(params, microbatch, *, rng)`: called with a key.
             try:
-                signature.bind(*[None] * n, rng=None)
+                sig.bind(*[None] * n, rng=None)
                 return
             except TypeError:
                 pass
         name = getattr(fn, "__name__", type(fn).__name__)
         # Its parameters without their annotations (optax's are long).
-        bare = signature.replace(
+        bare = sig.replace(
             parameters=[
                 q.replace(annotation=inspect.Parameter.empty)
-                for q in signature.parameters.values()
+                for q in sig.parameters.values()
             ],
             return_annotation=inspect.Signature.empty,
         )
@@ -1159,7 +1187,7 @@ def refuse_unknown_keywords(
         if why is None:
             known = [
                 name
-                for name, param in inspect.signature(fn).parameters.items()
+                for name, param in signature(fn).parameters.items()
                 if name not in ("self", "cls")
                 and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL)
             ]

@@ -9,7 +9,6 @@ dtypes ``init`` gave it).
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -21,7 +20,7 @@ import optax
 from optax import tree as otu
 
 from masked_multistep._branch import EagerMemo, eager_key, staging
-from masked_multistep._checks import refuses_keyword
+from masked_multistep._checks import refuses_keyword, signature
 
 InnerUpdate = Callable[[Any, Any, Any, dict[str, Any]], tuple[Any, Any]]
 """``(mean, inner_state, params, dynamic_args) -> (updates, inner_state)``."""
@@ -181,7 +180,7 @@ def takes_keyword(opt: Any, key: str) -> bool:
     ``optax.partition`` groups) names the keyword ``key`` in its signature."""
     for fn in _chain_members(opt):
         try:
-            if key in inspect.signature(fn).parameters:
+            if key in signature(fn).parameters:
                 return True
         except (TypeError, ValueError):
             pass

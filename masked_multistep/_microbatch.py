@@ -42,6 +42,7 @@ from masked_multistep._checks import (
     leaf_paths,
     refuse_unknown_keywords,
     short_repr,
+    signature,
 )
 from masked_multistep._placement import names_an_axis
 from masked_multistep._running_mean import (
@@ -522,16 +523,16 @@ def _check_rng(rng: Any) -> jax.Array:
 def _check_accepts_rng(loss_fn: Callable[..., Any]) -> None:
     """Raises if ``loss_fn`` visibly cannot take the ``rng`` keyword."""
     try:
-        signature = inspect.signature(loss_fn)
+        sig = signature(loss_fn)
     except (TypeError, ValueError):  # builtins and the like: just call it
         return
     try:
-        signature.bind(None, None, rng=None)
+        sig.bind(None, None, rng=None)
     except TypeError as err:
         raise TypeError(
             "`grad_fn` was called with `rng`, so `loss_fn` is called as "
             "loss_fn(params, microbatch, rng=key), but its signature "
-            f"{signature} does not accept an `rng` keyword argument"
+            f"{sig} does not accept an `rng` keyword argument"
             + _key_hint(loss_fn, required=False)
         ) from err
 
@@ -1112,7 +1113,7 @@ def _key_hint(loss_fn: Callable[..., Any], required: bool = True) -> str:
     than ``rng`` (equinox names a dropout key ``key``): how its key goes in.
     (``required``: only a third argument without a default counts.)"""
     try:
-        parameters = list(inspect.signature(loss_fn).parameters.values())
+        parameters = list(signature(loss_fn).parameters.values())
     except (TypeError, ValueError):
         return ""
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
