@@ -1,10 +1,16 @@
 """The Makefile's guards: what a fresh clone meets before anything installs."""
 
+import configparser
+import importlib.metadata
 import os
 import shutil
 import stat
 import subprocess
 from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,6 +80,38 @@ def test_a_python_newer_than_the_pins_have_wheels_for_is_refused(tmp_path):
     _fake_python(tmp_path / "python3", "3.14.1", log)
     make(tmp_path, "install", f"PYTHON={tmp_path / 'python3'}")
     assert "-m venv --clear .venv" in log.read_text()
+
+
+def test_every_pin_installs_on_every_python_the_makefile_takes():
+    # `make test` installs the pins of constraints.txt with any Python 3.11 to
+    # 3.14 (setup.cfg: >= 3.11; the Makefile refuses 3.15); Debian 12's
+    # python3 is 3.11.2. A pin whose Requires-Python leaves out one of them
+    # fails the install in the resolver there (soupsieve 4.1.3: >=3.11.5).
+    # Read from the distributions installed here at their pinned versions (all
+    # of them under `make test`; fewer under `make test-latest`).
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version
+    lowest = configparser.ConfigParser()
+    lowest.read(ROOT / "setup.cfg")
+    assert lowest["options"]["python_requires"] == ">=3.11"
+    pythons = [Version(v) for v in ("3.11.0", "3.12.0", "3.13.0", "3.14.0")]
+    checked, refused = [], []
+    for dist in importlib.metadata.distributions():
+        name = canonicalize_name(dist.metadata["Name"])
+        if pins.get(name) != dist.version:
+            continue
+        checked.append(name)
+        spec = SpecifierSet(dist.metadata.get("Requires-Python") or "")
+        refused += [
+            (name, dist.version, str(spec), str(v))
+            for v in pythons
+            if not spec.contains(v)
+        ]
+    assert checked and "jaxlib" in pins
+    assert refused == []
 
 
 def test_a_python_that_does_not_run_is_named_with_those_that_do(tmp_path):
