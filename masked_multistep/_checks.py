@@ -79,6 +79,7 @@ __all__ = [
     "refuse_narrow_float",
     "short_repr",
     "signature",
+    "without_annotations",
     "same_avals",
     "to_count",
     "traced",
@@ -849,11 +850,12 @@ def signature(
     ``inspect.signature`` evaluates them by default: a function annotated with
     a name imported only under ``typing.TYPE_CHECKING`` would raise
     ``NameError`` here though it runs. Such names are read as forward
-    references instead.
+    references instead. (Before 3.14 annotations are evaluated where a
+    function is defined, and ``inspect.signature`` evaluates none.)
 
-    >>> def loss_fn(params: "NotImportedHere", batch): ...
+    >>> def loss_fn(params, batch, *, rng=None): ...
     >>> list(signature(loss_fn).parameters)
-    ['params', 'batch']
+    ['params', 'batch', 'rng']
     """
     if sys.version_info >= (3, 14):
         import annotationlib
@@ -864,6 +866,24 @@ def signature(
             annotation_format=annotationlib.Format.FORWARDREF,
         )
     return inspect.signature(fn, follow_wrapped=follow_wrapped)
+
+
+def without_annotations(sig: inspect.Signature) -> inspect.Signature:
+    """``sig`` with its parameters and return unannotated, for messages
+    (optax's annotations are long; unresolved names from Python 3.14 print as
+    ``ForwardRef(...)``).
+
+    >>> def loss_fn(params: dict, batch: dict) -> float: ...
+    >>> str(without_annotations(signature(loss_fn)))
+    '(params, batch)'
+    """
+    return sig.replace(
+        parameters=[
+            q.replace(annotation=inspect.Parameter.empty)
+            for q in sig.parameters.values()
+        ],
+        return_annotation=inspect.Signature.empty,
+    )
 
 
 def refuses_keyword(fn: Callable[..., Any], name: str) -> bool:
@@ -913,17 +933,9 @@ def check_takes(
             except TypeError:
                 pass
         name = getattr(fn, "__name__", type(fn).__name__)
-        # Its parameters without their annotations (optax's are long).
-        bare = sig.replace(
-            parameters=[
-                q.replace(annotation=inspect.Parameter.empty)
-                for q in sig.parameters.values()
-            ],
-            return_annotation=inspect.Signature.empty,
-        )
         raise TypeError(
             f"{what} must be a callable of {count} ({arguments}), got "
-            f"{name}{bare}{hint}"
+            f"{name}{without_annotations(sig)}{hint}"
         ) from None
 
 

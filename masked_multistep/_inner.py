@@ -549,9 +549,10 @@ def init_structure(opt: Any, params_like: Any) -> Any:
     """The tree structure of the state ``opt.init`` builds for params like
     ``params_like`` (by abstract evaluation), or None where ``init`` cannot
     run on them (a check made with it is then skipped: the error at hand, if
-    any, stands)."""
+    any, stands). (``init`` is called, not given to jax whole: jax reads a
+    function's signature, which from Python 3.14 evaluates its annotations.)"""
     try:
-        return jax.tree.structure(jax.eval_shape(opt.init, params_like))
+        return jax.tree.structure(jax.eval_shape(lambda p: opt.init(p), params_like))
     except Exception:  # noqa: BLE001 -- no structure to compare with
         return None
 

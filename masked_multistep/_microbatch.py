@@ -43,6 +43,7 @@ from masked_multistep._checks import (
     refuse_unknown_keywords,
     short_repr,
     signature,
+    without_annotations,
 )
 from masked_multistep._placement import names_an_axis
 from masked_multistep._running_mean import (
@@ -532,7 +533,7 @@ def _check_accepts_rng(loss_fn: Callable[..., Any]) -> None:
         raise TypeError(
             "`grad_fn` was called with `rng`, so `loss_fn` is called as "
             "loss_fn(params, microbatch, rng=key), but its signature "
-            f"{sig} does not accept an `rng` keyword argument"
+            f"{without_annotations(sig)} does not accept an `rng` keyword argument"
             + _key_hint(loss_fn, required=False)
         ) from err
 

@@ -81,6 +81,18 @@ def policy_closes(state: State, scalars: Array) -> Array:
 
 def policy_update(state: State, scalars: Array, closed: Array) -> State:
     return state + 1
+
+
+def at_most_two(step: Array) -> Array:
+    return 2
+
+
+def one_group(params: Params) -> dict[str, Array]:
+    return jax.tree.map(lambda _: "all", params)
+
+
+def loss_with_batch_dict(params: Params, batch: dict[str, Array]) -> Array:
+    return loss_fn(params, batch)
 """
 if sys.version_info < (3, 14):
     SOURCE = "from __future__ import annotations\n" + SOURCE
@@ -112,15 +124,19 @@ def test_in_jit_microbatching_reads_loss_fns_parameters_only():
     chex.assert_trees_all_equal(got, want)
     with_rng = mm.microbatched_value_and_grad(USER["loss_with_rng"], 2)
     chex.assert_trees_all_equal(with_rng(PARAMS, BATCH, rng=jax.random.key(0)), want)
-    # A key by another name than `rng` is refused with its hint, which shows
-    # the parameters.
+    # A loss without `rng` is refused, and a key by another name than `rng`
+    # with its hint: both show the parameters, without their annotations.
+    with pytest.raises(TypeError, match=r"signature \(params, batch\) does not"):
+        mm.microbatched_value_and_grad(USER["loss_with_batch_dict"], 2)(
+            PARAMS, BATCH, rng=jax.random.key(0)
+        )
     with pytest.raises(TypeError, match=r"loss_with_key\(params, batch, key\)"):
         mm.microbatched_value_and_grad(USER["loss_with_key"], 2)(
             PARAMS, BATCH, rng=jax.random.key(0)
         )
 
 
-def test_data_parallel_gradients_read_loss_fns_parameters_only():
+def test_per_device_and_data_parallel_gradients_read_loss_fns_parameters_only():
     mesh = jax.make_mesh(
         (2,),
         ("data",),
@@ -128,11 +144,13 @@ def test_data_parallel_gradients_read_loss_fns_parameters_only():
         axis_types=(jax.sharding.AxisType.Explicit,),
     )
     with jax.set_mesh(mesh):
-        got = mm.data_parallel_value_and_grad(USER["loss_fn"], mesh, "data")(
-            PARAMS, BATCH
-        )
-        want = mm.data_parallel_value_and_grad(_plain_loss, mesh, "data")(PARAMS, BATCH)
-    chex.assert_trees_all_close(got, want, rtol=0, atol=0)
+        for gradients in [
+            mm.data_parallel_value_and_grad,
+            mm.per_device_value_and_grad,
+        ]:
+            got = gradients(USER["loss_fn"], mesh, "data")(PARAMS, BATCH)
+            want = gradients(_plain_loss, mesh, "data")(PARAMS, BATCH)
+            chex.assert_trees_all_equal(got, want)
 
 
 def test_the_wrapper_reads_its_functions_parameters_only():
@@ -152,6 +170,12 @@ def test_the_wrapper_reads_its_functions_parameters_only():
                 USER["policy_init"], USER["policy_closes"], USER["policy_update"]
             ),
         ),
+        mm.MaskedMultiSteps(
+            optax.sgd(1.0),
+            tokens_per_window=mm.token_budget(
+                100, max_microbatches=USER["at_most_two"]
+            ),
+        ),
     ]:
         state = tx.init(PARAMS)
         # `value=` reaches an inner update that names it, a window of two
@@ -164,3 +188,23 @@ def test_the_wrapper_reads_its_functions_parameters_only():
     tx = mm.MaskedMultiSteps(inner, 2)
     with pytest.raises(TypeError, match="'metric'.*`value=`"):
         tx.update(grads, tx.init(PARAMS), PARAMS, count=2, metric=1.0)
+
+
+def test_another_optimizers_state_is_refused_whatever_inits_annotations():
+    # The check that a state is the inner optimizer's own traces its `init`.
+    inner = optax.GradientTransformationExtraArgs(USER["negate_init"], USER["negate"])
+    foreign = mm.MaskedMultiSteps(optax.adam(1.0), 2).init(PARAMS)
+    with pytest.raises(ValueError, match="inner"):
+        mm.MaskedMultiSteps(inner, 2).update(PARAMS, foreign, PARAMS, count=2)
+
+
+def test_window_statistics_group_by_a_function_of_the_params():
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, per_leaf_stats=True)
+    state = tx.init(PARAMS)
+    for count in (2, 3):
+        grads = {"w": jnp.arange(3.0) * count}
+        _, state = tx.update(grads, state, PARAMS, count=count)
+    chex.assert_trees_all_equal(
+        mm.window_stats(state, groups=USER["one_group"]),
+        mm.window_stats(state, groups="all"),
+    )
