@@ -94,9 +94,9 @@ def test_every_pin_installs_on_every_python_the_makefile_takes():
         if line and not line.startswith("#"):
             name, version = line.split("==")
             pins[canonicalize_name(name)] = version
-    lowest = configparser.ConfigParser()
-    lowest.read(ROOT / "setup.cfg")
-    assert lowest["options"]["python_requires"] == ">=3.11"
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    assert setup["options"]["python_requires"] == ">=3.11"
     pythons = [Version(v) for v in ("3.11.0", "3.12.0", "3.13.0", "3.14.0")]
     checked, refused = [], []
     for dist in importlib.metadata.distributions():
