@@ -79,7 +79,7 @@ def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
     cpu = platform.processor() or "unknown"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         kind = "quick" if args.quick else "full"
         out = Path(__file__).resolve().parent / "results" / f"bench-{kind}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out.write_text(json.dumps(result, indent=1), encoding="utf-8")
     print(f"wrote {out}")
     return result
 

@@ -68,7 +68,7 @@ def read_result(parser: argparse.ArgumentParser, path: Path, kind: str) -> Any:
         parser.error(f"{path}: {message}")
 
     try:
-        result = json.loads(path.read_text())
+        result = json.loads(path.read_text(encoding="utf-8"))
     except OSError as err:
         fail(f"cannot read it ({err.strerror})")
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

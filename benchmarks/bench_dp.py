@@ -149,7 +149,7 @@ def worker(args: argparse.Namespace) -> None:
         if jax.process_index() == 0:
             out = args.out
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1))
+            out.write_text(json.dumps(result, indent=1), encoding="utf-8")
     finally:
         jax.distributed.shutdown()
 
@@ -537,10 +537,10 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(timeout=10)
     codes = [p.returncode for p in procs]
     if codes != [0] * NUM_PROCESSES:
-        err = log.read_text(errors="replace") if log.exists() else ""
+        err = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
         print(f"worker exit codes {codes}\n{err[-4000:]}", file=sys.stderr)
         return 1
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text(encoding="utf-8"))
     width, k = HEADLINE
     cell = {
         r["competitor"]: r

@@ -636,9 +636,11 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
         # Drop the log lines of windows after the checkpoint: they run again.
         # (A line cut short by a crash while it was written belongs to a
         # window after the checkpoint too: the log is written before the save.)
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        lines = (
+            metrics.read_text(encoding="utf-8").splitlines() if metrics.exists() else []
+        )
         kept = [s for s in lines if _window_of(s) <= done // k]
-        metrics.write_text("".join(s + "\n" for s in kept))
+        metrics.write_text("".join(s + "\n" for s in kept), encoding="utf-8")
     else:
         if args.resume:
             print_fn(
@@ -681,7 +683,7 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
                 f"tokens {record['tokens']:6d}  lr {lr_text}  "
                 f"B_simple (smoothed) {scale_text}"
             )
-            with metrics.open("a") as f:
+            with metrics.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
         periodic = index == k - 1 and (window + 1) % args.checkpoint_every == 0
         if periodic or step + 1 == stop:

@@ -58,7 +58,7 @@ def _import_benchmarks(*names):
     ],
 )
 def test_bad_flags_are_usage_errors(args, message, scripts, tmp_path):
-    (tmp_path / "file").write_text("")
+    (tmp_path / "file").write_text("", encoding="utf-8")
     args = [a.replace("TMP", str(tmp_path)) for a in args]
     for script in scripts:
         proc = run(script, *args)
@@ -69,11 +69,16 @@ def test_bad_flags_are_usage_errors(args, message, scripts, tmp_path):
 
 def test_each_result_is_rendered_by_its_own_script(tmp_path):
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"windows": [], "machine": {}, "memory_checks": []}))
+    bench.write_text(
+        json.dumps({"windows": [], "machine": {}, "memory_checks": []}),
+        encoding="utf-8",
+    )
     dp = tmp_path / "dp.json"
-    dp.write_text(json.dumps({"windows": [], "machine": {}, "allreduce": []}))
+    dp.write_text(
+        json.dumps({"windows": [], "machine": {}, "allreduce": []}), encoding="utf-8"
+    )
     cut = tmp_path / "cut.json"
-    cut.write_text('{"windows": [{"wid')
+    cut.write_text('{"windows": [{"wid', encoding="utf-8")
     cases = [
         ("report.py", [dp], "render it with benchmarks/bench_dp.py --markdown"),
         ("bench_dp.py", ["--markdown", bench], "render it with benchmarks/report.py"),
@@ -150,12 +155,12 @@ def test_gpu_session_script_parses_and_its_flags_are_bench_pys():
     prepared call on a lent GPU): its shell parses and every ``bench.py``
     argument list it passes is accepted."""
     script = BENCHMARKS / "gpu_session.sh"
-    script_text = script.read_text()
+    script_text = script.read_text(encoding="utf-8")
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     (bench,) = _import_benchmarks("bench")
     lists = [
         line.split("=(", 1)[1].rstrip(")").split()
-        for line in script.read_text().splitlines()
+        for line in script.read_text(encoding="utf-8").splitlines()
         if line.strip().startswith(("reference=(", "table=(", "leaves=("))
     ]
     assert len(lists) == 6, lists
@@ -381,7 +386,7 @@ def _bench_result():
 
 def test_report_renders_a_bench_result_at_the_largest_k(tmp_path):
     path = tmp_path / "bench.json"
-    path.write_text(json.dumps(_bench_result()))
+    path.write_text(json.dumps(_bench_result()), encoding="utf-8")
     proc = run("report.py", path)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -395,7 +400,7 @@ def test_report_renders_a_bench_result_at_the_largest_k(tmp_path):
     with_faults = _bench_result()
     for row in with_faults["windows"]:
         row["minor_faults_per_microbatch"] = 24628.0 if row["k"] == 4 else 1.0
-    path.write_text(json.dumps(with_faults))
+    path.write_text(json.dumps(with_faults), encoding="utf-8")
     out = run("report.py", path).stdout
     assert "| page faults per microbatch, k=4 | 64² |" in out
     assert "| optax.MultiSteps | 24,628 |" in out

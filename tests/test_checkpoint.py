@@ -131,7 +131,8 @@ def test_resume_mid_window_in_a_fresh_process_is_bit_identical(tmp_path):
     script.write_text(
         textwrap.dedent(_RESUME).format(
             tests_dir=str(pathlib.Path(__file__).parent), ckpt_dir=str(tmp_path)
-        )
+        ),
+        encoding="utf-8",
     )
     # (Compiled as this process compiles: bit for bit.)
     env = {**os.environ, "XLA_FLAGS": os.environ[TESTS_XLA_FLAGS]}

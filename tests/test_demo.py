@@ -60,7 +60,7 @@ def test_demo_outputs_show_masked_equals_full_batch(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(png) > 10_000
 
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     runs = summary["runs"]
     assert summary["config"]["steps"] == 3
     for run in runs.values():
@@ -178,7 +178,7 @@ def test_the_footer_follows_the_run():
 )
 def test_bad_flags_exit_with_a_message(argv, message, capsys, tmp_path):
     argv = [a.replace("TMP", str(tmp_path)) for a in argv]
-    (tmp_path / "file").write_text("")
+    (tmp_path / "file").write_text("", encoding="utf-8")
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
@@ -223,7 +223,9 @@ def test_an_undefined_noise_scale_is_said_and_written_as_null(tmp_path):
     def refuse(constant):
         raise ValueError(f"not JSON: {constant}")
 
-    written = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
+    written = json.loads(
+        (tmp_path / "summary.json").read_text(encoding="utf-8"), parse_constant=refuse
+    )
     masked = written["runs"]["masked_multisteps"]
     assert (
         masked["smoothed_noise_scale"] == [None]
@@ -265,7 +267,9 @@ def test_demo_requirements_are_the_demo_extra():
     from masked_multistep.demo import cli
 
     cfg = configparser.ConfigParser()
-    cfg.read(pathlib.Path(__file__).resolve().parent.parent / "setup.cfg")
+    cfg.read(
+        pathlib.Path(__file__).resolve().parent.parent / "setup.cfg", encoding="utf-8"
+    )
     extra = cfg["options.extras_require"]["demo"].split()
     assert {re.split(r"[<>=!~\[]", r)[0] for r in extra} == set(cli.REQUIREMENTS)
 
@@ -445,3 +449,37 @@ def test_sequence_lengths_cover_each_topics_whole_range():
         topic = sorted(n for t, n in seen if t == marker)
         # Inclusive at both ends: the long topics fill all seq_len + 1 tokens.
         assert topic == list(range(low, high + 1)), (marker, topic)
+
+
+@pytest.mark.parametrize("encoding", ["cp1252", "latin-1", "ascii"])
+def test_the_table_prints_on_a_stream_that_is_not_utf8(encoding, monkeypatch, tmp_path):
+    # A Windows console redirected to a file writes cp1252, a Latin-1 locale's
+    # terminal Latin-1: neither has the legend's ‖ or −. The demo used to raise
+    # UnicodeEncodeError there after the whole training, before writing its
+    # files. Now its symbols are spelled in ASCII, and the files come first.
+    from masked_multistep.demo import cli, report, train
+
+    config = train.Config(steps=2, microbatches=2, batch_size=4)
+
+    def train_all(config, progress=range):
+        noise = {"masked_multisteps": [40.0, 50.0]}
+        return {
+            name: _run_result(train, [0.5, 0.25], [2.0, 1.0], noise.get(name))
+            for name in report.RUNS
+        }
+
+    monkeypatch.setattr(train, "train_all", train_all)
+    raw = io.BytesIO()
+    stdout = io.TextIOWrapper(raw, encoding=encoding)
+    monkeypatch.setattr("sys.stdout", stdout)
+    out = tmp_path / "out"
+    argv = ["--steps", "2", "--microbatches", "2", "--batch-size", "4"]
+    assert main([*argv, "--out", str(out)]) == 0
+    stdout.flush()
+    printed = " ".join(raw.getvalue().decode(encoding).split())
+    assert "grad rel. error: |g - g_full| / |g_full|, mean and max" in printed
+    assert f"wrote {out / 'summary.json'}" in printed
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    assert summary["config"]["steps"] == config.steps
+    # Where the stream can write them, the symbols stay.
+    assert cli.printable("‖g − g_full‖", io.StringIO()) == "‖g − g_full‖"

@@ -34,7 +34,7 @@ def html(tmp_path_factory) -> pathlib.Path:
 
 
 def test_every_public_name_has_an_api_entry(html):
-    page = (html / "api.html").read_text()
+    page = (html / "api.html").read_text(encoding="utf-8")
     documented = set(re.findall(r'id="masked_multistep\.(\w+)"', page))
     names = set(masked_multistep.__all__) | {"TrainState"}
     assert names <= documented, f"missing from the API page: {names - documented}"
@@ -47,14 +47,16 @@ def test_every_stored_notebook_is_rendered_with_its_outputs(html):
         page = html / "notebooks" / f"{notebook.stem}.html"
         assert page.exists(), f"{notebook.name} is not in the docs"
         # Stored figures are shown, not re-computed.
-        assert re.search(r'<img[^>]+src="\.\./_images/', page.read_text()), page
+        assert re.search(
+            r'<img[^>]+src="\.\./_images/', page.read_text(encoding="utf-8")
+        ), page
 
 
 def test_the_readme_is_the_guide_and_its_links_resolve(html):
     from docutils.nodes import make_id
 
-    index = (html / "index.html").read_text()
-    readme = (ROOT / "README.md").read_text()
+    index = (html / "index.html").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
     # Every section of the README is a section of the landing page.
     for heading in re.findall(r"^## (.+)$", readme, flags=re.M):
         assert f'id="{make_id(heading)}"' in index, heading

@@ -51,7 +51,10 @@ def arrays(result):
 
 
 def records(out):
-    return [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(s)
+        for s in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +303,7 @@ def test_a_diverged_run_logs_null_not_nan(tmp_path):
     def refuse(constant):
         raise ValueError(f"not JSON: {constant}")
 
-    text = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    text = (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     history = [json.loads(s, parse_constant=refuse) for s in text]
     assert [r["tokens"] > 0 for r in history] == [True] * 4
     assert [r["loss"] is None for r in history] == [False, False, True, True]
@@ -317,7 +320,7 @@ def test_resume_skips_an_unreadable_checkpoint(tmp_path):
     ckpts = tmp_path / "checkpoints"
     assert sorted(int(p.name) for p in ckpts.iterdir()) == [1, 2, 3]
     (ckpts / "3" / "meta" / "metadata").unlink()  # cut short by a crash
-    with (tmp_path / "metrics.jsonl").open("a") as f:
+    with (tmp_path / "metrics.jsonl").open("a", encoding="utf-8") as f:
         f.write('{"window": 4, "lo')  # so was the log line being written
     lines = []
     again = train_lm.train(

@@ -55,7 +55,8 @@ def _fake_python(path, version, log):
         f'  *"print(*sys.version_info"*) echo {minor}; exit 0 ;;\n'
         "esac\n"
         f'echo "$0 $*" >> {log}\n'
-        "exit 1\n"
+        "exit 1\n",
+        encoding="utf-8",
     )
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
@@ -76,10 +77,10 @@ def test_a_python_newer_than_the_pins_have_wheels_for_is_refused(tmp_path):
     assert "make test PYTHON=python3.14" in proc.stdout
     assert not log.exists() and not (tmp_path / ".venv").exists()
     # The bound is the pinned jaxlib's, and 3.14 itself passes the check.
-    assert "jaxlib==0.10.2\n" in (ROOT / "constraints.txt").read_text()
+    assert "jaxlib==0.10.2\n" in (ROOT / "constraints.txt").read_text(encoding="utf-8")
     _fake_python(tmp_path / "python3", "3.14.1", log)
     make(tmp_path, "install", f"PYTHON={tmp_path / 'python3'}")
-    assert "-m venv --clear .venv" in log.read_text()
+    assert "-m venv --clear .venv" in log.read_text(encoding="utf-8")
 
 
 def test_every_pin_installs_on_every_python_the_makefile_takes():
@@ -90,12 +91,12 @@ def test_every_pin_installs_on_every_python_the_makefile_takes():
     # Read from the distributions installed here at their pinned versions (all
     # of them under `make test`; fewer under `make test-latest`).
     pins = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
+    for line in (ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines():
         if line and not line.startswith("#"):
             name, version = line.split("==")
             pins[canonicalize_name(name)] = version
     setup = configparser.ConfigParser()
-    setup.read(ROOT / "setup.cfg")
+    setup.read(ROOT / "setup.cfg", encoding="utf-8")
     assert setup["options"]["python_requires"] == ">=3.11"
     pythons = [Version(v) for v in ("3.11.0", "3.12.0", "3.13.0", "3.14.0")]
     checked, refused = [], []
@@ -126,7 +127,8 @@ def test_a_python_that_does_not_run_is_named_with_those_that_do(tmp_path):
     _fake_python(bin_dir / "python3.12", "3.12.4", log)
     shim = bin_dir / "python3.13"
     shim.write_text(
-        '#!/bin/sh\necho "pyenv: python3.13: command not found"; exit 127\n'
+        '#!/bin/sh\necho "pyenv: python3.13: command not found"; exit 127\n',
+        encoding="utf-8",
     )
     shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
     # Only the stand-ins on the PATH: what the machine has installed does not
@@ -177,7 +179,7 @@ def test_a_venv_is_made_again_where_broken_or_a_failed_install_of_another_python
         log.unlink(missing_ok=True)
         proc = make(tmp_path, "install", f"PYTHON={tmp_path / 'python3'}")
         assert proc.returncode != 0  # the stand-ins install nothing
-        calls = log.read_text().splitlines()
+        calls = log.read_text(encoding="utf-8").splitlines()
         assert ("-m venv --clear .venv" in calls[0]) == remade, (in_venv, calls)
         if not remade:  # the kept venv's pip comes next
             assert calls[0].startswith(".venv/bin/python -m pip"), calls
@@ -197,7 +199,9 @@ def test_no_recipe_comment_is_echoed_to_the_terminal():
     # `make demo` showed four lines of the Makefile's own notes.
     echoed = [
         n
-        for n, line in enumerate((ROOT / "Makefile").read_text().splitlines(), 1)
+        for n, line in enumerate(
+            (ROOT / "Makefile").read_text(encoding="utf-8").splitlines(), 1
+        )
         if line.startswith("\t#")
     ]
     assert not echoed, f"Makefile lines {echoed}: write `@#` or move them out"

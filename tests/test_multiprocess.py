@@ -52,7 +52,8 @@ def _single_process_reference(worker):
 
 def _tails(logs) -> str:
     return "\n".join(
-        f"--- {log.name} ---\n" + log.read_text(errors="replace")[-4000:]
+        f"--- {log.name} ---\n"
+        + log.read_text(encoding="utf-8", errors="replace")[-4000:]
         for log in logs
         if log.exists()
     )
@@ -140,7 +141,7 @@ def test_bench_dp_smoke(tmp_path):
         timeout=TIMEOUT_S,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text(encoding="utf-8"))
     cell = {(r["k"], r["competitor"]): r for r in result["windows"]}
     # One k: the per-microbatch reduction runs k of them per window, the
     # deferred modes one.

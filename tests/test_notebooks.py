@@ -84,7 +84,7 @@ def test_readme_figure_is_the_stored_notebooks_figure():
     ]
     assert len(pngs) == 1
     assert (NOTEBOOK_DIR / "05_token_windows.png").read_bytes() == pngs[0]
-    readme = (NOTEBOOK_DIR.parent / "README.md").read_text()
+    readme = (NOTEBOOK_DIR.parent / "README.md").read_text(encoding="utf-8")
     assert "](notebooks/05_token_windows.png)" in readme
 
 

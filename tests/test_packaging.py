@@ -18,12 +18,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_version_is_written_once():
     cfg = configparser.ConfigParser()
-    cfg.read(ROOT / "setup.cfg")
+    cfg.read(ROOT / "setup.cfg", encoding="utf-8")
     assert cfg["metadata"]["version"] == "attr: masked_multistep._version.__version__"
     assert masked_multistep.__version__ == _version.__version__
     # The changelog has a section for it (`## 0.2.0 (unreleased)` for 0.2.0.dev0).
     release = re.match(r"\d+\.\d+\.\d+", _version.__version__).group()
-    changelog = (ROOT / "CHANGELOG.md").read_text()
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     assert re.search(rf"^## {re.escape(release)}\b", changelog, flags=re.M)
 
 

@@ -7,7 +7,9 @@ import re
 import pytest
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+BLOCKS = re.findall(
+    r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S
+)
 
 
 def test_readme_has_examples():
@@ -28,7 +30,10 @@ def test_the_xla_flags_the_docs_advise_are_ones_xla_knows():
     import sys
 
     root = README.parent
-    texts = [README.read_text(), (root / "benchmarks" / "README.md").read_text()]
+    texts = [
+        README.read_text(encoding="utf-8"),
+        (root / "benchmarks" / "README.md").read_text(encoding="utf-8"),
+    ]
     flags = set(re.findall(r"XLA_FLAGS=(--xla_gpu_[\w=+,-]+)", "\n".join(texts)))
     assert "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" in flags
     for flag in sorted(flags):

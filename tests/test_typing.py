@@ -446,7 +446,8 @@ def test_typecheck_reports_errors_in_readme_blocks_at_readme_lines(tmp_path):
             tx = mm.MaskedMultiSteps("adam", 2)
             ```
             """
-        )
+        ),
+        encoding="utf-8",
     )
     result = _typecheck_readme(readme)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -466,7 +467,9 @@ def test_typecheck_fails_on_a_readme_without_python_blocks(tmp_path, capsys):
     # A README whose examples moved to another fence (or file) must not pass
     # as "nothing to check".
     readme = tmp_path / "README.md"
-    readme.write_text("# title\n\n```bash\npip install masked-multistep\n```\n")
+    readme.write_text(
+        "# title\n\n```bash\npip install masked-multistep\n```\n", encoding="utf-8"
+    )
     typecheck = _load_typecheck()
     assert typecheck.main(["--readme", str(readme)]) == 1
     assert "no ```python blocks" in capsys.readouterr().err
@@ -491,7 +494,8 @@ def test_typecheck_fails_on_a_warning_in_a_readme_block(tmp_path):
             y == 3
             ```
             """
-        )
+        ),
+        encoding="utf-8",
     )
     result = _typecheck_readme(readme)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -508,11 +512,12 @@ def test_typecheck_fails_when_pyright_gives_no_report(
     fake = tmp_path / "pyright"
     fake.write_text(
         f"#!{sys.executable}\nimport sys\n"
-        f"print('node: crashed')\nsys.exit({exit_code})\n"
+        f"print('node: crashed')\nsys.exit({exit_code})\n",
+        encoding="utf-8",
     )
     fake.chmod(0o755)
     readme = tmp_path / "README.md"
-    readme.write_text("```python\nx = 1\n```\n")
+    readme.write_text("```python\nx = 1\n```\n", encoding="utf-8")
     typecheck = _load_typecheck()
     monkeypatch.setattr(typecheck, "_pyright", lambda: str(fake))
     assert typecheck.main(["--readme", str(readme)]) == (exit_code or 1)

@@ -53,10 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=pathlib.Path, default=ROOT / "README.md")
     parser.add_argument("paths", nargs="*", type=pathlib.Path)
     args = parser.parse_args(argv)
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pyright"]
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        config = tomllib.load(f)["tool"]["pyright"]
     paths = [p.resolve() for p in args.paths] or [ROOT / p for p in config["include"]]
     readme = args.readme.resolve()
-    blocks = readme_blocks(readme.read_text())
+    blocks = readme_blocks(readme.read_text(encoding="utf-8"))
     if not blocks:
         print(f"{readme}: no ```python blocks", file=sys.stderr)
         return 1
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         origin: dict[str, int] = {}
         for index, (line, code) in enumerate(blocks):
             path = pathlib.Path(tmp, f"readme_block_{index}.py")
-            path.write_text(code)
+            path.write_text(code, encoding="utf-8")
             origin[str(path)] = line
         # Run from the repository root, so that its pyproject.toml applies and
         # `import masked_multistep` resolves to this checkout.
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             + sorted(origin),
             cwd=ROOT,
             capture_output=True,
-            text=True,
+            encoding="utf-8",  # node writes UTF-8 whatever the locale
+            errors="replace",
             env={**os.environ, "PYRIGHT_PYTHON_IGNORE_WARNINGS": "1"},
         )
         try:

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import Any
 
 __all__ = ["main", "build_parser", "REQUIREMENTS"]
 
@@ -146,8 +147,43 @@ def main(argv: list[str] | None = None) -> int:
     summary = report.summarize(
         config, results, train.token_counts(config), train.mean_batch_tokens(config)
     )
-    print(report.format_table(summary))
+    # The files first: what the training produced is kept whatever the printing.
     paths = report.write(summary, args.out)
+    print(printable(report.format_table(summary), sys.stdout))
     for path in paths:
-        print(f"wrote {path}")
+        print(printable(f"wrote {path}", sys.stdout))
     return 0
+
+
+# The table's symbols, spelled in ASCII for a stream that cannot write them.
+_ASCII = str.maketrans({"‖": "|", "−": "-", "×": "x", "≤": "<="})
+
+
+def printable(text: str, stream: Any) -> str:
+    """``text`` as ``stream``'s encoding can write it.
+
+    Standard output is not always UTF-8: a Windows console redirected to a file
+    writes the locale's code page (cp1252 has no ``‖`` or ``−``), as does a
+    terminal under a Latin-1 locale. There the table's symbols are spelled in
+    ASCII (``‖g − g_full‖`` as ``|g - g_full|``) and any other character the
+    encoding lacks becomes ``?``, instead of a ``UnicodeEncodeError`` after the
+    training.
+
+    >>> import io
+    >>> cp1252 = io.TextIOWrapper(io.BytesIO(), encoding="cp1252")
+    >>> printable("‖g − g_full‖ / ‖g_full‖", cp1252)
+    '|g - g_full| / |g_full|'
+    >>> printable("‖g − g_full‖", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
+    '‖g − g_full‖'
+    """
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+        return text
+    except (UnicodeEncodeError, LookupError):
+        pass
+    text = text.translate(_ASCII)
+    try:
+        return text.encode(encoding, errors="replace").decode(encoding)
+    except LookupError:  # an encoding Python does not know: ASCII is safe
+        return text.encode("ascii", errors="replace").decode("ascii")

@@ -201,7 +201,7 @@ def write(summary: dict[str, Any], out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, "summary.json")
     png_path = os.path.join(out_dir, "curves.png")
-    with open(json_path, "w") as f:
+    with open(json_path, "w", encoding="utf-8") as f:
         # JSON has no NaN: an undefined figure (the noise scale of windows of
         # one microbatch, say) is null.
         json.dump(_finite_or_none(summary), f, indent=1, allow_nan=False)
