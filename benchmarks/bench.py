@@ -413,11 +413,11 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
     print(head)
     print("-" * len(head))
     for name in names:
-        # "—" where a competitor has no row (the norm test at k = 1).
+        # "-" where a competitor has no row (the norm test at k = 1).
         print(
             f"{name:<34}"
             + "".join(
-                f" {cell[name, w, k]:>10.2f}" if (name, w, k) in cell else f" {'—':>10}"
+                f" {cell[name, w, k]:>10.2f}" if (name, w, k) in cell else f" {'-':>10}"
                 for w, k in keys
             )
         )

@@ -50,7 +50,7 @@ def times(result: dict[str, Any]) -> str:
         for w, k in keys:
             r = cell.get((name, w, k))  # none for the norm test at k = 1
             line.append(
-                f"{r['x_floor']:.2f} ({r['ms_per_microbatch']:.1f})" if r else "—"
+                f"{r['x_floor']:.2f} ({r['ms_per_microbatch']:.1f})" if r else "-"
             )
         body.append(line)
     return _table(header, body)
