@@ -537,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(timeout=10)
     codes = [p.returncode for p in procs]
     if codes != [0] * NUM_PROCESSES:
-        err = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
+        # The workers' output, in the locale's encoding as they wrote it.
+        err = log.read_text(encoding="locale", errors="replace") if log.exists() else ""
         print(f"worker exit codes {codes}\n{err[-4000:]}", file=sys.stderr)
         return 1
     result = json.loads(out.read_text(encoding="utf-8"))

@@ -478,8 +478,21 @@ def test_the_table_prints_on_a_stream_that_is_not_utf8(encoding, monkeypatch, tm
     stdout.flush()
     printed = " ".join(raw.getvalue().decode(encoding).split())
     assert "grad rel. error: |g - g_full| / |g_full|, mean and max" in printed
-    assert f"wrote {out / 'summary.json'}" in printed
+    # (The path as the stream writes it: a user's name in it may not be ASCII.)
+    assert cli.printable(f"wrote {out / 'summary.json'}", stdout) in printed
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     assert summary["config"]["steps"] == config.steps
     # Where the stream can write them, the symbols stay.
     assert cli.printable("‖g − g_full‖", io.StringIO()) == "‖g − g_full‖"
+
+    # The files are written before anything is printed: a stream that fails
+    # (a closed pipe) loses the table, not the results.
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    again = tmp_path / "again"
+    with pytest.raises(BrokenPipeError):
+        main([*argv, "--out", str(again)])
+    assert {p.name for p in again.iterdir()} == {"summary.json", "curves.png"}

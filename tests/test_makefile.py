@@ -54,9 +54,9 @@ def _fake_python(path, version, log):
         f'  *">= (3, 15)"*) exit {too_new} ;;\n'
         f'  *"print(*sys.version_info"*) echo {minor}; exit 0 ;;\n'
         "esac\n"
-        f'echo "$0 $*" >> {log}\n'
+        f'echo "$0 $*" >> "{log}"\n'
         "exit 1\n",
-        encoding="utf-8",
+        encoding="locale",  # the shell reads the log's path as the file system names it
     )
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 

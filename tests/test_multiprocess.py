@@ -53,7 +53,9 @@ def _single_process_reference(worker):
 def _tails(logs) -> str:
     return "\n".join(
         f"--- {log.name} ---\n"
-        + log.read_text(encoding="utf-8", errors="replace")[-4000:]
+        + log.read_text(
+            encoding="locale", errors="replace"
+        )  # as the worker wrote[-4000:]
         for log in logs
         if log.exists()
     )

@@ -510,10 +510,11 @@ def test_typecheck_fails_when_pyright_gives_no_report(
     # pyright that crashes (prints no JSON report), whatever its exit status:
     # the check fails and shows what it printed.
     fake = tmp_path / "pyright"
+    # (In the locale's encoding: the kernel reads the shebang's path as bytes.)
     fake.write_text(
         f"#!{sys.executable}\nimport sys\n"
         f"print('node: crashed')\nsys.exit({exit_code})\n",
-        encoding="utf-8",
+        encoding="locale",
     )
     fake.chmod(0o755)
     readme = tmp_path / "README.md"

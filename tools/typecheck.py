@@ -14,6 +14,7 @@ README's own line numbers. Exits non-zero if there is any error or warning.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import pathlib
@@ -108,4 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # pyright's messages quote the code, which may hold characters that a
+    # stdout of another encoding than UTF-8 cannot write: escaped there.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
     raise SystemExit(main())

@@ -147,24 +147,27 @@ def main(argv: list[str] | None = None) -> int:
     summary = report.summarize(
         config, results, train.token_counts(config), train.mean_batch_tokens(config)
     )
-    # The files first: what the training produced is kept whatever the printing.
-    paths = report.write(summary, args.out)
-    print(printable(report.format_table(summary), sys.stdout))
+    # The files first, so that what the training produced is kept whatever the
+    # printing does; the table is printed even where they cannot be written.
+    try:
+        paths = report.write(summary, args.out)
+    finally:
+        print(printable(report.format_table(summary), sys.stdout))
     for path in paths:
         print(printable(f"wrote {path}", sys.stdout))
     return 0
 
 
 # The table's symbols, spelled in ASCII for a stream that cannot write them.
-_ASCII = str.maketrans({"‖": "|", "−": "-", "×": "x", "≤": "<="})
+_ASCII = str.maketrans({"‖": "|", "−": "-"})
 
 
 def printable(text: str, stream: Any) -> str:
     """``text`` as ``stream``'s encoding can write it.
 
     Standard output is not always UTF-8: a Windows console redirected to a file
-    writes the locale's code page (cp1252 has no ``‖`` or ``−``), as does a
-    terminal under a Latin-1 locale. There the table's symbols are spelled in
+    writes the ANSI code page (cp1252 in Western locales has no ``‖`` or ``−``),
+    as does a terminal under a Latin-1 locale. There the table's symbols are spelled in
     ASCII (``‖g − g_full‖`` as ``|g - g_full|``) and any other character the
     encoding lacks becomes ``?``, instead of a ``UnicodeEncodeError`` after the
     training.
@@ -176,7 +179,9 @@ def printable(text: str, stream: Any) -> str:
     >>> printable("‖g − g_full‖", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
     '‖g − g_full‖'
     """
-    encoding = getattr(stream, "encoding", None) or "utf-8"
+    encoding = getattr(stream, "encoding", None)
+    if not isinstance(encoding, str):  # io.StringIO's is None
+        encoding = "utf-8"
     try:
         text.encode(encoding)
         return text
