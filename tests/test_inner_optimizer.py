@@ -272,3 +272,84 @@ def test_an_inner_state_with_a_typed_prng_key_updates_with_and_without_jit(
             )
         else:
             np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+# Every optimizer of optax's and optax.contrib's that takes gradients alone or
+# with `value=` (lbfgs, sam and reduce_on_plateau are tested above and in
+# test_counts; dpsgd wants per-example gradients, sophia a loss function,
+# lookahead its own params): inside the wrapper, a window of microbatches with
+# unequal token counts steps it as the full batch's gradient does.
+_CATALOG = {
+    **{
+        name: (lambda name=name: getattr(optax, name)(1e-2))
+        for name in [
+            "adabelief", "adafactor", "adagrad", "adam", "adamax", "adamaxw",
+            "adamw", "adan", "amsgrad", "fromage", "lamb", "lars", "lion", "nadam",
+            "nadamw", "novograd", "optimistic_adam_v2",
+            "optimistic_gradient_descent", "radam", "rmsprop", "rprop",
+            "sign_sgd", "signum", "sm3", "yogi",
+        ]
+    },
+    "adadelta": lambda: optax.adadelta(1e-1),
+    "noisy_sgd": lambda: optax.noisy_sgd(1e-2, key=jax.random.key(0)),
+    "polyak_sgd": lambda: optax.polyak_sgd(1.0),
+    "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    **{
+        f"contrib.{name}": (lambda name=name: getattr(optax.contrib, name)(1e-2))
+        for name in [
+            "acprop", "ademamix", "adopt", "madgrad", "momo", "momo_adam", "muon",
+            "schedule_free_adamw", "schedule_free_sgd", "simplified_ademamix",
+        ]
+    },
+    **{
+        f"contrib.{name}": getattr(optax.contrib, name)
+        for name in ["cocob", "dadapt_adamw", "dog", "dowg", "prodigy"]
+    },
+    "contrib.mechanize": lambda: optax.contrib.mechanize(optax.adam(1e-2)),
+    "contrib.galore": lambda: optax.contrib.galore(1e-2, rank=2),
+}  # fmt: skip
+_NEEDS_VALUE = {"polyak_sgd", "contrib.momo", "contrib.momo_adam"}
+
+
+@pytest.mark.parametrize("name", sorted(_CATALOG))
+def test_every_optax_optimizer_steps_on_the_full_batch_gradient(name):
+    k, rows, width = 3, 6, 4
+    rng = np.random.default_rng(0)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(width, width)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(width,)), jnp.float32),
+    }
+    x = rng.normal(size=(2 * k, rows, width)).astype(np.float32)
+    y = rng.normal(size=(2 * k, rows, width)).astype(np.float32)
+    mask = np.arange(rows) < np.array([[1], [6], [3], [5], [2], [4]])  # unequal
+
+    def loss(p, x, y, mask):
+        per_row = jnp.sum((jnp.tanh(x @ p["w"] + p["b"][None]) - y) ** 2, axis=-1)
+        return mm.masked_mean(per_row, mask)
+
+    opt = _CATALOG[name]()
+    tx = mm.MaskedMultiSteps(opt, k)
+    value_and_grad = jax.value_and_grad(loss, has_aux=True)
+    value = (lambda v: {"value": v}) if name in _NEEDS_VALUE else (lambda v: {})
+
+    @jax.jit
+    def both(params):
+        # Two windows through the wrapper, microbatch by microbatch ...
+        p, state = params, tx.init(params)
+        for i in range(2 * k):
+            (v, n), g = value_and_grad(p, x[i], y[i], mask[i])
+            updates, state = tx.update(g, state, p, count=n, **value(v))
+            p = optax.apply_updates(p, updates)
+        # ... and on each window's whole batch.
+        q, inner = params, opt.init(params)
+        for w in range(2):
+            window = slice(w * k, (w + 1) * k)
+            flat = [a[window].reshape(k * rows, -1) for a in (x, y)]
+            (v, _), g = value_and_grad(q, *flat, mask[window].reshape(-1))
+            updates, inner = opt.update(g, inner, q, **value(v))
+            q = optax.apply_updates(q, updates)
+        return p, q
+
+    accumulated, full_batch = both(params)
+    assert not jax.tree.all(jax.tree.map(jnp.array_equal, full_batch, params))
+    chex.assert_trees_all_close(accumulated, full_batch, rtol=1e-5, atol=1e-6)
