@@ -302,7 +302,7 @@ _CATALOG = {
         ]
     },
     **{
-        f"contrib.{name}": getattr(optax.contrib, name)
+        f"contrib.{name}": (lambda name=name: getattr(optax.contrib, name)())
         for name in ["cocob", "dadapt_adamw", "dog", "dowg", "prodigy"]
     },
     "contrib.mechanize": lambda: optax.contrib.mechanize(optax.adam(1e-2)),
