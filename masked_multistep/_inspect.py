@@ -422,6 +422,7 @@ def _labels_by_path(labels: Any, tree: Any) -> list[str]:
         for path, label in jax.tree_util.tree_flatten_with_path(labels)[0]
     }
     places: set[tuple[Any, ...]] = set()  # every prefix of every path
+    holes: list[tuple[Any, ...]] = []  # placeholders: a whole subtree may be one
     found, unmatched = [], []
     for path, leaf in jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=_is_placeholder
@@ -430,13 +431,16 @@ def _labels_by_path(labels: Any, tree: Any) -> list[str]:
         prefixes = [names[:i] for i in range(len(names) + 1)]
         places.update(prefixes)
         if _is_placeholder(leaf):
+            holes.append(names)
             continue
         label = next((given[p] for p in prefixes if p in given), None)
         if label is None:
             unmatched.append(names)
         found.append(label)
     problem = ""
-    unused = [q for q in given if q not in places]
+    unused = [
+        q for q in given if q not in places and not any(q[: len(h)] == h for h in holes)
+    ]
     deeper = [q for q in given if unmatched and q[: len(unmatched[0])] == unmatched[0]]
     if deeper:
         # `{"w": ["a"]}` for a leaf `w`: a container where one label belongs.

@@ -764,6 +764,38 @@ def test_labels_by_path_pass_over_the_leaves_another_branch_holds():
         mm.window_stats(state, groups=FrozenDict({"hidden": "h", "outt": "o"}))
 
 
+def test_labels_by_path_pass_over_a_subtree_another_branch_holds():
+    """optax masks another branch's whole subtree as one ``optax.MaskedNode``:
+    labels with the params' full structure name its leaves, below that node,
+    and their groups are empty (left out)."""
+    from flax.core import FrozenDict
+
+    params = {
+        "enc": {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)},
+        "dec": {"w": jnp.zeros(3), "s": jnp.zeros(())},
+    }
+    tx = optax.multi_transform(
+        {
+            "acc": mm.MaskedMultiSteps(optax.sgd(0.1), 2, per_leaf_stats=True),
+            "frozen": optax.set_to_zero(),
+        },
+        {"enc": "acc", "dec": "frozen"},
+    )
+    state = tx.init(params)
+    for n in (3.0, 5.0):
+        grads = jax.tree.map(lambda p, n=n: jnp.full(p.shape, n), params)
+        _, state = tx.update(grads, state, params, count=jnp.float32(n))
+    by_prefix = mm.window_stats(state, groups={"enc": "e", "dec": "d"})
+    assert set(by_prefix.grad_sq_norm) == {"e"}
+    full = {"enc": {"w": "e", "b": "e"}, "dec": {"w": "d", "s": "t"}}
+    assert_bit_identical(mm.window_stats(state, groups=full), by_prefix)
+    assert_bit_identical(mm.window_stats(state, groups=FrozenDict(full)), by_prefix)
+    with pytest.raises(ValueError, match=r"a label at \['decc'\]\['s'\], where"):
+        mm.window_stats(
+            state, groups=FrozenDict({"enc": "e", "decc": FrozenDict({"s": "t"})})
+        )
+
+
 def test_a_label_function_that_reads_values_is_told_it_sees_shapes():
     tx = mm.MaskedMultiSteps(optax.sgd(0.1), K, per_leaf_stats=True)
     state = _run(tx, _plan(windows=1))[0][-1]
