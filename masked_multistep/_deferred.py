@@ -626,7 +626,9 @@ class DeferredPerWindow(Deferred):
         state = reduction_state
         take = _running_mean.fits(state.counts, local.counts)
         counts = jnp.where(take, local.counts, jnp.zeros_like(local.counts))
-        values = jnp.broadcast_to(jnp.asarray(value, jnp.float32), (self.size,))
+        values = self._on_device_axis(
+            jnp.broadcast_to(jnp.asarray(value, jnp.float32), (self.size,))
+        )
         new_value, new_counts = jax.vmap(running_mean_update)(
             state.value,
             state.value_counts,

@@ -1656,6 +1656,7 @@ def test_deferred_nonfinite_window_never_reaches_the_inner_optimizer(mesh):
 
 
 @pytest.mark.filterwarnings("ignore:The inner optimizer needs `value=`")
+@both_axis_types
 def test_deferred_per_window_loss_is_the_windows_token_weighted_mean(mesh):
     """Agreeing only at the window's end, the loss handed to the inner
     optimizer is Σ nᵢᵈ vᵢᵈ / Σ nᵢᵈ over every device and microbatch that passed
