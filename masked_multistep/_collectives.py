@@ -64,6 +64,8 @@ def weighted_mean_across(
     holds NaN or inf (an all-masked shard's ``0/0``); if every count is zero
     the mean is zeros, not NaN. A traced count that is negative, NaN or
     infinite (only possible from a bug upstream) contributes nothing either.
+    Finite float counts whose sum passes float32's range (beyond 3.4e38) give
+    ``total = inf`` and a NaN mean, never a finite wrong one.
     Reverse-mode derivatives (with respect to ``tree`` and to float counts)
     are finite and equal those of leaving the empty shards out.
 
@@ -144,6 +146,12 @@ def weighted_mean_across(
         count = jnp.where(count > 0, count, jnp.zeros_like(count))
         total = jax.lax.psum(count, axis_name)
         mean = weighted_sum_across(tree, count, total, axis_name)
+        # Finite counts whose sum passes float32's range: every weight would
+        # round to 0, a finite mean of zeros. NaN says it instead.
+        past_range = jnp.isinf(total)
+        mean = jax.tree.map(
+            lambda m: jnp.where(past_range, jnp.asarray(jnp.nan, m.dtype), m), mean
+        )
     return mean, total
 
 

@@ -189,6 +189,17 @@ def test_weighted_mean_across_all_zero_counts_give_zeros(mesh8):
     )
 
 
+def test_weighted_mean_across_counts_summing_past_float32_give_nan_not_zeros(mesh8):
+    """Each count is a finite float32, their sum is not: every weight n/inf
+    would be 0, a finite mean of zeros; the mean is NaN instead."""
+    grads = jnp.ones((8, 2), jnp.float32)
+    counts = jnp.full(8, 3e38, jnp.float32)
+    mean, total = _shard_mapped_mean(mesh8, grads, counts)
+    assert np.isinf(total) and np.isnan(np.asarray(mean)).all()
+    mean, total = _shard_mapped_mean(mesh8, grads, counts.at[1:].set(0))
+    np.testing.assert_array_equal(mean, np.ones(2, np.float32))
+
+
 def test_weighted_mean_across_float16_does_not_overflow(mesh8):
     """Σ nᵈ gᵈ ≈ 1.5e7 is far beyond float16's 65504; the mean is not."""
     grads = jnp.asarray(np.linspace(2e4, 4e4, 8)[:, None] * np.ones(2), jnp.float16)
