@@ -157,6 +157,8 @@ def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
 
 
 def _kind(dtype: Any) -> str:
+    if isinstance(dtype, np.dtype) and dtype.kind in "mM":
+        return "other"  # numpy's timedelta64 is a signedinteger, not a number
     if jnp.issubdtype(dtype, jnp.bool_):
         return "bool"
     if jnp.issubdtype(dtype, jnp.integer):
@@ -229,10 +231,12 @@ def refuse_narrow_float(dtype: Any, what: str) -> None:
     """
     if _kind(dtype) == "float" and jnp.finfo(dtype).bits < 32:
         exact = 2 ** (jnp.finfo(dtype).nmant + 1)
-        example = (
-            "in float16, 2049 tokens sum to 2048"
-            if jnp.dtype(dtype) == jnp.float16
-            else "in bfloat16, 3001 tokens sum to 3008"
+        example = {
+            jnp.dtype(jnp.float16): "in float16, 2049 tokens sum to 2048",
+            jnp.dtype(jnp.bfloat16): "in bfloat16, 3001 tokens sum to 3008",
+        }.get(
+            jnp.dtype(dtype),
+            f"in {jnp.dtype(dtype)}, {exact + 1} tokens sum to {exact}",
         )
         raise TypeError(
             f"{what} has dtype {jnp.dtype(dtype)}, which holds whole numbers "

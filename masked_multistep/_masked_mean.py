@@ -90,7 +90,8 @@ def masked_mean(
     Raises:
       TypeError: if ``values`` is boolean or integer and ``mask`` floating (the
         two swapped, most likely; cast ``values`` to float for a weighted mean
-        of booleans), or ``mask`` is complex.
+        of booleans), ``values`` is not numeric (a PRNG key), or ``mask`` is
+        complex.
       ValueError: if ``mask`` does not broadcast to ``values``' shape, has
         fewer dimensions than ``values`` (and is not a scalar), or is a
         concrete floating mask with a negative, NaN or infinite weight, or
@@ -123,6 +124,15 @@ def masked_mean(
             "the classes first (a per-token loss of shape (sequences, "
             "positions) counts tokens); mask[..., None] would count every "
             "class as a token"
+        )
+    if not (
+        jnp.issubdtype(values.dtype, jnp.bool_)
+        or jnp.issubdtype(values.dtype, jnp.number)
+    ):
+        # A PRNG key or another extended dtype: no mean of it.
+        raise TypeError(
+            "`values` must be numeric (per-token values, such as losses), got "
+            f"dtype {values.dtype}"
         )
     if not (
         jnp.issubdtype(mask.dtype, jnp.bool_)

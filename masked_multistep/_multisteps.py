@@ -755,6 +755,12 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         acc = self._accumulator_dtype or "follows the params, at least float32"
         reduction = kwargs["reduction"]
         options = f", reduction={reduction!r}" if reduction is not None else ""
+        if (skip := kwargs["should_skip_update_fn"]) is not None:
+            # A function by its name (a partial by its function's).
+            name = getattr(skip, "__name__", None) or getattr(
+                getattr(skip, "func", None), "__name__", type(skip).__name__
+            )
+            options += f", should_skip_update_fn={name}"
         rec = self._recorder
         if rec.enabled:
             options += f", window_stats=True, stats_decay={rec.decay}"
@@ -1200,8 +1206,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             raise ValueError(
                 "`state.skip_state` is not what `should_skip_update_fn` returns: "
                 "`state` was built by a MaskedMultiSteps with another skip "
-                f"function ({self!r}); use the state that this wrapper's `init` "
-                "returned"
+                f"function than this one, {self!r}; use the state that this "
+                "wrapper's `init` returned"
             )
         skip_state = jax.tree.map(
             lambda new, old: jnp.where(empty, old, new), skip_state, state.skip_state

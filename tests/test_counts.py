@@ -178,6 +178,34 @@ def test_invalid_counts_raise_eagerly_and_are_counted_skips_under_jit(count):
         np.testing.assert_allclose(u, -2.5)
 
 
+def test_an_8_bit_float_count_is_refused_with_its_own_example():
+    # 17 ones sum to 16 in float8_e4m3fn (the message gave bfloat16's figures).
+    assert float(jnp.ones(17, jnp.float8_e4m3fn).sum()) == 16
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    with pytest.raises(
+        TypeError,
+        match=r"`count` has dtype float8_e4m3fn, which holds whole numbers exactly "
+        r"only up to 16: .* \(in float8_e4m3fn, 17 tokens sum to 16\)",
+    ):
+        tx.update(
+            _grads(1.0), tx.init(PARAMS), PARAMS, count=jnp.array(3, jnp.float8_e4m3fn)
+        )
+
+
+def test_a_timedelta_count_is_refused_by_name():
+    # numpy's timedelta64 is a signedinteger subtype: it reached the value
+    # checks and failed in Python's `<` on a datetime.timedelta.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    state = tx.init(PARAMS)
+    for count in (np.timedelta64(3, "s"), np.array(3, "m8[s]")):
+        with pytest.raises(
+            TypeError,
+            match=r"`count` must be an integer or floating scalar, got dtype "
+            r"timedelta64\[s\]",
+        ):
+            tx.update(_grads(1.0), state, PARAMS, count=count)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_counts_in_floats_narrower_than_float32_are_refused(dtype):
     # A mask summed in bfloat16 is already rounded when it arrives (3001 tokens

@@ -658,8 +658,19 @@ def test_a_state_with_other_dtypes_or_skip_function_is_refused(jit):
     )
     refused(wrapper(), ints, "counts tokens in int32.*count_dtype is float32")
     skips = wrapper(should_skip_update_fn=optax.skip_not_finite)
-    refused(skips, wrapper(), "`state.skip_state` is not what `should_skip_update_fn`")
+    refused(
+        skips,
+        wrapper(),
+        "`state.skip_state` is not what `should_skip_update_fn`.* than this one, "
+        r"MaskedMultiSteps\(.*should_skip_update_fn=skip_not_finite\)",
+    )
     refused(wrapper(), skips, "`state.skip_state` is not what `should_skip_update_fn`")
+    # The message shows this wrapper's skip function, by name (a partial's too).
+    large = functools.partial(optax.skip_large_updates, max_squared_norm=1.0)
+    assert "should_skip_update_fn" not in repr(wrapper())
+    assert repr(wrapper(should_skip_update_fn=large)).endswith(
+        "should_skip_update_fn=skip_large_updates)"
+    )
     # Complex leaves keep a complex accumulator, whatever accumulator_dtype is.
     z = {"w": jnp.zeros(2, jnp.complex64)}
     _, state = bf16.update(z, bf16.init(z), z, count=jnp.int32(3))

@@ -165,6 +165,14 @@ def test_swapped_values_and_mask_are_refused(mask_dtype):
     assert float(mean) == 1.25 and int(count) == 2
 
 
+def test_values_that_are_not_numbers_are_refused_by_name():
+    # A PRNG key failed in jax's "Cannot interpret 'key<fry>' as a data type".
+    with pytest.raises(
+        TypeError, match=r"`values` must be numeric .*got dtype key<fry>"
+    ):
+        mm.masked_mean(jax.random.key(0), True)
+
+
 def test_booleans_average_under_a_boolean_mask_and_as_floats_under_weights():
     hit = jnp.array([True, False, True, True])
     mean, count = mm.masked_mean(hit, jnp.array([True, True, True, False]))
