@@ -29,7 +29,12 @@ from jax.sharding import PartitionSpec as P
 
 from masked_multistep import _checks, _running_mean
 from masked_multistep._branch import staging
-from masked_multistep._placement import names_an_axis, spec_axes, trimmed
+from masked_multistep._placement import (
+    names_an_axis,
+    spec_axes,
+    trimmed,
+    without_axes,
+)
 from masked_multistep._reduction import (
     KnownTotals,
     WindowTotals,
@@ -242,9 +247,11 @@ class Deferred(KnownTotals):
     def _leading_names(self, names: Any, ndim: int) -> tuple[Any, ...]:
         """``(axes, *rest)``: the device axis over ``axes``; the other dims keep
         the parameter's names over the other mesh axes (a dim sharded over
-        ``axes`` itself, FSDP-style, is held whole by each device)."""
+        ``axes`` itself, FSDP-style, is held whole by each device; one sharded
+        over ``axes`` and another axis stays split over that other axis, as
+        :func:`mm.per_device_value_and_grad`'s gradients are)."""
         names = tuple(names) + (None,) * (ndim - len(names))
-        rest = [None if spec_axes(entry) & set(self.axes) else entry for entry in names]
+        rest = [without_axes(entry, self.axes) for entry in names]
         return (self._spec_axes, *rest)
 
     def _leading_sharding(self, leaf: Any) -> NamedSharding:

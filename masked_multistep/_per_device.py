@@ -59,7 +59,7 @@ from masked_multistep._microbatch import (
     check_per_leaf_stats,
 )
 from masked_multistep._nnx_state import check_wrt, refuse_module_state, selected_state
-from masked_multistep._placement import resharded_as, spec_axes
+from masked_multistep._placement import resharded_as, spec_axes, without_axes
 from masked_multistep._reduction import (
     any_explicit,
     check_mesh_axes,
@@ -364,7 +364,7 @@ def _gathered_over(params: Any, axes: frozenset) -> Any:
     def leaf(x: Any) -> Any:
         if not sharded_over(x):
             return x
-        kept = [_without(entry, axes) for entry in type_spec(x)]
+        kept = [without_axes(entry, axes) for entry in type_spec(x)]
         return jax.sharding.reshard(x, _on_mesh_of(x, P(*kept)))
 
     return jax.tree.map(leaf, params)
@@ -383,7 +383,7 @@ def _split_over(batch: Any, mesh: jax.sharding.Mesh, axes: tuple) -> Any:
         spec = tuple(type_spec(x))
         if spec[:1] == (lead,):
             return x
-        rest = [_without(entry, axes) for entry in spec[1:]]
+        rest = [without_axes(entry, axes) for entry in spec[1:]]
         return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, P(lead, *rest)))
 
     return jax.tree.map(leaf, batch)
@@ -405,12 +405,6 @@ def _on_mesh_of(x: Any, spec: Any) -> Any:
     """``spec`` on the mesh of ``x``'s type: a sharding that needs no
     ``jax.set_mesh`` context."""
     return jax.sharding.NamedSharding(jax.typeof(x).sharding.mesh, spec)
-
-
-def _without(entry: Any, axes: Any) -> Any:
-    """One ``PartitionSpec`` entry with the mesh axes ``axes`` left out."""
-    names = tuple(a for a in spec_axes(entry) if a not in axes)
-    return names[0] if len(names) == 1 else (names or None)
 
 
 def _combine(out: Any, has_aux: bool, aux_reduction: Any) -> tuple[Any, optax.Updates]:

@@ -23,6 +23,7 @@ __all__ = [
     "spec_axes",
     "tree_resharded_as",
     "trimmed",
+    "without_axes",
     "zeros_placed_as",
 ]
 
@@ -70,6 +71,15 @@ def spec_axes(entry: Any) -> frozenset:
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
         return frozenset()
     return frozenset(entry) if isinstance(entry, tuple) else frozenset({entry})
+
+
+def without_axes(entry: Any, axes: Any) -> Any:
+    """One ``PartitionSpec`` entry with the mesh axes ``axes`` left out
+    (``("data", "model")`` without ``"data"`` is ``"model"``)."""
+    names = tuple(a for a in spec_axes(entry) if a not in axes)
+    if isinstance(entry, tuple):  # the entry's own order, major to minor
+        names = tuple(a for a in entry if a in names)
+    return names[0] if len(names) == 1 else (names or None)
 
 
 def names_an_axis(spec: Any) -> bool:

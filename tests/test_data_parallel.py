@@ -438,6 +438,12 @@ def test_deferred_on_a_data_by_model_mesh_without_set_mesh(w1, model_axis, metho
             params, state, jax.device_put(mb, NamedSharding(grid, P("data")))
         )
     assert params["w1"].sharding.is_equivalent_to(NamedSharding(grid, w1), 2)
+    # Each device's running mean of `w1` stays split over the model axis, as
+    # per_device_value_and_grad's gradients are; split over both axes, it is
+    # held whole over "data" only (it was whole over "model" too: a gather of
+    # every microbatch's gradient, and twice the memory).
+    acc = NamedSharding(grid, P("data", "model"))
+    assert state.acc_grads["w1"].sharding.is_equivalent_to(acc, 3)
     assert int(state.gradient_step) == len(batches) // K
     chex.assert_trees_all_close(jax.device_get(params), ref_params, **TOL)
 
