@@ -3,10 +3,14 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # One stamp per extra installed into .venv: `make demo` installs only the demo's
-# extra, `make docs` the docs', `make test` (and the rest) the development stack.
+# extra, `make docs` the docs', `make test` (and the rest) the development stack,
+# which holds both: where it is installed, `make demo` and `make docs` use it (and
+# bring it up to date) instead of installing their own extra again.
 STAMP      := $(VENV)/.installed-dev
 DEMO_STAMP := $(VENV)/.installed-demo
 DOCS_STAMP := $(VENV)/.installed-docs
+DEMO_NEEDS := $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
+DOCS_NEEDS := $(if $(wildcard $(STAMP)),$(STAMP),$(DOCS_STAMP))
 # Worker processes for the test suite (pytest-xdist); CI machines have 2 cores.
 JOBS   ?= 2
 # What `make lint` (and `make test`) check with ruff.
@@ -107,11 +111,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/python tools/typecheck.py
 
-demo: $(DEMO_STAMP)
+demo: $(DEMO_NEEDS)
 	$(BIN)/python -m masked_multistep.demo $(ARGS)
 
 # The stored notebooks are rendered as they are; `make test` executes them.
-docs: $(DOCS_STAMP)
+docs: $(DOCS_NEEDS)
 	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
 	@echo "open docs/_build/html/index.html"
 

@@ -139,8 +139,18 @@ def program(make: Any, workload: steps.Workload, k: int, sharding: Any) -> dict 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--width", type=positive_int, default=2048)
-    parser.add_argument("--k", type=positive_int, default=8)
+    parser.add_argument(
+        "--width",
+        type=positive_int,
+        default=2048,
+        help="width of the MLP's 4 square matrices (default: 2048)",
+    )
+    parser.add_argument(
+        "--k",
+        type=positive_int,
+        default=8,
+        help="microbatches per window (default: 8)",
+    )
     parser.add_argument(
         "--form",
         choices=("loop", "cond"),

@@ -6,6 +6,7 @@ empty list ran the defaults); ``report.py`` and ``bench_dp.py --markdown``
 failed with a ``KeyError`` on the other script's result.
 """
 
+import ast
 import importlib
 import json
 import subprocess
@@ -591,3 +592,26 @@ def test_the_window_profile_runs_on_the_cpu():
         "MaskedMultiSteps",
     ]
     assert lines[-1] == "  (no device plane in the profile: host times only)"
+
+
+def test_every_command_line_option_says_what_it_is():
+    """Every ``add_argument`` of the scripts a user runs has a ``help=``:
+    ``bench_gpu_program.py --help`` listed ``--width`` and ``--k`` bare."""
+    root = BENCHMARKS.parent
+    scripts = [
+        *BENCHMARKS.glob("*.py"),
+        *(root / "examples").glob("*.py"),
+        root / "masked_multistep" / "demo" / "cli.py",
+    ]
+    bare = []
+    for script in scripts:
+        tree = ast.parse(script.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument"
+                and not any(k.arg == "help" for k in node.keywords)
+            ):
+                bare.append(f"{script.relative_to(root)}:{node.lineno}")
+    assert bare == []

@@ -185,6 +185,26 @@ def test_a_venv_is_made_again_where_broken_or_a_failed_install_of_another_python
             assert calls[0].startswith(".venv/bin/python -m pip"), calls
 
 
+def test_demo_and_docs_use_the_development_stack_where_it_is_installed(tmp_path):
+    # The dev extra holds the demo's and the docs': after `make test`, `make
+    # demo` reinstalled (and went to the network) for its own stamp.
+    _copy_make_inputs(tmp_path)
+    venv = tmp_path / ".venv"
+    venv.mkdir()
+    for target in ("demo", "docs"):
+        proc = make(tmp_path, "-n", target)  # nothing installed: its own extra
+        assert proc.returncode == 0, proc.stderr
+        assert f'-e ".[{target}]"' in proc.stdout, proc.stdout
+    (venv / ".installed-dev").touch()  # newer than setup.cfg: up to date
+    for target, runs in (("demo", "masked_multistep.demo"), ("docs", "sphinx")):
+        proc = make(tmp_path, "-n", target)
+        assert proc.returncode == 0, proc.stderr
+        assert "pip install" not in proc.stdout and runs in proc.stdout, proc.stdout
+    os.utime(venv / ".installed-dev", (0, 0))  # older: the dev stack again
+    proc = make(tmp_path, "-n", "demo")
+    assert '-e ".[dev]"' in proc.stdout and '".[demo]"' not in proc.stdout
+
+
 def test_make_test_lints_as_make_lint_does():
     proc = make(ROOT, "-n", "test")
     assert proc.returncode == 0, proc.stderr
