@@ -731,6 +731,24 @@ def test_a_plain_dict_of_labels_groups_an_nnx_optimizers_leaves():
         mm.window_stats(optimizer, groups={"hidden": "h", "out": "o", "outt": "x"})
 
 
+def _one_window_in_a_branch(params, branches):
+    """The state of ``optax.multi_transform`` with an accumulator keeping
+    per-leaf statistics on the params labelled "acc" (the rest "frozen"),
+    after one window of two microbatches."""
+    tx = optax.multi_transform(
+        {
+            "acc": mm.MaskedMultiSteps(optax.sgd(0.1), 2, per_leaf_stats=True),
+            "frozen": optax.set_to_zero(),
+        },
+        branches,
+    )
+    state = tx.init(params)
+    for n in (3.0, 5.0):
+        grads = jax.tree.map(lambda p, n=n: jnp.full(p.shape, n), params)
+        _, state = tx.update(grads, state, params, count=jnp.float32(n))
+    return state
+
+
 def test_labels_by_path_pass_over_the_leaves_another_branch_holds():
     """In one branch of ``optax.multi_transform`` the accumulator holds
     ``optax.MaskedNode`` where the other branch's params are: labels matched
@@ -738,21 +756,10 @@ def test_labels_by_path_pass_over_the_leaves_another_branch_holds():
     matched by structure may, and their group is empty (left out)."""
     from flax.core import FrozenDict
 
-    params = {
-        "hidden": {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)},
-        "out": jnp.zeros(3),
-    }
-    tx = optax.multi_transform(
-        {
-            "acc": mm.MaskedMultiSteps(optax.sgd(0.1), 2, per_leaf_stats=True),
-            "frozen": optax.set_to_zero(),
-        },
+    state = _one_window_in_a_branch(
+        {"hidden": {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)}, "out": jnp.zeros(3)},
         {"hidden": "acc", "out": "frozen"},
     )
-    state = tx.init(params)
-    for n in (3.0, 5.0):
-        grads = jax.tree.map(lambda p, n=n: jnp.full(p.shape, n), params)
-        _, state = tx.update(grads, state, params, count=jnp.float32(n))
     by_structure = mm.window_stats(state, groups={"hidden": "h", "out": "o"})
     assert set(by_structure.grad_sq_norm) == {"h"}
     for labels in (
@@ -770,21 +777,13 @@ def test_labels_by_path_pass_over_a_subtree_another_branch_holds():
     and their groups are empty (left out)."""
     from flax.core import FrozenDict
 
-    params = {
-        "enc": {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)},
-        "dec": {"w": jnp.zeros(3), "s": jnp.zeros(())},
-    }
-    tx = optax.multi_transform(
+    state = _one_window_in_a_branch(
         {
-            "acc": mm.MaskedMultiSteps(optax.sgd(0.1), 2, per_leaf_stats=True),
-            "frozen": optax.set_to_zero(),
+            "enc": {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)},
+            "dec": {"w": jnp.zeros(3), "s": jnp.zeros(())},
         },
         {"enc": "acc", "dec": "frozen"},
     )
-    state = tx.init(params)
-    for n in (3.0, 5.0):
-        grads = jax.tree.map(lambda p, n=n: jnp.full(p.shape, n), params)
-        _, state = tx.update(grads, state, params, count=jnp.float32(n))
     by_prefix = mm.window_stats(state, groups={"enc": "e", "dec": "d"})
     assert set(by_prefix.grad_sq_norm) == {"e"}
     full = {"enc": {"w": "e", "b": "e"}, "dec": {"w": "d", "s": "t"}}
