@@ -750,6 +750,19 @@ def check_grads_match(grads: Any, acc_grads: Any, *, per_device: bool) -> None:
                 f"accumulator is {a_dtype} (built from real params): its imaginary "
                 "part would be dropped"
             )
+        if jnp.issubdtype(a_dtype, jnp.complexfloating) and not jnp.issubdtype(
+            g_dtype, jnp.complexfloating
+        ):
+            # The window's mean goes to the inner optimizer in the dtype of the
+            # gradients passed with the call that closes it.
+            raise TypeError(
+                f"The gradient at {where} is real ({g_dtype}), but the state's "
+                f"accumulator is {a_dtype} (built from complex params): the "
+                "window's mean goes to the inner optimizer in the dtype of the "
+                "gradients that close it, and cast to a real one it would lose "
+                "its imaginary part; pass complex gradients (for a flush, "
+                "jax.tree.map(jnp.zeros_like, params))"
+            )
         if unreduced := unreduced_axes(g):
             # Each device holds a partial sum (the gradient with respect to
             # params resharded to P(reduced=...)); the running mean's zero

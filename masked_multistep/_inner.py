@@ -269,6 +269,20 @@ def cast_like(tree: Any, other: Any) -> Any:
     return jax.tree.map(cast, tree, other)
 
 
+def narrowed(mean: Any, grads: Any) -> list[jax.Array]:
+    """The leaves of the window's ``mean`` that the inner optimizer gets in a
+    dtype of smaller range (the gradients' dtype: a float16 gradient beside a
+    float32 accumulator), cast as it gets them: a finite mean can become inf
+    there, so these are tested for finiteness too. Empty where no cast
+    narrows, as where the gradients' dtype is the accumulator's."""
+    out = []
+    for m, g in zip(jax.tree.leaves(mean), jax.tree.leaves(grads), strict=True):
+        to, of = jnp.result_type(g), jnp.result_type(m)
+        if jnp.finfo(to).max < jnp.finfo(of).max:
+            out.append(m.astype(to))
+    return out
+
+
 def inner_update(
     opt: optax.GradientTransformationExtraArgs,
     grads: Any,

@@ -508,6 +508,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         positive count) is not handed to the inner optimizer: zeros are returned,
         the inner state (adam's moments too) is untouched, the window is counted
         in ``state.num_nonfinite_windows``, and the next window starts clean.
+        The mean goes to the inner optimizer in the dtype of the gradients
+        passed with the call that closes the window (as optax's updates take
+        their gradients'): a mean that overflows that dtype (a flush of float16
+        zeros after float32 gradients) is not finite either.
       * ``value=`` (the microbatch's mean loss, a scalar), if passed, is averaged
         with the same weights over the microbatches that pass one, and handed to
         the inner optimizer as ``value=`` at the end of the window. An inner
@@ -1475,6 +1479,10 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             # A non-finite mean never reaches the inner optimizer: a stateful
             # one (adam's moments) would carry the NaN into every later update.
             finite = all_finite(mean, self._recorder.total(mean_sq_norm), figures)
+            if narrowed := _inner.narrowed(mean, grads):
+                # Cast to the gradients' narrower dtype (a flush with float16
+                # zeros after float32 gradients), a finite mean may overflow.
+                finite = finite & all_finite(narrowed, (), figures)
             if needs_value:
                 finite = finite & jnp.isfinite(window_loss)
             # Where the mean is the accumulator itself, `run` reads it from the

@@ -129,6 +129,44 @@ def test_an_empty_flush_closes_a_window_the_data_ended_in(rule, jit):
     assert (int(state.gradient_step), int(state.mini_step)) == (1, 0)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_flush_in_another_dtype_never_applies_a_corrupted_mean(jit):
+    """The window's mean goes to the inner optimizer in the dtype of the
+    gradients that close it. float16 zeros after float32 gradients: the mean
+    7e4 became inf and was applied as a finite window's update; such a window
+    is now not finite (counted, the params untouched). Real zeros for complex
+    params dropped the mean's imaginary part: refused, named."""
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 4)
+    step = jax.jit(tx.apply_gradients) if jit else tx.apply_gradients
+    params = {"w": jnp.array([1.0, 2.0])}
+    state = tx.init(params)
+    params, state = step({"w": jnp.array([1.0, 7e4])}, state, params, count=3)
+    flushed, state = step(
+        {"w": jnp.zeros(2, jnp.float16)}, state, params, count=0, close_window=True
+    )
+    chex.assert_trees_all_equal(flushed, params)
+    assert not bool(state.updated) and int(state.num_nonfinite_windows) == 1
+    # The next window, in float16 throughout, is applied (its mean fits).
+    for _ in range(4):
+        flushed, state = step(
+            {"w": jnp.array([0.5, 6e4], jnp.float16)}, state, flushed, count=2
+        )
+    np.testing.assert_allclose(flushed["w"], [0.5, 2.0 - 6e4], rtol=1e-3)
+    assert int(state.gradient_step) == 1
+
+    z = {"w": jnp.array([1 + 1j, 2 - 1j], jnp.complex64)}
+    state = tx.init(z)
+    z, state = step(
+        {"w": jnp.array([1 + 2j, 3 + 4j], jnp.complex64)}, state, z, count=2
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"gradient at \['w'\] is real \(float32\), but the state's "
+        r"accumulator is complex64 .*imaginary part",
+    ):
+        step({"w": jnp.zeros(2)}, state, z, count=0, close_window=True)
+
+
 def _assert_same_state_but_updated(after, before):
     chex.assert_trees_all_equal(
         after._replace(updated=before.updated), before, strict=True
