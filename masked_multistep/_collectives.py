@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from masked_multistep._checks import PARAM_LEAF_TYPES, count_weight, short_repr
-from masked_multistep._running_mean import compute_dtype, safe_fraction
+from masked_multistep._running_mean import compute_dtype, result_type, safe_fraction
 from masked_multistep._shards import varying_axes
 
 __all__ = ["weighted_mean_across", "weighted_sum_across"]
@@ -219,8 +219,9 @@ def weighted_sum(
         g = jnp.asarray(g)
         dtype = compute_dtype(g.dtype)
         # The weight in the leaf's own precision: a float32 ratio would cap a
-        # float64 leaf (under x64) at float32 accuracy.
-        real = jnp.finfo(dtype).dtype
+        # float64 leaf (under x64) at float32 accuracy; float64 weights beside
+        # a float32 leaf keep their own range for it (1e-40 is no float32 normal).
+        real = result_type(jnp.finfo(dtype).dtype, count, total)
         weight = safe_fraction(count.astype(real), total.astype(real))
         trailing = (1,) * (g.ndim - weight.ndim)
         weight = jnp.reshape(weight, weight.shape + trailing)

@@ -496,6 +496,10 @@ def window_shapes(
     # that does not read it (most: adam drops it) needs none, and is traced
     # once. Only one that reads it is traced without it as well, to learn
     # whether it needs it (whether a NaN loss holds the window).
+    # "Fails without it": optax's own raise TypeError (a keyword-only
+    # `value`); an update of its own may check `value is None` and raise
+    # ValueError or assert, as optax.contrib.momo's checks do. (An error that
+    # is not about the value comes again where it is passed, and is raised.)
     avals, needs_value = None, False
     passes_value = has_value and not refused
     if passes_value:
@@ -503,18 +507,21 @@ def window_shapes(
         if reads:
             try:
                 shapes(with_value=False)
-            except TypeError:
+            except _FAILS_WITHOUT_VALUE:
                 needs_value = True
     else:
         try:
             avals, _ = shapes(with_value=False)
-        except TypeError:
+        except _FAILS_WITHOUT_VALUE:
             if refused:
                 raise
             needs_value = passes_value = True
             avals, _ = shapes_with_value()
     memo.put(key, (needs_value, passes_value, avals))
     return WindowPlan(needs_value, passes_value, avals, update_of(passes_value))
+
+
+_FAILS_WITHOUT_VALUE = (TypeError, ValueError, AssertionError)
 
 
 def _reads(jaxpr: Any, var: Any) -> bool:

@@ -510,7 +510,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         in ``state.num_nonfinite_windows``, and the next window starts clean.
         The mean goes to the inner optimizer in the dtype of the gradients
         passed with the call that closes the window (as optax's updates take
-        their gradients'): a mean that overflows that dtype (a flush of float16
+        their gradients'): a narrower one rounds it (and flushes its smallest
+        entries to zero), and a mean that overflows it (a flush of float16
         zeros after float32 gradients) is not finite either.
       * ``value=`` (the microbatch's mean loss, a scalar), if passed, is averaged
         with the same weights over the microbatches that pass one, and handed to

@@ -589,8 +589,9 @@ def running_mean_update(
         # (0 / ratio) is 0, not NaN, and reverse-mode derivatives through a
         # zero-count microbatch are finite. It is computed in the leaf's own
         # precision: a float32 ratio would cap a float64 accumulator (under x64)
-        # at float32 accuracy.
-        real = jnp.finfo(dtype).dtype
+        # at float32 accuracy. Float64 weights (under x64) beside a float32
+        # leaf keep their own range for it: 1e-40 is no float32 normal.
+        real = result_type(jnp.finfo(dtype).dtype, count_or_1, total_or_1)
         n, total_n = jnp.asarray(count_or_1, real), jnp.asarray(total_or_1, real)
         ratio = jnp.where(take, safe_fraction(total_n, n), 1)
         m_c = m.astype(dtype)

@@ -177,3 +177,41 @@ def test_bad_count_kinds_are_clear_errors(count, error, match):
     grad_fn = mm.microbatched_value_and_grad(lambda w, mb: (w * jnp.sum(mb), count), 2)
     with pytest.raises(error, match=r"count returned by `loss_fn` " + match):
         grad_fn(jnp.array(1.0), jnp.ones(4))
+
+
+@pytest.mark.parametrize("scale", [1e-40, 1e39], ids=["subnormal", "huge"])
+def test_float64_weights_beside_float32_gradients_keep_their_range(scale):
+    """Under x64 with ``count_dtype=float64``, weights beyond float32's normal
+    range (1e-40, 1e39) beside float32 gradients: the running mean's ratio N/n
+    and the devices' weights nᵈ/N were formed in float32, where they are 0/0
+    or inf/inf: the window was dropped as non-finite, or (deferred) its mean
+    handed on as zeros."""
+    import optax
+
+    with jax.enable_x64(True):
+        params = {"w": jnp.zeros(2, jnp.float32)}
+        grads = [jnp.full(2, g, jnp.float32) for g in (1.0, 3.0)]
+        plain = mm.MaskedMultiSteps(optax.sgd(-1.0), 2, count_dtype=jnp.float64)
+        state = plain.init(params)
+        for g, n in zip(grads, (scale, 3 * scale), strict=True):
+            updates, state = plain.update({"w": g}, state, params, count=jnp.float64(n))
+        np.testing.assert_allclose(updates["w"], 2.5, rtol=1e-6)
+        assert int(state.num_nonfinite_windows) == 0
+
+        mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        deferred = mm.MaskedMultiSteps(
+            optax.sgd(-1.0),
+            1,
+            count_dtype=jnp.float64,
+            reduction=mm.deferred(mesh, "data"),
+        )
+        state = deferred.init(params)
+        with jax.set_mesh(mesh):
+            updates, state = jax.jit(deferred.update)(
+                {"w": jnp.stack(grads)},
+                state,
+                params,
+                count=jnp.array([scale, 3 * scale], jnp.float64),
+            )
+        np.testing.assert_allclose(updates["w"], 2.5, rtol=1e-6)
+        assert bool(state.updated) and int(state.num_nonfinite_windows) == 0

@@ -682,14 +682,50 @@ def test_reduce_on_plateau_gets_the_window_loss_when_the_last_call_has_none():
     np.testing.assert_allclose(state.inner_opt_state[1].best_value, 3.0)
 
 
+def _checks_its_value(max_lr=1.0):
+    """A Polyak step that checks ``value`` itself, as optax.contrib.momo
+    does: ``value=None`` by default, ``ValueError`` without one."""
+
+    def update(updates, state, params=None, value=None, **extra):
+        del params, extra
+        if value is None:
+            raise ValueError("You need to pass the latest loss value.")
+        sq = optax.tree.norm(updates, squared=True)
+        step = jnp.minimum(value / (sq + 1e-12), max_lr)
+        return jax.tree.map(lambda g: -step * g, updates), state
+
+    return optax.GradientTransformationExtraArgs(
+        lambda params: optax.EmptyState(), update
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_inner_that_raises_value_error_without_value_gets_the_windows(jit):
+    # Its ValueError in the wrapper's trace without the value (to learn
+    # whether it needs one) escaped: "You need to pass the latest loss value",
+    # from a call that passed one.
+    inner = _checks_its_value()
+    tx = mm.MaskedMultiSteps(inner, 2)
+    update = _run(tx, jit=jit)
+    state = tx.init(PARAMS)
+    for scale, n, value in [(1.0, 1, 2.0), (3.0, 3, 6.0)]:
+        updates, state = update(
+            _grads(scale), state, PARAMS, count=jnp.int32(n), value=jnp.float32(value)
+        )
+    want, _ = inner.update(_grads(2.5), optax.EmptyState(), PARAMS, value=5.0)
+    for got, expected in zip(jax.tree.leaves(updates), jax.tree.leaves(want)):
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize(
     "inner",
     [
         optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau()),
         optax.polyak_sgd(),
+        _checks_its_value(),
     ],
-    ids=["reduce_on_plateau", "polyak_sgd"],
+    ids=["reduce_on_plateau", "polyak_sgd", "value_error"],
 )
 def test_inner_that_needs_value_warns_when_a_call_passes_none(inner, jit):
     # Without the wrapper such an optimizer refuses a call without `value=`
