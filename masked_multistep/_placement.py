@@ -75,7 +75,10 @@ def spec_axes(entry: Any) -> frozenset:
 
 def without_axes(entry: Any, axes: Any) -> Any:
     """One ``PartitionSpec`` entry with the mesh axes ``axes`` left out
-    (``("data", "model")`` without ``"data"`` is ``"model"``)."""
+    (``("data", "model")`` without ``"data"`` is ``"model"``); one that
+    names none of them as it is."""
+    if not spec_axes(entry) & set(axes):
+        return entry
     names = tuple(a for a in spec_axes(entry) if a not in axes)
     if isinstance(entry, tuple):  # the entry's own order, major to minor
         names = tuple(a for a in entry if a in names)
