@@ -742,26 +742,27 @@ def check_grads_match(grads: Any, acc_grads: Any, *, per_device: bool) -> None:
                 "optimizer gets it in the gradients' dtype, so it would be "
                 "truncated); e.g. jnp.full(3, 2.0), not jnp.full(3, 2)"
             )
-        if jnp.issubdtype(g_dtype, jnp.complexfloating) and not jnp.issubdtype(
-            a_dtype, jnp.complexfloating
-        ):
+        g_complex = jnp.issubdtype(g_dtype, jnp.complexfloating)
+        if g_complex != jnp.issubdtype(a_dtype, jnp.complexfloating):
+            # Accumulated in a real dtype, or handed to the inner optimizer in
+            # the (real) dtype of the gradients that close the window, a
+            # complex value loses its imaginary part.
+            if g_complex:
+                problem = (
+                    "(built from real params): its imaginary part would be dropped"
+                )
+            else:
+                problem = (
+                    "(built from complex params): the window's mean goes to the "
+                    "inner optimizer in the dtype of the gradients that close it, "
+                    "and cast to a real one it would lose its imaginary part; "
+                    "pass complex gradients (for a flush, "
+                    "jax.tree.map(jnp.zeros_like, params))"
+                )
+            kind = "complex" if g_complex else "real"
             raise TypeError(
-                f"The gradient at {where} is complex ({g_dtype}), but the state's "
-                f"accumulator is {a_dtype} (built from real params): its imaginary "
-                "part would be dropped"
-            )
-        if jnp.issubdtype(a_dtype, jnp.complexfloating) and not jnp.issubdtype(
-            g_dtype, jnp.complexfloating
-        ):
-            # The window's mean goes to the inner optimizer in the dtype of the
-            # gradients passed with the call that closes it.
-            raise TypeError(
-                f"The gradient at {where} is real ({g_dtype}), but the state's "
-                f"accumulator is {a_dtype} (built from complex params): the "
-                "window's mean goes to the inner optimizer in the dtype of the "
-                "gradients that close it, and cast to a real one it would lose "
-                "its imaginary part; pass complex gradients (for a flush, "
-                "jax.tree.map(jnp.zeros_like, params))"
+                f"The gradient at {where} is {kind} ({g_dtype}), but the state's "
+                f"accumulator is {a_dtype} {problem}"
             )
         if unreduced := unreduced_axes(g):
             # Each device holds a partial sum (the gradient with respect to
