@@ -145,13 +145,10 @@ def weighted_mean_across(
         # respect to its count too), as if it were not there.
         count = jnp.where(count > 0, count, jnp.zeros_like(count))
         total = jax.lax.psum(count, axis_name)
-        mean = weighted_sum_across(tree, count, total, axis_name)
-        # Finite counts whose sum passes float32's range: every weight would
-        # round to 0, a finite mean of zeros. NaN says it instead.
-        past_range = jnp.isinf(total)
-        mean = jax.tree.map(
-            lambda m: jnp.where(past_range, jnp.asarray(jnp.nan, m.dtype), m), mean
-        )
+        # Finite counts whose sum passes float32's range: every weight n/inf
+        # would be 0, a finite mean of zeros; NaN weights say it instead.
+        weighed_by = jnp.where(jnp.isinf(total), jnp.nan, total)
+        mean = weighted_sum_across(tree, count, weighed_by, axis_name)
     return mean, total
 
 

@@ -8,6 +8,7 @@ no tokens (traced) or is refused (concrete).
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import masked_multistep as mm
@@ -186,8 +187,6 @@ def test_float64_weights_beside_float32_gradients_keep_their_range(scale):
     and the devices' weights nᵈ/N were formed in float32, where they are 0/0
     or inf/inf: the window was dropped as non-finite, or (deferred) its mean
     handed on as zeros."""
-    import optax
-
     with jax.enable_x64(True):
         params = {"w": jnp.zeros(2, jnp.float32)}
         grads = [jnp.full(2, g, jnp.float32) for g in (1.0, 3.0)]
