@@ -128,6 +128,30 @@ def _entry(name: str) -> str:
     return f"## `{name}`\n\n```{{eval-rst}}\n.. {directive}\n```\n"
 
 
+def _constant_doc(app, what, name, obj, options, lines):
+    # autodoc looks for a public constant's `#:` comment in `__init__.py`, where
+    # it is only imported, and falls back to its type's docstring (a tuple's
+    # "Built-in immutable sequence"), in its entry and in the summary table:
+    # the comment is read from the module that defines it.
+    if what == "data" and name.startswith("masked_multistep."):
+        lines[:] = _data_doc(name.removeprefix("masked_multistep."), obj)
+
+
+def _data_doc(name: str, obj: object) -> list[str]:
+    """The ``#:`` comment of the public constant ``name`` where it is defined."""
+    from sphinx.pycode import ModuleAnalyzer
+
+    for module in sorted(m for m in sys.modules if m.startswith("masked_multistep.")):
+        if getattr(sys.modules[module], name, None) is not obj:
+            continue
+        doc = ModuleAnalyzer.for_module(module).find_attr_docs().get(("", name))
+        if doc:
+            return list(doc)
+    raise RuntimeError(
+        f"masked_multistep.{name} has no `#:` comment where it is defined"
+    )
+
+
 def _api_entries() -> str:
     names = public_names()
     rows = "\n".join(f"   {name}" for name in names)
@@ -162,4 +186,5 @@ def _always_reread_api(app, env, added, changed, removed):
 def setup(app):
     app.connect("source-read", _fill_api_page)
     app.connect("autodoc-skip-member", _skip_namedtuple_fields)
+    app.connect("autodoc-process-docstring", _constant_doc)
     app.connect("env-get-outdated", _always_reread_api)

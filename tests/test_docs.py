@@ -40,6 +40,23 @@ def test_every_public_name_has_an_api_entry(html):
     assert names <= documented, f"missing from the API page: {names - documented}"
 
 
+def test_constants_are_described_by_their_own_comment(html):
+    # Not by their type's docstring, which autodoc falls back to for a
+    # constant only imported into `__init__.py`.
+    page = (html / "api.html").read_text(encoding="utf-8")
+    for builtin in (tuple, list, dict, str, int, float, frozenset):
+        first_line = builtin.__doc__.strip().splitlines()[0]
+        assert first_line not in page, builtin
+    constants = [
+        name
+        for name in masked_multistep.__all__
+        if not callable(getattr(masked_multistep, name))
+    ]
+    assert constants == ["STATE_0_1_FIELDS"]
+    entry = page.split('id="masked_multistep.STATE_0_1_FIELDS"')[1]
+    assert "The fields of a version 0.1" in entry.split('id="masked_multistep.')[0]
+
+
 def test_every_stored_notebook_is_rendered_with_its_outputs(html):
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
     assert notebooks
