@@ -312,8 +312,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         and ``norm_test`` is required.
       tokens_per_window: tokens per window: a number ``> 0``; a callable of the
         tokens seen in all completed windows (a float32 scalar) returning the
-        budget, for a budget warmup; or :func:`token_budget` (a budget of the
-        gradient step, ``by="gradient_step"``). A callable's value, if a
+        budget, for a budget warmup; :func:`token_budget` (a budget of the
+        gradient step, ``by="gradient_step"``); or a :class:`WindowPolicy` of
+        your own. A callable's value, if a
         Python or numpy number, must not be NaN or negative; a jax array
         (traced, or concrete in an eager step) is made total (NaN counts as
         0, ``inf`` means no token limit).

@@ -1,10 +1,11 @@
 """The window statistics' state: what it holds, how it is packed, and the
 :class:`WindowStats` read from it.
 
-The statistics' scalars are packed into three vectors, one per dtype
-(:class:`WindowStatsState`, the figures by name through :data:`SLOTS`), and each
-leaf's shares into one array (:class:`LeafSums`): every array of a jitted call's
-arguments costs the host some work on each call. Their arithmetic is ``_stats``'.
+The statistics' scalars are packed into three vectors (float32 sums, int32
+tallies, token totals in the count dtype: :class:`WindowStatsState`, the
+figures by name through :data:`SLOTS`), and each leaf's shares into one array
+(:class:`LeafSums`): every array of a jitted call's arguments costs the host
+some work on each call. Their arithmetic is ``_stats``'.
 """
 
 from __future__ import annotations
@@ -243,7 +244,7 @@ class LeafSums(NamedTuple):
 
 class WindowStatsState(NamedTuple):
     """The statistics' part of the wrapper's state: its scalars packed into
-    three vectors, one per dtype, and read by name through the properties
+    three vectors (float32, int32 and the count dtype), and read by name through the properties
     below.
 
     Every array of a jitted call's arguments and results costs the host some

@@ -645,8 +645,9 @@ def token_budget(
     """Closes the window on the microbatch that brings its tokens to ``budget``.
 
     The window closes on the first microbatch after which ``Σ nᵢ >= budget``
-    (and ``Σ nᵢ > 0``: a window never closes by tokens on a count-0
-    microbatch), or, with ``max_microbatches``, on its ``k``-th microbatch,
+    (and ``Σ nᵢ > 0``: a count-0 microbatch closes a window by tokens only
+    where the window already holds its budget, as a state converted or
+    restored into a smaller budget does), or, with ``max_microbatches``, on its ``k``-th microbatch,
     whichever comes first. The window may overshoot the budget by up to one
     microbatch's tokens.
 
