@@ -467,7 +467,9 @@ def microbatch_window(
         del policy_state
         return scalars.microbatches >= k_of(scalars.gradient_step)
 
-    return WindowPolicy(_no_state, closes, _keep)
+    return WindowPolicy(
+        _no_state, closes, _keep, name=f"every_k_schedule={describe(every_k_schedule)}"
+    )
 
 
 def _microbatch_cap(
@@ -990,8 +992,10 @@ def any_of(*policies: WindowPolicy) -> WindowPolicy:
         return functools.reduce(jnp.logical_or, done)
 
     def update(policy_state, scalars, closed):
+        # Each checked as it would be alone: an error names the policy that
+        # failed (a user's own, beside the others).
         return tuple(
-            p.update(s, scalars, closed) for p, s in zip(policies, policy_state)
+            updated(p, s, scalars, closed) for p, s in zip(policies, policy_state)
         )
 
     return WindowPolicy(
@@ -1007,6 +1011,7 @@ def any_of(*policies: WindowPolicy) -> WindowPolicy:
             _smallest(p.maximum[0] for p in policies),
             _smallest(p.maximum[1] for p in policies),
         ),
+        name=f"any_of({', '.join(p.name for p in policies)})",
     )
 
 
@@ -1219,6 +1224,16 @@ def window_policy(
             "(a token budget) or `norm_test`; got none of them"
         )
     policy = any_of(*policies)
+    if not policy.bounded:
+        unbounded = [p for p in policies if not p.bounded]
+        if not any(p.name.startswith("mm.norm_test(") for p in unbounded):
+            # A policy of the user's own that sets no maximum by itself.
+            raise ValueError(
+                f"The window policy {', '.join(p.name for p in unbounded)} is "
+                "declared `bounded=False` (it sets no maximum window), and no "
+                "other rule sets one, so a window could stay open forever: pass "
+                "`every_k_schedule` (a maximum number of microbatches) beside it"
+            )
     if not policy.bounded:
         raise ValueError(
             "The norm test needs a maximum window, or a window could stay open "

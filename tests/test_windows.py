@@ -1124,6 +1124,68 @@ def test_a_custom_policy_failing_in_its_step_is_named_with_the_cause(closes, mat
         jax.jit(lambda s: tx.update(jnp.ones(2), s, p, count=2))(tx.init(p))
 
 
+@pytest.mark.parametrize(
+    ("update", "error", "match"),
+    [
+        (
+            lambda ps, s, closed: ps + (1 if closed else 0),
+            TypeError,
+            r"mine's `update` failed on a traced value: .* Write it with jax.numpy",
+        ),
+        (
+            lambda ps, s, closed: ps + s.grad_sq_norm,
+            TypeError,
+            r"mine's `update` failed on a `None`: .* `needs_stats=True`",
+        ),
+        (
+            lambda ps, s, closed: (ps, ps),
+            ValueError,
+            r"mine's `update` must return a state of the structure its `init` "
+            r"built, PyTreeDef\(\*\); got PyTreeDef\(\(\*, \*\)\)",
+        ),
+    ],
+    ids=["python-if", "statistic-without-needs_stats", "another-structure"],
+)
+@pytest.mark.parametrize("beside", [{}, {"every_k_schedule": 8}], ids=["alone", "cap"])
+def test_a_custom_policys_failing_update_is_named_beside_other_rules(
+    update, error, match, beside
+):
+    # Beside `every_k_schedule` (the usual cap) the same mistakes gave jax's
+    # bare TracerBoolConversionError, Python's "unsupported operand type(s)
+    # ... 'NoneType'", or named the combination "WindowPolicy(...)" with the
+    # structure of all the rules' states.
+    policy = mm.WindowPolicy(
+        lambda: jnp.int32(0), lambda ps, s: s.microbatches >= 2, update, name="mine"
+    )
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=policy, **beside)
+    p = jnp.zeros(2)
+    with pytest.raises(error, match=match):
+        jax.jit(lambda s: tx.update(jnp.ones(2), s, p, count=2))(tx.init(p))
+
+
+@pytest.mark.parametrize("keyword", ["tokens_per_window", "norm_test"])
+def test_a_custom_unbounded_policy_alone_is_refused_by_its_name(keyword):
+    # It was refused as "The norm test needs a maximum window ... pass
+    # `tokens_per_window`", to a user who had no norm test and had passed one.
+    policy = mm.WindowPolicy(
+        lambda: (),
+        lambda ps, s: s.tokens >= 4096,
+        lambda ps, s, c: ps,
+        needs_stats=keyword == "norm_test",
+        bounded=False,
+        name="my_rule",
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^The window policy my_rule is declared `bounded=False` .* pass "
+        r"`every_k_schedule`",
+    ):
+        mm.MaskedMultiSteps(optax.sgd(1.0), **{keyword: policy})
+    mm.MaskedMultiSteps(optax.sgd(1.0), 16, **{keyword: policy})  # a cap beside it
+    with pytest.raises(ValueError, match=r"^The norm test needs a maximum window"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), norm_test=0.5)
+
+
 def test_a_custom_policys_own_errors_pass_through_as_they_are():
     # Not relabelled as a statistic read without needs_stats: the policy's own
     # ValueError keeps its type and message, "None" in it or not.
