@@ -244,8 +244,8 @@ class LeafSums(NamedTuple):
 
 class WindowStatsState(NamedTuple):
     """The statistics' part of the wrapper's state: its scalars packed into
-    three vectors (float32, int32 and the count dtype), and read by name through the properties
-    below.
+    three vectors (float32, int32 and the count dtype), and read by name
+    through the properties below.
 
     Every array of a jitted call's arguments and results costs the host some
     work on each call (about 1.8 µs on the host of an H100): three vectors
