@@ -650,8 +650,8 @@ def token_budget(
     (and ``Σ nᵢ > 0``: a count-0 microbatch closes a window by tokens only
     where the window already holds its budget, as a state converted or
     restored into a smaller budget does), or, with ``max_microbatches``, on
-    its ``k``-th microbatch, whichever comes first. The window may overshoot the budget by up to one
-    microbatch's tokens.
+    its ``k``-th microbatch, whichever comes first. The window may overshoot
+    the budget by up to one microbatch's tokens.
 
     Args:
       budget: tokens per window: a number ``> 0``, or a callable returning one,
