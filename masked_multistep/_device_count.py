@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -116,10 +117,24 @@ def _state_path(tree: Any, what: str) -> tuple[Any, ...]:
         if _is_state(x)
     ]
     if len(found) != 1:
+        hint = ""
+        if found:
+            # (One deferred wrapper per optax.multi_transform branch.)
+            paths = ", ".join(f"`{what}{_where(path)}`" for path in found)
+            hint = (
+                f", at {paths}: convert each on its own, passing the one "
+                "state and its template (restore each against its own "
+                "`mm.device_count_target`)"
+            )
+        elif isinstance(tree, optax.GradientTransformation):
+            hint = (
+                ": that is the optimizer, not its state; pass "
+                "`tx.init(params)` (or its abstract form)"
+            )
         raise ValueError(
             f"`{what}` must hold exactly one MaskedMultiStepsState (bare, in an "
             "optax state, a TrainState, or `nnx.state(optimizer)`), found "
-            f"{len(found)}"
+            f"{len(found)}{hint}"
         )
     return found[0]
 
@@ -223,7 +238,7 @@ def _placed(got: Any, want: Any) -> Any:
     if isinstance(want, jax.Array) and not getattr(want, "_committed", True):
         # Left where jax puts it (params on no particular device): so is the
         # result, or the first step after converting would compile again.
-        return jnp.asarray(np.asarray(got)) if getattr(got, "_committed", 0) else got
+        return _uncommitted(got) if getattr(got, "_committed", 0) else got
     got = placed_like(got, want)
     sharding = getattr(want, "sharding", None)
     if isinstance(got, jax.Array) and isinstance(sharding, jax.sharding.Sharding):
@@ -231,12 +246,21 @@ def _placed(got: Any, want: Any) -> Any:
     return got
 
 
+def _uncommitted(x: jax.Array) -> jax.Array:
+    """``x`` read to the host and back, on no particular device (a typed PRNG
+    key, e.g. optax.noisy_sgd's state, through its key data)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _uncommitted(jax.random.key_data(x))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jnp.asarray(np.asarray(x))
+
+
 def _onto(x: Any, sharding: Any) -> Any:
     """``x`` on ``sharding``: read from the host, or moved from another
     placement (a state converted in memory, not restored onto the new mesh:
     other devices, the same ones in another order, another layout)."""
     if not getattr(x, "_committed", True):
-        return _from_host(np.asarray(x), sharding)
+        return _from_host(x, sharding)
     # Equal, not merely equivalent: jit compiles again for a replicated array
     # on another mesh over the same devices.
     if isinstance(x, jax.Array) and x.sharding != sharding:

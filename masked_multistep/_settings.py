@@ -65,7 +65,10 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
     The window in progress carries over (its mean gradient, tokens, mean
     ``value`` and microbatches, which count toward the new rule: a window
     already past its new ``k`` or budget closes on the next microbatch), and
-    so do the inner optimizer's state and the step counters. The statistics
+    so do the inner optimizer's state (hyperparameters that
+    ``optax.inject_hyperparams`` keeps in it included: the old learning rate
+    wins over the template's; set ``inner_opt_state.hyperparams[...]`` after
+    converting to change it) and the step counters. The statistics
     carry over where the template keeps the same ones; else they start
     afresh (``windows`` from 0, no last window to read), the pending window's
     mean counting as one microbatch of its tokens (as

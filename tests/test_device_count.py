@@ -704,3 +704,96 @@ def test_a_state_of_another_device_count_points_to_the_conversion():
         ValueError, match=r"running means for 8 devices.*mm\.from_device_count"
     ):
         tx.update(grads, restored, params, count=jnp.ones(4))
+
+
+@pytest.mark.parametrize("abstract", [False, True], ids=["concrete", "abstract"])
+def test_a_typed_prng_key_in_the_state_moves_both_ways(abstract):
+    # optax.noisy_sgd keeps a typed key in its state, which has no numpy form:
+    # moving a deferred state onto one device without a reduction, or a state
+    # without one onto an abstract deferred template, failed in jax ("JAX array
+    # with PRNGKey dtype cannot be converted to a NumPy array").
+    params = {"w": jnp.zeros(3)}
+    inner = optax.noisy_sgd(0.1, eta=0.0, key=jax.random.key(7))
+    deferred = mm.MaskedMultiSteps(inner, 4, reduction=mm.deferred(_mesh(2), "data"))
+    local = mm.MaskedMultiSteps(inner, 4)
+
+    def like(template):
+        if not abstract:
+            return template
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            template,
+        )
+
+    def key_data(state):
+        (key,) = [
+            x
+            for x in jax.tree.leaves(state.inner_opt_state)
+            if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+        ]
+        return np.asarray(jax.random.key_data(key))
+
+    g = {"w": jnp.array([[1.0, 1.0, 1.0], [3.0, 3.0, 3.0]])}
+    _, state = deferred.update(
+        g, deferred.init(params), params, count=jnp.array([1.0, 3.0])
+    )
+    moved = mm.from_device_count(state, like(local.init(params)))
+    np.testing.assert_array_equal(moved.acc_grads["w"], [2.5, 2.5, 2.5])
+    assert float(moved.acc_count) == 4.0
+    np.testing.assert_array_equal(key_data(moved), key_data(state))
+
+    _, state = local.update({"w": jnp.ones(3)}, local.init(params), params, count=2.0)
+    moved = mm.from_device_count(state, like(deferred.init(params)))
+    np.testing.assert_array_equal(moved.reduction_state.counts, [2.0, 0.0])
+    np.testing.assert_array_equal(key_data(moved), key_data(state))
+    # ... and the window continues there.
+    updates, _ = deferred.update(
+        {"w": jnp.ones((2, 3))}, moved, params, count=jnp.array([1.0, 1.0])
+    )
+    assert updates["w"].shape == (3,)
+
+
+def test_several_wrappers_are_named_with_where_they_are():
+    # One deferred wrapper per optax.multi_transform branch: the error said
+    # only "found 2"; each branch's state converts on its own.
+    mesh = _mesh(2)
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+
+    def branches(reduction):
+        def wrapper():
+            return mm.MaskedMultiSteps(optax.sgd(1.0), 3, reduction=reduction)
+
+        return optax.multi_transform(
+            {"x": wrapper(), "y": wrapper()}, {"a": "x", "b": "y"}
+        )
+
+    deferred, local = branches(mm.deferred(mesh, "data")), branches(None)
+    g = {
+        "a": jnp.array([[1.0, 1.0], [3.0, 3.0]]),
+        "b": jnp.array([[1.0] * 3, [5.0] * 3]),
+    }
+    _, state = deferred.update(
+        g, deferred.init(params), params, count=jnp.array([1.0, 3.0])
+    )
+    template = local.init(params)
+    paths = (
+        r"found 2, at `template.inner_states\['x'\].inner_state`, "
+        r"`template.inner_states\['y'\].inner_state`: convert each on its own"
+    )
+    with pytest.raises(ValueError, match=paths):
+        mm.from_device_count(state, template)
+    with pytest.raises(ValueError, match=paths):
+        mm.device_count_target(deferred.init(params), 2)
+    for branch, leaf, mean in [("x", "a", 2.5), ("y", "b", 4.0)]:
+        moved = mm.from_device_count(
+            state.inner_states[branch].inner_state,
+            template.inner_states[branch].inner_state,
+        )
+        np.testing.assert_array_equal(
+            moved.acc_grads[leaf], np.full_like(params[leaf], mean)
+        )
+    # The optimizer passed for its state.
+    with pytest.raises(
+        ValueError, match=r"found 0: that is the optimizer, not its state"
+    ):
+        mm.from_device_count(state, local)

@@ -503,3 +503,21 @@ def test_an_nnx_optimizers_opt_state_switches_against_either_template(
     np.testing.assert_allclose(
         model.kernel[...] - before, -(3 * 1 + 2 * 3) / 5, rtol=1e-6
     )
+
+
+def test_an_injected_learning_rate_carries_over_until_it_is_set():
+    # As documented: the inner state carries over, its hyperparameters too.
+    params = {"w": jnp.zeros(())}
+    old = mm.MaskedMultiSteps(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), 4)
+    new = mm.MaskedMultiSteps(
+        optax.inject_hyperparams(optax.sgd)(learning_rate=1.0), every_k_schedule=2
+    )
+    state = old.init(params)
+    _, state = old.update({"w": jnp.array(1.0)}, state, params, count=1)
+    state = mm.from_other_settings(state, new.init(params))
+    step = jax.jit(new.update)
+    updates, _ = step({"w": jnp.array(2.0)}, state, params, count=1)
+    np.testing.assert_allclose(updates["w"], -0.1 * 1.5)  # the old run's rate
+    state.inner_opt_state.hyperparams["learning_rate"] = jnp.asarray(1.0)
+    updates, _ = step({"w": jnp.array(2.0)}, state, params, count=1)
+    np.testing.assert_allclose(updates["w"], -1.0 * 1.5)
