@@ -138,9 +138,17 @@ class TrainState(_flax_train_state.TrainState):
         apply_fn: Any,
         params: Any,
         tx: optax.GradientTransformation,
+        step: jax.typing.ArrayLike | None = None,
+        opt_state: optax.OptState | None = None,
         **kwargs: Any,
     ) -> Self:
-        """flax's ``TrainState.create``; a ``tx`` that is no optimizer (None,
+        """flax's ``TrainState.create``, which may also continue a run: ``step``
+        and ``opt_state`` (e.g. from :func:`from_optax_multisteps` or
+        :func:`from_other_settings`) in place of 0 and ``tx.init(params)``,
+        with the checks below run on them and ``step`` placed as
+        :meth:`apply_gradients` returns it (a converted run's first step
+        compiles once); an ``opt_state`` of another structure than
+        ``tx.init(params)``'s is a ``ValueError``. A ``tx`` that is no optimizer (None,
         or a class) is a ``TypeError`` that says to build the optimizer (its
         ``init`` would fail with an error of Python's own), and so is a ``tx``
         that accumulates with ``optax.MultiSteps`` (which would ignore every
@@ -169,11 +177,21 @@ class TrainState(_flax_train_state.TrainState):
         refuse_state_as_params(params)
         _refuse_unknown_fields(cls, "create", kwargs, [], "")
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        if opt_state is not None:
+            want = jax.tree.structure(state.opt_state)
+            if jax.tree.structure(opt_state) != want:
+                raise ValueError(
+                    "`opt_state` must be a state of `tx` for these params, of "
+                    f"the structure of tx.init(params): {want}; got "
+                    f"{jax.tree.structure(opt_state)}"
+                )
+            state = state.replace(opt_state=opt_state)
         # `step` placed where `apply_gradients` returns it (replicated on the
         # params' mesh, or on their one device), as `tx.init` places its own
-        # scalars: flax's Python int 0 would make the first step's inputs
-        # differ from every later step's, and a jitted step compile twice.
-        step = jnp.asarray(state.step, jnp.int32)
+        # scalars: flax's Python int 0 (or a restored run's step, read to the
+        # host) would make the first step's inputs differ from every later
+        # step's, and a jitted step compile twice.
+        step = jnp.asarray(state.step if step is None else step, jnp.int32)
         state = state.replace(step=Local().place(step, params))
         if states_in(state.opt_state, optax.MultiStepsState):
             raise TypeError(_OPTAX_MULTISTEPS)

@@ -521,3 +521,21 @@ def test_an_injected_learning_rate_carries_over_until_it_is_set():
     state.inner_opt_state.hyperparams["learning_rate"] = jnp.asarray(1.0)
     updates, _ = step({"w": jnp.array(2.0)}, state, params, count=1)
     np.testing.assert_allclose(updates["w"], -1.0 * 1.5)
+
+
+def test_a_train_state_takes_the_new_tx_with_the_converted_state():
+    # The README's recipe for mm.TrainState: `tx` and `opt_state` replaced
+    # together; the window rule is then the new one (k = 4 -> 2).
+    params = {"w": jnp.zeros(())}
+    state = mm.TrainState.create(
+        apply_fn=None, params=params, tx=mm.MaskedMultiSteps(optax.sgd(1.0), 4)
+    )
+    state = state.apply_gradients(grads={"w": jnp.array(1.0)}, count=1)
+    new_tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    state = state.replace(
+        tx=new_tx,
+        opt_state=mm.from_other_settings(state.opt_state, new_tx.init(params)),
+    )
+    state = state.apply_gradients(grads={"w": jnp.array(4.0)}, count=3)
+    assert int(state.gradient_step) == 1 and int(state.step) == 2
+    np.testing.assert_allclose(state.params["w"], -(1.0 + 3 * 4.0) / 4)

@@ -385,3 +385,62 @@ def test_a_tx_replaced_without_its_state_is_named():
         "`opt_state` is not the state `tx.init` builds" in note
         for note in getattr(info.value, "__notes__", [])
     )
+
+
+def test_create_continues_a_converted_run_compiled_once():
+    # From flax's own TrainState with optax.MultiSteps, mid-window: `create`
+    # takes the run's `step` and the converted `opt_state` (it refused them:
+    # "got multiple values for keyword argument 'step'"), runs its checks on
+    # them, and places `step` as apply_gradients returns it, so the converted
+    # run's jitted step compiles once (a Python or host step compiled twice).
+    from flax.training import train_state
+
+    params = {"w": jnp.zeros(2)}
+    old = train_state.TrainState.create(
+        apply_fn=None, params=params, tx=optax.MultiSteps(optax.sgd(1.0), 4)
+    )
+    old = old.apply_gradients(grads={"w": jnp.ones(2)})  # one microbatch of 16 tokens
+    old = old.replace(step=int(old.step))  # as restored into flax's template
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 4)
+    converted = mm.from_optax_multisteps(old.opt_state, tx, old.params, acc_count=16)
+    state = _StateWithStats.create(
+        apply_fn=None,
+        params=old.params,
+        tx=tx,
+        step=old.step,
+        opt_state=converted,
+        batch_stats={"n": 0},
+    )
+    traces = []
+
+    @jax.jit
+    def step(state, g, n):
+        traces.append(1)
+        return state.apply_gradients(grads={"w": g}, count=n)
+
+    for g, n in [(3.0, 8), (0.5, 16), (2.0, 24)]:  # closes the window at 64 tokens
+        state = step(state, jnp.full(2, g), jnp.float32(n))
+    assert len(traces) == 1
+    assert int(state.step) == 4 and int(state.gradient_step) == 1
+    mean = (16 * 1.0 + 8 * 3.0 + 16 * 0.5 + 24 * 2.0) / 64
+    np.testing.assert_allclose(state.params["w"], -mean, rtol=1e-6)
+    # The checks run on what is given.
+    with pytest.raises(ValueError, match=r"^`opt_state` must be a state of `tx` for"):
+        mm.TrainState.create(
+            apply_fn=None, params=params, tx=tx, opt_state=optax.sgd(1.0).init(params)
+        )
+    with pytest.raises(TypeError, match="optax.MultiSteps"):
+        mm.TrainState.create(
+            apply_fn=None,
+            params=params,
+            tx=optax.MultiSteps(optax.sgd(1.0), 4),
+            opt_state=old.opt_state,
+        )
+    with pytest.warns(UserWarning, match="clip_by_global_norm"):
+        mm.TrainState.create(
+            apply_fn=None,
+            params=params,
+            tx=optax.chain(optax.clip_by_global_norm(1.0), tx),
+            step=1,
+            opt_state=(optax.EmptyState(), converted),
+        )
