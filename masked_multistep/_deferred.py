@@ -619,6 +619,19 @@ class DeferredPerWindow(Deferred):
                 sq_norms=state.sq_norms + added,
                 microbatches=state.microbatches + took,
             )
+        elif not any_explicit(self.mesh, self.axes):
+            # Unused without statistics, they pass through the step, and would
+            # keep whatever layout they came in with: a state read back to the
+            # host (flax.serialization) would stay replicated, every later
+            # step's state laid out unlike `tx.init`'s (a compile more after
+            # the restore, and after any restore onto `tx.init`'s layout).
+            devices = NamedSharding(self.mesh, P(self._spec_axes))
+            state = state._replace(
+                sq_norms=jax.lax.with_sharding_constraint(state.sq_norms, devices),
+                microbatches=jax.lax.with_sharding_constraint(
+                    state.microbatches, devices
+                ),
+            )
         return acc, acc_count, state
 
     def accumulate_value(

@@ -2246,3 +2246,40 @@ def test_wrt_gradients_are_laid_out_as_the_selected_params_on_an_explicit_axis()
     _, grads = grad_fn(model, batch)
     assert jax.typeof(grads["lora_b"][...]).sharding.spec == P(None, "data")
     assert jax.typeof(grads["lora_a"][...]).sharding.spec == P(None, None)
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["plain", "stats"])
+def test_a_state_read_back_to_the_host_returns_to_the_inits_layout(mesh, stats):
+    # flax.serialization restores host arrays, which a step on an Auto mesh
+    # takes as they are. Without statistics the per-device `sq_norms` and
+    # `microbatches` pass through the step unused and stayed replicated from
+    # then on: every later state laid out unlike `tx.init`'s (a compile more
+    # after the restore, and after any restore onto `tx.init`'s layout).
+    from flax import serialization
+
+    params = jax.device_put(_params(), NamedSharding(mesh, P()))
+    tx = mm.MaskedMultiSteps(
+        optax.adam(1e-2), K, reduction=mm.deferred(mesh, "data"), window_stats=stats
+    )
+    grad_fn = mm.per_device_value_and_grad(_loss, mesh, "data")
+
+    @jax.jit
+    def step(params, state, mb):
+        (loss, count), grads = grad_fn(params, mb)
+        return tx.apply_gradients(grads, state, params, count=count, value=loss)
+
+    batch = _batch(NDEV * ROWS, 0)
+    state = tx.init(params)
+    params, state = step(params, state, batch)
+    restored = serialization.from_bytes(tx.init(params), serialization.to_bytes(state))
+    _, state = step(params, restored, batch)
+    for path, got, want in zip(
+        *zip(*jax.tree_util.tree_flatten_with_path(state)[0]),
+        jax.tree.leaves(tx.init(params)),
+        strict=True,
+    ):
+        assert got.sharding.is_equivalent_to(want.sharding, got.ndim), (
+            jax.tree_util.keystr(path),
+            got.sharding,
+            want.sharding,
+        )
