@@ -79,9 +79,10 @@ dtype before the devices are combined).
 
 The statistics are float32, for float64 leaves too (their squared norms are
 cast to float32): a gradient whose squared norm exceeds float32's range
-(elements beyond about 1e19), or ``nᵢ ‖gᵢ‖²`` beyond it (1e30 tokens of a
-gradient of norm 1e5), makes the window's ``grad_sq_norm`` infinite and its
-estimates NaN; its update is unaffected. At the other end, an element below
+(elements beyond about 1e19) makes the window's ``grad_sq_norm`` infinite and
+its estimates NaN, and ``nᵢ ‖gᵢ‖²`` beyond it (1e30 tokens of a gradient of
+norm 1e5) its estimates NaN (``grad_sq_norm``, of the mean, stays finite);
+its update is unaffected. At the other end, an element below
 about 1e-19 squares to below float32's normal range, which XLA:CPU flushes to
 zero: a gradient whose every element is that small reads as ``grad_sq_norm``
 0 (``noise_scale`` NaN), and one where most are, as too small a variance.

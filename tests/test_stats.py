@@ -1712,3 +1712,29 @@ def test_the_packed_state_reads_and_writes_each_figure_by_name():
     batched = jax.vmap(lambda n: state.plus(n, jnp.int32(1)))(jnp.arange(3.0))
     np.testing.assert_array_equal(batched.weighted_sq_norms, [0.0, 1.0, 2.0])
     np.testing.assert_array_equal(batched.last.windows, [10, 10, 10])
+
+
+@pytest.mark.parametrize(
+    ("element", "count", "sq_norm_finite"),
+    [(1e20, 1.0, False), (1e5, 1e30, True)],
+    ids=["squared-norm-overflows", "count-times-it-overflows"],
+)
+def test_float32_overflow_of_the_statistics_is_as_documented(
+    element, count, sq_norm_finite
+):
+    # An element past 1e19: ‖ḡ‖² infinite, the estimates NaN. nᵢ‖gᵢ‖² past
+    # float32's range (1e30 tokens of a gradient of norm 1e5): the estimates
+    # NaN, ‖ḡ‖² (of the mean) finite. The update is unaffected either way.
+    params = {"w": jnp.zeros(2)}
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, window_stats=True)
+    state = tx.init(params)
+    g = {"w": jnp.array([element, 0.0], jnp.float32)}
+    for _ in range(2):
+        updates, state = tx.update(g, state, params, count=jnp.float32(count))
+    np.testing.assert_array_equal(updates["w"], -g["w"])
+    stats = mm.window_stats(state)
+    assert np.isfinite(float(stats.grad_sq_norm)) == sq_norm_finite
+    if sq_norm_finite:
+        np.testing.assert_allclose(float(stats.grad_sq_norm), element**2, rtol=1e-6)
+    for estimate in (stats.grad_var_trace, stats.true_grad_sq_norm, stats.noise_scale):
+        assert np.isnan(float(estimate))
