@@ -28,13 +28,17 @@ def tokens_schedule(
         step_schedule(t) = schedule(t · tokens_per_step)
 
     The product is formed in float32. It is an approximation where windows
-    vary in size: pass the mean tokens per window (measured on a short run as
+    vary in size: for a fixed ``k`` or a constant budget pass the mean tokens
+    per window (measured on a short run as
     ``float(stats.tokens_seen) / int(stats.windows)``; a token budget plus
-    ``E[n²] / (2 E[n])`` for microbatch counts ``n`` estimates it), or, to
-    follow the exact tokens seen, wrap
-    the inner optimizer in ``optax.inject_hyperparams`` and set its learning
-    rate from ``mm.window_stats(state).tokens_seen`` before each step (the
-    README's "Windows by tokens" shows how).
+    ``E[n²] / (2 E[n])`` for microbatch counts ``n`` estimates it). Where the
+    windows' size changes over the run (a budget warmup, the norm test) no one
+    figure holds, and the schedule runs ahead of or behind the data: to follow
+    the exact tokens seen, wrap the inner optimizer in
+    ``optax.inject_hyperparams`` (with a constant) and set its learning rate
+    from ``mm.window_stats(state).tokens_seen`` before each step,
+    ``optax.tree.set(state, learning_rate=...)`` (the README's "Windows by
+    tokens" shows how).
 
     Args:
       schedule: a function of the tokens seen, e.g. an optax schedule whose

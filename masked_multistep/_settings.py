@@ -67,8 +67,8 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
     already past its new ``k`` or budget closes on the next microbatch), and
     so do the inner optimizer's state (hyperparameters that
     ``optax.inject_hyperparams`` keeps in it included: the old learning rate
-    wins over the template's; set ``inner_opt_state.hyperparams[...]`` after
-    converting to change it) and the step counters. The statistics
+    wins over the template's; ``optax.tree.set(state, learning_rate=...)``
+    after converting changes it) and the step counters. The statistics
     carry over where the template keeps the same ones; else they start
     afresh (``windows`` from 0, no last window to read), the pending window's
     mean counting as one microbatch of its tokens (as

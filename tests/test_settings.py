@@ -518,7 +518,7 @@ def test_an_injected_learning_rate_carries_over_until_it_is_set():
     step = jax.jit(new.update)
     updates, _ = step({"w": jnp.array(2.0)}, state, params, count=1)
     np.testing.assert_allclose(updates["w"], -0.1 * 1.5)  # the old run's rate
-    state.inner_opt_state.hyperparams["learning_rate"] = jnp.asarray(1.0)
+    state = optax.tree.set(state, learning_rate=jnp.asarray(1.0))
     updates, _ = step({"w": jnp.array(2.0)}, state, params, count=1)
     np.testing.assert_allclose(updates["w"], -1.0 * 1.5)
 
