@@ -619,12 +619,16 @@ class DeferredPerWindow(Deferred):
                 sq_norms=state.sq_norms + added,
                 microbatches=state.microbatches + took,
             )
-        elif not any_explicit(self.mesh, self.axes):
+        elif not (
+            any_explicit(self.mesh, self.axes)
+            or jax.sharding.get_abstract_mesh().manual_axes
+        ):
             # Unused without statistics, they pass through the step, and would
             # keep whatever layout they came in with: a state read back to the
             # host (flax.serialization) would stay replicated, every later
             # step's state laid out unlike `tx.init`'s (a compile more after
             # the restore, and after any restore onto `tx.init`'s layout).
+            # (Not inside shard_map, whose manual axes leave no layout to set.)
             devices = NamedSharding(self.mesh, P(self._spec_axes))
             state = state._replace(
                 sq_norms=jax.lax.with_sharding_constraint(state.sq_norms, devices),

@@ -2283,3 +2283,35 @@ def test_a_state_read_back_to_the_host_returns_to_the_inits_layout(mesh, stats):
             got.sharding,
             want.sharding,
         )
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["plain", "stats"])
+def test_a_deferred_update_inside_shard_map_over_another_axis(stats):
+    # With a sharding constraint on the mesh's concrete (Auto) axes, the
+    # statistics-free update failed inside shard_map ("Context mesh ... should
+    # match the mesh of sharding"), where the statistics' update worked.
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AUTO, AUTO))
+    params = {"w": jnp.ones((4, 6))}
+    tx = mm.MaskedMultiSteps(
+        optax.sgd(1.0), 2, reduction=mm.deferred(mesh, "data"), window_stats=stats
+    )
+
+    def two_microbatches(g, state):
+        for i in range(2):
+            g_i = jax.tree.map(lambda x: x * (i + 1), g)
+            updates, state = tx.update(g_i, state, params, count=jnp.ones(4))
+        return updates, state
+
+    step = jax.jit(
+        jax.shard_map(
+            two_microbatches,
+            mesh=mesh,
+            in_specs=(P(), P()),
+            out_specs=P(),
+            axis_names={"model"},
+            check_vma=False,
+        )
+    )
+    updates, state = step({"w": jnp.ones((4, 4, 6))}, tx.init(params))
+    np.testing.assert_allclose(updates["w"], -1.5 * np.ones((4, 6)))
+    assert int(state.gradient_step) == 1
