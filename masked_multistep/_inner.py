@@ -609,8 +609,8 @@ def explain_other_state(
     got = jax.tree.structure(inner_state)
     if want is not None and got != want:
         is_, built = (
-            _outline(inner_state),
-            _outline(want.unflatten([0] * want.num_leaves)),
+            outline(inner_state),
+            outline(want.unflatten([0] * want.num_leaves)),
         )
         if is_ == built:  # the same containers, other leaves (dict keys, say)
             is_, built = str(got), str(want)
@@ -622,13 +622,13 @@ def explain_other_state(
         )
 
 
-def _outline(state: Any, depth: int = 3) -> str:
+def outline(state: Any, depth: int = 3) -> str:
     """An optimizer state's containers, by type name (``(ScaleByAdamState,
     EmptyState)``), ``depth`` levels deep."""
     if isinstance(state, (tuple, list)) and not hasattr(state, "_fields"):
         if depth == 0 or not state:
             return f"{type(state).__name__}[{len(state)}]"
-        inner = ", ".join(_outline(x, depth - 1) for x in state)
+        inner = ", ".join(outline(x, depth - 1) for x in state)
         return f"({inner},)" if len(state) == 1 else f"({inner})"
     return type(state).__name__
 

@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Self, cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from masked_multistep import _inner
@@ -146,9 +148,15 @@ class TrainState(_flax_train_state.TrainState):
         and ``opt_state`` (e.g. from :func:`from_optax_multisteps` or
         :func:`from_other_settings`) in place of 0 and ``tx.init(params)``,
         with the checks below run on them and ``step`` placed as
-        :meth:`apply_gradients` returns it (a converted run's first step
-        compiles once); an ``opt_state`` of another structure than
-        ``tx.init(params)``'s is a ``ValueError``. A ``tx`` that is no optimizer (None,
+        :meth:`apply_gradients` returns it, from the host or any device (a
+        converted run's first step compiles once). ``step`` must be a whole
+        number in int32's range (else a ``TypeError`` or ``ValueError``
+        naming it); ``opt_state`` must have the structure and leaf shapes of
+        the state ``tx.init(params)`` would build (checked abstractly: no
+        second state is built; else a ``ValueError`` naming the first leaf
+        apart), and is taken as it is laid out (restore it onto
+        ``tx.init``'s layout, as orbax does against that template). A ``tx``
+        that is no optimizer (None,
         or a class) is a ``TypeError`` that says to build the optimizer (its
         ``init`` would fail with an error of Python's own), and so is a ``tx``
         that accumulates with ``optax.MultiSteps`` (which would ignore every
@@ -176,22 +184,32 @@ class TrainState(_flax_train_state.TrainState):
             )
         refuse_state_as_params(params)
         _refuse_unknown_fields(cls, "create", kwargs, [], "")
-        state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
-        if opt_state is not None:
-            want = jax.tree.structure(state.opt_state)
-            if jax.tree.structure(opt_state) != want:
-                raise ValueError(
-                    "`opt_state` must be a state of `tx` for these params, of "
-                    f"the structure of tx.init(params): {want}; got "
-                    f"{jax.tree.structure(opt_state)}"
-                )
-            state = state.replace(opt_state=opt_state)
+        if opt_state is None:
+            state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        else:
+            # Checked against what `tx.init` would build (abstractly: a run
+            # continued at scale has no memory for a second state).
+            with_opt = (
+                params["params"]
+                if not isinstance(params, jax.Array)
+                and OVERWRITE_WITH_GRADIENT in params
+                else params
+            )
+            _check_opt_state(opt_state, jax.eval_shape(tx.init, with_opt))
+            state = cls(
+                step=0,
+                apply_fn=apply_fn,
+                params=cast(Any, params),
+                tx=tx,
+                opt_state=opt_state,
+                **kwargs,
+            )
         # `step` placed where `apply_gradients` returns it (replicated on the
         # params' mesh, or on their one device), as `tx.init` places its own
-        # scalars: flax's Python int 0 (or a restored run's step, read to the
-        # host) would make the first step's inputs differ from every later
-        # step's, and a jitted step compile twice.
-        step = jnp.asarray(state.step if step is None else step, jnp.int32)
+        # scalars: flax's Python int 0 (or a restored run's step, on the host
+        # or on other devices) would make the first step's inputs differ from
+        # every later step's, and a jitted step compile twice (or fail).
+        step = jnp.asarray(0 if step is None else _checked_step(step), jnp.int32)
         state = state.replace(step=Local().place(step, params))
         if states_in(state.opt_state, optax.MultiStepsState):
             raise TypeError(_OPTAX_MULTISTEPS)
@@ -472,6 +490,67 @@ def _note_other_state(err: Exception, tx: Any, opt_state: Any, params: Any) -> N
             "state over with mm.from_other_settings(state.opt_state, "
             "new_tx.init(state.params))"
         )
+
+
+def _checked_step(step: Any) -> Any:
+    """``step``, a whole number of microbatches applied, read to the host
+    where it is a concrete array (so that it can be placed anew), or an
+    error naming it."""
+    if isinstance(step, jax.core.Tracer):
+        value = step
+    elif isinstance(step, jax.Array) and not step.is_fully_addressable:
+        value = step  # a replicated step across processes: placed as it is
+    else:
+        value = np.asarray(step)
+    dtype = jnp.result_type(value)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            "`step` must be an integer, the microbatches applied so far (the "
+            f"run's `state.step`), got {step!r}"
+        )
+    if jnp.shape(value) != ():
+        raise ValueError(f"`step` must be a scalar, got shape {jnp.shape(value)}")
+    if isinstance(value, np.ndarray) and not 0 <= int(value) <= np.iinfo(np.int32).max:
+        raise ValueError(
+            f"`step` must be in [0, 2**31 - 1] (an int32 counter), got {int(value)}"
+        )
+    return value
+
+
+def _check_opt_state(opt_state: Any, want: Any) -> None:
+    """A ``ValueError`` where ``opt_state`` is not of the structure and leaf
+    shapes of ``want`` (``tx.init(params)``'s, abstract), naming the first
+    difference."""
+    if jax.tree.structure(opt_state) != jax.tree.structure(want):
+        built, got = _inner.outline(want), _inner.outline(opt_state)
+        if built == got:  # the same containers: name where the leaves differ
+            paths = [
+                [jax.tree_util.keystr(p) for p, _ in flat]
+                for flat in (
+                    jax.tree_util.tree_flatten_with_path(want)[0],
+                    jax.tree_util.tree_flatten_with_path(opt_state)[0],
+                )
+            ]
+            first = next(
+                (i for i, pair in enumerate(zip(*paths)) if pair[0] != pair[1]),
+                min(map(len, paths)),
+            )
+            where = [
+                f"`opt_state{p[first]}`" if first < len(p) else "no leaf" for p in paths
+            ]
+            got += f" (the leaves differ first: {where[1]} where it has {where[0]})"
+        raise ValueError(
+            "`opt_state` must be the state `tx.init(params)` builds for these "
+            f"params: it builds {built}, got {got}"
+        )
+    got_leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+    for (path, got), wanted in zip(got_leaves, jax.tree.leaves(want), strict=True):
+        if jnp.shape(got) != wanted.shape:
+            raise ValueError(
+                f"`opt_state{jax.tree_util.keystr(path)}` has shape "
+                f"{jnp.shape(got)} where `tx.init(params)` builds "
+                f"{wanted.shape}: a state of other params"
+            )
 
 
 def _warn_chained_around(tx: Any) -> None:

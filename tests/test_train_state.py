@@ -425,10 +425,30 @@ def test_create_continues_a_converted_run_compiled_once():
     mean = (16 * 1.0 + 8 * 3.0 + 16 * 0.5 + 24 * 2.0) / 64
     np.testing.assert_allclose(state.params["w"], -mean, rtol=1e-6)
     # The checks run on what is given.
-    with pytest.raises(ValueError, match=r"^`opt_state` must be a state of `tx` for"):
+    with pytest.raises(
+        ValueError, match=r"^`opt_state` must be the state `tx.init\(params\)` builds"
+    ):
         mm.TrainState.create(
             apply_fn=None, params=params, tx=tx, opt_state=optax.sgd(1.0).init(params)
         )
+    with pytest.raises(
+        ValueError,
+        match=r"^`opt_state.acc_grads\['w'\]` has shape \(2,\) where "
+        r"`tx.init\(params\)` builds \(3,\): a state of other params",
+    ):
+        mm.TrainState.create(
+            apply_fn=None, params={"w": jnp.zeros(3)}, tx=tx, opt_state=converted
+        )
+    for step, error, match in [
+        (3.7, TypeError, r"`step` must be an integer, the microbatches applied"),
+        (True, TypeError, r"`step` must be an integer"),
+        (np.array([1]), ValueError, r"`step` must be a scalar, got shape \(1,\)"),
+        (-3, ValueError, r"`step` must be in \[0, 2\*\*31 - 1\]"),
+    ]:
+        with pytest.raises(error, match=match):
+            mm.TrainState.create(
+                apply_fn=None, params=params, tx=tx, step=step, opt_state=converted
+            )
     with pytest.raises(TypeError, match="optax.MultiSteps"):
         mm.TrainState.create(
             apply_fn=None,
@@ -444,3 +464,25 @@ def test_create_continues_a_converted_run_compiled_once():
             step=1,
             opt_state=(optax.EmptyState(), converted),
         )
+
+
+def test_create_places_a_step_from_other_devices_with_the_params():
+    # A run continued on other devices: a step held on one device (or another
+    # mesh) beside params on a mesh made the first jitted step fail
+    # ("incompatible devices for jitted computation").
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params = jax.device_put({"w": jnp.zeros(8)}, NamedSharding(mesh, P()))
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    for step in [
+        jax.device_put(jnp.int32(5), jax.devices()[0]),
+        jax.device_put(jnp.int32(5), NamedSharding(jax.make_mesh((4,), ("d",)), P())),
+    ]:
+        state = mm.TrainState.create(
+            apply_fn=None, params=params, tx=tx, step=step, opt_state=tx.init(params)
+        )
+        state = jax.jit(lambda s: s.apply_gradients(grads=s.params, count=2))(state)
+        assert int(state.step) == 6
+        assert state.step.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0)
