@@ -66,9 +66,11 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
     ``value`` and microbatches, which count toward the new rule: a window
     already past its new ``k`` or budget closes on the next microbatch), and
     so do the inner optimizer's state (hyperparameters that
-    ``optax.inject_hyperparams`` keeps in it included: the old learning rate
-    wins over the template's; ``optax.tree.set(state, learning_rate=...)``
-    after converting changes it) and the step counters. The statistics
+    ``optax.inject_hyperparams`` keeps in it included: an injected constant
+    learning rate is the old one, not the template's, and
+    ``optax.tree.set(state, learning_rate=...)`` after converting changes it;
+    an injected schedule is the template's, at the carried step count) and
+    the step counters. The statistics
     carry over where the template keeps the same ones; else they start
     afresh (``windows`` from 0, no last window to read), the pending window's
     mean counting as one microbatch of its tokens (as

@@ -1203,7 +1203,11 @@ def window_policy(
                 )
             policies.append(check_policy(tokens_per_window, "tokens_per_window"))
         else:
-            policies.append(_token_budget(tokens_per_window))
+            policies.append(
+                _token_budget(tokens_per_window)._replace(
+                    name=f"tokens_per_window={describe(tokens_per_window)}"
+                )
+            )
     if norm_test is not None:
         if isinstance(norm_test, WindowPolicy) and not norm_test.needs_stats:
             raise ValueError(
@@ -1225,14 +1229,19 @@ def window_policy(
         )
     policy = any_of(*policies)
     if not policy.bounded:
-        unbounded = [p for p in policies if not p.bounded]
-        if not any(p.name.startswith("mm.norm_test(") for p in unbounded):
+        unbounded = [p.name for p in policies if not p.bounded]
+        if not all(name.startswith("mm.norm_test(") for name in unbounded):
             # A policy of the user's own that sets no maximum by itself.
+            number = (
+                " or a number of tokens as `tokens_per_window`"
+                if tokens_per_window is None
+                else ""
+            )
             raise ValueError(
-                f"The window policy {', '.join(p.name for p in unbounded)} is "
-                "declared `bounded=False` (it sets no maximum window), and no "
-                "other rule sets one, so a window could stay open forever: pass "
-                "`every_k_schedule` (a maximum number of microbatches) beside it"
+                f"No rule sets a maximum window ({', '.join(unbounded)}: a policy "
+                "of your own declared `bounded=False` sets none), so a window "
+                "could stay open forever: pass `every_k_schedule` (a maximum "
+                f"number of microbatches){number} beside it"
             )
     if not policy.bounded:
         raise ValueError(

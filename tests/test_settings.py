@@ -539,3 +539,20 @@ def test_a_train_state_takes_the_new_tx_with_the_converted_state():
     state = state.apply_gradients(grads={"w": jnp.array(4.0)}, count=3)
     assert int(state.gradient_step) == 1 and int(state.step) == 2
     np.testing.assert_allclose(state.params["w"], -(1.0 + 3 * 4.0) / 4)
+
+
+def test_an_injected_schedule_is_the_new_txs_at_the_carried_count():
+    # Unlike a constant, an injected schedule is a function of the inner step
+    # count the state carries: the new tx's applies.
+    params = {"w": jnp.zeros(())}
+
+    def wrapper(rate, k):
+        inner = optax.inject_hyperparams(optax.sgd)(learning_rate=lambda n: rate)
+        return mm.MaskedMultiSteps(inner, k)
+
+    old, new = wrapper(0.1, 4), wrapper(1.0, 2)
+    state = old.init(params)
+    _, state = old.update({"w": jnp.array(1.0)}, state, params, count=1)
+    state = mm.from_other_settings(state, new.init(params))
+    updates, _ = jax.jit(new.update)({"w": jnp.array(2.0)}, state, params, count=1)
+    np.testing.assert_allclose(updates["w"], -1.0 * 1.5)

@@ -1175,15 +1175,26 @@ def test_a_custom_unbounded_policy_alone_is_refused_by_its_name(keyword):
         bounded=False,
         name="my_rule",
     )
+    number = "" if keyword == "tokens_per_window" else " or a number of tokens as "
     with pytest.raises(
         ValueError,
-        match=r"^The window policy my_rule is declared `bounded=False` .* pass "
-        r"`every_k_schedule`",
+        match=r"^No rule sets a maximum window \(my_rule: a policy of your own "
+        r"declared `bounded=False` sets none\), .* pass `every_k_schedule` \(a "
+        rf"maximum number of microbatches\){number}",
     ):
         mm.MaskedMultiSteps(optax.sgd(1.0), **{keyword: policy})
     mm.MaskedMultiSteps(optax.sgd(1.0), 16, **{keyword: policy})  # a cap beside it
     with pytest.raises(ValueError, match=r"^The norm test needs a maximum window"):
         mm.MaskedMultiSteps(optax.sgd(1.0), norm_test=0.5)
+    if keyword == "tokens_per_window":
+        # Beside the norm test without a maximum: not told to pass the
+        # `tokens_per_window` it passed.
+        with pytest.raises(
+            ValueError,
+            match=r"^No rule sets a maximum window \(my_rule, mm.norm_test\(0.5\): ",
+        ):
+            mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=policy, norm_test=0.5)
+        mm.MaskedMultiSteps(optax.sgd(1.0), norm_test=0.5, tokens_per_window=4096)
 
 
 def test_a_custom_policys_own_errors_pass_through_as_they_are():
