@@ -694,6 +694,12 @@ class WindowRulesMachine(RuleBasedStateMachine):
         if m.spec.get("stats"):
             check_stats(m, mm.window_stats(s))
 
+    def teardown(self):
+        # The model follows the library only where the norm test's verdict
+        # lies within float32's rounding: rare, or the test checks little.
+        model = getattr(self, "model", None)
+        assert model is None or model.ambiguous <= 1, model.ambiguous
+
 
 TestWindowRules = WindowRulesMachine.TestCase
 TestWindowRules.settings = settings(
