@@ -312,8 +312,17 @@ class _Regroup:
 
     def mean(self, tree: Any, counts: jax.Array, totals: jax.Array) -> Any:
         """Every group's token-weighted mean (:func:`mean_over_devices`)."""
+        counts = self.masked(counts)
+        if jnp.issubdtype(counts.dtype, jnp.floating):
+            # Each group's counts and total scaled by a power of two (exactly)
+            # to a total in [0.5, 1): XLA divides a vector by a broadcast
+            # total as a product with its reciprocal, which is below float32's
+            # normal range for a total past 2**126 and flushed to 0 (the
+            # group's mean would be zeros).
+            totals, exponent = jnp.frexp(totals)
+            counts = jnp.ldexp(counts, -exponent[:, None])
         return jax.vmap(lambda x, n, t: mean_over_devices(x, n, t)[0])(
-            jax.tree.map(self.group, tree), self.masked(counts), totals
+            jax.tree.map(self.group, tree), counts, totals
         )
 
 

@@ -797,3 +797,30 @@ def test_several_wrappers_are_named_with_where_they_are():
         ValueError, match=r"found 0: that is the optimizer, not its state"
     ):
         mm.from_device_count(state, local)
+
+
+@pytest.mark.parametrize("new", [4, LOCAL])
+def test_a_group_whose_tokens_pass_2_to_the_126_keeps_its_mean(new):
+    # XLA divides the counts by their group's broadcast total as a product
+    # with its reciprocal, a float32 subnormal past 2**126 ≈ 8.5e37, flushed
+    # to 0: the moved window's mean was zeros, applied as an update.
+    params = {"w": jnp.zeros(2)}
+    old = mm.MaskedMultiSteps(
+        optax.sgd(1.0), 2, reduction=mm.deferred(_mesh(8), "data")
+    )
+    target = mm.MaskedMultiSteps(
+        optax.sgd(1.0), 2, reduction=mm.deferred(_mesh(new), "data") if new else None
+    )
+    data = NamedSharding(_mesh(8), P("data"))
+    counts = np.array([0, 0, 1e38, 1e38, 0, 0, 1e38, 0], np.float32)
+    _, state = jax.jit(lambda g, s, c: old.update(g, s, params, count=c))(
+        jax.device_put({"w": jnp.ones((8, 2))}, data),
+        old.init(params),
+        jax.device_put(counts, data),
+    )
+    moved = mm.from_device_count(state, target.init(params))
+    means = np.asarray(moved.acc_grads["w"])
+    if new:
+        np.testing.assert_allclose(means[[1, 3]], 1.0, rtol=1e-6)
+    else:
+        np.testing.assert_allclose(means, 1.0, rtol=1e-6)
