@@ -731,8 +731,10 @@ def from_device_count(restored: Any, template: Any) -> Any:
         or the restored counts, per device or the window's, are negative,
         not finite (or its invalid counts, microbatches or the loss's token
         counts are, or its squared norms' sums, step counters, or the last
-        window's microbatches or windows closed negative), or
-        (for an integer ``count_dtype``) add up beyond it on a new device, or
+        window's microbatches or windows closed negative), or add up beyond
+        ``count_dtype`` on a new device (a window whose combined total is past
+        it still moves onto as many devices, and is dropped where it closes),
+        or
         ``template`` has taken steps and ``restored`` none (the arguments
         swapped).
 
