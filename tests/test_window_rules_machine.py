@@ -40,6 +40,33 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _window_model import (
+    assert_nan as _assert_nan,
+)
+from _window_model import (
+    assert_near as _assert_near,
+)
+from _window_model import (
+    estimates as _estimates,
+)
+from _window_model import (
+    f as _f,
+)
+from _window_model import (
+    f32_range as _f32_range,
+)
+from _window_model import (
+    ratio_check as _ratio_check,
+)
+from _window_model import (
+    round_up_f32 as _round_up_f32,
+)
+from _window_model import (
+    sanitized_budget as _sanitized_budget,
+)
+from _window_model import (
+    sq as _sq,
+)
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
@@ -142,24 +169,6 @@ CONFIGS = {
 }
 
 
-def _round_up_f32(b: float) -> float:
-    """A Python budget as the library compares it: rounded up to float32."""
-    if math.isinf(b):
-        return math.inf
-    r = F32(b)
-    if float(r) < b:
-        r = np.nextafter(r, F32(np.inf))
-    return float(r)
-
-
-def _sanitized_budget(value) -> float:
-    """A jax array budget made total: NaN and negative count as 0."""
-    v = float(np.asarray(value, np.float32))
-    if math.isnan(v) or v < 0:
-        return 0.0
-    return v
-
-
 def _reached(tokens: F32, budget: float) -> bool:
     return bool(tokens > 0) and float(tokens) >= budget
 
@@ -168,20 +177,6 @@ def _reached(tokens: F32, budget: float) -> bool:
 
 
 F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _f32_range(x: float) -> float:
-    """A float32 sum of squares past float32's range is inf (README: "a
-    gradient whose squared norm passes float32's range ... makes the window's
-    grad_sq_norm infinite and its estimates NaN")."""
-    return math.inf if x > F32_MAX else x
-
-
-def _sq(tree) -> float:
-    with np.errstate(all="ignore"):
-        return _f32_range(
-            float(sum(np.sum(np.asarray(v, np.float64) ** 2) for v in tree.values()))
-        )
 
 
 class Model:
@@ -430,49 +425,7 @@ class Model:
         return True
 
 
-def _estimates(last):
-    """tr Σ̂, |G|²̂, B_simple of a recorded window, with error bounds."""
-    K, N, g2, S = last["K"], float(last["tokens"]), last["g2"], last["S"]
-    ok = K >= 2 and N > 0 and math.isfinite(S) and math.isfinite(g2)
-    out = dict(ok=ok)
-    if ok:
-        var = S / (K - 1)
-        err_var = last["err_S"] / (K - 1) + 1e-6 * var
-        true = g2 - var / N
-        err_true = last["err_g2"] + err_var / N + 1e-6 * abs(g2)
-        out.update(var=var, err_var=err_var, true=true, err_true=err_true)
-    return out
-
-
 # --- comparisons -------------------------------------------------------------
-
-
-def _f(x) -> float:
-    return float(np.asarray(x, np.float64))
-
-
-def _assert_near(name, actual, expected, tol):
-    actual = _f(actual)
-    assert math.isfinite(actual) and abs(actual - expected) <= tol, (
-        f"{name}: library {actual!r}, model {expected!r} (tolerance {tol:.3g})"
-    )
-
-
-def _assert_nan(name, actual):
-    assert math.isnan(_f(actual)), f"{name}: library {_f(actual)!r}, model NaN"
-
-
-def _ratio_check(name, actual, num, err_num, den, err_den):
-    """A ratio num / den whose denominator's sign decides NaN (den <= 0)."""
-    if abs(den) <= 2 * err_den:  # within rounding of 0: either is right
-        return "ambiguous"
-    if den < 0:
-        _assert_nan(name, actual)
-        return None
-    ref = num / den
-    tol = 2 * (err_num + abs(ref) * err_den) / (den - err_den) + 1e-5 * abs(ref) + 1e-12
-    _assert_near(name, actual, ref, tol)
-    return None
 
 
 def check_stats(model, stats):
