@@ -89,3 +89,75 @@ def ratio_check(name, actual, num, err_num, den, err_den):
     tol = 2 * (err_num + abs(ref) * err_den) / (den - err_den) + 1e-5 * abs(ref) + 1e-12
     assert_near(name, actual, ref, tol)
     return None
+
+
+def check_window_figures(model, stats) -> None:
+    """The last window's loss, squared norm, estimators and smoothed noise
+    scale (``stats``, a ``WindowStats``) against the model's ``last`` window
+    and moving averages (``ema``)."""
+    last = model.last
+    if last["loss"] is None:
+        assert_nan("loss", stats.loss)
+    else:
+        assert_near("loss", stats.loss, last["loss"], 1e-5 * (1 + last["loss_abs"]))
+    g2 = last["g2"]
+    if float(last["tokens"]) == 0 or math.isnan(g2):
+        assert_nan("grad_sq_norm", stats.grad_sq_norm)
+    elif math.isinf(g2):
+        assert not math.isfinite(f(stats.grad_sq_norm)), stats.grad_sq_norm
+    else:
+        assert_near("grad_sq_norm", stats.grad_sq_norm, g2, last["err_g2"] + 1e-6 * g2)
+    est = estimates(last)
+    if not est["ok"]:
+        for name in ("grad_var_trace", "true_grad_sq_norm", "noise_scale"):
+            assert_nan(name, getattr(stats, name))
+    else:
+        assert_near("grad_var_trace", stats.grad_var_trace, est["var"], est["err_var"])
+        assert_near(
+            "true_grad_sq_norm", stats.true_grad_sq_norm, est["true"], est["err_true"]
+        )
+        ratio_check(
+            "noise_scale",
+            stats.noise_scale,
+            est["var"],
+            est["err_var"],
+            est["true"],
+            est["err_true"],
+        )
+    e = model.ema
+    if e["weight"] == 0:
+        assert_nan("smoothed_noise_scale", stats.smoothed_noise_scale)
+    else:
+        ratio_check(
+            "smoothed_noise_scale",
+            stats.smoothed_noise_scale,
+            e["var"],
+            e["err_var"] + 1e-6 * e["var"],
+            e["true"],
+            e["err_true"] + 1e-6 * abs(e["true"]),
+        )
+
+
+def rounding_errors(K, N, g2, Q, gmax2) -> tuple[float, float]:
+    """Generous bounds on the float32 rounding of ``‖ḡ‖²`` and ``S`` for a
+    window of ``K`` microbatches, ``N`` tokens, ``Q = Σ nᵢ‖gᵢ‖²`` and
+    ``gmax2`` bounding the squared gradients."""
+    scale = 50 * EPS * (K + 2)
+    err_g2 = scale * (g2 + 4 * gmax2) + 1e-30
+    err_S = scale * (Q + float(N) * (g2 + 4 * gmax2)) + 1e-30
+    return err_g2, err_S
+
+
+def record_window(model, last) -> None:
+    """``last`` as ``model``'s last completed window: one more window, and
+    its estimators folded into the moving averages (``model.ema``), with the
+    wrapper's ``stats_decay`` (``model.spec["decay"]``, 0.9 by default)."""
+    model.last = last
+    model.windows += 1
+    est = estimates(last)
+    if est["ok"]:
+        beta = float(F32(model.spec.get("decay", 0.9)))
+        e = model.ema
+        for name in ("var", "true", "err_var", "err_true"):
+            e[name] = beta * e[name] + (1 - beta) * est[name]
+        e["weight"] = beta * e["weight"] + (1 - beta)

@@ -43,39 +43,13 @@ import collections
 import math
 import os
 
+import _window_model as wm
 import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _window_model import (
-    assert_nan as _assert_nan,
-)
-from _window_model import (
-    assert_near as _assert_near,
-)
-from _window_model import (
-    estimates as _estimates,
-)
-from _window_model import (
-    f as _f,
-)
-from _window_model import (
-    f32_range as _f32_range,
-)
-from _window_model import (
-    ratio_check as _ratio_check,
-)
-from _window_model import (
-    round_up_f32 as _round_up_f32,
-)
-from _window_model import (
-    sanitized_budget as _sanitized_budget,
-)
-from _window_model import (
-    sq as _sq,
-)
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -95,9 +69,7 @@ LOCAL = 0  # one device, no reduction=
 FULL = bool(os.environ.get("DEFERRED_FUZZ_FULL"))
 LAYOUTS = (8, 4, 3, LOCAL) if FULL else (8, 3, LOCAL)
 KEYS = ("b", "w")
-F32 = np.float32
-EPS = 2.0**-24
-F32_MAX = float(np.finfo(np.float32).max)
+F32, F32_MAX = wm.F32, wm.F32_MAX
 AUTO = jax.sharding.AxisType.Auto
 
 # --- window rules -------------------------------------------------------------
@@ -250,25 +222,19 @@ class Model:
                 for k in KEYS
             }
 
-    def _errors(self, K, N, g2, Q):
-        scale = 50 * EPS * (K + 2)
-        err_g2 = scale * (g2 + 4 * self.gmax2) + 1e-30
-        err_S = scale * (Q + N * (g2 + 4 * self.gmax2)) + 1e-30
-        return err_g2, err_S
-
     def so_far(self):
         N = self.total()
         K = len(self.shares)
         with np.errstate(all="ignore"):
             Q = 0.0
             for n, g, _ in self.shares:
-                Q = _f32_range(Q + _f32_range(n * _sq(g)))
-            g2 = _sq(self.mean()) if N > 0 else math.nan
+                Q = wm.f32_range(Q + wm.f32_range(n * wm.sq(g)))
+            g2 = wm.sq(self.mean()) if N > 0 else math.nan
             S = Q - N * g2 if N > 0 else 0.0
         if N > 0 and math.isfinite(S):
             S = max(S, 0.0)
-        err_g2, err_S = self._errors(
-            K, N, g2 if N > 0 else 0.0, Q if math.isfinite(Q) else 0.0
+        err_g2, err_S = wm.rounding_errors(
+            K, N, g2 if N > 0 else 0.0, Q if math.isfinite(Q) else 0.0, self.gmax2
         )
         return K, g2, S, err_g2, err_S
 
@@ -290,11 +256,11 @@ class Model:
         if "budget" in spec:
             kind, b = spec["budget"]
             if kind == "const":
-                budget = _round_up_f32(float(b))
+                budget = wm.round_up_f32(float(b))
             elif kind == "seen":
-                budget = _sanitized_budget(b(jnp.float32(self.seen)))
+                budget = wm.sanitized_budget(b(jnp.float32(self.seen)))
             else:
-                budget = _sanitized_budget(b(jnp.int32(step)))
+                budget = wm.sanitized_budget(b(jnp.int32(step)))
             N = self.total()
             done |= N > 0 and N >= budget
         return done
@@ -399,24 +365,19 @@ class Model:
     def _record(self):
         K, g2, S, err_g2, err_S = self.so_far()
         loss, loss_abs, _ = self.loss()
-        self.last = dict(
-            tokens=self.total(),
-            K=K,
-            loss=loss,
-            g2=g2,
-            S=S,
-            err_g2=err_g2,
-            err_S=err_S,
-            loss_abs=loss_abs,
+        wm.record_window(
+            self,
+            dict(
+                tokens=self.total(),
+                K=K,
+                loss=loss,
+                g2=g2,
+                S=S,
+                err_g2=err_g2,
+                err_S=err_S,
+                loss_abs=loss_abs,
+            ),
         )
-        self.windows += 1
-        est = _estimates(self.last)
-        if est["ok"]:
-            beta = float(F32(self.spec.get("decay", 0.9)))
-            e = self.ema
-            for name in ("var", "true", "err_var", "err_true"):
-                e[name] = beta * e[name] + (1 - beta) * est[name]
-            e["weight"] = beta * e["weight"] + (1 - beta)
 
     def _regrouped(self, new_ndev):
         D, D2 = max(self.ndev, 1), max(new_ndev, 1)
@@ -461,7 +422,7 @@ class Model:
 
 def check_stats(model, stats):
     last = model.last
-    assert _f(stats.tokens) == float(last["tokens"]), (
+    assert wm.f(stats.tokens) == float(last["tokens"]), (
         "tokens",
         stats.tokens,
         last["tokens"],
@@ -481,46 +442,7 @@ def check_stats(model, stats):
             seen,
             model.seen,
         )
-    if last["loss"] is None:
-        _assert_nan("loss", stats.loss)
-    else:
-        _assert_near("loss", stats.loss, last["loss"], 1e-5 * (1 + last["loss_abs"]))
-    g2 = last["g2"]
-    if float(last["tokens"]) == 0 or math.isnan(g2):
-        _assert_nan("grad_sq_norm", stats.grad_sq_norm)
-    elif math.isinf(g2):
-        assert not math.isfinite(_f(stats.grad_sq_norm)), stats.grad_sq_norm
-    else:
-        _assert_near("grad_sq_norm", stats.grad_sq_norm, g2, last["err_g2"] + 1e-6 * g2)
-    est = _estimates(last)
-    if not est["ok"]:
-        for name in ("grad_var_trace", "true_grad_sq_norm", "noise_scale"):
-            _assert_nan(name, getattr(stats, name))
-    else:
-        _assert_near("grad_var_trace", stats.grad_var_trace, est["var"], est["err_var"])
-        _assert_near(
-            "true_grad_sq_norm", stats.true_grad_sq_norm, est["true"], est["err_true"]
-        )
-        _ratio_check(
-            "noise_scale",
-            stats.noise_scale,
-            est["var"],
-            est["err_var"],
-            est["true"],
-            est["err_true"],
-        )
-    e = model.ema
-    if e["weight"] == 0:
-        _assert_nan("smoothed_noise_scale", stats.smoothed_noise_scale)
-    else:
-        _ratio_check(
-            "smoothed_noise_scale",
-            stats.smoothed_noise_scale,
-            e["var"],
-            e["err_var"] + 1e-6 * e["var"],
-            e["true"],
-            e["err_true"] + 1e-6 * abs(e["true"]),
-        )
+    wm.check_window_figures(model, stats)
 
 
 # --- the library's side ---------------------------------------------------------
@@ -782,27 +704,12 @@ class DeferredWindowsMachine(RuleBasedStateMachine):
     def move(self, new, through_bytes):
         self.trace.append(f"move({new}, through_bytes={through_bytes})")
         template = _tx(self.name, new).init(PARAMS)
-        saved = self.state
-        if through_bytes:
-            data = flax.serialization.to_bytes(saved)
-            if self.ndev == LOCAL:
-                target = _tx(self.name, LOCAL).init(PARAMS)
-            else:
-                deferred = template if new != LOCAL else _tx(self.name, 1).init(PARAMS)
-                target = mm.device_count_target(deferred, self.ndev)
-            saved = flax.serialization.from_bytes(target, data)
-        if self.model.refuses_move(new):
-            # A new device's token total (or the one device's) past float32:
-            # from_device_count "Raises ValueError if ... the restored counts,
-            # per device or the window's, are negative, not finite".
-            COVERAGE["overflow/move_refused"] += 1
-            with pytest.raises(ValueError):
-                mm.from_device_count(saved, template)
+
+        def deferred_like():
+            return template if new != LOCAL else _tx(self.name, 1).init(PARAMS)
+
+        if not self._moved(template, new, None, through_bytes, deferred_like):
             return
-        self.state = mm.from_device_count(saved, template)
-        assert jax.tree.structure(self.state) == jax.tree.structure(template)
-        self.ndev = new
-        self.params = _params_on(new, self.params)
         pending = bool(self.model.shares)
         COVERAGE[f"move/{self.model.layout}->{_layout(self.spec, new)}/{pending=}"] += 1
         self.model.move(new)
@@ -820,32 +727,45 @@ class DeferredWindowsMachine(RuleBasedStateMachine):
         pending = bool(self.model.shares)
         COVERAGE[f"switch/{self.model.layout}->{after}/{pending=}"] += 1
         template = _tx(other, new).init(PARAMS)
+
+        def deferred_like():
+            return _tx(self.name, 1).init(PARAMS)
+
+        spec = CONFIGS[other][1]
+        if not self._moved(template, new, spec, through_bytes, deferred_like):
+            return
+        self.name, self.spec = other, spec
+        self.model.spec = self.spec
+        self.model.move(new)
+        self.check()
+
+    def _moved(self, template, new, new_spec, through_bytes, deferred_like):
+        """The state moved onto ``template`` (``new`` devices), restored from
+        msgpack bytes first where ``through_bytes`` (against
+        ``mm.device_count_target`` of ``deferred_like()``, a deferred template
+        of the saved rule); False where the model says the move is refused,
+        after checking that it is."""
         saved = self.state
         if through_bytes:
             data = flax.serialization.to_bytes(saved)
             if self.ndev == LOCAL:
                 target = _tx(self.name, LOCAL).init(PARAMS)
             else:
-                target = mm.device_count_target(
-                    _tx(self.name, 1).init(PARAMS), self.ndev
-                )
+                target = mm.device_count_target(deferred_like(), self.ndev)
             saved = flax.serialization.from_bytes(target, data)
-        if self.model.refuses_move(new, CONFIGS[other][1]):
+        if self.model.refuses_move(new, new_spec):
             # A new device's token total (or the one device's) past float32:
             # from_device_count "Raises ValueError if ... the restored counts,
             # per device or the window's, are negative, not finite".
             COVERAGE["overflow/move_refused"] += 1
             with pytest.raises(ValueError):
                 mm.from_device_count(saved, template)
-            return
+            return False
         self.state = mm.from_device_count(saved, template)
         assert jax.tree.structure(self.state) == jax.tree.structure(template)
-        self.name, self.spec = other, CONFIGS[other][1]
         self.ndev = new
         self.params = _params_on(new, self.params)
-        self.model.spec = self.spec
-        self.model.move(new)
-        self.check()
+        return True
 
     def check(self):
         s, m = self.state, self.model

@@ -34,39 +34,13 @@ from __future__ import annotations
 
 import math
 
+import _window_model as wm
 import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _window_model import (
-    assert_nan as _assert_nan,
-)
-from _window_model import (
-    assert_near as _assert_near,
-)
-from _window_model import (
-    estimates as _estimates,
-)
-from _window_model import (
-    f as _f,
-)
-from _window_model import (
-    f32_range as _f32_range,
-)
-from _window_model import (
-    ratio_check as _ratio_check,
-)
-from _window_model import (
-    round_up_f32 as _round_up_f32,
-)
-from _window_model import (
-    sanitized_budget as _sanitized_budget,
-)
-from _window_model import (
-    sq as _sq,
-)
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
@@ -75,8 +49,7 @@ import masked_multistep as mm
 
 PARAMS = {"w": jnp.zeros(3, jnp.float32), "b": jnp.zeros((), jnp.float32)}
 KEYS = ("b", "w")
-F32 = np.float32
-EPS = 2.0**-24
+F32, F32_MAX = wm.F32, wm.F32_MAX
 
 # --- window rules: the library's arguments and the model's view of them -----
 
@@ -176,9 +149,6 @@ def _reached(tokens: F32, budget: float) -> bool:
 # --- the model --------------------------------------------------------------
 
 
-F32_MAX = float(np.finfo(np.float32).max)
-
-
 class Model:
     """The documented semantics in float64 (token totals in float32, as kept)."""
 
@@ -231,22 +201,17 @@ class Model:
         with np.errstate(all="ignore"):
             return {k: v / self.weight for k, v in self.weighted.items()}
 
-    def _errors(self, N, g2):
-        """Generous bounds on the float32 rounding of ‖ḡ‖² and S."""
-        scale = 50 * EPS * (self.K + 2)
-        err_g2 = scale * (g2 + 4 * self.gmax2) + 1e-30
-        err_S = scale * (self.Q + float(N) * (g2 + 4 * self.gmax2)) + 1e-30
-        return err_g2, err_S
-
     def so_far(self):
         """(K, ‖ḡ‖², S, err_g2, err_S) of the open window."""
         N = self.acc_count
-        g2 = _sq(self.mean()) if N > 0 else math.nan
+        g2 = wm.sq(self.mean()) if N > 0 else math.nan
         with np.errstate(all="ignore"):
             S = self.Q - float(N) * g2 if N > 0 else 0.0
         if N > 0 and math.isfinite(S):
             S = max(S, 0.0)
-        err_g2, err_S = self._errors(N, g2 if N > 0 else 0.0)
+        err_g2, err_S = wm.rounding_errors(
+            self.K, N, g2 if N > 0 else 0.0, self.Q, self.gmax2
+        )
         return self.K, g2, S, err_g2, err_S
 
     # The rules.
@@ -262,16 +227,16 @@ class Model:
             if kind == "const" and spec.get("int32"):
                 budget = float(math.ceil(b))
             elif kind == "const":
-                budget = _round_up_f32(float(b))
+                budget = wm.round_up_f32(float(b))
             elif kind == "seen":
-                budget = _sanitized_budget(b(jnp.float32(self.seen)))
+                budget = wm.sanitized_budget(b(jnp.float32(self.seen)))
             else:
-                budget = _sanitized_budget(b(jnp.int32(step)))
+                budget = wm.sanitized_budget(b(jnp.int32(step)))
             done |= _reached(self.acc_count, budget)
         if "norm" in spec and not done:
             theta, min_tokens, min_mb, max_tokens, max_mb = spec["norm"]
             if max_tokens is not None and _reached(
-                self.acc_count, _round_up_f32(max_tokens)
+                self.acc_count, wm.round_up_f32(max_tokens)
             ):
                 done = True
             elif max_mb is not None and self.mini_step >= max_mb(step):
@@ -281,7 +246,7 @@ class Model:
                 N = float(self.acc_count)
                 started = K >= min_mb and (
                     min_tokens <= 0
-                    or _reached(self.acc_count, _round_up_f32(min_tokens))
+                    or _reached(self.acc_count, wm.round_up_f32(min_tokens))
                 )
                 if (
                     K >= 2
@@ -319,8 +284,8 @@ class Model:
             with np.errstate(all="ignore"):
                 for k, g in grads.items():
                     self.weighted[k] = self.weighted[k] + c * np.asarray(g, np.float64)
-                sq = _sq(grads)
-                self.Q = _f32_range(self.Q + _f32_range(c * sq))
+                sq = wm.sq(grads)
+                self.Q = wm.f32_range(self.Q + wm.f32_range(c * sq))
             # The running mean's rounding is of the gradients' size (a
             # float32 running mean of 1e20 over 1 token and 0 over 1e7 is off
             # by ~1e12 absolute, as a float32 update g − m is).
@@ -368,27 +333,20 @@ class Model:
         K, g2, S, err_g2, err_S = self.so_far()
         N = self.acc_count
         loss = self.value_sum / self.value_weight if self.value_count > 0 else None
-        self.last = dict(
-            tokens=N,
-            K=K,
-            loss=loss,
-            g2=g2,
-            S=S,
-            err_g2=err_g2,
-            err_S=err_S,
-            loss_abs=self.value_abs,
-            loss_tokens=self.value_count,
+        wm.record_window(
+            self,
+            dict(
+                tokens=N,
+                K=K,
+                loss=loss,
+                g2=g2,
+                S=S,
+                err_g2=err_g2,
+                err_S=err_S,
+                loss_abs=self.value_abs,
+                loss_tokens=self.value_count,
+            ),
         )
-        self.windows += 1
-        est = _estimates(self.last)
-        if est["ok"]:
-            beta = float(F32(self.spec.get("decay", 0.9)))
-            e = self.ema
-            e["var"] = beta * e["var"] + (1 - beta) * est["var"]
-            e["true"] = beta * e["true"] + (1 - beta) * est["true"]
-            e["err_var"] = beta * e["err_var"] + (1 - beta) * est["err_var"]
-            e["err_true"] = beta * e["err_true"] + (1 - beta) * est["err_true"]
-            e["weight"] = beta * e["weight"] + (1 - beta)
 
     # Settings switch (README: "Changing the window rule or the statistics").
     def switch(self, new_spec, tokens_seen=None):
@@ -413,7 +371,7 @@ class Model:
             self._fresh_stats()
             # The pending mean counts as one microbatch of its tokens.
             if self.acc_count > 0:
-                self.Q = float(self.acc_count) * _sq(self.mean())
+                self.Q = float(self.acc_count) * wm.sq(self.mean())
                 self.K = 1
             else:
                 self.Q, self.K = 0.0, 0
@@ -430,53 +388,12 @@ class Model:
 
 def check_stats(model, stats):
     last = model.last
-    assert _f(stats.tokens) == float(last["tokens"]), (stats.tokens, last["tokens"])
+    assert wm.f(stats.tokens) == float(last["tokens"]), (stats.tokens, last["tokens"])
     assert int(stats.microbatches) == last["K"], (stats.microbatches, last["K"])
     assert int(stats.windows) == model.windows, (stats.windows, model.windows)
     seen = float(stats.tokens_seen)
     assert abs(seen - model.seen) <= 1e-6 * model.seen, (seen, model.seen)
-    if last["loss"] is None:
-        _assert_nan("loss", stats.loss)
-    else:
-        _assert_near("loss", stats.loss, last["loss"], 1e-5 * (1 + last["loss_abs"]))
-    g2 = last["g2"]
-    if float(last["tokens"]) == 0:
-        _assert_nan("grad_sq_norm", stats.grad_sq_norm)
-    elif math.isnan(g2):
-        _assert_nan("grad_sq_norm", stats.grad_sq_norm)
-    elif math.isinf(g2):
-        assert not math.isfinite(_f(stats.grad_sq_norm)), stats.grad_sq_norm
-    else:
-        _assert_near("grad_sq_norm", stats.grad_sq_norm, g2, last["err_g2"] + 1e-6 * g2)
-    est = _estimates(last)
-    if not est["ok"]:
-        for name in ("grad_var_trace", "true_grad_sq_norm", "noise_scale"):
-            _assert_nan(name, getattr(stats, name))
-    else:
-        _assert_near("grad_var_trace", stats.grad_var_trace, est["var"], est["err_var"])
-        _assert_near(
-            "true_grad_sq_norm", stats.true_grad_sq_norm, est["true"], est["err_true"]
-        )
-        _ratio_check(
-            "noise_scale",
-            stats.noise_scale,
-            est["var"],
-            est["err_var"],
-            est["true"],
-            est["err_true"],
-        )
-    e = model.ema
-    if e["weight"] == 0:
-        _assert_nan("smoothed_noise_scale", stats.smoothed_noise_scale)
-    else:
-        _ratio_check(
-            "smoothed_noise_scale",
-            stats.smoothed_noise_scale,
-            e["var"],
-            e["err_var"] + 1e-6 * e["var"],
-            e["true"],
-            e["err_true"] + 1e-6 * abs(e["true"]),
-        )
+    wm.check_window_figures(model, stats)
 
 
 # --- the machine -------------------------------------------------------------
