@@ -608,18 +608,37 @@ def explain_other_state(
             break
     got = jax.tree.structure(inner_state)
     if want is not None and got != want:
-        is_, built = (
-            outline(inner_state),
-            outline(want.unflatten([0] * want.num_leaves)),
+        is_, built = apart(
+            inner_state, want.unflatten([0] * want.num_leaves), "state.inner_opt_state"
         )
-        if is_ == built:  # the same containers, other leaves (dict keys, say)
-            is_, built = str(got), str(want)
         raise ValueError(
             "`state.inner_opt_state` was not built by this wrapper's inner "
             f"optimizer: it is {is_}, but the inner optimizer's `init` builds "
             f"{built}. Use the state that this wrapper's `init` returned "
             "(restore a checkpoint against it)"
         )
+
+
+def apart(got: Any, want: Any, name: str) -> tuple[str, str]:
+    """``(got, want)`` described where two optimizer states' structures
+    differ: their containers (:func:`outline`), and where those are the same
+    (other leaves: dict keys, boxed params' values), the first leaf at which
+    they part, spelt from ``name``."""
+    got_text, want_text = outline(got), outline(want)
+    if got_text == want_text:
+        paths = [
+            [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t)]
+            for t in (got, want)
+        ]
+        first = next(
+            (i for i, (a, b) in enumerate(zip(*paths)) if a != b),
+            min(map(len, paths)),
+        )
+        leaf, wanted = (
+            f"`{name}{p[first]}`" if first < len(p) else "no leaf" for p in paths
+        )
+        got_text += f" (the first leaf apart: {leaf}, where `init` builds {wanted})"
+    return got_text, want_text
 
 
 def outline(state: Any, depth: int = 3) -> str:

@@ -522,23 +522,7 @@ def _check_opt_state(opt_state: Any, want: Any) -> None:
     shapes of ``want`` (``tx.init(params)``'s, abstract), naming the first
     difference."""
     if jax.tree.structure(opt_state) != jax.tree.structure(want):
-        built, got = _inner.outline(want), _inner.outline(opt_state)
-        if built == got:  # the same containers: name where the leaves differ
-            paths = [
-                [jax.tree_util.keystr(p) for p, _ in flat]
-                for flat in (
-                    jax.tree_util.tree_flatten_with_path(want)[0],
-                    jax.tree_util.tree_flatten_with_path(opt_state)[0],
-                )
-            ]
-            first = next(
-                (i for i, pair in enumerate(zip(*paths)) if pair[0] != pair[1]),
-                min(map(len, paths)),
-            )
-            where = [
-                f"`opt_state{p[first]}`" if first < len(p) else "no leaf" for p in paths
-            ]
-            got += f" (the leaves differ first: {where[1]} where it has {where[0]})"
+        got, built = _inner.apart(opt_state, want, "opt_state")
         raise ValueError(
             "`opt_state` must be the state `tx.init(params)` builds for these "
             f"params: it builds {built}, got {got}"

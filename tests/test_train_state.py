@@ -439,6 +439,15 @@ def test_create_continues_a_converted_run_compiled_once():
         mm.TrainState.create(
             apply_fn=None, params={"w": jnp.zeros(3)}, tx=tx, opt_state=converted
         )
+    with pytest.raises(
+        ValueError,
+        match=r"it builds MaskedMultiStepsState, got MaskedMultiStepsState \(the "
+        r"first leaf apart: `opt_state.acc_grads\['v'\]`, where `init` builds "
+        r"`opt_state.acc_grads\['w'\]`\)",
+    ):
+        mm.TrainState.create(
+            apply_fn=None, params=params, tx=tx, opt_state=tx.init({"v": jnp.zeros(2)})
+        )
     for step, error, match in [
         (3.7, TypeError, r"`step` must be an integer, the microbatches applied"),
         (True, TypeError, r"`step` must be an integer"),
