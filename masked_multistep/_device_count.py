@@ -57,7 +57,12 @@ from masked_multistep._checks import (
 )
 from masked_multistep._deferred import _exact_sums
 from masked_multistep._multisteps import MaskedMultiStepsState
-from masked_multistep._reduction import _from_host, mean_over_devices, placed_like
+from masked_multistep._reduction import (
+    _from_host,
+    mean_over_devices,
+    placed_like,
+    through_key_data,
+)
 from masked_multistep._stats_state import SLOTS, LeafSums
 
 __all__ = ["device_count_target", "from_device_count"]
@@ -247,12 +252,8 @@ def _placed(got: Any, want: Any) -> Any:
 
 
 def _uncommitted(x: jax.Array) -> jax.Array:
-    """``x`` read to the host and back, on no particular device (a typed PRNG
-    key, e.g. optax.noisy_sgd's state, through its key data)."""
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        data = _uncommitted(jax.random.key_data(x))
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-    return jnp.asarray(np.asarray(x))
+    """``x`` read to the host and back, on no particular device."""
+    return through_key_data(lambda v: jnp.asarray(np.asarray(v)), x)
 
 
 def _onto(x: Any, sharding: Any) -> Any:

@@ -68,17 +68,25 @@ def place_uncommitted(state: Any, sharding: jax.sharding.Sharding) -> Any:
     return jax.tree.map(leaf, state)
 
 
+def through_key_data(place: Callable[[Any], jax.Array], x: Any) -> jax.Array:
+    """``place(x)``; for a typed PRNG key (optax.noisy_sgd's state), which
+    has no numpy form, its key data placed and wrapped again."""
+    if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+        data = place(jax.random.key_data(x))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return place(x)
+
+
 def _from_host(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """``x`` on ``sharding``, from each process's own copy (every process
     builds the same state): jax.device_put would compare them across
     processes, and the statistics' NaN placeholders never compare equal."""
-    if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
-        # A typed PRNG key (optax.noisy_sgd's state) has no numpy form: place
-        # its key data, and wrap it again.
-        data = _from_host(jax.random.key_data(x), sharding)
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+    def place(x: Any) -> jax.Array:
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+    return through_key_data(place, x)
 
 
 def placed_like(x: Any, like: Any) -> Any:
