@@ -1229,21 +1229,21 @@ def window_policy(
         )
     policy = any_of(*policies)
     if not policy.bounded:
-        unbounded = [p.name for p in policies if not p.bounded]
-        if not all(name.startswith("mm.norm_test(") for name in unbounded):
+        unbounded = [p for p in policies if not p.bounded]
+        if any(map(_another_policy, unbounded)):
             # A policy of the user's own that sets no maximum by itself.
             number = (
                 " or a number of tokens as `tokens_per_window`"
                 if tokens_per_window is None
                 else ""
             )
+            names = ", ".join(map(describe, unbounded))
             raise ValueError(
-                f"No rule sets a maximum window ({', '.join(unbounded)}: a policy "
+                f"No rule sets a maximum window ({names}: a policy "
                 "of your own declared `bounded=False` sets none), so a window "
                 "could stay open forever: pass `every_k_schedule` (a maximum "
                 f"number of microbatches){number} beside it"
             )
-    if not policy.bounded:
         raise ValueError(
             "The norm test needs a maximum window, or a window could stay open "
             "forever: pass `every_k_schedule` (a maximum number of microbatches), "
