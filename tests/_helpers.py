@@ -22,7 +22,8 @@ structure, dtypes and values (NaN where the other is NaN).
 tests' own programs compile with (``tests/conftest.py``): a process whose
 results a test compares bit for bit with its own runs with them as XLA_FLAGS.
 A test session started with ``FULL_OPTIMIZATION`` set compiles as a user's
-programs do.
+programs do. ``LEGACY_EMITTERS`` set (by ``make test``) asks for XLA:CPU's legacy
+emitters, which compile the suite's own programs faster (``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import numpy as np
 
 TESTS_XLA_FLAGS = "MASKED_MULTISTEP_TESTS_XLA_FLAGS"
 FULL_OPTIMIZATION = "MASKED_MULTISTEP_TESTS_FULL_OPTIMIZATION"
+LEGACY_EMITTERS = "MASKED_MULTISTEP_TESTS_LEGACY_EMITTERS"
 
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 _OP = re.compile(

@@ -4,10 +4,13 @@ import atexit
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import jax
-from _helpers import FULL_OPTIMIZATION, TESTS_XLA_FLAGS
+import pytest
+from _helpers import FULL_OPTIMIZATION, LEGACY_EMITTERS, TESTS_XLA_FLAGS
 from hypothesis import settings
 
 # Must happen before any JAX backend is created.
@@ -25,12 +28,41 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # the claims that two programs give the same bits (statistics on or off, ...)
 # are checked again at the default level (tests/test_full_optimization.py,
 # which sets FULL_OPTIMIZATION).
+#
+# XLA:CPU's fusion emitters (jaxlib 0.10's default) take two fifths of the
+# suite's compile time. Its legacy emitters compile faster, into other kernels
+# (a lone reduction is not wrapped in a fusion; a few scalar operations fuse
+# otherwise). `make test` asks for them (LEGACY_EMITTERS) where this jaxlib has
+# them (newer ones have only the fusion emitters, and XLA aborts on a flag it
+# does not know): the suite then runs in about two thirds of the time, and the
+# tests that assert a compiled program's kernels or memory (marked
+# `default_emitters`) run in a session of their own with the default emitters
+# (tests/test_full_optimization.py), so that they see what a user's compile.
 _OPT_FLAG = "--xla_backend_optimization_level"
+_LEGACY_FLAG = "--xla_cpu_use_fusion_emitters=false"
+_LEGACY_KNOWN = f"{LEGACY_EMITTERS}_KNOWN"  # the probe's answer, for the workers
 _USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
+
+
+def _xla_knows_legacy_emitters() -> bool:
+    if _LEGACY_KNOWN not in os.environ:
+        probe = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.devices()"],
+            env={**os.environ, "XLA_FLAGS": _LEGACY_FLAG},
+            capture_output=True,
+            check=False,
+        )
+        os.environ[_LEGACY_KNOWN] = "1" if probe.returncode == 0 else ""
+    return bool(os.environ[_LEGACY_KNOWN])
+
+
 if _OPT_FLAG in (_USER_XLA_FLAGS or "") or os.environ.get(FULL_OPTIMIZATION):
+    LEGACY = False
     os.environ[TESTS_XLA_FLAGS] = _USER_XLA_FLAGS or ""
 else:
-    os.environ[TESTS_XLA_FLAGS] = f"{_USER_XLA_FLAGS or ''} {_OPT_FLAG}=0".strip()
+    LEGACY = bool(os.environ.get(LEGACY_EMITTERS)) and _xla_knows_legacy_emitters()
+    extra = f"{_OPT_FLAG}=0 {_LEGACY_FLAG}" if LEGACY else f"{_OPT_FLAG}=0"
+    os.environ[TESTS_XLA_FLAGS] = f"{_USER_XLA_FLAGS or ''} {extra}".strip()
     os.environ["XLA_FLAGS"] = os.environ[TESTS_XLA_FLAGS]
     jax.devices()
     if _USER_XLA_FLAGS is None:
@@ -65,8 +97,37 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
-def pytest_collection_modifyitems(items):
+_DEFAULT_EMITTERS = pytest.StashKey[list[str]]()
+# The test that runs them where the session compiles with the legacy emitters.
+_RUNS_THEM = (
+    "tests/test_full_optimization.py"
+    "::test_compiled_kernels_and_memory_hold_with_the_default_emitters"
+)
+
+
+@pytest.hookimpl(trylast=True)  # after `-k` and `-m` have deselected theirs
+def pytest_collection_modifyitems(config, items):
     # The long-running tests first (a stable sort: the rest keep their order),
     # so that pytest-xdist's workers start them early instead of one worker
     # finishing a notebook alone at the end.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    marked = [i for i in items if i.get_closest_marker("default_emitters")]
+    if not LEGACY or not marked:
+        return
+    if not any(i.nodeid == _RUNS_THEM for i in items):
+        raise pytest.UsageError(
+            f"{len(marked)} selected tests assert a compiled program's kernels or "
+            f"memory, and this session compiles with XLA:CPU's legacy emitters "
+            f"({LEGACY_EMITTERS} is set): select {_RUNS_THEM} too, which runs "
+            f"them with the default emitters, or unset {LEGACY_EMITTERS}"
+        )
+    config.hook.pytest_deselected(items=marked)
+    items[:] = [i for i in items if not i.get_closest_marker("default_emitters")]
+    config.stash[_DEFAULT_EMITTERS] = [i.nodeid for i in marked]
+
+
+@pytest.fixture
+def default_emitters_tests(request) -> list[str]:
+    """The tests needing XLA:CPU's default emitters that this session left out
+    (it compiles with the legacy emitters), for a session of their own."""
+    return request.config.stash.get(_DEFAULT_EMITTERS, [])

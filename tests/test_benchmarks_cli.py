@@ -93,6 +93,7 @@ def test_each_result_is_rendered_by_its_own_script(tmp_path):
         assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.default_emitters
 def test_bench_compile_times_every_competitor_and_counts_its_kernels(capsys):
     (bench_compile,) = _import_benchmarks("bench_compile")
     rows = bench_compile.main(["--leaves", "4", "--repeats", "1"])

@@ -1279,6 +1279,7 @@ def test_deferred_accumulator_names_its_device_axis_in_flax_metadata():
         )
 
 
+@pytest.mark.default_emitters
 @both_axis_types
 def test_fsdp_reduce_every_microbatch_or_defer_is_a_memory_choice(mesh):
     """Params sharded over the data axis (FSDP): reducing every microbatch keeps

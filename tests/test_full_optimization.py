@@ -1,4 +1,4 @@
-"""The claims that two programs give the same bits, at the default optimization.
+"""What must hold of the programs as a user's compile, in processes of their own.
 
 The suite compiles its own programs with LLVM's optimizations off
 (``tests/conftest.py``); the machine code, and so the last bit of a float (a
@@ -6,6 +6,11 @@ fused multiply-add), may differ from a user's. A program compared with itself
 gives the same bits either way; two programs claimed to give the same bits
 (the updates with the statistics on and off, the running mean and
 ``optax.MultiSteps``'s) are checked here again as a user's programs compile.
+Where the session compiles with XLA:CPU's legacy emitters (``make test``), the
+tests that assert a compiled program's kernels or memory (marked
+``default_emitters``) run here, with its default emitters, at the suite's own
+optimization level (a program's HLO, and so its kernels and buffers, are the
+same at every level).
 """
 
 import os
@@ -14,7 +19,7 @@ import subprocess
 import sys
 
 import pytest
-from _helpers import FULL_OPTIMIZATION
+from _helpers import FULL_OPTIMIZATION, LEGACY_EMITTERS
 
 TESTS = pathlib.Path(__file__).resolve().parent
 CLAIMS = [
@@ -29,11 +34,17 @@ CLAIMS = [
 pytestmark = pytest.mark.slow
 
 
-def test_programs_claimed_bit_identical_are_so_at_the_default_optimization():
+def _in_a_process_of_their_own(
+    node_ids: list[str], *, full_optimization: bool, passed: str = " passed"
+) -> None:
+    """Runs the tests in a new session, without this one's settings: at LLVM's
+    default optimization where ``full_optimization``, else at the suite's own,
+    and with XLA:CPU's default emitters either way."""
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "MASKED_"))
     }
-    env[FULL_OPTIMIZATION] = "1"
+    if full_optimization:
+        env[FULL_OPTIMIZATION] = "1"
     run = subprocess.run(
         [
             sys.executable,
@@ -44,7 +55,7 @@ def test_programs_claimed_bit_identical_are_so_at_the_default_optimization():
             "no:cacheprovider",
             "-p",
             "no:xdist",
-            *(str(TESTS / claim) for claim in CLAIMS),
+            *node_ids,
         ],
         capture_output=True,
         text=True,
@@ -53,4 +64,46 @@ def test_programs_claimed_bit_identical_are_so_at_the_default_optimization():
         cwd=TESTS.parent,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+    assert passed in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+def test_programs_claimed_bit_identical_are_so_at_the_default_optimization():
+    _in_a_process_of_their_own(
+        [str(TESTS / claim) for claim in CLAIMS], full_optimization=True
+    )
+
+
+def test_compiled_kernels_and_memory_hold_with_the_default_emitters(
+    default_emitters_tests,
+):
+    if not default_emitters_tests:
+        pytest.skip(
+            "none was left to it: this session compiles with XLA:CPU's default "
+            "emitters (they ran in it), or none was selected"
+        )
+    _in_a_process_of_their_own(
+        default_emitters_tests,
+        full_optimization=False,
+        passed=f"{len(default_emitters_tests)} passed",
+    )
+
+
+def test_a_session_with_the_legacy_emitters_refuses_them_alone():
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "MASKED_"))
+    }
+    env[LEGACY_EMITTERS] = "1"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist"]
+        + ["-p", "no:cacheprovider", str(TESTS / "test_small_leaves.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=TESTS.parent,
+    )
+    if "legacy emitters" not in run.stdout + run.stderr:  # a jaxlib without them
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        return
+    assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stderr[-2000:]
+    assert "select tests/test_full_optimization.py::" in run.stderr, run.stderr

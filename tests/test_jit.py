@@ -264,6 +264,7 @@ def test_state_can_be_donated_every_step():
     jax.tree.map(np.testing.assert_array_equal, state, ref_state)
 
 
+@pytest.mark.default_emitters
 def test_compiled_state_in_place_with_donation():
     # Every state buffer is aliased input-to-output: no copy of the state per step.
     tx = mm.MaskedMultiSteps(optax.adam(1e-3), 4)

@@ -16,6 +16,9 @@ import pytest
 import masked_multistep as mm
 
 WIDTH, LAYERS, ROWS, K = 256, 4, 8, 4
+# Figures of compiled programs, as a user's compile (tests/conftest.py).
+pytestmark = pytest.mark.default_emitters
+
 PARAMS = {
     f"w{i}": jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32) for i in range(LAYERS)
 }

@@ -233,6 +233,7 @@ def test_no_retrace_on_new_batch_values():
     assert traced > 0 and len(_TRACES) == traced
 
 
+@pytest.mark.default_emitters
 def test_temp_memory_scales_with_the_microbatch():
     """A wide activation-heavy MLP: 8 microbatches need far less scratch memory."""
     batch_size, d_in, width = 4096, 8, 256

@@ -707,6 +707,7 @@ class _WideLoRA(nnx.Module):
         return self.out(jnp.tanh(self.lin(self.embed(x))))
 
 
+@pytest.mark.default_emitters
 def test_wrt_keeps_no_gradient_of_the_frozen_weights():
     """The frozen weights' gradients are neither computed, accumulated nor
     returned (compiled scratch and output bytes), and the statistics count
