@@ -37,7 +37,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # does not know): the suite then runs in about two thirds of the time, and the
 # tests that assert a compiled program's kernels or memory (marked
 # `default_emitters`) run in a session of their own with the default emitters
-# (tests/test_full_optimization.py), so that they see what a user's compile.
+# (tests/test_full_optimization.py): they see the programs a user compiles.
 _OPT_FLAG = "--xla_backend_optimization_level"
 _LEGACY_FLAG = "--xla_cpu_use_fusion_emitters=false"
 _LEGACY_KNOWN = f"{LEGACY_EMITTERS}_KNOWN"  # the probe's answer, for the workers

@@ -16,7 +16,7 @@ import pytest
 import masked_multistep as mm
 
 WIDTH, LAYERS, ROWS, K = 256, 4, 8, 4
-# Figures of compiled programs, as a user's compile (tests/conftest.py).
+# Figures of compiled programs, as a user compiles them (tests/conftest.py).
 pytestmark = pytest.mark.default_emitters
 
 PARAMS = {

@@ -20,7 +20,7 @@ import masked_multistep as mm
 from masked_multistep import _running_mean
 from masked_multistep._sq_norms import tree_sq_norm
 
-# Kernels of compiled programs, as a user's compile (tests/conftest.py).
+# Kernels of compiled programs, as a user compiles them (tests/conftest.py).
 pytestmark = pytest.mark.default_emitters
 
 LEAVES = 40
