@@ -24,12 +24,15 @@ results a test compares bit for bit with its own runs with them as XLA_FLAGS.
 A test session started with ``FULL_OPTIMIZATION`` set compiles as a user's
 programs do. ``LEGACY_EMITTERS`` set (by ``make test``) asks for XLA:CPU's legacy
 emitters, which compile the suite's own programs faster (``tests/conftest.py``).
+``session_free_env()`` is the environment without them (nor pytest's own), for a
+process that must run as on a machine where the suite never ran.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 from collections.abc import Iterable, Iterator
 
@@ -39,6 +42,17 @@ import numpy as np
 TESTS_XLA_FLAGS = "MASKED_MULTISTEP_TESTS_XLA_FLAGS"
 FULL_OPTIMIZATION = "MASKED_MULTISTEP_TESTS_FULL_OPTIMIZATION"
 LEGACY_EMITTERS = "MASKED_MULTISTEP_TESTS_LEGACY_EMITTERS"
+
+
+def session_free_env() -> dict[str, str]:
+    """This process's environment without the test session's settings: pytest's
+    (``PYTEST_*``) and the suite's own (``MASKED_MULTISTEP_TESTS_*``)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_", "MASKED_MULTISTEP_TESTS_"))
+    }
+
 
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 _OP = re.compile(

@@ -143,13 +143,6 @@ def _mean_grads(params, x, y):
     return jax.value_and_grad(loss)(params)
 
 
-# The fused `apply_gradients` (inside TrainState) may round the params' last
-# bit otherwise than `update` then `optax.apply_updates` where the compiler
-# fuses the update's last multiply with the add (README "Quickstart"; seen at
-# LLVM's default optimization, and with jax 0.12): the linen path's params are
-# compared within that rounding, its state bit for bit.
-
-
 # --- configurations: window rules and the compiled steps of each path -------
 
 # name: (MaskedMultiSteps keywords, the counts' kind: whole int32 or float32).
@@ -215,9 +208,7 @@ def _steps(name):
             nnx=(nnx_model, nnx.Optimizer(nnx_model, tx, wrt=nnx.Param)),
             equinox=(eqx_model, tx.init(eqx.filter(eqx_model, eqx.is_inexact_array))),
         )
-        _STEPS[name] = dict(
-            tx=tx, plain=plain, linen=linen, equinox=equinox, start=start
-        )
+        _STEPS[name] = dict(plain=plain, linen=linen, equinox=equinox, start=start)
     return _STEPS[name]
 
 
@@ -372,6 +363,12 @@ class DropInsMachine(RuleBasedStateMachine):
         stats = CONFIGS[self.name][0].get("window_stats", False)
         for path, (p, s) in snap.items():
             try:
+                # The fused `apply_gradients` (inside TrainState) may round the
+                # params' last bit otherwise than `update` then
+                # `optax.apply_updates`, where the compiler fuses the update's
+                # last multiply with the add (README "Quickstart"; seen at LLVM's
+                # default optimization, and with jax 0.12): compared within that
+                # rounding, its state bit for bit.
                 if path == "linen":
                     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p)):
                         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)

@@ -13,13 +13,12 @@ optimization level (a program's HLO, and so its kernels and buffers, are the
 same at every level).
 """
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
-from _helpers import FULL_OPTIMIZATION, LEGACY_EMITTERS
+from _helpers import FULL_OPTIMIZATION, LEGACY_EMITTERS, session_free_env
 
 TESTS = pathlib.Path(__file__).resolve().parent
 CLAIMS = [
@@ -34,35 +33,27 @@ CLAIMS = [
 pytestmark = pytest.mark.slow
 
 
+def _pytest(*args: str, settings: dict[str, str]) -> subprocess.CompletedProcess:
+    """pytest in a new session, without this one's settings but ``settings``."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        + ["-p", "no:xdist", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**session_free_env(), **settings},
+        cwd=TESTS.parent,
+    )
+
+
 def _in_a_process_of_their_own(
     node_ids: list[str], *, full_optimization: bool, passed: str = " passed"
 ) -> None:
     """Runs the tests in a new session, without this one's settings: at LLVM's
     default optimization where ``full_optimization``, else at the suite's own,
     and with XLA:CPU's default emitters either way."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "MASKED_"))
-    }
-    if full_optimization:
-        env[FULL_OPTIMIZATION] = "1"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:xdist",
-            *node_ids,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=TESTS.parent,
-    )
+    settings = {FULL_OPTIMIZATION: "1"} if full_optimization else {}
+    run = _pytest(*node_ids, settings=settings)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert passed in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
 
@@ -89,18 +80,10 @@ def test_compiled_kernels_and_memory_hold_with_the_default_emitters(
 
 
 def test_a_session_with_the_legacy_emitters_refuses_them_alone():
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "MASKED_"))
-    }
-    env[LEGACY_EMITTERS] = "1"
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist"]
-        + ["-p", "no:cacheprovider", str(TESTS / "test_small_leaves.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=TESTS.parent,
+    run = _pytest(
+        "--collect-only",
+        str(TESTS / "test_small_leaves.py"),
+        settings={LEGACY_EMITTERS: "1"},
     )
     if "legacy emitters" not in run.stdout + run.stderr:  # a jaxlib without them
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

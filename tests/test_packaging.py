@@ -9,6 +9,7 @@ import sys
 import tarfile
 
 import pytest
+from _helpers import session_free_env
 
 import masked_multistep
 from masked_multistep import _version
@@ -79,7 +80,9 @@ def test_sdist_ships_its_tests_and_they_collect(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist"],
         cwd=tree,
-        env={**_clean_env(), "PYTHONPATH": str(tree)},
+        # Without the session's own settings (tests/conftest.py): the unpacked
+        # tests collect as on a machine where they were never run.
+        env={**session_free_env(), "PYTHONPATH": str(tree)},
         capture_output=True,
         text=True,
         timeout=300,
@@ -94,15 +97,3 @@ def test_sdist_ships_its_tests_and_they_collect(tmp_path):
     assert expected <= collected, sorted(expected - collected)
     # The package's doctests are collected too.
     assert "masked_multistep/_multisteps.py::" in proc.stdout
-
-
-def _clean_env() -> dict[str, str]:
-    import os
-
-    # Without the session's own settings (tests/conftest.py): the unpacked
-    # tests collect as on a machine where they were never run.
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PYTEST_", "MASKED_MULTISTEP_TESTS_"))
-    }
