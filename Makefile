@@ -20,17 +20,18 @@ LINTED := masked_multistep tests benchmarks docs tools examples notebooks/execut
 
 # The first target, what a bare `make` runs: the list below.
 help:
-	@echo "make demo         the bug and the fix: trains a tiny LM three ways (ARGS=--help for options; installs the demo's extra into .venv)"
-	@echo "make test         ruff, pyright and the whole test suite (installs the development stack into .venv)"
-	@echo "make install      only the development stack, into .venv"
-	@echo "make test-latest  the test suite against the newest releases pip finds for PYTHON (no pins), in .venv-latest"
-	@echo "make lint         ruff check and ruff format --check"
-	@echo "make typecheck    pyright on the package, tools/, tests/test_typing.py and the README's examples"
-	@echo "make docs         the HTML docs (Sphinx) in docs/_build/html"
-	@echo "make bench        benchmarks against optax.MultiSteps (ARGS=--help for options); bench-quick: a short run"
-	@echo "make bench-dp     data parallel across two processes on 127.0.0.1"
+	@echo "make demo           the bug and the fix: trains a tiny LM three ways (ARGS=--help for options; installs the demo's extra into .venv)"
+	@echo "make test           ruff, pyright and the whole test suite (installs the development stack into .venv)"
+	@echo "make install        only the development stack, into .venv"
+	@echo "make test-latest    the test suite against the newest releases pip finds for PYTHON (no pins), in .venv-latest"
+	@echo "make lint           ruff check and ruff format --check"
+	@echo "make typecheck      pyright on the package, tools/, tests/test_typing.py and the README's examples"
+	@echo "make docs           the HTML docs (Sphinx) in docs/_build/html"
+	@echo "make bench          benchmarks against optax.MultiSteps (ARGS=--help for options)"
+	@echo "make bench-quick    the same, short: small sizes, under a minute"
+	@echo "make bench-dp       data parallel across two processes on 127.0.0.1"
 	@echo "make bench-compile  start-up cost: trace and compile times against optax.MultiSteps"
-	@echo "make clean        removes .venv and everything built or cached"
+	@echo "make clean          removes .venv and everything built or cached"
 
 install: $(STAMP)
 

@@ -75,7 +75,7 @@ from jax.sharding import PartitionSpec as P
 try:
     import orbax.checkpoint as ocp
     from flax import nnx
-except ImportError as error:  # `make demo` installs flax but not orbax
+except ImportError as error:  # flax, and orbax-checkpoint, which flax requires
     raise SystemExit(
         f"{error}: this example needs flax and orbax-checkpoint; run `make "
         "install` (or `pip install -e '.[examples]'`) first"
@@ -219,8 +219,9 @@ HELP = {
     "num_layers": "transformer blocks",
     "learning_rate": "peak learning rate of the warmup-cosine schedule",
     "warmup": "windows of linear warmup, the learning rate rising from 0 (the "
-    "first window's) to the peak, then cosine decay to 10%% of the peak; "
-    "shrinks to --windows - 1 where that is smaller",
+    "first window's) to the peak, then cosine decay to 10%% of the peak; the "
+    "default shrinks to --windows - 1 where that is smaller, a value given must "
+    "be below --windows",
     "weight_decay": "adamw weight decay",
     "clip_norm": "clip each window's full-batch gradient to this global norm",
     "skew": "length skew between microbatches: 0 = random, 1 = sorted by length "
@@ -265,7 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
         "loss, tokens, rate, noise scale, gradient norm in all and by layer)",
     )
     parser.add_argument(
-        "--checkpoint-every", type=int, default=50, help="save every N windows"
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="save every N windows (and at the end), in --out/checkpoints/M, M "
+        "the microbatches done",
     )
     parser.add_argument(
         "--resume",

@@ -824,6 +824,21 @@ def is_host_int(x: Any) -> bool:
     return isinstance(x, int)
 
 
+def wrapped_host_ints(x: Any) -> np.dtype | None:
+    """The narrower integer dtype that jax, without x64, would wrap ``x`` (a
+    numpy integer array or scalar) into, if ``x`` holds a value beyond its
+    range (a numpy int64 of 3 * 2**30 becomes negative); ``None`` otherwise."""
+    if not isinstance(x, (np.ndarray, np.generic)) or x.dtype.kind not in "iu":
+        return None
+    narrow = np.dtype(jax.dtypes.canonicalize_dtype(x.dtype))
+    if narrow == x.dtype or not x.size:
+        return None
+    info = np.iinfo(narrow)
+    if int(np.min(x)) < info.min or int(np.max(x)) > info.max:
+        return narrow
+    return None
+
+
 def host_int_to_float(x: Any) -> Any:
     """A Python or numpy integer as float64 numpy, anything else as is.
 

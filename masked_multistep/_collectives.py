@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from masked_multistep._checks import PARAM_LEAF_TYPES, count_weight, short_repr
 from masked_multistep._running_mean import compute_dtype, result_type, safe_fraction
-from masked_multistep._shards import varying_axes
+from masked_multistep._shards import varying_axes_of_type
 
 __all__ = ["weighted_mean_across", "weighted_sum_across"]
 
@@ -25,13 +25,27 @@ def reduced_leaf(
     already reduced over the shards while the count is still each shard's own."""
     if not isinstance(count, jax.Array):
         return None  # a host number is the same on every shard
-    count_varies = varying_axes(count)
+    return _first_invariant(tree, jax.typeof(count), names, jax.typeof)
+
+
+def reduced_leaf_of_types(
+    types: Any, count_type: Any, names: frozenset | None = None
+) -> tuple[str, list[Hashable]] | None:
+    """:func:`reduced_leaf` on types: ``jax.typeof``'s, or the
+    ``jax.ShapeDtypeStruct`` leaves of a traced function's outputs."""
+    return _first_invariant(types, count_type, names, lambda t: t)
+
+
+def _first_invariant(
+    tree: Any, count_type: Any, names: frozenset | None, type_of: Callable[[Any], Any]
+) -> tuple[str, list[Hashable]] | None:
+    count_varies = varying_axes_of_type(count_type)
     if names is not None:
         count_varies &= names
     if not count_varies:
         return None
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if invariant := count_varies - varying_axes(leaf):
+        if invariant := count_varies - varying_axes_of_type(type_of(leaf)):
             # Axis names are any hashables: sorted by their text.
             return jax.tree_util.keystr(path), sorted(invariant, key=str)
     return None
@@ -133,7 +147,8 @@ def weighted_mean_across(
         path, axes = reduced
         raise ValueError(
             f"tree{path} is the same on every shard of {axes} while "
-            "`count` differs: it is already reduced. Inside shard_map the "
+            "`count` differs: it is not this shard's own mean (a constant, or "
+            "a value already reduced over the shards). Inside shard_map the "
             "gradient with respect to a replicated input is summed over the "
             "shards automatically; differentiate with respect to "
             f"`jax.lax.pcast(params, {axes[0]!r}, to='varying')` "

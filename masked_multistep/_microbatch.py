@@ -44,7 +44,9 @@ from masked_multistep._checks import (
     short_repr,
     signature,
     without_annotations,
+    wrapped_host_ints,
 )
+from masked_multistep._collectives import reduced_leaf_of_types
 from masked_multistep._placement import names_an_axis
 from masked_multistep._running_mean import (
     compute_dtype,
@@ -150,6 +152,16 @@ def _batch_size(batch: Any, num_microbatches: int) -> int:
                 f"`batch` leaves need a leading batch axis, but the leaf at {name} "
                 "is a scalar"
             )
+        if narrow := wrapped_host_ints(leaf):
+            # Without x64 jax wraps a numpy int64 into int32 (3 * 2**30 became
+            # negative) before `loss_fn` sees it; inside the caller's `jit`
+            # that happens before this function runs.
+            raise ValueError(
+                f"The {leaf.dtype} `batch` leaf at batch{name} holds values "
+                f"beyond {narrow} (without jax_enable_x64 jax would wrap them "
+                f"into {narrow}): pass them in a dtype that holds them (float32 "
+                "weights, say), or enable x64"
+            )
         sizes[name] = shape[0]
     if len(set(sizes.values())) > 1:
         raise ValueError(
@@ -233,20 +245,13 @@ def _as_aux_leaf(leaf: Any, name: str) -> jax.Array:
             "`aux` leaves must be floating or integer arrays, got "
             f"{type(leaf).__name__} {short_repr(leaf)} at {name}"
         )
-    if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "iu":
+    if narrow := wrapped_host_ints(leaf):
         # Without x64 jax wraps a numpy int64 into int32 (2**33 became 0).
-        narrow = np.dtype(jax.dtypes.canonicalize_dtype(leaf.dtype))
-        info = np.iinfo(narrow)
-        if (
-            narrow != leaf.dtype
-            and leaf.size
-            and (int(np.min(leaf)) < info.min or int(np.max(leaf)) > info.max)
-        ):
-            raise ValueError(
-                f"The {leaf.dtype} `aux` leaf at {name} holds values beyond "
-                f"{narrow} (without jax_enable_x64 jax would wrap them): "
-                f"return it as a {narrow} array, or enable x64"
-            )
+        raise ValueError(
+            f"The {leaf.dtype} `aux` leaf at {name} holds values beyond "
+            f"{narrow} (without jax_enable_x64 jax would wrap them): "
+            f"return it as a {narrow} array, or enable x64"
+        )
     leaf = jnp.asarray(leaf)
     if not (
         jnp.issubdtype(leaf.dtype, jnp.floating)
@@ -519,6 +524,57 @@ def _check_rng(rng: Any) -> jax.Array:
             f"shape {key.shape} and dtype {key.dtype}"
         )
     return key
+
+
+def _refuse_summed_gradients(shapes: Any, of_module: bool) -> None:
+    """Inside ``shard_map``: raises if a microbatch's gradient is the same on
+    every shard of an axis over which its count differs.
+
+    The gradient with respect to a replicated (invariant) input is summed over
+    the shards by the transpose of jax's implicit ``pcast``: each microbatch's
+    gradient would already be the shards' sum, then weighed by this shard's own
+    count, a wrong mean that ``weighted_mean_across`` could no longer tell.
+    """
+    _, count, _, grads = shapes
+    if reduced := reduced_leaf_of_types(grads, count):
+        path, axes = reduced
+        # An NNX module's own copy: its parameters cast, the rest as it is.
+        own = (
+            f"(of an NNX module, its nnx.Param state: graphdef, params, rest = "
+            f"nnx.split(model, nnx.Param, ...); model = nnx.merge(graphdef, "
+            f"jax.lax.pcast(params, {axes[0]!r}, to='varying'), rest)) "
+            if of_module
+            else ""
+        )
+        raise ValueError(
+            f"The gradient grads{path} is the same on every shard of {axes} "
+            "while the count `loss_fn` returns differs between them: inside "
+            "shard_map the gradient with respect to a replicated input is "
+            "summed over the shards automatically, and each microbatch's sum "
+            "would be weighed by this shard's own count. Pass this shard's own "
+            f"copy, grad_fn(jax.lax.pcast(params, {axes[0]!r}, to='varying'), "
+            f"batch) {own}and combine the shards' results with "
+            f"mm.weighted_mean_across(grads, count, {axes[0]!r}); or use "
+            "mm.data_parallel_value_and_grad, which does both"
+        )
+
+
+def _needs_rng(loss_fn: Callable[..., Any]) -> bool:
+    """Whether ``loss_fn`` visibly needs the ``rng`` keyword: it cannot be
+    called as ``loss_fn(params, microbatch)`` but can with ``rng=``."""
+    try:
+        sig = signature(loss_fn)
+    except (TypeError, ValueError):  # builtins and the like
+        return False
+    try:
+        sig.bind(None, None)
+    except TypeError:
+        try:
+            sig.bind(None, None, rng=None)
+        except TypeError:
+            return False
+        return True
+    return False
 
 
 def _check_accepts_rng(loss_fn: Callable[..., Any]) -> None:
@@ -1291,6 +1347,13 @@ def _grad_fn(
                         "microbatch, or pass a key as grad_fn(..., rng=key))"
                     )
                     raise
+                if rng is None and _needs_rng(loss_fn):
+                    err.add_note(
+                        "(`loss_fn` requires an `rng` argument, which `grad_fn` "
+                        "passes only when given a key: grad_fn(params, batch, "
+                        "rng=key); microbatch j gets jax.random.fold_in(key, j))"
+                    )
+                    raise
                 err.add_note(
                     f"(raised while tracing `loss_fn` on one microbatch: "
                     f"num_microbatches={k} splits the batch's {batch_size} rows "
@@ -1301,6 +1364,7 @@ def _grad_fn(
                 raise
             if module is not None:
                 module.check_kept(rest_after)
+            _refuse_summed_gradients(shapes, module is not None)
             accumulator = _token_weighted_accumulator(
                 shapes, _aux_reductions(shapes[2], aux_reduction), has_aux
             )

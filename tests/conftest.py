@@ -98,6 +98,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
 _DEFAULT_EMITTERS = pytest.StashKey[list[str]]()
+_REFUSED = pytest.StashKey[str]()
 # The test that runs them where the session compiles with the legacy emitters.
 _RUNS_THEM = (
     "tests/test_full_optimization.py"
@@ -115,15 +116,28 @@ def pytest_collection_modifyitems(config, items):
     if not LEGACY or not marked:
         return
     if not any(i.nodeid == _RUNS_THEM for i in items):
-        raise pytest.UsageError(
+        refusal = (
             f"{len(marked)} selected tests assert a compiled program's kernels or "
             f"memory, and this session compiles with XLA:CPU's legacy emitters "
             f"({LEGACY_EMITTERS} is set): select {_RUNS_THEM} too, which runs "
             f"them with the default emitters, or unset {LEGACY_EMITTERS}"
         )
+        if not hasattr(config, "workerinput"):
+            raise pytest.UsageError(refusal)
+        # A pytest-xdist worker's usage error reaches its controller as an
+        # INTERNALERROR without the message: each such test fails with it.
+        config.stash[_REFUSED] = refusal
+        return
     config.hook.pytest_deselected(items=marked)
     items[:] = [i for i in items if not i.get_closest_marker("default_emitters")]
     config.stash[_DEFAULT_EMITTERS] = [i.nodeid for i in marked]
+
+
+def pytest_runtest_setup(item):
+    if (refusal := item.config.stash.get(_REFUSED, None)) and item.get_closest_marker(
+        "default_emitters"
+    ):
+        pytest.fail(refusal, pytrace=False)
 
 
 @pytest.fixture

@@ -33,11 +33,15 @@ CLAIMS = [
 pytestmark = pytest.mark.slow
 
 
-def _pytest(*args: str, settings: dict[str, str]) -> subprocess.CompletedProcess:
-    """pytest in a new session, without this one's settings but ``settings``."""
+def _pytest(
+    *args: str, settings: dict[str, str], workers: int = 0
+) -> subprocess.CompletedProcess:
+    """pytest in a new session, without this one's settings but ``settings``
+    (with pytest-xdist's ``workers`` where given)."""
+    xdist = ["-n", str(workers)] if workers else ["-p", "no:xdist"]
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        + ["-p", "no:xdist", *args],
+        + [*xdist, *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -90,3 +94,19 @@ def test_a_session_with_the_legacy_emitters_refuses_them_alone():
         return
     assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stderr[-2000:]
     assert "select tests/test_full_optimization.py::" in run.stderr, run.stderr
+
+
+def test_under_xdist_the_refusal_reaches_the_user_as_each_tests_failure():
+    # A worker's usage error reached the controller as an INTERNALERROR
+    # without its message.
+    run = _pytest(
+        str(TESTS / "test_small_leaves.py"),
+        settings={LEGACY_EMITTERS: "1"},
+        workers=1,
+    )
+    if "legacy emitters" not in run.stdout + run.stderr:  # a jaxlib without them
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        return
+    assert run.returncode == pytest.ExitCode.TESTS_FAILED, run.stdout[-2000:]
+    assert "INTERNALERROR" not in run.stdout + run.stderr, run.stdout[-2000:]
+    assert "select tests/test_full_optimization.py::" in run.stdout, run.stdout

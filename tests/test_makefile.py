@@ -249,3 +249,19 @@ def test_make_test_latest_installs_unpinned_and_runs_the_suite_as_make_test():
     env, python = pytest_line.split("-m pytest", 1)[0].rsplit(" ", 2)[:2]
     assert python == ".venv-latest/bin/python"
     assert pinned.startswith(f"{env} .venv/bin/python -m pytest")
+
+
+def test_make_help_lists_every_target_on_a_line_of_its_own_in_one_column():
+    phony = next(
+        line.split(":", 1)[1].split()
+        for line in (ROOT / "Makefile").read_text(encoding="utf-8").splitlines()
+        if line.startswith(".PHONY:")
+    )
+    proc = make(ROOT, "-s", "help")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    listed = [line.split()[1] for line in lines]
+    assert sorted(listed) == sorted(t for t in phony if t != "help"), listed
+    # Every description starts in the same column, past the longest name.
+    starts = {len(line) - len(line.split(None, 2)[2]) for line in lines}
+    assert len(starts) == 1, lines

@@ -311,6 +311,16 @@ def test_an_error_in_loss_fn_says_it_saw_one_microbatch():
         ),
         ({"x": jnp.ones((8, 2)), "s": jnp.ones(())}, r"leaf at \['s'\] is a scalar"),
         ({}, r"`batch` must contain at least one array"),
+        (
+            # jax, without x64, wrapped them into int32 before `loss_fn` saw
+            # them (3 * 2**30 became negative; a mask entry of 2**32, 0).
+            {"x": jnp.ones((8, 2)), "w": np.full(8, 3 * 2**30, np.int64)},
+            r"int64 `batch` leaf at batch\['w'\] holds values beyond int32",
+        ),
+        (
+            {"x": jnp.ones((8, 2)), "w": np.array([2**32] + [0] * 7, np.uint64)},
+            r"uint64 `batch` leaf at batch\['w'\] holds values beyond uint32",
+        ),
     ],
 )
 def test_bad_batch(batch, match):
@@ -319,6 +329,16 @@ def test_bad_batch(batch, match):
     )
     with pytest.raises(ValueError, match=match):
         grad_fn(jnp.ones(()), batch)
+
+
+def test_a_64_bit_batch_leaf_whose_values_fit_runs_as_jax_narrows_it():
+    def loss_fn(w, mb):
+        return mm.masked_mean(w * mb["x"], mb["mask"])
+
+    batch = {"x": np.arange(8.0, dtype=np.float32), "mask": np.arange(8) % 3}
+    assert batch["mask"].dtype == np.int64
+    (_, count), _ = mm.microbatched_value_and_grad(loss_fn, 4)(jnp.ones(()), batch)
+    assert float(count) == 5  # the rows whose mask is not 0
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,8 @@ module also goes through `nnx.split(model, nnx.Param, ...)`, whose parameters
 gradients as they come.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -389,20 +391,31 @@ def test_under_shard_map_only_what_differs_by_device_is_held_by_device():
     mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
     grad_fn = mm.microbatched_value_and_grad(_masked_bn_loss, 2)
 
-    def on_device(model, batch):
+    def on_device(model, batch, cast=True):
+        # The device's own gradients: its parameters cast to varying (without
+        # the cast each microbatch's gradient would be the devices' sum).
+        if cast:
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            params = jax.lax.pcast(params, "d", to="varying")
+            model = nnx.merge(graphdef, params, rest)
         (loss, count), _ = grad_fn(model, batch)
         stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
         return model.calls[...], jax.tree.map(lambda x: x[None], stats), count[None]
 
-    step = jax.jit(
-        jax.shard_map(
-            on_device,
-            mesh=mesh,
-            in_specs=(P(), P("d")),
-            out_specs=(P(), P("d"), P("d")),
+    def mapped(cast):
+        return jax.jit(
+            jax.shard_map(
+                functools.partial(on_device, cast=cast),
+                mesh=mesh,
+                in_specs=(P(), P("d")),
+                out_specs=(P(), P("d"), P("d")),
+            )
         )
-    )
+
+    step = mapped(cast=True)
     batch = _batch()
+    with pytest.raises(ValueError, match=r"is the same on every shard.*nnx\.split"):
+        mapped(cast=False)(_CountingBatchNorm(nnx.Rngs(0, dropout=1)), batch)
     batch["mask"] = batch["mask"].at[7].set(False)  # device 1's rows 5, 7: none
     calls, stats, counts = step(_CountingBatchNorm(nnx.Rngs(0, dropout=1)), batch)
     assert int(calls) == 2  # every microbatch's call, on both devices

@@ -67,6 +67,27 @@ def test_without_rng_loss_fn_gets_two_arguments():
     assert calls and all(c == (0, ["rng"]) for c in calls)
 
 
+def test_a_loss_fn_that_needs_rng_called_without_it_gets_a_note_saying_how():
+    # Python's own error named the missing argument; the note said only how
+    # the batch was split, as if the shapes were wrong.
+    grad_fn = mm.microbatched_value_and_grad(_dropout_loss, 2)
+    with pytest.raises(TypeError, match="missing 1 required positional") as err:
+        grad_fn(jnp.ones((4, D)), {"row": jnp.arange(4)})
+    note = "\n".join(err.value.__notes__)
+    assert "requires an `rng` argument" in note, note
+    assert "grad_fn(params, batch, rng=key)" in note, note
+    assert "num_microbatches=" not in note, note
+
+    # A loss_fn that fails for another reason keeps the note on the shapes.
+    def broken(w, mb, rng=None):
+        raise TypeError("something else")
+
+    with pytest.raises(TypeError, match="something else") as err:
+        mm.microbatched_value_and_grad(broken, 2)(jnp.ones((4, D)), jnp.ones(4))
+    note = "\n".join(err.value.__notes__)
+    assert "num_microbatches=2 splits" in note and "`rng`" not in note, note
+
+
 def test_rng_errors():
     grad_fn = mm.microbatched_value_and_grad(
         lambda w, mb: mm.masked_mean(w * mb, jnp.ones_like(mb, bool)), 2

@@ -290,6 +290,63 @@ def test_weighted_mean_across_of_shard_gradients_equals_full_batch(mesh8):
         run(False)
 
 
+def test_microbatched_gradients_of_replicated_params_in_shard_map_are_refused(mesh8):
+    """Inside shard_map, each microbatch's gradient with respect to replicated
+    params is already the shards' sum: weighed by the shard's own count it
+    gave 2.8x and 7.5x the true gradient, with no error."""
+    rng = np.random.default_rng(5)
+    rows = 4 * 8
+    mask = np.arange(T)[None, :] < rng.integers(0, T + 1, size=(rows, 1))
+    mask[:4] = False  # shard 0 holds no tokens; its data is NaN
+    batch = {
+        "x": np.where(mask[..., None], rng.normal(size=(rows, T, D)), np.nan).astype(
+            np.float32
+        ),
+        "y": rng.normal(size=(rows, T)).astype(np.float32),
+        "mask": mask,
+    }
+
+    def run(cast):
+        def shard_grads(params, mb):
+            if cast:
+                params = jax.lax.pcast(params, "x", to="varying")
+            grad_fn = mm.microbatched_value_and_grad(_loss, 2)
+            (loss, count), grads = grad_fn(params, mb)
+            grads, total = mm.weighted_mean_across(grads, count, "x")
+            loss, _ = mm.weighted_mean_across(loss, count, "x")
+            return (loss, total), grads
+
+        return jax.jit(
+            jax.shard_map(
+                shard_grads, mesh=mesh8, in_specs=(P(), P("x")), out_specs=P()
+            )
+        )(_params(), batch)
+
+    (loss, count), grads = jax.jit(jax.value_and_grad(_loss, has_aux=True))(
+        _params(), batch
+    )
+    full = (loss, count.astype(jnp.float32)), grads  # the total is float32
+    chex.assert_trees_all_close(run(True), full, rtol=1e-5, atol=1e-6, strict=True)
+    with pytest.raises(
+        ValueError,
+        match=r"The gradient grads\['w1'\] is the same on every shard of \['x'\] "
+        r"while the count `loss_fn` returns differs.*jax.lax.pcast\(params, 'x'",
+    ):
+        run(False)
+
+
+def test_a_constant_leaf_is_named_as_not_the_shards_own_mean(mesh8):
+    def shard(count):
+        return mm.weighted_mean_across({"c": np.float32(1.0)}, count[0], "x")
+
+    with pytest.raises(
+        ValueError, match=r"tree\['c'\] .* not this shard's own mean \(a constant"
+    ):
+        jax.shard_map(shard, mesh=mesh8, in_specs=P("x"), out_specs=P())(
+            jnp.arange(8.0)
+        )
+
+
 def test_a_count_that_differs_between_shards_is_refused_by_name(mesh8):
     # Inside shard_map, gradients averaged with pmean are the same on every
     # shard while a count taken from the shard's own rows is not: every shard's

@@ -781,6 +781,26 @@ def test_loss_is_the_token_weighted_mean_over_microbatches_that_passed_a_value()
     assert np.isnan(mm.window_stats(state).loss)
 
 
+@pytest.mark.parametrize(
+    ("values", "loss"),
+    [((1.0, np.inf), np.inf), ((np.inf, 1.0), np.nan), ((np.inf, np.inf), np.nan)],
+)
+def test_an_infinite_loss_is_inf_as_the_windows_last_and_nan_before_another(
+    values, loss
+):
+    # As the README says: `m + (v − m)·n/N` forms inf − inf once the running
+    # mean is infinite. The gradients' update is not touched by it.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, window_stats=True)
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    for g, n, v in zip((1.0, 4.0), (2, 3), values):
+        updates, state = tx.update(
+            jnp.full(2, g), state, params, count=n, value=jnp.float32(v)
+        )
+    np.testing.assert_array_equal(mm.window_stats(state).loss, np.float32(loss))
+    np.testing.assert_allclose(updates, -np.full(2, (2 * 1.0 + 3 * 4.0) / 5), rtol=1e-6)
+
+
 def test_count_zero_microbatches_count_toward_the_window_whatever_the_skip_says():
     """optax.skip_not_finite would skip the NaN gradient of an empty microbatch;
     the window counts it anyway, and the statistics see no tokens from it."""
