@@ -2044,6 +2044,18 @@ def test_microbatched_value_and_grad_inside_shard_map_with_the_replication_check
     chex.assert_trees_all_close((loss, grads), (f_loss, f_grads), **TOL)
 
 
+@pytest.mark.parametrize(
+    "make", [mm.per_device_value_and_grad, mm.data_parallel_value_and_grad]
+)
+def test_a_64_bit_numpy_batch_leaf_that_jax_would_wrap_is_refused(mesh, make):
+    batch = _batch(NDEV * ROWS * K, seed=8)
+    batch["weight"] = np.full(NDEV * ROWS * K, 3 * 2**30, np.int64)
+    with pytest.raises(
+        ValueError, match=r"int64 `batch` leaf at batch\['weight'\] holds values"
+    ):
+        make(_loss, mesh, "data")(_params(), batch)
+
+
 @pytest.mark.parametrize("synced", [False, True], ids=["per-window", "synced"])
 def test_close_window_ends_a_deferred_window_early_as_on_one_device(mesh, synced):
     """``close_window=True`` on the sixth microbatch closes the second window on
