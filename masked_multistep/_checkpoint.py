@@ -199,9 +199,9 @@ def refuse_swapped(state: Any, template: Any, name: str, usage: str) -> None:
     )
 
 
-def like_template(where: str, got: Any, want: Any) -> Any:
+def like_template(where: str, got: Any, want: Any, hint: str = "") -> Any:
     """The restored field ``got`` in the dtypes of the template's ``want``
-    (``where``: how the error names ``got``).
+    (``where``: how the error names ``got``; ``hint`` ends it).
 
     As orbax does on restore (``flax.serialization`` keeps the saved dtypes, e.g.
     a 0.1 bfloat16 accumulator): floating leaves are cast, integer ones only
@@ -236,6 +236,7 @@ def like_template(where: str, got: Any, want: Any) -> Any:
                         if not same_kind
                         else f", and values that do not fit it: {outside}"
                     )
+                    + hint
                 )
             g = g.astype(w_dtype)
         return jnp.asarray(g)

@@ -571,17 +571,29 @@ def _check_window_arrays(r: _Side, t: _Side) -> None:
             )
 
 
+def _in_template_dtypes(where: str, got: Any, want: Any) -> Any:
+    """:func:`like_template`, whose error says how to change the dtypes."""
+    return like_template(
+        where,
+        got,
+        want,
+        hint=" (to change `count_dtype` or `accumulator_dtype`: convert onto a "
+        "template with the saved run's and no reduction, change them there with "
+        "mm.from_other_settings, then convert onto this template)",
+    )
+
+
 def _inputs(r: _Side, t: _Side, like: dict[str, Any]) -> dict[str, Any]:
     """``r``'s window, as :func:`_convert` takes it: in the template's dtypes,
     on its devices (the device axis sharded over them where it divides)."""
     replicated = like["acc_count"].sharding
     inputs: dict[str, Any] = {
-        k: _onto(like_template(f"`restored`'s {k}", v, like[k]), replicated)
+        k: _onto(_in_template_dtypes(f"`restored`'s {k}", v, like[k]), replicated)
         for k, v in r.scalars().items()
     }
     inputs["acc"] = [
         _onto(
-            like_template(f"`restored`'s accumulator at {_where(path)}", a, b),
+            _in_template_dtypes(f"`restored`'s accumulator at {_where(path)}", a, b),
             _resized(b.sharding, r.devices) if r.lead and t.lead else replicated,
         )
         for (_, a), (path, b) in zip(r.acc, t.acc)
@@ -594,7 +606,7 @@ def _inputs(r: _Side, t: _Side, like: dict[str, Any]) -> dict[str, Any]:
             where = _resized(_array(_get(t.rs, "counts")).sharding, r.devices)
         inputs["rs"] = {
             name: _onto(
-                like_template(
+                _in_template_dtypes(
                     f"`restored`'s reduction_state.{name}",
                     _array(_get(r.rs, name)),
                     np.zeros((), dtypes[name]),
@@ -649,7 +661,7 @@ def _convert_state(r_node: Any, t_node: Any) -> Any:
     fields = {
         name: jax.tree.map(
             lambda g, w, name=name: _placed(
-                like_template(f"`restored`'s `{name}`", g, w), w
+                _in_template_dtypes(f"`restored`'s `{name}`", g, w), w
             ),
             _get(r.node, name),
             _get(t.node, name),
@@ -816,7 +828,7 @@ def from_device_count(restored: Any, template: Any) -> Any:
         if path == at:
             out.append(_convert_state(r, t))
             continue
-        got = like_template(f"`restored` at {_where(path)}", r, t)
+        got = _in_template_dtypes(f"`restored` at {_where(path)}", r, t)
         if not isinstance(t, (jax.Array, jax.ShapeDtypeStruct)) and isinstance(
             got, jax.Array
         ):

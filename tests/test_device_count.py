@@ -361,6 +361,22 @@ def test_an_integer_total_that_no_longer_fits_is_refused():
         mm.from_device_count(saved, tx(1).init(params))
     same = mm.from_device_count(saved, tx(2).init(params))
     assert int(same.reduction_state.counts[0]) == 2**30
+    # A float32 run onto an int32 template: the error says how to change it.
+    with pytest.raises(
+        ValueError,
+        match=r"acc_count holds dtype float32 where the template has int32 \(to "
+        r"change `count_dtype`.*mm.from_other_settings, then convert onto",
+    ):
+        mm.from_device_count(_tx(2, stats=False).init(params), tx(1).init(params))
+    # That route, followed.
+    local = mm.MaskedMultiSteps(optax.sgd(1.0), K, window_stats=False)
+    moved = mm.from_device_count(_tx(2, stats=False).init(params), local.init(params))
+    moved = mm.from_other_settings(
+        moved,
+        mm.MaskedMultiSteps(optax.sgd(1.0), K, count_dtype=jnp.int32).init(params),
+    )
+    moved = mm.from_device_count(moved, tx(1).init(params))
+    assert moved.acc_count.dtype == moved.reduction_state.counts.dtype == jnp.int32
 
 
 def test_another_mesh_over_the_same_devices_takes_the_templates_placement():
