@@ -654,6 +654,17 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
         if metrics.exists():
             metrics.unlink()
 
+    print_fn(
+        f"{config.windows} windows of {k} microbatches ({config.batch_size} "
+        f"sequences a window); learning rate: {config.warmup} windows of warmup to "
+        f"{config.learning_rate:g}, then cosine decay"
+        + (
+            f"; --skew {config.skew:g} orders microbatches by length, which biases "
+            "the logged noise scale (measure it with --skew 0)"
+            if config.skew > 0
+            else ""
+        )
+    )
     stop = total if args.stop_after is None else min(args.stop_after, total)
     if stop < done:
         print_fn(

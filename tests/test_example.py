@@ -377,6 +377,14 @@ def test_every_window_draws_a_batch_of_its_own_and_the_same_one_again_on_resume(
     assert not np.array_equal(first, second)
 
 
+def test_the_run_says_its_schedule_and_the_skews_bias_first(twelve_tiny_windows):
+    _, lines, _ = twelve_tiny_windows
+    (first,) = [s for s in lines if "windows of" in s and "learning rate" in s]
+    assert lines.index(first) == 0, lines[:3]
+    assert "1 windows of warmup" in first, first
+    assert "--skew 1 orders microbatches by length, which biases" in first, first
+
+
 def test_the_default_warmup_fits_a_short_run():
     # `--windows 6` alone failed: the default warmup of 10 windows did not fit.
     assert train_lm.parse_args(["--windows", "6"]).warmup == 5
@@ -387,8 +395,9 @@ def test_the_default_warmup_fits_a_short_run():
 
 
 def test_without_orbax_the_example_says_what_to_install():
-    # `make demo` installs flax but not orbax-checkpoint: the script exits with
-    # the install command instead of an import traceback.
+    # Without orbax-checkpoint (or flax, an optional dependency of the
+    # package) the script exits with the install command instead of an import
+    # traceback.
     import subprocess
 
     blocked = (
