@@ -1031,11 +1031,16 @@ def microbatched_value_and_grad(
         leaves of different batch sizes, a batch size not divisible by
         ``num_microbatches``, a batch leaf sharded over an
         ``AxisType.Explicit`` mesh axis whose devices do not divide each
-        microbatch's rows, ``aux_reduction`` is not a prefix of
-        ``aux``, or ``loss_fn``'s loss or count is not a scalar (or the count
-        is a Python or numpy constant that is negative, non-finite or beyond
-        float32's range; a jax array made inside ``loss_fn`` is traced with
-        it, and such a count leaves its microbatch out, as under ``jit``).
+        microbatch's rows, a 64-bit numpy integer leaf holding values that
+        jax (without x64) would wrap into 32 bits, ``aux_reduction`` is not
+        a prefix of ``aux``, or ``loss_fn``'s loss or count is not a scalar
+        (or the count is a Python or numpy constant that is negative,
+        non-finite or beyond float32's range; a jax array made inside
+        ``loss_fn`` is traced with it, and such a count leaves its microbatch
+        out, as under ``jit``); inside ``jax.shard_map``, if a gradient leaf
+        is the same on every shard of an axis over which the count differs
+        (the gradient of replicated params, already summed over the shards:
+        pass ``jax.lax.pcast(params, axis, to="varying")``).
 
     Examples:
       Four rows with 1, 0, 2 and 1 real tokens, two microbatches (rows 0, 2 and

@@ -199,7 +199,9 @@ def per_device_value_and_grad(
       ValueError: if ``axis_name`` is not an axis of ``mesh``, names one
         twice, or names axes of both types (``AxisType.Explicit`` and
         ``AxisType.Auto``); when called, if a
-        ``batch`` leaf's leading size is not divisible by ``D·num_microbatches``.
+        ``batch`` leaf's leading size is not divisible by ``D·num_microbatches``,
+        or a 64-bit numpy integer leaf holds values that jax (without x64)
+        would wrap into 32 bits.
 
     Examples:
       Each device's own mean over its rows, and the global mean from them:
