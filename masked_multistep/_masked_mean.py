@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.core
 import jax.numpy as jnp
@@ -36,12 +38,28 @@ def _as_array(x: jax.typing.ArrayLike, what: str) -> tuple[jax.Array, np.dtype]:
                 if what == "mask":
                     return jnp.asarray(host != 0), host.dtype
                 return jnp.asarray(host.astype(np.float32)), host.dtype
-        arr = jnp.asarray(x)
+        # (A float64 weight beyond float32 becomes inf here, without numpy's
+        # warning: `masked_mean` names it from its host copy.)
+        with np.errstate(over="ignore"):
+            arr = jnp.asarray(x)
     except (TypeError, ValueError, OverflowError) as err:
         raise TypeError(
             f"`{what}` must be an array, got {x!r} of type {type(x).__name__}"
         ) from err
     return arr, arr.dtype
+
+
+def _host_copy(x: Any) -> np.ndarray | None:
+    """``x`` as a numpy array where it is concrete (a jax array outside a
+    trace, numpy, Python numbers); ``None`` where it is traced. A numpy mask
+    that a jitted function closes over is concrete, though ``jnp.asarray``
+    makes it a tracer inside the trace: its weights are checked all the same."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError):
+        return None  # a list holding traced values, or not an array at all
 
 
 def masked_mean(
@@ -67,7 +85,11 @@ def masked_mean(
         tokens: every non-zero entry is one token (the count is ``int32``); a floating
         mask holds per-token weights (the count is their float sum). Weights
         must be finite and non-negative, as token counts are: a concrete mask
-        with a negative, NaN or infinite weight is a ``ValueError``; under
+        (a jax array outside a trace, a numpy array or Python numbers, also
+        where a jitted function closes over it) with a negative, NaN or
+        infinite weight is a ``ValueError``, as is one with positive weights
+        below float32's smallest normal number (1.2e-38, which XLA flushes to
+        0: the microbatch would count as empty); under
         ``jit`` weights that sum to 0 give the empty microbatch's ``(0, 0)``,
         and a negative weight (even where the sum is positive) or a
         non-finite one makes the count NaN or infinite, an invalid count for
@@ -94,7 +116,8 @@ def masked_mean(
         complex.
       ValueError: if ``mask`` does not broadcast to ``values``' shape, has
         fewer dimensions than ``values`` (and is not a scalar), or is a
-        concrete floating mask with a negative, NaN or infinite weight, or
+        concrete floating mask with a negative, NaN or infinite weight, a
+        positive one below the count dtype's smallest normal number, or
         weights that sum beyond the count dtype's range.
 
     Examples:
@@ -107,6 +130,7 @@ def masked_mean(
       >>> print(*mm.masked_mean(jnp.ones(3), jnp.zeros(3, bool)))
       0.0 0
     """
+    given = _host_copy(mask)
     (values, values_dtype), (mask, _) = (
         _as_array(values, "values"),
         _as_array(mask, "mask"),
@@ -144,7 +168,6 @@ def masked_mean(
             "`mask` must be boolean, integer or real floating (per-token "
             f"weights), got dtype {mask.dtype}"
         )
-    given = mask
     try:
         mask = jnp.broadcast_to(mask, values.shape)
     except ValueError as err:
@@ -164,15 +187,12 @@ def masked_mean(
             "booleans or integers (an accuracy), pass values.astype(jnp.float32)"
         )
     dtype = compute_dtype(values.dtype)
-    if jnp.issubdtype(mask.dtype, jnp.floating) and not isinstance(
-        given, jax.core.Tracer
-    ):
+    if jnp.issubdtype(mask.dtype, jnp.floating) and given is not None:
         # Weights are token counts: [-1, 1] would sum to an empty microbatch,
         # and a NaN or infinite weight make the mean and the count NaN. Checked
-        # on the mask as given, not on its broadcast copy, on the host: a
-        # concrete mask that a jitted function closes over is still concrete,
-        # but jax's operations on it inside the trace are not.
-        given = np.asarray(given).astype(np.float64)
+        # on the mask as given, not on its broadcast copy, on the host, in
+        # float64 (a float64 weight of 1e39 is finite, and too large).
+        given = given.astype(np.float64)
         non_finite = int(np.sum(~np.isfinite(given)))
         if non_finite:
             raise ValueError(
@@ -193,6 +213,17 @@ def masked_mean(
             raise ValueError(
                 f"`mask`'s weights sum to {weight_sum:.4g}, beyond {count_dtype}'s "
                 "range (the count's dtype): the count would be infinite"
+            )
+        tiny = float(jnp.finfo(count_dtype).smallest_normal)
+        if bool(np.any((given > 0) & (given < tiny))):
+            # XLA flushes subnormal floats to zero: the microbatch would
+            # count as empty, its mean 0, without a word.
+            raise ValueError(
+                "`mask` holds positive weights below the smallest normal "
+                f"{count_dtype} ({tiny:.4g}; its smallest is "
+                f"{float(np.min(given[given > 0])):.4g}), which XLA flushes to "
+                "0: the microbatch would count as empty. Scale the weights up "
+                "(the mean does not depend on their scale, the count does)"
             )
     values = values.astype(dtype)
     if jnp.issubdtype(mask.dtype, jnp.floating):

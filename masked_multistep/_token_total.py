@@ -169,6 +169,21 @@ class TokenTotal(NamedTuple):
     def __mod__(self, other: Any) -> Any:
         return self._number() % _number_of(other)
 
+    def __rmod__(self, other: Any) -> Any:
+        return _number_of(other) % self._number()
+
+    def __divmod__(self, other: Any) -> Any:
+        return divmod(self._number(), _number_of(other))
+
+    def __rdivmod__(self, other: Any) -> Any:
+        return divmod(_number_of(other), self._number())
+
+    def __pow__(self, other: Any) -> Any:
+        return self._number() ** _number_of(other)
+
+    def __rpow__(self, other: Any) -> Any:
+        return _number_of(other) ** self._number()
+
     def __lt__(self, other: Any) -> Any:  # type: ignore[override]
         return self._number() < _number_of(other)
 

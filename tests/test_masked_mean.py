@@ -222,6 +222,37 @@ def test_a_float_mask_a_jitted_function_closes_over_is_checked_on_the_host():
     negative = jnp.array([1.0, -1.0, 0.0])
     with pytest.raises(ValueError, match=r"negative weights .* -1.0"):
         jax.jit(lambda: mm.masked_mean(values, negative))()
+    # A numpy mask too (`jnp.asarray` makes it a tracer inside the trace: it
+    # gave (nan, nan) without an error), and a list of Python numbers.
+    for host in (np.array([1.0, -1.0, 0.0]), [1.0, -1.0, 0.0]):
+        with pytest.raises(ValueError, match=r"negative weights .* -1.0"):
+            jax.jit(lambda x, m=host: mm.masked_mean(x, m))(values)
+    # A list that holds a traced weight is traced: the count says it.
+    _, count = jax.jit(lambda x, w: mm.masked_mean(x, [w, 1.0, 0.0]))(values, -1.0)
+    assert np.isnan(count)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_weights_the_count_dtype_cannot_hold_are_named(jit):
+    values = jnp.array([1.0, 2.0])
+
+    def mean(mask):
+        if jit:
+            return jax.jit(lambda x: mm.masked_mean(x, mask))(values)
+        return mm.masked_mean(values, mask)
+
+    # Below float32's smallest normal: XLA flushes them to 0, and the
+    # microbatch counted as empty, (0, 0), without an error.
+    for tiny in (np.array([1e-50, 1e-50]), np.array([1e-40, 1.0], np.float32)):
+        with pytest.raises(ValueError, match=r"below the smallest normal float32"):
+            mean(tiny)
+    # A finite float64 weight beyond float32: it was named "non-finite".
+    with pytest.raises(ValueError, match=r"weights sum to 1e\+39, beyond float32"):
+        mean(np.array([1e39, 0.0]))
+    # The smallest normal itself is a weight like any other.
+    smallest = float(np.finfo(np.float32).smallest_normal)
+    _, count = mean(np.array([smallest, 0.0], np.float32))
+    assert float(count) == smallest
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

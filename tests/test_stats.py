@@ -1136,6 +1136,12 @@ def test_tokens_seen_does_arithmetic_and_comparisons_on_the_number():
     assert not total < exact
     assert total == exact and total != exact + 1
     assert round(total) == 16777217 and total.item() == exact and -total == -exact
+    # (The reflected remainder, divmod and powers were TypeErrors.)
+    assert total % 7 == exact % 7 and 7 % total == 7 % exact
+    assert divmod(total, 7) == divmod(exact, 7)
+    assert divmod(2**25, total) == divmod(2**25, exact)
+    small = mm.TokenTotal(jnp.float32(3.0), jnp.float32(0.0))
+    assert total**2 == exact**2 and 2**small == 8.0
     assert isinstance(total * 2, np.float64)  # exact, not a float32 rounding
     # Traced: hi + lo, float32.
     doubled, above = jax.jit(lambda t: (t * 2, t > 5))(total)
