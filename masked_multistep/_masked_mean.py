@@ -130,7 +130,7 @@ def masked_mean(
       >>> print(*mm.masked_mean(jnp.ones(3), jnp.zeros(3, bool)))
       0.0 0
     """
-    given = _host_copy(mask)
+    given = mask
     (values, values_dtype), (mask, _) = (
         _as_array(values, "values"),
         _as_array(mask, "mask"),
@@ -187,7 +187,9 @@ def masked_mean(
             "booleans or integers (an accuracy), pass values.astype(jnp.float32)"
         )
     dtype = compute_dtype(values.dtype)
-    if jnp.issubdtype(mask.dtype, jnp.floating) and given is not None:
+    if jnp.issubdtype(mask.dtype, jnp.floating) and (
+        (given := _host_copy(given)) is not None
+    ):
         # Weights are token counts: [-1, 1] would sum to an empty microbatch,
         # and a NaN or infinite weight make the mean and the count NaN. Checked
         # on the mask as given, not on its broadcast copy, on the host, in
