@@ -74,8 +74,9 @@ float32's: measured (8 microbatches, 1e4 parameters, bfloat16) 0.8-3% at
 ``1000·B_simple``, and at ``10⁵·B_simple`` 20-24% in one set of
 measurements, errors of order 100% in another (``S`` clamped to 0,
 ``B_simple`` reported as 0, once; 2.6 times too large once). The same
-holds for :func:`data_parallel_value_and_grad`'s statistics with bfloat16 params (each device's mean is cast to the params'
-dtype before the devices are combined).
+holds for :func:`data_parallel_value_and_grad`'s statistics with bfloat16
+params (each device's mean is cast to the params' dtype before the devices
+are combined).
 
 The statistics are float32, for float64 leaves too (their squared norms are
 cast to float32): a gradient whose squared norm exceeds float32's range
