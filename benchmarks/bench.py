@@ -223,7 +223,15 @@ def interleave(
 
 
 def median_ratio(a: list[float], b: list[float]) -> float:
+    """The median over rounds of each round's ratio (paired: the two ran in
+    the same round), not the ratio of the two medians."""
     return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def ratio_range(a: list[float], b: list[float]) -> list[float]:
+    """The smallest and largest of the rounds' ratios: their spread."""
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
+    return [min(ratios), max(ratios)]
 
 
 # ------------------------------------------------------------------- windows
@@ -242,7 +250,8 @@ def bench_windows(
         runners = {}
         for comp in comps:
             if comp.calls_per_window == 1 and k > 1:
-                batches = [workload.batch(0, rows=k * workload.rows)]
+                # The same microbatches as the loops', in one batch.
+                batches = [workload.window_batch(k)]
             else:
                 batches = [workload.batch(i) for i in range(k)]
             runners[comp.name] = Runner(comp, workload.params(), batches, cache)
@@ -267,10 +276,14 @@ def bench_windows(
                         f / k for f in r.faults[1:]
                     ),
                     "x_floor": median_ratio(per_mb[name], per_mb["floor"]),
+                    "x_floor_range": ratio_range(per_mb[name], per_mb["floor"]),
                     "x_optax_multisteps": median_ratio(per_mb[name], per_mb[REFERENCE]),
                     # The same step without window statistics.
                     "x_without_stats": (
                         median_ratio(per_mb[name], per_mb[base]) if base else None
+                    ),
+                    "x_without_stats_range": (
+                        ratio_range(per_mb[name], per_mb[base]) if base else None
                     ),
                     "baseline": base,
                     "compile_s": r.compile_s,
@@ -431,9 +444,11 @@ def print_stats_cost(rows: list[dict[str, Any]]) -> None:
         if r.get("x_without_stats") is None:
             continue
         base = by_key[(r["baseline"], r["width"], r["k"])]
+        low, high = r["x_without_stats_range"]
         print(
             f"width {r['width']}, k={r['k']}: {r['competitor']:<34} "
-            f"{r['x_without_stats']:.3f}x {r['baseline']}; temp "
+            f"{r['x_without_stats']:.3f}x {r['baseline']} (rounds "
+            f"{low:.2f}-{high:.2f}); temp "
             f"{(r['temp_bytes'] - base['temp_bytes']) / MiB:+.2f} MiB"
         )
 

@@ -6,7 +6,11 @@ every call (flattening, buffer bookkeeping, donation); a step whose device work
 is short (small models, GPUs) waits for it. The window statistics add 14
 scalars to the wrapper's state (packed into three arrays, one per dtype): this
 measures what such leaves cost on the machine at hand, interleaved
-(round-robin over the N), medians.
+(round-robin over the N), medians, and the least-squares slope over the N.
+Calls are dispatched asynchronously, so a call takes the longer of the host's
+work and the device's: the slope is the host's where the device's work is the
+shorter (an H100 at the default width; on a CPU, pass a small ``--width``,
+such as 64, or the matrices' arithmetic hides it).
 
 Usage::
 
@@ -68,9 +72,16 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     for n, us in medians.items():
         print(f"  N = {n:3d}: {us:8.1f} us per call")
     if len(counts) > 1:
-        top = counts[-1]
-        slope = (medians[top] - medians[0]) / top
-        print(f"dispatch: {slope:.2f} us per scalar leaf per call (N = 0 to {top})")
+        # The least-squares slope over every N, not two medians' difference.
+        mean_n = statistics.fmean(counts)
+        mean_t = statistics.fmean(medians.values())
+        slope = sum((n - mean_n) * (medians[n] - mean_t) for n in counts) / sum(
+            (n - mean_n) ** 2 for n in counts
+        )
+        print(
+            f"dispatch: {slope:.2f} us per scalar leaf per call (N = 0 to "
+            f"{counts[-1]}, least squares)"
+        )
     return medians
 
 

@@ -82,7 +82,11 @@ WORKER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 # maps it afresh on the next step, so every step page-faults it in again; on a
 # virtual machine that costs more than the all-reduce itself. Keeping freed
 # memory in the process (what a long-running trainer wants anyway) applies to
-# every competitor alike. `--malloc default` leaves glibc's defaults.
+# every competitor alike. It holds for this benchmark's buffers, below 64 MiB,
+# not for larger ones: with these settings bench.py's 2048² rows still fault
+# optax.MultiSteps' 96 MiB of scratch in on every call (most likely glibc's
+# thread arenas, whose heaps hold at most 64 MiB, mapping a larger request
+# afresh). `--malloc default` leaves glibc's defaults.
 KEEP_FREED_MEMORY = {
     "MALLOC_MMAP_THRESHOLD_": str(2**31 - 1),
     "MALLOC_TRIM_THRESHOLD_": str(2**32 - 1),

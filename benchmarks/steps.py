@@ -71,6 +71,18 @@ class Workload:
             "mask": jax.random.bernoulli(km, 0.8, shape),
         }
 
+    def window_batch(self, k: int) -> dict[str, jax.Array]:
+        """Microbatches ``batch(0)`` to ``batch(k - 1)`` as one batch, microbatch
+        j in rows j, j + k, ...: ``microbatched_value_and_grad(loss_fn, k)``
+        splits it into the very microbatches the per-microbatch loops take."""
+        parts = [self.batch(j) for j in range(k)]
+        return {
+            name: jnp.stack([p[name] for p in parts], axis=1).reshape(
+                k * self.rows, *parts[0][name].shape[1:]
+            )
+            for name in parts[0]
+        }
+
     def loss_fn(self, params: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
         """``(mean_loss, count)``: the masked mean squared error and its tokens."""
         h = batch["x"]

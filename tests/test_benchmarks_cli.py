@@ -201,7 +201,7 @@ def test_a_workload_with_biases_trains_with_every_competitor():
         comp = make(workload, 2)
         carry = comp.init(workload.params())
         if comp.calls_per_window == 1:
-            carry = comp.step(carry, workload.batch(0, rows=2 * workload.rows))
+            carry = comp.step(carry, workload.window_batch(2))
         else:
             for i in range(2):
                 carry = comp.step(carry, workload.batch(i))
@@ -267,12 +267,18 @@ def test_window_rows_divide_by_k_and_take_each_ratio_against_its_reference(
     assert masked["ms_per_microbatch"] == pytest.approx(4.0)
     assert floor["x_floor"] == pytest.approx(1.0)
     assert masked["x_floor"] == pytest.approx(2.0)
+    assert masked["x_floor_range"] == pytest.approx([2.0, 2.0])
+    assert floor["x_floor_range"] == pytest.approx([1.0, 1.0])
     assert floor["x_optax_multisteps"] == pytest.approx(0.5)  # 0.25, 0.5, 0.5
     assert masked["x_optax_multisteps"] == pytest.approx(1.0)  # 0.5, 1, 1
     assert rows[bench.REFERENCE]["x_optax_multisteps"] == pytest.approx(1.0)
     stats = rows["MaskedMultiSteps update+stats"]
     assert stats["baseline"] == "MaskedMultiSteps update"
     assert stats["x_without_stats"] == pytest.approx(1.0)
+    assert stats["x_without_stats_range"] == pytest.approx([1.0, 1.0])
+    # Each round's ratio: the floor against optax.MultiSteps, 0.25 to 0.5.
+    assert floor["x_optax_multisteps"] == pytest.approx(0.5)
+    assert bench.ratio_range([1, 2, 3], [4, 4, 6]) == pytest.approx([0.25, 0.5])
     # The median of the timed windows' page faults, per microbatch.
     assert floor["minor_faults_per_microbatch"] == pytest.approx(3.0)
 
@@ -297,19 +303,21 @@ def test_each_round_starts_with_the_next_competitor():
 
 def test_the_window_competitors_close_one_window_per_k_calls_alike():
     # Every timed window holds one window's close, and the token-weighted
-    # competitors, fed the same microbatches, train alike.
+    # competitors, fed the same microbatches (the in-jit one as one batch),
+    # train alike: as adam does on the full batch's token-mean gradient.
     bench, steps = _import_benchmarks("bench", "steps")
     import jax
     import numpy as np
+    import optax
 
     import masked_multistep as mm
 
-    workload, k = steps.Workload(width=16), 2
-    params = {}
+    workload, k = steps.Workload(width=16), 3
+    params, floor = {}, None
     for make in steps.WINDOW_COMPETITORS:
         comp = make(workload, k)
         if comp.calls_per_window == 1:
-            batches = [workload.batch(0, rows=k * workload.rows)]
+            batches = [workload.window_batch(k)]
         else:
             batches = [workload.batch(i) for i in range(k)]
         runner = bench.Runner(comp, workload.params(), batches, {})
@@ -319,6 +327,7 @@ def test_the_window_competitors_close_one_window_per_k_calls_alike():
         params[comp.name] = getattr(carry, "params", None) or carry[0]
         state = comp.opt_state(carry)
         if comp.name == "floor":
+            floor = state
             continue
         if comp.name in ("adam", "in-jit microbatched"):  # an update per call
             steps_taken = int(jax.tree.leaves(state)[0])
@@ -327,15 +336,32 @@ def test_the_window_competitors_close_one_window_per_k_calls_alike():
             assert int(state.gradient_step) == 2
         else:
             assert int(mm.find_state(state).gradient_step) == 2, comp.name
+    # The reference: adam on the full batch's token-mean gradient, two windows
+    # of the same k microbatches.
+    full = workload.window_batch(k)
+    grad = jax.grad(lambda p: workload.loss_fn(p, full)[0])
+    tx = optax.adam(steps.LEARNING_RATE)
+    ref = workload.params()
+    opt_state = tx.init(ref)
+    for _ in range(2):
+        updates, opt_state = tx.update(grad(ref), opt_state, ref)
+        ref = optax.apply_updates(ref, updates)
     masked = [name for name in params if "MaskedMultiSteps" in name or "Train" in name]
     assert len(masked) >= 5, masked
-    for name in masked:
+    for name in [*masked, "in-jit microbatched"]:
         for a, b in zip(
-            jax.tree.leaves(params[name]),
-            jax.tree.leaves(params["MaskedMultiSteps update"]),
-            strict=True,
+            jax.tree.leaves(params[name]), jax.tree.leaves(ref), strict=True
         ):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=name)
+    # The floor's running mean, of the same k microbatches twice at the
+    # initial params (it passes them through): the full batch's gradient.
+    acc, total = floor
+    tokens = sum(int(workload.batch(i)["mask"].sum()) for i in range(k))
+    assert int(total) == 2 * tokens
+    for a, b in zip(
+        jax.tree.leaves(acc), jax.tree.leaves(grad(workload.params())), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg="floor")
     # optax.MultiSteps weighs the microbatches alike: another update.
     assert not np.allclose(
         params[bench.REFERENCE]["w0"], params["MaskedMultiSteps update"]["w0"]
@@ -542,7 +568,8 @@ def test_the_dispatch_benchmark_prints_the_cost_per_scalar_leaf():
         "N =   2",
         "N =   4",
     ]
-    assert lines[-1].startswith("dispatch: ") and lines[-1].endswith("(N = 0 to 4)")
+    assert lines[-1].startswith("dispatch: ")
+    assert lines[-1].endswith("(N = 0 to 4, least squares)")
     bad = run("bench_dispatch.py", "--scalars", "0")
     assert bad.returncode == 2 and "argument --scalars: must be >= 1" in bad.stderr
 
@@ -616,3 +643,39 @@ def test_every_command_line_option_says_what_it_is():
             ):
                 bare.append(f"{script.relative_to(root)}:{node.lineno}")
     assert bare == []
+
+
+def test_the_data_parallel_competitors_train_as_the_full_batch_does():
+    # bench-dp times them against each other: each must do the work its row
+    # claims. On this process's 8 CPU devices, two windows of the same k
+    # global microbatches: adam on the full batch's token-mean gradient.
+    dp_steps, steps = _import_benchmarks("dp_steps", "steps")
+    import jax
+    import numpy as np
+    import optax
+
+    mesh, k = dp_steps.make_mesh(), 3
+    workload = dp_steps.workload(16)
+    batches = dp_steps.local_batches(mesh, workload, k)
+    full = jax.tree.map(lambda *xs: np.concatenate(xs), *batches)
+    grad = jax.grad(lambda p: workload.loss_fn(p, full)[0])
+    tx = optax.adam(steps.LEARNING_RATE)
+    ref = workload.params()
+    opt_state = tx.init(ref)
+    for _ in range(2):
+        updates, opt_state = tx.update(grad(ref), opt_state, ref)
+        ref = optax.apply_updates(ref, updates)
+    trained = []
+    for comp in dp_steps.competitors(mesh, workload, k):
+        if comp.name == "accumulate only":  # no optimizer: nothing to compare
+            continue
+        runner = dp_steps.Runner(comp, mesh, workload, k)
+        for _ in range(2):
+            runner.window()
+        trained.append(comp.name)
+        leaves = zip(
+            jax.tree.leaves(runner.carry[0]), jax.tree.leaves(ref), strict=True
+        )
+        for a, b in leaves:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=comp.name)
+    assert len(trained) == len(dp_steps.COMPETITORS) - 1, trained
