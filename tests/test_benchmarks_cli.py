@@ -301,6 +301,22 @@ def test_each_round_starts_with_the_next_competitor():
     assert times == dict.fromkeys("abc", [1.0] * 4)
 
 
+def _full_batch_adam(workload, full, learning_rate, windows=2):
+    """``(params, grad)``: the workload's params after ``windows`` adam steps
+    on ``full``'s token-mean gradient, and that gradient's function."""
+    import jax
+    import optax
+
+    grad = jax.grad(lambda p: workload.loss_fn(p, full)[0])
+    tx = optax.adam(learning_rate)
+    params = workload.params()
+    opt_state = tx.init(params)
+    for _ in range(windows):
+        updates, opt_state = tx.update(grad(params), opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, grad
+
+
 def test_the_window_competitors_close_one_window_per_k_calls_alike():
     # Every timed window holds one window's close, and the token-weighted
     # competitors, fed the same microbatches (the in-jit one as one batch),
@@ -308,7 +324,6 @@ def test_the_window_competitors_close_one_window_per_k_calls_alike():
     bench, steps = _import_benchmarks("bench", "steps")
     import jax
     import numpy as np
-    import optax
 
     import masked_multistep as mm
 
@@ -339,13 +354,7 @@ def test_the_window_competitors_close_one_window_per_k_calls_alike():
     # The reference: adam on the full batch's token-mean gradient, two windows
     # of the same k microbatches.
     full = workload.window_batch(k)
-    grad = jax.grad(lambda p: workload.loss_fn(p, full)[0])
-    tx = optax.adam(steps.LEARNING_RATE)
-    ref = workload.params()
-    opt_state = tx.init(ref)
-    for _ in range(2):
-        updates, opt_state = tx.update(grad(ref), opt_state, ref)
-        ref = optax.apply_updates(ref, updates)
+    ref, grad = _full_batch_adam(workload, full, steps.LEARNING_RATE)
     masked = [name for name in params if "MaskedMultiSteps" in name or "Train" in name]
     assert len(masked) >= 5, masked
     for name in [*masked, "in-jit microbatched"]:
@@ -652,19 +661,12 @@ def test_the_data_parallel_competitors_train_as_the_full_batch_does():
     dp_steps, steps = _import_benchmarks("dp_steps", "steps")
     import jax
     import numpy as np
-    import optax
 
     mesh, k = dp_steps.make_mesh(), 3
     workload = dp_steps.workload(16)
     batches = dp_steps.local_batches(mesh, workload, k)
     full = jax.tree.map(lambda *xs: np.concatenate(xs), *batches)
-    grad = jax.grad(lambda p: workload.loss_fn(p, full)[0])
-    tx = optax.adam(steps.LEARNING_RATE)
-    ref = workload.params()
-    opt_state = tx.init(ref)
-    for _ in range(2):
-        updates, opt_state = tx.update(grad(ref), opt_state, ref)
-        ref = optax.apply_updates(ref, updates)
+    ref, _ = _full_batch_adam(workload, full, steps.LEARNING_RATE)
     trained = []
     for comp in dp_steps.competitors(mesh, workload, k):
         if comp.name == "accumulate only":  # no optimizer: nothing to compare
