@@ -8,7 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_multistep._checks import check_real, check_takes_one, refuse_narrow_float
+from masked_multistep._checks import (
+    check_real,
+    check_takes_one,
+    host_int_to_float,
+    refuse_narrow_float,
+)
 
 __all__ = ["tokens_schedule"]
 
@@ -81,6 +86,9 @@ def tokens_schedule(
         )
 
     def step_schedule(step):
-        return jnp.asarray(schedule(jnp.asarray(step).astype(jnp.float32) * rate))
+        # A host integer by value (jax wraps a numpy int64 into int32 without
+        # x64, and a Python int of 2**31 or more is its OverflowError).
+        step = jnp.asarray(host_int_to_float(step)).astype(jnp.float32)
+        return jnp.asarray(schedule(step * rate))
 
     return step_schedule

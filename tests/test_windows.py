@@ -1332,6 +1332,15 @@ def test_tokens_schedule_keeps_a_fractional_tokens_per_step():
     assert float(mm.tokens_schedule(lambda t: t, 0.75)(8)) == 6.0
 
 
+def test_tokens_schedule_reads_a_host_integer_step_by_value():
+    # A numpy int64 of 2**32 + 5 was wrapped into 5, and a Python int of 2**31
+    # was jax's bare OverflowError.
+    sched = mm.tokens_schedule(lambda t: t, 1.0)
+    assert float(sched(np.int64(2**32 + 5))) == np.float32(2**32 + 5)
+    assert float(sched(2**31)) == 2.0**31
+    assert float(sched(np.uint64(3))) == 3.0
+
+
 def test_tokens_schedule_accepts_the_ends_of_float32s_range():
     # The smallest normal float32 and the largest are rates float32 holds;
     # only what lies beyond them is refused.
