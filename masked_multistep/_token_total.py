@@ -108,7 +108,17 @@ class TokenTotal(NamedTuple):
         if traced(self):
             return str(self)
         value = self.value()
-        return format(float(value) if np.ndim(value) == 0 else value, format_spec)
+        if np.ndim(value) == 0:
+            return format(float(value), format_spec)
+        if not format_spec:
+            return format(value)
+        # A batch of totals: each formatted as one would be (numpy's own
+        # `format` takes no format spec for an array).
+        return np.array2string(
+            value,
+            separator=", ",
+            formatter={"float_kind": lambda v: format(float(v), format_spec)},
+        )
 
     # Arithmetic and comparisons read the number, not the pair: as a tuple,
     # `total * 2` would repeat it and `total + 1` or `total > 1` fail. Outside

@@ -1171,6 +1171,8 @@ def test_batched_tokens_seen_indexes_as_its_numbers():
     seen = jax.jit(jax.vmap(run))(jnp.array([2.0**24, 2.0, 3.0]))
     assert isinstance(seen[1], mm.TokenTotal) and float(seen[1]) == 2.0
     assert [float(seen[i]) for i in range(3)] == [2.0**24, 2.0, 3.0]
+    # Formatted as its numbers are (numpy's `format` refused the spec).
+    assert f"{seen:,.0f}" == "[16,777,216, 2, 3]"
     np.testing.assert_array_equal(np.asarray(seen[1:]), [2.0, 3.0])
     hi, lo = seen  # the pair, by unpacking (or by name)
     np.testing.assert_array_equal(hi, seen.hi)
