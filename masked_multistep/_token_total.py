@@ -115,7 +115,7 @@ class TokenTotal(NamedTuple):
         # A batch of totals: each formatted as one would be (numpy's own
         # `format` takes no format spec for an array).
         return np.array2string(
-            value,
+            np.asarray(value),
             separator=", ",
             formatter={"float_kind": lambda v: format(float(v), format_spec)},
         )
