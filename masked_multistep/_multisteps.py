@@ -4,8 +4,8 @@ The module is the state machine only: argument checks and the count contract
 live in ``_checks``, the window-closing rule in ``_windows``, the arithmetic in
 ``_running_mean``, how the devices agree on a window's mean in ``_reduction``
 (locally) and ``_deferred`` (deferred to the window's end), the window
-statistics in ``_stats``, and how the inner optimizer is called at a window's
-end in ``_inner``.
+statistics in ``_stats``, how the inner optimizer is called at a window's
+end in ``_inner``, and what a window's close does in ``_close``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_multistep import _checks, _inner, _processes, _sq_norms, _stats, _windows
+from masked_multistep import (
+    _checks,
+    _close,
+    _inner,
+    _processes,
+    _sq_norms,
+    _stats,
+    _windows,
+)
 from masked_multistep._branch import EagerMemo, in_place_cond
 from masked_multistep._collectives import reduced_leaf
 from masked_multistep._deferred import Deferred
-from masked_multistep._placement import resharded_as, tree_resharded_as, zeros_placed_as
 from masked_multistep._reduction import (
     Local,
     WindowTotals,
@@ -33,16 +40,13 @@ from masked_multistep._reduction import (
 from masked_multistep._running_mean import (
     accumulator_dtype,
     accumulator_fits,
-    all_finite,
     fits,
 )
 from masked_multistep._shards import (
-    check_inner_update,
     check_reduced,
     check_window,
     one_copy,
     over_slices,
-    window_flag,
 )
 
 __all__ = ["MaskedMultiSteps", "MaskedMultiStepsState"]
@@ -136,30 +140,6 @@ class _Gate(NamedTuple):
     skip_state: Any
 
 
-class _Counters(NamedTuple):
-    """The state's scalars that a window's close resets or advances, carried
-    through the window's conditional (so that between window ends no select
-    runs on them)."""
-
-    mini_step: jax.Array  # the window's microbatches so far (0 once it closes)
-    gradient_step: jax.Array
-    num_invalid_counts: jax.Array
-    num_nonfinite_windows: jax.Array
-    updated: jax.Array  # whether this microbatch applied an inner update
-
-
-class _Carry(NamedTuple):
-    """What the window's conditional updates in place where the window closes
-    and passes through where it stays open."""
-
-    # The accumulator, the inner state and, with `apply_params`, the params.
-    in_place: tuple[Any, Any, Any]
-    stats: Any  # the window statistics' state (`()` without them)
-    so_far: WindowTotals  # the window's running totals
-    counters: _Counters
-    reduction_state: Any
-
-
 class _Window(NamedTuple):
     """The window with this microbatch folded in, before it may close."""
 
@@ -174,58 +154,6 @@ class _Window(NamedTuple):
 def _no_skip(updates, gradient_step, params):
     del updates, gradient_step, params
     return jnp.zeros([], jnp.bool_), ()
-
-
-def _placements(avals: Any, *likes: Any) -> list[Any]:
-    """For each leaf of ``avals``, the leaf in its place of the first of
-    ``likes`` whose tree matches and whose leaf there has its shape, or
-    ``None``: where ``update``'s updates are placed (the gradients, or, where
-    those carry a device axis, the params)."""
-    structure = jax.tree.structure(avals)
-    likes = tuple(t for t in likes if jax.tree.structure(t) == structure)
-    leaves = [structure.flatten_up_to(t) for t in likes]
-    return [
-        next((xs[i] for xs in leaves if jnp.shape(xs[i]) == jnp.shape(aval)), None)
-        for i, aval in enumerate(jax.tree.leaves(avals))
-    ]
-
-
-def _zeros_placed_like(avals: Any, *likes: Any) -> Any:
-    """Zeros of ``avals``, each placed as its leaf of :func:`_placements` (an
-    eager step's zeros would otherwise land on the default device, not the
-    gradients' or the params'; under ``jit`` the same program), also where
-    jax 0.12 would not split them (:func:`zeros_placed_as`: the window's
-    branches then agreed on a replicated output)."""
-    places = _placements(avals, *likes)
-    zeros = [
-        jnp.zeros_like(aval, dtype=aval.dtype)
-        if like is None
-        else zeros_placed_as(like, aval.dtype)
-        for aval, like in zip(jax.tree.leaves(avals), places, strict=True)
-    ]
-    return jax.tree.unflatten(jax.tree.structure(avals), zeros)
-
-
-def _placed_like(updates: Any, *likes: Any) -> Any:
-    """``updates`` with the shardings, on explicit mesh axes, of the leaves
-    :func:`_zeros_placed_like` places its zeros as: an inner optimizer that
-    keeps no state of its parameters' layout (``optax.sgd``) returns the
-    window mean's, which can differ (a deferred reduction's mean, replicated,
-    of params split over the data axis), and the window's two branches must
-    agree."""
-    placed = [
-        u if like is None else resharded_as(u, like)
-        for u, like in zip(
-            jax.tree.leaves(updates), _placements(updates, *likes), strict=True
-        )
-    ]
-    return jax.tree.unflatten(jax.tree.structure(updates), placed)
-
-
-def _same_buffers(a: Any, b: Any) -> bool:
-    """Whether two trees hold the very same arrays (traced values), leaf by leaf."""
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
 
 
 _DEFAULT_STATS_DECAY = 0.9
@@ -1361,12 +1289,6 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # reduction's `value` refuses integer arrays and reads host ints as
         # floats).
         value_dtype = jnp.float32 if value is None else value.dtype
-
-        def window_value(totals: WindowTotals) -> jax.Array:
-            # The window's token-weighted loss over the microbatches that passed
-            # one (NaN if none did), as the inner optimizer reads it.
-            return _stats.undefined_as_nan(totals.value, totals.value_count > 0)
-
         so_far = WindowTotals(
             window.acc_count,
             window.acc_value,
@@ -1374,24 +1296,14 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             num_invalid=jnp.zeros([], jnp.int32),
         )
         # The value as far as the inner optimizer's shapes go (the window's
-        # end passes the window's own, `window_value`).
+        # end passes the window's own, `_close.window_value`).
         dynamic_args["value"] = so_far.value.astype(value_dtype)
         read_only_params = () if apply_params else params
 
-        # What the inner optimizer sees: the window's mean (with a deferred
-        # reduction, the devices' running means combined).
-        def laid_out(mean: Any, params: Any) -> Any:
-            # A deferred reduction's mean, the devices' combined, is replicated;
-            # on explicit mesh axes the inner optimizer gets it laid out as the
-            # params (split over the data axis, FSDP), as a window's mean
-            # without one is, beside its state laid out so.
-            if not self._reduction.device_axes or params is None:
-                return mean
-            return tree_resharded_as(mean, params)
-
         def mean_of(w: _Window) -> Any:
-            mean = self._reduction.mean(w.acc_grads, w.acc_count, w.reduction_state)
-            return laid_out(mean, params)
+            return _close.window_mean(
+                self._reduction, w.acc_grads, w.acc_count, w.reduction_state, params
+            )
 
         # (It refuses an inner state of another optimizer's structure first.)
         plan = _inner.window_shapes(
@@ -1408,8 +1320,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             has_value=value is not None,
             with_grad=with_grad,
         )
-        needs_value, updates_avals = plan.needs_value, plan.updates_avals
-        if needs_value and value is None:
+        if plan.needs_value and value is None:
             _inner.warn_without_value()
         # Once the inner optimizer has read the window's mean, the mean is dead
         # (`acc_count` resets; the next counted microbatch overwrites it). So in
@@ -1422,158 +1333,41 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         # such output: it adds the updates to the params inside the conditional,
         # and between windows the params pass through untouched.
         reuse_acc = not apply_params and _checks.same_avals(
-            updates_avals, window.acc_grads
+            plan.updates_avals, window.acc_grads
         )
-
-        def hold(in_place, mean, read_only_params, dynamic_args):
-            # The output besides the state passed through: `update`'s zeros,
-            # placed as the gradients are (or, where those carry a device
-            # axis, as the params are).
-            del in_place, mean, dynamic_args
-            if reuse_acc or apply_params:
-                return ()
-            return _zeros_placed_like(updates_avals, grads, read_only_params)
-
-        def run(in_place, mean, read_only_params, dynamic_args):
-            acc_grads, inner_state, own_params = in_place
-            params = own_params if apply_params else read_only_params
-            if mean is None:  # the accumulator is the mean
-                mean = acc_grads
-            updates, new_inner = plan.update(mean, inner_state, params, dynamic_args)
-            check_inner_update(updates, mean, params, dynamic_args)
-            # On explicit mesh axes, what this branch returns has the types the
-            # other passes through: an inner state that keeps what it is given
-            # (the window's mean, which a deferred reduction forms replicated)
-            # where its `init` laid it out as the params, say.
-            new_inner = tree_resharded_as(new_inner, inner_state)
-            if reuse_acc:
-                return (tree_resharded_as(updates, acc_grads), new_inner, ()), ()
-            if apply_params:
-                new_params = optax.apply_updates(params, updates)
-                return (acc_grads, new_inner, tree_resharded_as(new_params, params)), ()
-            return (acc_grads, new_inner, ()), _placed_like(
-                updates, grads, read_only_params
-            )
-
-        def close_window(carry: _Carry, read_only_params, dynamic_args):
-            # The window's global figures (with a deferred reduction that agrees
-            # only at the window's end, a scalar all-reduce) and its mean: with
-            # a deferred reduction, the one gradient-sized cross-device
-            # reduction of the window.
-            acc_grads = carry.in_place[0]
-            totals = self._reduction.close_totals(carry.so_far, carry.reduction_state)
-            has_tokens = totals.tokens > 0
-            window_loss = window_value(totals).astype(value_dtype)
-            dynamic_args = {**dynamic_args, "value": window_loss}
-            mean = laid_out(
-                self._reduction.mean(acc_grads, totals.tokens, carry.reduction_state),
-                carry.in_place[2] if apply_params else read_only_params,
-            )
-            # ‖ḡ‖² for the statistics (`()` without them), read before the
-            # inner optimizer overwrites the mean. (A window without tokens
-            # has no mean: its norm is not used, nor differentiated.)
-            # (Inside shard_map, the window's figures tell split parameters'
-            # slices from shards of their own: see `_shards`.)
-            figures = (has_tokens, window_loss)
-            mean_sq_norm = self._recorder.read_mean(
-                mean, window_flag(has_tokens, figures)
-            )
-            # A non-finite mean never reaches the inner optimizer: a stateful
-            # one (adam's moments) would carry the NaN into every later update.
-            finite = all_finite(mean, self._recorder.total(mean_sq_norm), figures)
-            if narrowed := _inner.narrowed(mean, grads):
-                # Cast to the gradients' narrower dtype (a flush with float16
-                # zeros after float32 gradients), a finite mean may overflow.
-                finite = finite & all_finite(narrowed, (), figures)
-            if needs_value:
-                finite = finite & jnp.isfinite(window_loss)
-            # Where the mean is the accumulator itself, `run` reads it from the
-            # state it updates (one buffer, not two names for it).
-            same = _same_buffers(mean, acc_grads)
-            updated = has_tokens & finite
-            in_place, out = in_place_cond(
-                updated,
-                run,
-                hold,
-                carry.in_place,
-                None if same else mean,
-                read_only_params,
-                dynamic_args,
-            )
-            # The window's statistics (`()` without them), recorded only where
-            # a window closes, not on every microbatch.
-            stats = self._recorder.close(
-                carry.stats,
-                tokens=totals.tokens,
-                mean_sq_norm=mean_sq_norm,
-                loss=totals.value,
-                loss_tokens=totals.value_count,
-                sums=totals.stats_sums,
-            )
-            if forced_only is not None:
-                # A window that `close_window=` alone closes without tokens
-                # (the data ended on a window's boundary) completes no window:
-                # the last one's statistics stay readable. (One whose tokens
-                # a deferred reduction could not total held tokens: it
-                # completes, dropped, as its rule would close it.)
-                discard = forced_only & ~has_tokens
-                if totals.overflowed is not None:
-                    discard = discard & ~totals.overflowed
-                stats = jax.tree.map(
-                    lambda kept, closed: jnp.where(discard, kept, closed),
-                    carry.stats,
-                    stats,
-                )
-            before = carry.counters
-            counters = _Counters(
-                mini_step=jnp.zeros_like(before.mini_step),
-                gradient_step=jnp.where(
-                    updated,
-                    optax.safe_increment(before.gradient_step),
-                    before.gradient_step,
-                ),
-                num_invalid_counts=_add_counts(
-                    before.num_invalid_counts, totals.num_invalid
-                ),
-                num_nonfinite_windows=jnp.where(
-                    has_tokens & ~finite,
-                    optax.safe_increment(before.num_nonfinite_windows),
-                    before.num_nonfinite_windows,
-                ),
-                updated=updated,
-            )
-            # The next window starts empty.
-            return _Carry(
-                in_place,
-                stats,
-                jax.tree.map(jnp.zeros_like, carry.so_far),
-                counters,
-                self._reduction.reset(carry.reduction_state),
-            ), out
-
-        def keep_window(carry: _Carry, read_only_params, dynamic_args):
-            return hold(carry.in_place, None, read_only_params, dynamic_args)
+        window_close = _close.WindowClose(
+            reduction=self._reduction,
+            recorder=self._recorder,
+            plan=plan,
+            reuse_acc=reuse_acc,
+            apply_params=apply_params,
+            needs_value=plan.needs_value,
+            value_dtype=value_dtype,
+            forced_only=forced_only,
+            grads=grads,
+            updates_avals=plan.updates_avals,
+        )
 
         with jax.named_scope("masked_multistep/inner_update"):
             # The window's state, updated where it closes: in place, its
             # scalars too (which a GPU would otherwise copy in and out of the
             # window's loop, or select between, on every microbatch).
-            counters = _Counters(
+            counters = _close.Counters(
                 mini_step=mini_step,
                 gradient_step=state.gradient_step,
-                num_invalid_counts=_add_counts(
+                num_invalid_counts=_close.add_counts(
                     state.num_invalid_counts, jnp.where(gate.valid_count, 0, 1)
                 ),
                 num_nonfinite_windows=state.num_nonfinite_windows,
                 # Where the window stays open, False (no update runs); where
-                # it closes, `close_window` sets whether the inner update ran.
+                # it closes, `WindowClose.close` sets whether the inner update ran.
                 updated=window_done,
             )
             carry, out = in_place_cond(
                 window_done,
-                close_window,
-                keep_window,
-                _Carry(
+                window_close.close,
+                window_close.keep,
+                _close.Carry(
                     # What the taken branch updates in place, and the other
                     # passes through.
                     in_place=(
@@ -1676,12 +1470,6 @@ def _refuse_nested_accumulation(inner_opt_state: Any) -> None:
             "replace an optax.MultiSteps `old`, wrap the optimizer inside it, "
             "`mm.MaskedMultiSteps(old.inner_opt, k)`"
         )
-
-
-def _add_counts(counter: jax.Array, n: jax.Array) -> jax.Array:
-    """``counter + n`` for int32 counters, saturating at the int32 maximum."""
-    room = jnp.iinfo(jnp.int32).max - counter
-    return (counter + jnp.minimum(n.astype(jnp.int32), room)).astype(jnp.int32)
 
 
 def _recorder_for(
