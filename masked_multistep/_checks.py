@@ -43,6 +43,7 @@ import difflib
 import inspect
 import math
 import numbers
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -593,11 +594,13 @@ def check_value(value: Any) -> jax.Array | None:
             "`value` must be a real scalar (the microbatch's mean loss), got a "
             f"tuple of {len(value)}" + _pair_hint(value, "value=mean, count=count")
         )
+    # A host int as the float it stands for (2**31 would not fit int32; one
+    # beyond float64's range is infinite, as such a float would be); a numpy
+    # int is still refused below, by its dtype, as the likely token count.
+    host = host_int_to_float(value)
+    _refuse_beyond_float_range(host, value)
     try:
-        # A host int as the float it stands for (2**31 would not fit int32; one
-        # beyond float64's range is infinite, as such a float would be); a numpy
-        # int is still refused below, by its dtype, as the likely token count.
-        arr = jnp.asarray(host_int_to_float(value))
+        arr = jnp.asarray(host)
     except (TypeError, ValueError) as err:
         raise TypeError(
             "`value` must be a real scalar (the microbatch's mean loss), got "
@@ -612,6 +615,25 @@ def check_value(value: Any) -> jax.Array | None:
         raise TypeError(f"`value` must be a real number, got dtype {arr.dtype}")
     refuse_count_as_value(value)
     return arr
+
+
+def _refuse_beyond_float_range(host: Any, value: Any) -> None:
+    """Refuses a host float ``value`` (Python, numpy, 0-d numpy array; ``host``
+    as :func:`host_int_to_float` makes it) that is finite, or an integer, but
+    beyond float32's range, in which the window's loss is averaged (also under
+    x64): it would become infinite. An infinite or NaN float stays what it is."""
+    if isinstance(host, bool) or not isinstance(host, (float, np.floating, np.ndarray)):
+        return
+    a = np.asarray(host)
+    if a.ndim or a.dtype.kind != "f":
+        return
+    x = float(a)
+    finite = is_host_int(value) or math.isfinite(x)
+    if finite and abs(x) > float(np.finfo(np.float32).max):
+        raise ValueError(
+            "`value` is beyond float32's range, in which the window's loss is "
+            f"averaged (it would be infinite), got {short_repr(value)}"
+        )
 
 
 def refuse_count_as_value(value: Any) -> None:
@@ -1115,8 +1137,10 @@ def guessed_keyword(key: str) -> str | None:
     (``loss=`` for ``value=``, ``flush=`` for ``close_window=``), or None."""
     if key in OWN_KEYWORDS:
         return None
-    words = set(key.lower().replace("-", "_").split("_")) - {""}
-    if key.lower().startswith(("val_", "eval")) or words & {"validation", "test"}:
+    # Words split at underscores and at camelCase humps (`isLast`, `meanLoss`).
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", key).lower().replace("-", "_")
+    words = set(snake.split("_")) - {""}
+    if snake.startswith(("val_", "eval")) or words & {"validation", "test"}:
         # (Keras' `val_loss`: a validation loss, which an inner transformation
         # of the user's may take; not this microbatch's.)
         return None

@@ -385,7 +385,8 @@ def test_train_state_checks_the_flag_for_a_plain_optimizer_too():
     "guess",
     ["flush", "is_last", "sync_gradients", "close", "last_batch", "flush_window"]
     + ["end_of_batch", "force_update", "is_final_microbatch", "do_update"]
-    + ["apply_update", "finalize", "commit", "done", "is_accumulating"],
+    + ["apply_update", "finalize", "commit", "done", "is_accumulating"]
+    + ["isLast", "CloseWindow", "lastBatch", "endOfData", "syncGradients"],
 )
 def test_a_guessed_name_for_the_flag_points_to_it(guess):
     """Other keywords go to the inner optimizer, which would drop these: the

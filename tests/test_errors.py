@@ -241,7 +241,8 @@ def test_the_loss_under_its_own_name_is_sent_to_value():
     # was NaN, and reduce_on_plateau inside never applied a window.
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
     state = tx.init(PARAMS)
-    for name in ("loss", "mean_loss", "val", "vals", "loss_val", "mb_loss", "metric"):
+    names = ("loss", "mean_loss", "val", "vals", "loss_val", "mb_loss", "metric")
+    for name in names + ("meanLoss", "lossValue", "MbLoss"):
         with pytest.raises(TypeError, match=rf"{name!r}: .* goes in `value=`"):
             tx.update(GRADS, state, PARAMS, count=3, **{name: jnp.float32(0.7)})
     train_state = mm.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
@@ -265,6 +266,7 @@ def test_names_with_words_of_their_own_go_to_the_inner_optimizer():
     extra = {"loss_scale": 2.0, "end_value": 3.0, "last_lr": 4.0, "value_fn": 5.0}
     extra |= {"val_loss": 6.0, "eval_loss": 7.0, "validation_loss": 8.0}
     extra |= {"update_scale": 9.0, "objective_fn": 10.0}
+    extra |= {"lossScale": 11.0, "valLoss": 12.0, "evalLoss": 13.0}
     tx.update(GRADS, tx.init(PARAMS), PARAMS, count=3, **extra)
     assert seen == extra
 
@@ -298,6 +300,24 @@ def test_an_integer_array_value_is_taken_for_a_swapped_count():
     ):
         tx.update(GRADS, state, PARAMS, count=jnp.float32(0.7), value=jnp.int32(8))
     _, state = tx.update(GRADS, state, PARAMS, count=3, value=2)  # a Python int
+
+
+@pytest.mark.parametrize(
+    "value",
+    [1e39, pytest.param(-(2**200), id="-2**200"), np.float64(6e38)]
+    + [pytest.param(10**400, id="10**400")],
+)
+def test_a_finite_host_value_beyond_float32_is_a_value_error(value):
+    # It became inf with only numpy's overflow warning: a window whose inner
+    # optimizer reads the loss was dropped as non-finite.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match=r"`value` is beyond float32's range"):
+        tx.update(GRADS, state, PARAMS, count=3, value=value)
+    # Infinite and NaN losses stay what they are (the window's loss says so).
+    for loss in (np.inf, np.float64("nan"), np.float32(3e38)):
+        _, after = tx.update(GRADS, state, PARAMS, count=3, value=loss)
+        np.testing.assert_array_equal(after.acc_value, np.float32(loss))
 
 
 def test_float0_gradients_and_non_array_params_are_named():
