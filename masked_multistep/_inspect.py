@@ -8,7 +8,12 @@ from typing import Any, Literal, TypeVar, overload
 import jax
 import optax
 
-from masked_multistep._checks import check_flag, check_takes_one, instances_in
+from masked_multistep._checks import (
+    check_flag,
+    check_takes_one,
+    instances_in,
+    refuse_restore_target,
+)
 from masked_multistep._multisteps import (
     MaskedMultiStepsState,
     has_field_named,
@@ -79,6 +84,8 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
     Raises:
       ValueError: if ``opt_state`` holds no such state, or more than one (pass
         the part of the state that holds the one you mean).
+      TypeError: if the state holds ``jax.ShapeDtypeStruct`` leaves (a restore
+        target, ``jax.eval_shape(tx.init, params)``), not arrays.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -92,10 +99,11 @@ def find_state(opt_state: Any) -> MaskedMultiStepsState:
     return unboxed(find_boxed(opt_state))
 
 
-def find_boxed(opt_state: Any) -> MaskedMultiStepsState:
+def find_boxed(opt_state: Any, what: str = "`opt_state`") -> MaskedMultiStepsState:
     """:func:`find_state` without unwrapping NNX variables: a reader of a
     field or two unwraps those (unwrapping the whole state maps over every
-    parameter leaf, milliseconds per call for thousands of leaves)."""
+    parameter leaf, milliseconds per call for thousands of leaves). ``what``
+    names ``opt_state`` in the error of an abstract state."""
     holder = opt_state
     if hasattr(opt_state, "opt_state"):
         # A TrainState or an NNX optimizer: the optax state is its `opt_state`
@@ -137,6 +145,9 @@ def find_boxed(opt_state: Any) -> MaskedMultiStepsState:
             "`opt_state` must hold exactly one MaskedMultiStepsState, found "
             f"{len(found)} in a {type(holder).__name__}{hint}"
         )
+    # (Its scalars tell an abstract state, `jax.eval_shape(tx.init, params)`,
+    # without a pass over every parameter leaf.)
+    refuse_restore_target((found[0].mini_step, found[0].updated), what)
     return found[0]
 
 

@@ -786,7 +786,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
         Raises:
           TypeError: if ``state`` is not a wrapper's state (a nested one, or
-            another optimizer's: the message names :func:`has_updated`).
+            another optimizer's: the message names :func:`has_updated`), or
+            is an abstract one (``jax.ShapeDtypeStruct`` leaves).
 
         Examples:
           >>> import jax.numpy as jnp, optax
@@ -807,6 +808,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "state (optax.chain, mm.TrainState.opt_state, an NNX optimizer's "
                 "opt_state) use mm.has_updated(opt_state)"
             )
+        _checks.refuse_restore_target(state.updated, "`state`")
         return jnp.asarray(state.updated)
 
     def _update(

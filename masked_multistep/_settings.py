@@ -175,7 +175,7 @@ def _carried_over(state: Any, template: Any, tokens_seen: Any) -> Any:
     if _by_name.is_named(state):
         old = _by_name.bare(state)
     else:
-        old = unboxed(find_boxed(state))
+        old = unboxed(find_boxed(state, "`state`"))
         # `optimizer.opt_state` (or a state restored as arrays) holds the optax
         # state of the params' arrays: so does the template built from its
         # params (`nnx.state(model, nnx.Param)`, whose variables hold them) or

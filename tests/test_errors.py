@@ -1338,6 +1338,20 @@ def test_an_abstract_state_is_refused_by_name(method):
         getattr(tx, method)({"w": jnp.ones(3)}, abstract, params, count=1)
 
 
+def test_an_abstract_state_is_refused_by_the_readers_too():
+    # `mm.has_updated` and `tx.has_updated` failed with "len() of unsized
+    # object", `mm.window_stats` with jax's "ShapeDtypeStruct is not a valid
+    # JAX type".
+    params = {"w": jnp.ones(3)}
+    tx = mm.MaskedMultiSteps(optax.sgd(0.1), 2, window_stats=True)
+    abstract = jax.eval_shape(tx.init, params)
+    for read in (mm.has_updated, mm.window_stats, mm.find_state):
+        with pytest.raises(TypeError, match=r"`opt_state` holds jax.ShapeDtypeStructs"):
+            read((abstract,))  # as inside a chain's state
+    with pytest.raises(TypeError, match=r"`state` holds jax.ShapeDtypeStructs"):
+        tx.has_updated(abstract)
+
+
 @pytest.mark.parametrize("keyword", ["count", "value"])
 def test_a_long_argument_is_cut_with_an_ellipsis_in_the_message(keyword):
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
