@@ -1225,22 +1225,33 @@ def nested_hint(tree: Any, kind: type, what: str) -> str:
     return f": it holds one at {first_three(found)}; pass {what}"
 
 
-def in_series(paths: list[Any]) -> tuple[str, str] | None:
-    """Two of the state paths ``paths`` (of accumulators found in one optimizer
-    state) that one update passes through in turn, as ``keystr``s; ``None``
-    where every two sit in different branches of ``optax.multi_transform``
-    (``PartitionState.inner_states``), whose updates never meet."""
-    for i, a in enumerate(paths):
-        for b in paths[i + 1 :]:
+def in_series(found: list[tuple[Any, Any]]) -> tuple[str, str] | None:
+    """Two of the accumulators ``found`` in one optimizer state (``(path,
+    state)`` pairs) that one update passes through in turn, their paths as
+    ``keystr``s; ``None`` where every two sit in different branches of
+    ``optax.multi_transform`` (``PartitionState.inner_states``), whose updates
+    never meet, or accumulate disjoint parameter leaves (``optax.masked``
+    halves: the leaves one masks out are ``optax.MaskedNode``s in its state)."""
+    for i, (a, state_a) in enumerate(found):
+        for b, state_b in found[i + 1 :]:
             common = 0
             while common < min(len(a), len(b)) and a[common] == b[common]:
                 common += 1
             branches = common > 0 and (
                 getattr(a[common - 1], "name", None) == "inner_states"
             )
-            if not branches:
+            if not branches and not _disjoint_leaves(state_a, state_b):
                 return jax.tree_util.keystr(a), jax.tree_util.keystr(b)
     return None
+
+
+def _disjoint_leaves(state_a: Any, state_b: Any) -> bool:
+    """Whether two accumulators' ``acc_grads`` hold no leaf at the same path."""
+    leaves = [
+        {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t)}
+        for t in (state_a.acc_grads, state_b.acc_grads)
+    ]
+    return not leaves[0] & leaves[1]
 
 
 def refuse_unknown_keywords(

@@ -13,6 +13,7 @@ from masked_multistep._checks import (
     check_takes_one,
     instances_in,
     refuse_restore_target,
+    training_state_kind,
 )
 from masked_multistep._multisteps import (
     MaskedMultiStepsState,
@@ -105,9 +106,11 @@ def find_boxed(opt_state: Any, what: str = "`opt_state`") -> MaskedMultiStepsSta
     parameter leaf, milliseconds per call for thousands of leaves). ``what``
     names ``opt_state`` in the error of an abstract state."""
     holder = opt_state
-    if hasattr(opt_state, "opt_state"):
+    if training_state_kind(opt_state) is not None:
         # A TrainState or an NNX optimizer: the optax state is its `opt_state`
-        # (its params need not be searched).
+        # (its params need not be searched). Other states with an
+        # `opt_state` field (optax.contrib.sam's, beside its `adv_state`)
+        # are searched whole.
         opt_state = opt_state.opt_state
     found = states_in(opt_state, MaskedMultiStepsState)
     if len(found) != 1:
@@ -119,10 +122,10 @@ def find_boxed(opt_state: Any, what: str = "`opt_state`") -> MaskedMultiStepsSta
             if not states_in(opt_state, optax.PartitionState):
                 # (One wrapper per optax.multi_transform branch is right.)
                 hint += (
-                    " (Two wrappers in one optax.chain are a mistake: the "
-                    "second would average the first's in-window zeros as "
-                    "microbatches; chain the transformations inside one "
-                    "wrapper.)"
+                    " (Two wrappers one after the other in an optax.chain "
+                    "would be a mistake: the second would average the first's "
+                    "in-window zeros as microbatches; chain the transformations "
+                    "inside one wrapper.)"
                 )
         elif states_in(opt_state, optax.MultiStepsState):
             hint = (

@@ -214,7 +214,7 @@ class TrainState(_flax_train_state.TrainState):
         if states_in(state.opt_state, optax.MultiStepsState):
             raise TypeError(_OPTAX_MULTISTEPS)
         found = instances_in(state.opt_state, MaskedMultiStepsState)
-        pair = in_series([path for path, _ in found])
+        pair = in_series(found)
         if pair is not None:
             raise TypeError(
                 f"`tx` holds two MaskedMultiSteps one after the other (their "

@@ -558,9 +558,21 @@ def test_window_stats_and_has_updated_find_nested_states():
         ValueError,
         match=r"exactly one MaskedMultiStepsState, found 2 in a tuple \(at "
         r"`state\[0\]`, `state\[1\]`\): pass the one you mean\. \(Two wrappers "
-        r"in one optax\.chain are a mistake",
+        r"one after the other in an optax\.chain would be a mistake",
     ):
         mm.window_stats((mmtx.init(params), mmtx.init(params)))
+    # A state with an `opt_state` field that is no TrainState (optax.contrib.sam's,
+    # beside its `adv_state`) is searched whole: its `opt_state` alone was, a
+    # wrapper in `adv_state` was not found and one on both sides not refused.
+    sam = optax.contrib.sam(optax.sgd(0.1), mmtx.gradient_transformation())
+    assert int(mm.find_state(sam.init(params)).mini_step) == 0
+    sam = optax.contrib.sam(
+        mmtx.gradient_transformation(), mmtx.gradient_transformation()
+    )
+    with pytest.raises(
+        ValueError, match=r"found 2 in a SAMState \(at `state\.opt_state`"
+    ):
+        mm.find_state(sam.init(params))
     with pytest.raises(
         ValueError, match=r"exactly one MaskedMultiStepsState, found 0 in a tuple$"
     ):

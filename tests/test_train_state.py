@@ -219,6 +219,25 @@ def test_two_wrappers_in_series_are_refused():
         )
 
 
+def test_two_wrappers_on_disjoint_masked_halves_are_not_in_series():
+    # Each param passes through one wrapper (complementary optax.masked halves,
+    # chained): the refusal said the second would average the first's zeros.
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+    half = lambda k, mask: optax.masked(mm.MaskedMultiSteps(optax.sgd(1.0), k), mask)
+    tx = optax.chain(half(2, {"a": True, "b": False}), half(3, {"a": False, "b": True}))
+    state = mm.TrainState.create(apply_fn=None, params=params, tx=tx)
+    for n, g in ((1, 1.0), (3, 5.0), (1, 2.0)):
+        grads = jax.tree.map(lambda p, g=g: jnp.full_like(p, g), params)
+        state = state.apply_gradients(grads=grads, count=n)
+    # "a": one window of (1, n=1), (5, n=3); "b": one of all three.
+    np.testing.assert_allclose(state.params["a"], -(1 + 15) / 4)
+    np.testing.assert_allclose(state.params["b"], -(1 + 15 + 2) / 5)
+    # Halves that overlap ("b" through both) are in series.
+    tx = optax.chain(half(2, {"a": True, "b": True}), half(3, {"a": False, "b": True}))
+    with pytest.raises(TypeError, match=r"two MaskedMultiSteps one after"):
+        mm.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+
 def test_a_new_tx_in_apply_gradients_is_refused():
     # flax's stepped with the old tx, then paired the new one with its state.
     with pytest.raises(TypeError, match=r"got `tx=`.*state.replace\(tx=new_tx"):
