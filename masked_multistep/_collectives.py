@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from masked_multistep._checks import PARAM_LEAF_TYPES, count_weight, short_repr
 from masked_multistep._running_mean import compute_dtype, result_type, safe_fraction
@@ -101,8 +102,9 @@ def weighted_mean_across(
       the same on every shard; ``total = Σ nᵈ``, a float32 scalar.
 
     Raises:
-      TypeError: if a leaf of ``tree`` is not floating or complex, or ``count`` is
-        boolean, complex, not numeric, or in a float narrower than float32.
+      TypeError: if a leaf of ``tree`` is not floating or complex, ``count`` is
+        boolean, complex, not numeric, or in a float narrower than float32, or
+        ``axis_name`` is an integer (to jax's collectives, a positional axis).
       ValueError: if ``count`` is not a scalar, or is concrete (not traced) and
         negative, non-finite or beyond float32's range; or if, inside
         ``shard_map``, a leaf of ``tree`` is invariant over ``axis_name`` while
@@ -172,6 +174,13 @@ def _check_bound(names: tuple[Hashable, ...]) -> None:
     bound (inside an eager ``shard_map`` that checks varying axes, jax's own
     ``psum`` fails on one with a bare ``AssertionError``)."""
     for name in names:
+        if isinstance(name, (int, np.integer)):
+            # (jax's collectives read an integer as a positional axis of each
+            # array: "axis 0 is out of bounds for array of dimension 0".)
+            raise TypeError(
+                f"`axis_name` must name a mesh (or vmap) axis, got the integer "
+                f"{name!r}: pass the axis's name, e.g. 'data'"
+            )
         try:
             jax.lax.axis_size(name)
         except NameError as err:

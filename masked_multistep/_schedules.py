@@ -13,6 +13,7 @@ from masked_multistep._checks import (
     check_takes_one,
     host_int_to_float,
     refuse_narrow_float,
+    short_repr,
 )
 
 __all__ = ["tokens_schedule"]
@@ -88,7 +89,18 @@ def tokens_schedule(
     def step_schedule(step):
         # A host integer by value (jax wraps a numpy int64 into int32 without
         # x64, and a Python int of 2**31 or more is its OverflowError).
-        step = jnp.asarray(host_int_to_float(step)).astype(jnp.float32)
-        return jnp.asarray(schedule(step * rate))
+        try:
+            x = jnp.asarray(host_int_to_float(step))
+        except (TypeError, ValueError) as err:
+            x = err
+        if isinstance(x, Exception) or not (
+            jnp.issubdtype(x.dtype, jnp.integer)
+            or jnp.issubdtype(x.dtype, jnp.floating)
+        ):
+            raise TypeError(
+                "the schedule's `step` must be a real number (the optimizer "
+                f"step), got {short_repr(step)} of type {type(step).__name__}"
+            ) from (x if isinstance(x, Exception) else None)
+        return jnp.asarray(schedule(x.astype(jnp.float32) * rate))
 
     return step_schedule

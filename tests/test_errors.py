@@ -844,6 +844,15 @@ def test_weighted_mean_across_outside_shard_map_says_where_it_runs():
         mm.weighted_mean_across(jnp.ones(2), 3, "data")
 
 
+@pytest.mark.parametrize("axis_name", [0, ("i", 1)])
+def test_weighted_mean_across_names_an_integer_axis(axis_name):
+    # jax's collectives read it as a positional axis: "axis 0 is out of bounds
+    # for array of dimension 0".
+    mean = lambda g, c: mm.weighted_mean_across(g, c, axis_name)  # noqa: E731
+    with pytest.raises(TypeError, match=r"`axis_name` must name a mesh .*integer"):
+        jax.vmap(mean, axis_name="i")(jnp.ones((2, 2)), jnp.ones(2))
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_weighted_mean_across_on_a_misspelt_axis_names_the_bound_ones(check_vma):
     mesh = jax.make_mesh(

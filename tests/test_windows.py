@@ -1341,6 +1341,16 @@ def test_tokens_schedule_reads_a_host_integer_step_by_value():
     assert float(sched(np.uint64(3))) == 3.0
 
 
+@pytest.mark.parametrize("step", [None, "3", True, 1 + 2j, "key"])
+def test_tokens_schedule_names_a_step_that_is_no_real_number(step):
+    # A key was jax's NotImplementedError ("Cannot call abstract method
+    # astype"), None a ValueError of jnp.array's.
+    step = jax.random.key(0) if step == "key" else step
+    lr = mm.tokens_schedule(optax.linear_schedule(1.0, 0.0, 100), 10)
+    with pytest.raises(TypeError, match=r"the schedule's `step` must be a real number"):
+        lr(step)
+
+
 def test_tokens_schedule_accepts_the_ends_of_float32s_range():
     # The smallest normal float32 and the largest are rates float32 holds;
     # only what lies beyond them is refused.
