@@ -291,12 +291,22 @@ def token_total(tokens: Any, what: str) -> TokenTotal:
             f"{what} must be a whole number of tokens, got {tokens!r} of type "
             f"{type(tokens).__name__}"
         )
-    value = np.asarray(tokens)
-    kinds = (np.integer, np.floating)
-    if value.shape != () or not any(np.issubdtype(value.dtype, k) for k in kinds):
+    try:
+        value = np.asarray(tokens)
+    except TypeError as err:  # a jax PRNG key
         raise TypeError(
-            f"{what} must be a whole number of tokens, got shape {value.shape} "
-            f"and dtype {value.dtype}"
+            f"{what} must be a whole number of tokens, got an array of dtype "
+            f"{getattr(tokens, 'dtype', None)}"
+        ) from err
+    kinds = (np.integer, np.floating)
+    if not any(np.issubdtype(value.dtype, k) for k in kinds):
+        raise TypeError(
+            f"{what} must be a whole number of tokens, got dtype {value.dtype}"
+        )
+    if value.shape != ():
+        raise ValueError(
+            f"{what} must be a scalar (a whole number of tokens), got shape "
+            f"{value.shape}"
         )
     item = value.item()
     if not (math.isfinite(item) and item == int(item) and 0 <= item <= 2**48):

@@ -501,9 +501,12 @@ def _checked_step(step: Any) -> Any:
     elif isinstance(step, jax.Array) and not step.is_fully_addressable:
         value = step  # a replicated step across processes: placed as it is
     else:
-        value = np.asarray(step)
-    dtype = jnp.result_type(value)
-    if not jnp.issubdtype(dtype, jnp.integer):
+        try:
+            value = np.asarray(step)
+        except TypeError:  # a jax PRNG key
+            value = None
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(
             "`step` must be an integer, the microbatches applied so far (the "
             f"run's `state.step`), got {step!r}"

@@ -181,6 +181,15 @@ def test_tokens_seen_carry_into_a_budget_warmup_and_the_statistics():
     fresh = plain.init(PARAMS)
     given = mm.from_other_settings(fresh, new.init(PARAMS), tokens_seen=2**40 + 1)
     assert int(given.policy_state) == 2**40 + 1
+    # A key was jax's unnamed error, and a shape a TypeError.
+    for tokens, error, match in [
+        (jax.random.key(0), TypeError, r"tokens, got an array of dtype key"),
+        ("5", TypeError, r"tokens, got '5' of type str"),
+        (np.array([5, 6]), ValueError, r"must be a scalar .* got shape \(2,\)"),
+        (jnp.array([5.0]), ValueError, r"must be a scalar .* got shape \(1,\)"),
+    ]:
+        with pytest.raises(error, match=rf"`tokens_seen` .*{match}"):
+            mm.from_other_settings(fresh, new.init(PARAMS), tokens_seen=tokens)
 
 
 def test_what_cannot_carry_over_is_named():

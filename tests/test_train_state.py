@@ -470,6 +470,9 @@ def test_create_continues_a_converted_run_compiled_once():
     for step, error, match in [
         (3.7, TypeError, r"`step` must be an integer, the microbatches applied"),
         (True, TypeError, r"`step` must be an integer"),
+        # (A string and a key were numpy's and jax's errors, unnamed.)
+        ("5", TypeError, r"`step` must be an integer"),
+        (jax.random.key(0), TypeError, r"`step` must be an integer"),
         (np.array([1]), ValueError, r"`step` must be a scalar, got shape \(1,\)"),
         (-3, ValueError, r"`step` must be in \[0, 2\*\*31 - 1\]"),
     ]:
