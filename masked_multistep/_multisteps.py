@@ -156,6 +156,17 @@ def _no_skip(updates, gradient_step, params):
     return jnp.zeros([], jnp.bool_), ()
 
 
+# The state's scalars, which `init` builds as arrays.
+_SCALAR_FIELDS = (
+    "mini_step",
+    "gradient_step",
+    "acc_count",
+    "acc_value",
+    "value_count",
+    "num_invalid_counts",
+    "num_nonfinite_windows",
+    "updated",
+)
 _DEFAULT_STATS_DECAY = 0.9
 # The params' type, which `apply_gradients` returns them in.
 _ParamsT = TypeVar("_ParamsT")
@@ -768,7 +779,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             num_nonfinite_windows=jnp.zeros([], jnp.int32),
             skip_state=skip_state,
             stats=self._recorder.init(self._count_dtype, num_leaves),
-            policy_state=self._policy.init(),
+            policy_state=_windows.initial_state(self._policy),
             reduction_state=self._reduction.init(self._count_dtype, num_leaves),
         )
         state = self._reduction.place(state, params)
@@ -969,7 +980,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 jax.eval_shape(
                     lambda: (
                         self._recorder.init(self._count_dtype),
-                        self._policy.init(),
+                        _windows.initial_state(self._policy),
                         self._reduction.init(self._count_dtype),
                     )
                 )
@@ -1054,6 +1065,17 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "call the step under `jax.vmap` too, over the states, gradients "
                 "and params (and counts) of the members"
             )
+        for field in _SCALAR_FIELDS:
+            x = getattr(state, field)
+            if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+                # (A Python number set by hand, `state._replace(acc_count=0.0)`:
+                # jax would take it weakly typed, in another dtype than init's.)
+                raise TypeError(
+                    f"`state.{field}` must be an array, as `init` builds it, got "
+                    f"{_checks.short_repr(x)} of type {type(x).__name__}: to "
+                    f"reset it, `state._replace({field}=jnp.zeros_like("
+                    f"state.{field}))`"
+                )
         # A restore against another wrapper's state keeps that state's dtypes
         # (flax.serialization does): its tokens would be counted, or its mean
         # kept, in the other precision.

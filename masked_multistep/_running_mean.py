@@ -50,6 +50,7 @@ from masked_multistep._checks import (
     is_host_int,
     real_array,
     refuse_narrow_float,
+    short_repr,
 )
 from masked_multistep._placement import zeros_placed_as
 from masked_multistep._shards import (
@@ -390,6 +391,18 @@ def _host_count(count: Any, total_dtype: Any) -> Any:
     )
 
 
+def _as_array(x: Any, what: str, path: Any) -> jax.Array:
+    """A leaf of ``what`` as an array, or a ``TypeError`` naming it (a string
+    or an object that is no number)."""
+    try:
+        return jnp.asarray(x)
+    except TypeError as err:
+        raise TypeError(
+            f"{what} at {jax.tree_util.keystr(path) or '<root>'} must be an "
+            f"array or a number, got {short_repr(x)} of type {type(x).__name__}"
+        ) from err
+
+
 @overload
 def running_mean_update(
     mean: Any,
@@ -564,7 +577,7 @@ def running_mean_update(
     sq_devs = []
 
     def leaf(path, m, g):
-        m, g = jnp.asarray(m), jnp.asarray(g)
+        m, g = _as_array(m, "`mean`", path), _as_array(g, "`value`", path)
         if not jnp.issubdtype(m.dtype, jnp.inexact):
             raise TypeError(
                 f"`mean` at {jax.tree_util.keystr(path) or '<root>'} must be "

@@ -357,6 +357,26 @@ def _raised_here(err: BaseException) -> bool:
     return False
 
 
+def initial_state(policy: WindowPolicy) -> Any:
+    """``policy.init()``, checked: a pytree of arrays or numbers (the state is
+    carried through jit, scan and checkpoints), or an error naming the policy
+    and the first leaf that is neither."""
+    state = _policy_call(policy, "init")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if isinstance(leaf, jax.Array) or (
+            isinstance(leaf, (np.ndarray, np.generic, numbers.Number))
+            and np.asarray(leaf).dtype.kind in "biufc"
+        ):
+            continue
+        where = jax.tree_util.keystr(path) or " (the whole state)"
+        raise TypeError(
+            f"The window policy {describe(policy)}'s `init` must return a pytree "
+            f"of arrays (or numbers), got {short_repr(leaf)} of type "
+            f"{type(leaf).__name__} at init(){where}"
+        )
+    return state
+
+
 def verdict(policy: WindowPolicy, policy_state: Any, scalars: WindowScalars) -> Any:
     """``policy.closes(policy_state, scalars)``, checked: a boolean scalar, or
     an error naming the policy (within :func:`any_of`, the one that returned

@@ -1269,6 +1269,24 @@ def test_host_numbers_that_are_no_weights_are_refused_by_the_running_mean():
     assert float(total) == 1.0 and not np.any(np.asarray(out))
 
 
+@pytest.mark.parametrize("number", [0, 0.0])
+def test_a_state_scalar_set_to_a_python_number_is_named(number):
+    # `acc_count=0.0` failed inside the running mean ("'float' object has no
+    # attribute 'dtype'"); `0` was called a count in int32.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    state = tx.init(PARAMS)._replace(acc_count=number)
+    with pytest.raises(TypeError, match=r"`state.acc_count` must be an array, as"):
+        tx.update(GRADS, state, PARAMS, count=3)
+
+
+def test_a_leaf_that_is_no_number_in_the_running_mean_is_named():
+    # It was jax's "Value 'x' with dtype <U1 is not a valid JAX array type".
+    with pytest.raises(TypeError, match=r"`value` at \['a'\] must be an array or"):
+        mm.running_mean_update({"a": jnp.zeros(3)}, 0, {"a": "x"}, 2)
+    with pytest.raises(TypeError, match=r"`mean` at <root> must be an array or a"):
+        mm.running_mean_update(object(), 0, 1.0, 2)
+
+
 def test_a_string_leaf_in_weighted_mean_across_is_named():
     with pytest.raises(
         TypeError, match=r"`tree` leaves must be floating arrays, got str"

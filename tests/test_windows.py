@@ -1024,6 +1024,25 @@ def test_a_custom_policys_update_must_keep_the_state_init_built(
         (jax.jit(step) if jit else step)(tx.init(p))
 
 
+@pytest.mark.parametrize("start", ["start", {"n": None, "s": "x"}, np.array(["a"])])
+def test_a_custom_policys_init_must_build_arrays(start):
+    # A string was jax's error about "function <lambda> at _multisteps.py"
+    # traced for jit, naming neither the policy nor `init`.
+    policy = mm.WindowPolicy(
+        lambda: start, lambda ps, s: s.microbatches >= 2, lambda ps, s, c: ps, name="P"
+    )
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=policy)
+    with pytest.raises(TypeError, match=r"policy P's `init` must return a pytree of"):
+        tx.init(jnp.zeros(2))
+    # Numbers and arrays are a state.
+    for start in (0, 1.5, True, np.int32(2), {"a": jnp.zeros(2)}, ()):
+        policy = mm.WindowPolicy(
+            lambda s=start: s, lambda ps, s: s.microbatches >= 2, lambda ps, s, c: ps
+        )
+        tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=policy)
+        tx.update(jnp.ones(2), tx.init(jnp.zeros(2)), jnp.zeros(2), count=1)
+
+
 def test_a_custom_policys_weakly_typed_init_takes_the_width_update_gives_it():
     # `init=lambda: 0` is int64 under x64, and `update` returns the int32 its
     # arithmetic with an int32 gives: taken (as jax promotes it), not another
