@@ -75,7 +75,32 @@ def window_mean(
     # beside its state laid out so.
     if not reduction.device_axes or params is None:
         return mean
-    return tree_resharded_as(mean, params)
+    mean = tree_resharded_as(mean, params)
+    if jax.tree.structure(mean) != jax.tree.structure(params):
+        return mean
+    # Outside `jit` on automatic axes, where the types hold no sharding: the
+    # mean placed as its param, or the inner optimizer would build its state
+    # in the mean's layout (a dimension split over the data and another axis
+    # together came back split over the other alone, and adam's moments,
+    # then the params, replicated over the data axis).
+    return jax.tree.map(_placed_as_param, mean, params)
+
+
+def _placed_as_param(mean: Any, param: Any) -> Any:
+    """``mean`` (a concrete array) on ``param``'s devices and layout where
+    the two differ on one mesh, both on this process's devices alone."""
+    if isinstance(mean, jax.core.Tracer) or not isinstance(mean, jax.Array):
+        return mean
+    want, have = getattr(param, "sharding", None), mean.sharding
+    if not (
+        isinstance(want, jax.sharding.NamedSharding)
+        and isinstance(have, jax.sharding.NamedSharding)
+        and want.mesh == have.mesh
+        and mean.is_fully_addressable
+        and param.is_fully_addressable
+    ) or want.is_equivalent_to(have, mean.ndim):
+        return mean
+    return jax.device_put(mean, want)
 
 
 class WindowClose(NamedTuple):

@@ -479,6 +479,34 @@ def test_eager_deferred_steps_on_explicit_axes_without_set_mesh(axis_types):
     chex.assert_trees_all_close(jax.device_get(params), ref_params, **TOL)
 
 
+def test_eager_deferred_steps_keep_a_param_split_over_data_and_model_together():
+    """Outside `jit` on automatic axes the window's mean of a dimension split
+    over ("data", "model") together came back split over "model" alone; the
+    inner optimizer built adam's moments in that layout, replicated over the
+    data axis, and the params followed. The mean is placed as its param."""
+    grid = jax.make_mesh((NDEV // 2, 2), ("data", "model"), axis_types=(AUTO, AUTO))
+    joint = NamedSharding(grid, P(("data", "model")))
+    params = {"b": jax.device_put(np.ones(NDEV, np.float32), joint)}
+    tx = mm.MaskedMultiSteps(optax.adam(1e-2), 1, reduction=mm.deferred(grid, "data"))
+    state = tx.init(params)
+    grads = {
+        "b": jax.device_put(
+            np.ones((NDEV // 2, NDEV), np.float32),
+            NamedSharding(grid, P("data", "model")),
+        )
+    }
+    count = jax.device_put(
+        np.ones(NDEV // 2, np.float32), NamedSharding(grid, P("data"))
+    )
+    for _ in range(3):
+        updates, state = tx.update(grads, state, params, count=count)
+        params = optax.apply_updates(params, updates)
+        for x in (state.inner_opt_state[0].mu["b"], params["b"]):
+            assert x.sharding.is_equivalent_to(joint, 1), x.sharding
+    # Adam's first steps on a constant gradient: -lr each.
+    np.testing.assert_allclose(params["b"], 1 - 3e-2, rtol=1e-5)
+
+
 @pytest.mark.parametrize("axis_type", [AUTO, EXPLICIT], ids=["auto", "explicit"])
 def test_gradients_per_device_run_eagerly_on_a_data_by_model_mesh(axis_type):
     """Outside `jit`, on a data × model mesh, both functions failed in jax
