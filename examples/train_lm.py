@@ -82,6 +82,7 @@ except ImportError as error:  # flax, and orbax-checkpoint, which flax requires
     ) from None
 
 import masked_multistep as mm
+from masked_multistep.demo.cli import unwritable
 from masked_multistep.demo.data import (
     Batches,
     Corpus,
@@ -213,7 +214,7 @@ HELP = {
     "microbatches": "microbatches per window (k)",
     "batch_size": "sequences per window, split into k microbatches",
     "seq_len": "model input length (tokens)",
-    "vocab_size": "token ids, padding and topic markers included",
+    "vocab_size": "token ids, padding and topic markers included (8 to 2048)",
     "d_model": "model width",
     "num_heads": "attention heads",
     "num_layers": "transformer blocks",
@@ -290,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The largest --vocab-size: the corpus's transition tables take 4 x vocab²
+# float64s (128 MiB here).
+MAX_VOCAB = 2048
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -333,8 +339,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--skew must be between 0 and 1, got {args.skew}")
     if not 0 <= args.seed < 2**32:  # jax.random.key keeps a seed's low 32 bits
         parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
-    if args.vocab_size < 8:
-        parser.error(f"--vocab-size must be >= 8, got {args.vocab_size}")
+    if not 8 <= args.vocab_size <= MAX_VOCAB:
+        # (The corpus's transition tables are dense: 4 x vocab² floats.)
+        parser.error(f"--vocab-size must be in [8, {MAX_VOCAB}], got {args.vocab_size}")
     # Written so that NaN fails too (every comparison with it is false).
     if not args.clip_norm > 0:
         parser.error(f"--clip-norm must be > 0, got {args.clip_norm}")
@@ -347,6 +354,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     out = pathlib.Path(args.out)
     if not args.out or (out.exists() and not out.is_dir()):
         parser.error(f"--out must name a directory, got {args.out!r}")
+    if problem := unwritable(args.out):  # said now, not after the first windows
+        parser.error(f"--out {args.out!r}: {problem}")
     if args.stop_after is not None and args.stop_after < 1:
         parser.error(f"--stop-after must be >= 1, got {args.stop_after}")
     return args

@@ -219,6 +219,10 @@ def test_data_parallel_matches_one_device_and_resumes_bit_identically(
         # A file as --out failed in orbax after the model was built.
         (["--out", __file__], "--out must name a directory"),
         (["--out", ""], "--out must name a directory, got ''"),
+        # Under a file: orbax's NotADirectoryError, not naming the flag.
+        (["--out", f"{__file__}/sub"], "cannot be created: "),
+        # numpy's MemoryError for a 298 GiB transition table.
+        (["--vocab-size", "100000"], "--vocab-size must be in [8, 2048], got 100000"),
     ],
 )
 def test_bad_flags_exit_with_a_message(flags, message, capsys):

@@ -72,13 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out must be a directory, got the file {args.out!r}")
-    problem = _unwritable(args.out)
+    problem = unwritable(args.out)
     if problem:  # said now, not after the training
         parser.error(f"--out {args.out!r}: {problem}")
     return args
 
 
-def _unwritable(out: str) -> str | None:
+def unwritable(out: str) -> str | None:
     """Why the directory ``out`` could not be written or created, if it could not.
 
     Creates nothing: the nearest existing ancestor must be a directory this
