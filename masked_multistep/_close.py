@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import optax
 

@@ -496,6 +496,10 @@ def _checked_step(step: Any) -> Any:
     """``step``, a whole number of microbatches applied, read to the host
     where it is a concrete array (so that it can be placed anew), or an
     error naming it."""
+    not_an_integer = TypeError(
+        "`step` must be an integer, the microbatches applied so far (the "
+        f"run's `state.step`), got {step!r}"
+    )
     if isinstance(step, jax.core.Tracer):
         value = step
     elif isinstance(step, jax.Array) and not step.is_fully_addressable:
@@ -503,14 +507,10 @@ def _checked_step(step: Any) -> Any:
     else:
         try:
             value = np.asarray(step)
-        except TypeError:  # a jax PRNG key
-            value = None
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(
-            "`step` must be an integer, the microbatches applied so far (the "
-            f"run's `state.step`), got {step!r}"
-        )
+        except TypeError as err:  # a jax PRNG key
+            raise not_an_integer from err
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise not_an_integer
     if jnp.shape(value) != ():
         raise ValueError(f"`step` must be a scalar, got shape {jnp.shape(value)}")
     if isinstance(value, np.ndarray) and not 0 <= int(value) <= np.iinfo(np.int32).max:
