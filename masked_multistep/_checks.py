@@ -619,17 +619,17 @@ def check_value(value: Any) -> jax.Array | None:
 
 def _refuse_beyond_float_range(host: Any, value: Any) -> None:
     """Refuses a host float ``value`` (Python, numpy, 0-d numpy array; ``host``
-    as :func:`host_int_to_float` makes it) that is finite, or an integer, but
-    beyond float32's range, in which the window's loss is averaged (also under
-    x64): it would become infinite. An infinite or NaN float stays what it is."""
+    as :func:`host_int_to_float` makes it, an integer beyond float64 infinite
+    as such a float is) that is finite but beyond float32's range, in which
+    the window's loss is averaged (also under x64): it would become infinite.
+    An infinite or NaN one stays what it is."""
     if isinstance(host, bool) or not isinstance(host, (float, np.floating, np.ndarray)):
         return
     a = np.asarray(host)
     if a.ndim or a.dtype.kind != "f":
         return
     x = float(a)
-    finite = is_host_int(value) or math.isfinite(x)
-    if finite and abs(x) > float(np.finfo(np.float32).max):
+    if math.isfinite(x) and abs(x) > float(np.finfo(np.float32).max):
         raise ValueError(
             "`value` is beyond float32's range, in which the window's loss is "
             f"averaged (it would be infinite), got {short_repr(value)}"

@@ -304,8 +304,7 @@ def test_an_integer_array_value_is_taken_for_a_swapped_count():
 
 @pytest.mark.parametrize(
     "value",
-    [1e39, pytest.param(-(2**200), id="-2**200"), np.float64(6e38)]
-    + [pytest.param(10**400, id="10**400")],
+    [1e39, pytest.param(-(2**200), id="-2**200"), np.float64(6e38)],
 )
 def test_a_finite_host_value_beyond_float32_is_a_value_error(value):
     # It became inf with only numpy's overflow warning: a window whose inner
