@@ -214,7 +214,7 @@ HELP = {
     "microbatches": "microbatches per window (k)",
     "batch_size": "sequences per window, split into k microbatches",
     "seq_len": "model input length (tokens)",
-    "vocab_size": "token ids, padding and topic markers included (8 to 2048)",
+    "vocab_size": "token ids, padding and topic markers included (8 to 8192)",
     "d_model": "model width",
     "num_heads": "attention heads",
     "num_layers": "transformer blocks",
@@ -292,8 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The largest --vocab-size: the corpus's transition tables take 4 x vocab²
-# float64s (128 MiB here).
-MAX_VOCAB = 2048
+# float64s (2 GiB here).
+MAX_VOCAB = 8192
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -52,6 +52,7 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 __all__ = [
     "INT32_MAX",
@@ -1246,12 +1247,17 @@ def in_series(found: list[tuple[Any, Any]]) -> tuple[str, str] | None:
 
 
 def _disjoint_leaves(state_a: Any, state_b: Any) -> bool:
-    """Whether two accumulators' ``acc_grads`` hold no leaf at the same path."""
-    leaves = [
-        {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t)}
-        for t in (state_a.acc_grads, state_b.acc_grads)
-    ]
-    return not leaves[0] & leaves[1]
+    """Whether two accumulators hold complementary parts of one parameter tree:
+    their ``acc_grads`` have the same paths, ``optax.MaskedNode`` placeholders
+    counted (not a tree another transformation made, ``optax.flatten``'s), and
+    no array at the same path."""
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    paths, arrays = [], []
+    for state in (state_a, state_b):
+        leaves = jax.tree_util.tree_leaves_with_path(state.acc_grads, is_leaf=masked)
+        paths.append({jax.tree_util.keystr(p) for p, _ in leaves})
+        arrays.append({jax.tree_util.keystr(p) for p, x in leaves if not masked(x)})
+    return paths[0] == paths[1] and not arrays[0] & arrays[1]
 
 
 def refuse_unknown_keywords(

@@ -108,11 +108,15 @@ def find_boxed(opt_state: Any, what: str = "`opt_state`") -> MaskedMultiStepsSta
     holder = opt_state
     if training_state_kind(opt_state) is not None:
         # A TrainState or an NNX optimizer: the optax state is its `opt_state`
-        # (its params need not be searched). Other states with an
-        # `opt_state` field (optax.contrib.sam's, beside its `adv_state`)
-        # are searched whole.
+        # (its params need not be searched).
         opt_state = opt_state.opt_state
     found = states_in(opt_state, MaskedMultiStepsState)
+    if not found and hasattr(opt_state, "opt_state"):
+        # Other holders with an `opt_state` field are searched whole first
+        # (optax.contrib.sam's state keeps one beside its `adv_state`); one
+        # that is no pytree (a trainer object of the user's) by its field.
+        opt_state = opt_state.opt_state
+        found = states_in(opt_state, MaskedMultiStepsState)
     if len(found) != 1:
         hint = ""
         if found:

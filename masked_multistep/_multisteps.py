@@ -156,17 +156,6 @@ def _no_skip(updates, gradient_step, params):
     return jnp.zeros([], jnp.bool_), ()
 
 
-# The state's scalars, which `init` builds as arrays.
-_SCALAR_FIELDS = (
-    "mini_step",
-    "gradient_step",
-    "acc_count",
-    "acc_value",
-    "value_count",
-    "num_invalid_counts",
-    "num_nonfinite_windows",
-    "updated",
-)
 _DEFAULT_STATS_DECAY = 0.9
 # The params' type, which `apply_gradients` returns them in.
 _ParamsT = TypeVar("_ParamsT")
@@ -986,6 +975,45 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 )
             )
 
+    def _scalars_as_arrays(self, state: Any) -> Any:
+        """``state`` with the scalars given as Python numbers (a window reset by
+        hand, ``state._replace(acc_count=0.0)``; under ``jit``, weakly typed
+        arrays) in the dtypes ``init`` builds (the running mean reads them),
+        where the number's kind fits its field's: an integer count, say, for a
+        float ``count_dtype`` (one its dtype cannot hold is a ``ValueError``).
+        Others are left to the checks."""
+        if not isinstance(state, MaskedMultiStepsState):
+            return state
+        integer = jnp.issubdtype(self._count_dtype, jnp.integer)
+        counts = "i" if integer else "if"
+        fields = {
+            "mini_step": (jnp.int32, "i"),
+            "gradient_step": (jnp.int32, "i"),
+            "num_invalid_counts": (jnp.int32, "i"),
+            "num_nonfinite_windows": (jnp.int32, "i"),
+            "acc_count": (self._count_dtype, counts),
+            "value_count": (self._count_dtype, counts),
+            "acc_value": (jnp.float32, "if"),
+            "updated": (jnp.bool_, "b"),
+        }
+        given = {}
+        for field, (dtype, kinds) in fields.items():
+            x = getattr(state, field)
+            if isinstance(x, (bool, int, float)):
+                kind = {bool: "b", int: "i", float: "f"}[type(x)]
+            elif isinstance(x, jax.Array) and jax.typeof(x).weak_type:
+                kind = jnp.dtype(x.dtype).kind
+            else:
+                continue
+            if kind in kinds:
+                try:
+                    given[field] = jnp.asarray(x, dtype)
+                except OverflowError as err:  # a Python int its dtype cannot hold
+                    raise ValueError(
+                        f"`state.{field}` does not fit {jnp.dtype(dtype)}, got {x}"
+                    ) from err
+        return state._replace(**given) if given else state
+
     def _check_state(self, state: Any, params: Any, grads: Any = None) -> None:
         """Refuses a state that this wrapper's ``init`` did not build.
 
@@ -1065,17 +1093,6 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "call the step under `jax.vmap` too, over the states, gradients "
                 "and params (and counts) of the members"
             )
-        for field in _SCALAR_FIELDS:
-            x = getattr(state, field)
-            if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-                # (A Python number set by hand, `state._replace(acc_count=0.0)`:
-                # jax would take it weakly typed, in another dtype than init's.)
-                raise TypeError(
-                    f"`state.{field}` must be an array, as `init` builds it, got "
-                    f"{_checks.short_repr(x)} of type {type(x).__name__}: to "
-                    f"reset it, `state._replace({field}=jnp.zeros_like("
-                    f"state.{field}))`"
-                )
         # A restore against another wrapper's state keeps that state's dtypes
         # (flax.serialization does): its tokens would be counted, or its mean
         # kept, in the other precision.
@@ -1274,6 +1291,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             extra_args, count, lambda key: _inner.takes_keyword(self._opt, key)
         )
         forced = _checks.close_flag(close)  # `close_window=`
+        state = self._scalars_as_arrays(state)
         self._check_state(state, params, grads)
         if params is not None:
             _checks.refuse_state_as_params(params)

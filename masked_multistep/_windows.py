@@ -363,10 +363,7 @@ def initial_state(policy: WindowPolicy) -> Any:
     and the first leaf that is neither."""
     state = _policy_call(policy, "init")
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if isinstance(leaf, jax.Array) or (
-            isinstance(leaf, (np.ndarray, np.generic, numbers.Number))
-            and np.asarray(leaf).dtype.kind in "biufc"
-        ):
+        if _is_state_leaf(leaf):
             continue
         where = jax.tree_util.keystr(path) or " (the whole state)"
         raise TypeError(
@@ -375,6 +372,18 @@ def initial_state(policy: WindowPolicy) -> Any:
             f"{type(leaf).__name__} at init(){where}"
         )
     return state
+
+
+def _is_state_leaf(leaf: Any) -> bool:
+    """Whether ``leaf`` can be a policy state's: a jax array, or a host number
+    or numpy array of numbers or bools (ml_dtypes' bfloat16 and float8 ones
+    included)."""
+    if isinstance(leaf, jax.Array):
+        return True
+    if not isinstance(leaf, (np.ndarray, np.generic, numbers.Number)):
+        return False
+    dtype = np.asarray(leaf).dtype
+    return dtype == np.bool_ or jnp.issubdtype(dtype, np.number)
 
 
 def verdict(policy: WindowPolicy, policy_state: Any, scalars: WindowScalars) -> Any:

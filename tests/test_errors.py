@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import masked_multistep as mm
+from tests._helpers import assert_bit_identical
 
 PARAMS = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
 GRADS = jax.tree.map(jnp.ones_like, PARAMS)
@@ -1268,14 +1269,29 @@ def test_host_numbers_that_are_no_weights_are_refused_by_the_running_mean():
     assert float(total) == 1.0 and not np.any(np.asarray(out))
 
 
-@pytest.mark.parametrize("number", [0, 0.0])
-def test_a_state_scalar_set_to_a_python_number_is_named(number):
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "field, number",
+    [("acc_count", 0.0), ("acc_count", 0), ("acc_value", 0.0), ("value_count", 0)]
+    + [("mini_step", 0), ("updated", False), ("num_invalid_counts", 0)],
+)
+def test_a_state_scalar_reset_to_a_python_number_is_taken_in_its_dtype(
+    field, number, jit
+):
     # `acc_count=0.0` failed inside the running mean ("'float' object has no
-    # attribute 'dtype'"); `0` was called a count in int32.
+    # attribute 'dtype'"); `acc_count=0` was called a count in int32, also
+    # under jit (a weakly typed int32).
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
-    state = tx.init(PARAMS)._replace(acc_count=number)
-    with pytest.raises(TypeError, match=r"`state.acc_count` must be an array, as"):
-        tx.update(GRADS, state, PARAMS, count=3)
+    update = jax.jit(tx.update) if jit else tx.update
+    want = update(GRADS, tx.init(PARAMS), PARAMS, count=3)
+    got = update(GRADS, tx.init(PARAMS)._replace(**{field: number}), PARAMS, count=3)
+    assert_bit_identical(got, want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype
+    # One its dtype cannot hold is named.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, count_dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"`state.acc_count` does not fit int32"):
+        tx.update(GRADS, tx.init(PARAMS)._replace(acc_count=2**40), PARAMS, count=3)
 
 
 def test_a_leaf_that_is_no_number_in_the_running_mean_is_named():

@@ -222,7 +222,7 @@ def test_data_parallel_matches_one_device_and_resumes_bit_identically(
         # Under a file: orbax's NotADirectoryError, not naming the flag.
         (["--out", f"{__file__}/sub"], "cannot be created: "),
         # numpy's MemoryError for a 298 GiB transition table.
-        (["--vocab-size", "100000"], "--vocab-size must be in [8, 2048], got 100000"),
+        (["--vocab-size", "100000"], "--vocab-size must be in [8, 8192], got 100000"),
     ],
 )
 def test_bad_flags_exit_with_a_message(flags, message, capsys):

@@ -573,6 +573,13 @@ def test_window_stats_and_has_updated_find_nested_states():
         ValueError, match=r"found 2 in a SAMState \(at `state\.opt_state`"
     ):
         mm.find_state(sam.init(params))
+
+    # A trainer object of the user's, no pytree, is read by its `opt_state`.
+    class Trainer:
+        def __init__(self, opt_state):
+            self.opt_state, self.model = opt_state, None
+
+    assert not bool(mm.has_updated(Trainer(mmtx.init(params))))
     with pytest.raises(
         ValueError, match=r"exactly one MaskedMultiStepsState, found 0 in a tuple$"
     ):

@@ -232,10 +232,18 @@ def test_two_wrappers_on_disjoint_masked_halves_are_not_in_series():
     # "a": one window of (1, n=1), (5, n=3); "b": one of all three.
     np.testing.assert_allclose(state.params["a"], -(1 + 15) / 4)
     np.testing.assert_allclose(state.params["b"], -(1 + 15 + 2) / 5)
-    # Halves that overlap ("b" through both) are in series.
-    tx = optax.chain(half(2, {"a": True, "b": True}), half(3, {"a": False, "b": True}))
-    with pytest.raises(TypeError, match=r"two MaskedMultiSteps one after"):
-        mm.TrainState.create(apply_fn=None, params=params, tx=tx)
+    # Halves that overlap ("b" through both) are in series, and so is a
+    # wrapper of another tree of the same params (optax.flatten's vector).
+    series = [
+        optax.chain(half(2, {"a": True, "b": True}), half(3, {"a": False, "b": True})),
+        optax.chain(
+            mm.MaskedMultiSteps(optax.sgd(1.0), 2),
+            optax.flatten(mm.MaskedMultiSteps(optax.sgd(1.0), 2)),
+        ),
+    ]
+    for tx in series:
+        with pytest.raises(TypeError, match=r"two MaskedMultiSteps one after"):
+            mm.TrainState.create(apply_fn=None, params=params, tx=tx)
 
 
 def test_a_new_tx_in_apply_gradients_is_refused():

@@ -1034,8 +1034,9 @@ def test_a_custom_policys_init_must_build_arrays(start):
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=policy)
     with pytest.raises(TypeError, match=r"policy P's `init` must return a pytree of"):
         tx.init(jnp.zeros(2))
-    # Numbers and arrays are a state.
-    for start in (0, 1.5, True, np.int32(2), {"a": jnp.zeros(2)}, ()):
+    # Numbers and arrays are a state (ml_dtypes' numpy ones too).
+    bf16 = np.zeros((), jnp.bfloat16)
+    for start in (0, 1.5, True, np.int32(2), {"a": jnp.zeros(2)}, (), bf16):
         policy = mm.WindowPolicy(
             lambda s=start: s, lambda ps, s: s.microbatches >= 2, lambda ps, s, c: ps
         )
