@@ -53,7 +53,7 @@ from masked_multistep._inspect import find_state, has_updated, window_stats
 from masked_multistep._masked_mean import masked_mean
 from masked_multistep._microbatch import microbatched_value_and_grad
 from masked_multistep._migrate import from_optax_multisteps
-from masked_multistep._multisteps import MaskedMultiSteps, MaskedMultiStepsState
+from masked_multistep._multisteps import MaskedMultiSteps
 from masked_multistep._per_device import (
     data_parallel_value_and_grad,
     per_device_value_and_grad,
@@ -61,6 +61,7 @@ from masked_multistep._per_device import (
 from masked_multistep._running_mean import running_mean_update
 from masked_multistep._schedules import tokens_schedule
 from masked_multistep._settings import from_other_settings
+from masked_multistep._state import MaskedMultiStepsState
 from masked_multistep._stats import noise_scale_estimates
 from masked_multistep._stats_state import WindowStats
 from masked_multistep._token_total import TokenTotal

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from masked_multistep._multisteps import MaskedMultiStepsState
+from masked_multistep._state import MaskedMultiStepsState
 from masked_multistep._stats_state import LeafSums, WindowStatsState
 from masked_multistep._token_total import TokenTotal
 

@@ -25,8 +25,8 @@ from masked_multistep._checks import (
     to_count,
     traced,
 )
-from masked_multistep._multisteps import MaskedMultiStepsState
 from masked_multistep._reduction import placed_like
+from masked_multistep._state import MaskedMultiStepsState
 
 __all__ = ["STATE_0_1_FIELDS", "from_state_0_1", "state_0_1_target"]
 

@@ -624,10 +624,8 @@ def _refuse_beyond_float_range(host: Any, value: Any) -> None:
     as such a float is) that is finite but beyond float32's range, in which
     the window's loss is averaged (also under x64): it would become infinite.
     An infinite or NaN one stays what it is."""
-    if isinstance(host, bool) or not isinstance(host, (float, np.floating, np.ndarray)):
-        return
-    a = np.asarray(host)
-    if a.ndim or a.dtype.kind != "f":
+    a = host_float_scalar(host)
+    if a is None:
         return
     x = float(a)
     if math.isfinite(x) and abs(x) > float(np.finfo(np.float32).max):
@@ -860,6 +858,15 @@ def wrapped_host_ints(x: Any) -> np.dtype | None:
     if int(np.min(x)) < info.min or int(np.max(x)) > info.max:
         return narrow
     return None
+
+
+def host_float_scalar(x: Any) -> np.ndarray | None:
+    """``x`` as a 0-d numpy float array where it is a host floating scalar
+    (a Python float, a numpy floating scalar or 0-d array), else ``None``."""
+    if isinstance(x, bool) or not isinstance(x, (float, np.floating, np.ndarray)):
+        return None
+    a = np.asarray(x)
+    return None if a.ndim or a.dtype.kind != "f" else a
 
 
 def host_int_to_float(x: Any) -> Any:

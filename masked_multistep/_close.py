@@ -110,17 +110,15 @@ class WindowClose(NamedTuple):
 
     reduction: Any  # `_reduction.Local` or `_deferred.Deferred`
     recorder: _stats.Recorder
-    plan: Any  # `_inner.window_shapes`' plan of the inner update
+    plan: _inner.WindowPlan  # what the inner update needs and returns
     # Whether the updates take the accumulator's buffer (`update`, where they
     # fit it), and whether the params are updated in place (`apply_gradients`).
     reuse_acc: bool
     apply_params: bool
-    needs_value: bool  # the inner optimizer reads the window's loss
     value_dtype: Any  # the dtype of the window's loss
     # Where `close_window=` alone closes the window (`None` without it).
     forced_only: jax.Array | None
     grads: Any  # the microbatch's gradients (placements, the mean's narrowing)
-    updates_avals: Any
 
     def hold(self, in_place, mean, read_only_params, dynamic_args):
         """The output besides the state passed through: ``update``'s zeros,
@@ -129,7 +127,7 @@ class WindowClose(NamedTuple):
         del in_place, mean, dynamic_args
         if self.reuse_acc or self.apply_params:
             return ()
-        return _zeros_placed_like(self.updates_avals, self.grads, read_only_params)
+        return _zeros_placed_like(self.plan.updates_avals, self.grads, read_only_params)
 
     def run(self, in_place, mean, read_only_params, dynamic_args):
         """The inner optimizer's update on ``mean`` (``None``: the accumulator
@@ -186,7 +184,7 @@ class WindowClose(NamedTuple):
             # Cast to the gradients' narrower dtype (a flush with float16
             # zeros after float32 gradients), a finite mean may overflow.
             finite = finite & all_finite(narrowed, (), figures)
-        if self.needs_value:
+        if self.plan.needs_value:
             finite = finite & jnp.isfinite(window_loss)
         # Where the mean is the accumulator itself, `run` reads it from the
         # state it updates (one buffer, not two names for it).

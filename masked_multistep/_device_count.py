@@ -56,13 +56,13 @@ from masked_multistep._checks import (
     traced,
 )
 from masked_multistep._deferred import _exact_sums
-from masked_multistep._multisteps import MaskedMultiStepsState
 from masked_multistep._reduction import (
     _from_host,
     mean_over_devices,
     placed_like,
     through_key_data,
 )
+from masked_multistep._state import MaskedMultiStepsState
 from masked_multistep._stats_state import SLOTS, LeafSums
 
 __all__ = ["device_count_target", "from_device_count"]

@@ -15,7 +15,7 @@ from masked_multistep._checks import (
     refuse_restore_target,
     training_state_kind,
 )
-from masked_multistep._multisteps import (
+from masked_multistep._state import (
     MaskedMultiStepsState,
     has_field_named,
     states_in,

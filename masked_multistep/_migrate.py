@@ -19,13 +19,10 @@ from masked_multistep._checks import (
 )
 from masked_multistep._deferred import Deferred
 from masked_multistep._inspect import holds_variables, unboxed, unboxed_all
-from masked_multistep._multisteps import (
-    MaskedMultiSteps,
-    MaskedMultiStepsState,
-    has_field_named,
-)
+from masked_multistep._multisteps import MaskedMultiSteps
 from masked_multistep._reduction import placed_like
 from masked_multistep._running_mean import compute_dtype
+from masked_multistep._state import MaskedMultiStepsState, has_field_named
 from masked_multistep._token_total import token_total, with_tokens_seen
 
 __all__ = ["from_optax_multisteps"]

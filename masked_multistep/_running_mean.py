@@ -46,6 +46,7 @@ import numpy as np
 from masked_multistep._branch import cond
 from masked_multistep._checks import (
     check_flag,
+    host_float_scalar,
     host_int_to_float,
     is_host_int,
     real_array,
@@ -368,10 +369,8 @@ def _beyond_float_range(x: Any) -> bool:
     """Whether ``x`` is a host floating scalar (Python, numpy, 0-d array) of
     float32 or wider beyond the range of the float jax makes of it (float32
     without x64). (Narrower floats are refused as they are.)"""
-    if isinstance(x, bool) or not isinstance(x, (float, np.floating, np.ndarray)):
-        return False
-    a = np.asarray(x)
-    if a.ndim or a.dtype.kind != "f" or a.dtype.itemsize < 4:
+    a = host_float_scalar(x)
+    if a is None or a.dtype.itemsize < 4:
         return False
     top = np.finfo(jax.dtypes.canonicalize_dtype(a.dtype)).max
     return not bool(np.abs(a) <= top)

@@ -29,7 +29,7 @@ from masked_multistep._reduction import placed_like
 from masked_multistep._token_total import TokenTotal, token_total, with_tokens_seen
 
 if TYPE_CHECKING:
-    from masked_multistep._multisteps import MaskedMultiStepsState
+    from masked_multistep._state import MaskedMultiStepsState
 
 __all__ = ["from_other_settings"]
 

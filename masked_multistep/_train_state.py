@@ -32,12 +32,9 @@ from masked_multistep._checks import (
     to_count,
 )
 from masked_multistep._inspect import find_boxed, state_paths, unboxed
-from masked_multistep._multisteps import (
-    MaskedMultiSteps,
-    MaskedMultiStepsState,
-    states_in,
-)
+from masked_multistep._multisteps import MaskedMultiSteps
 from masked_multistep._reduction import Local
+from masked_multistep._state import MaskedMultiStepsState, states_in
 
 try:
     from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
