@@ -862,7 +862,10 @@ def microbatched_value_and_grad(
         tokens), never wrapped. Beyond, it is a float32 running sum: each of
         the ``k`` additions rounds it by at most 2**-24 of it (6e-8), so it is
         within ``k·6e-8`` relative of the token total (as the weights are), and
-        ``int(count)`` is the token total exactly only up to 2**24.
+        ``int(count)`` is the token total exactly only up to 2**24. Under x64
+        too: float64 gradients weighed by fractional float64 counts (soft
+        masks) are then as precise as float32 weights (about 1e-8 relative),
+        not float64; whole counts up to 2**24 are exact weights.
       * Counts are constants to differentiation (data, like a mask): ``grads``
         is ``Σ nᵢ ∇ℓᵢ / Σ nᵢ``, and derivatives of the returned ``loss`` and
         ``count`` treat the ``nᵢ`` alike. That is the full batch's gradient
@@ -962,7 +965,8 @@ def microbatched_value_and_grad(
         the module in ``loss_fn`` with ``eqx.combine(params, static)``.
       * ``with_stats=True`` also returns the call's :class:`WindowStats`, the
         statistics :class:`MaskedMultiSteps` keeps per window (the call is one
-        window of ``k`` microbatches): tokens, microbatches with tokens, loss,
+        window of ``k`` microbatches, a microbatch with an invalid count one
+        with no tokens, where the wrapper under ``jit`` skips it): tokens, microbatches with tokens, loss,
         ``‖ḡ‖²`` and the gradient noise scale ``B_simple`` with its parts. It
         costs one squared-norm reduction of each microbatch's gradient.
         ``smoothed_noise_scale`` is this call's ``noise_scale``; smooth over
