@@ -966,8 +966,9 @@ def microbatched_value_and_grad(
       * ``with_stats=True`` also returns the call's :class:`WindowStats`, the
         statistics :class:`MaskedMultiSteps` keeps per window (the call is one
         window of ``k`` microbatches, a microbatch with an invalid count one
-        with no tokens, where the wrapper under ``jit`` skips it): tokens, microbatches with tokens, loss,
-        ``‖ḡ‖²`` and the gradient noise scale ``B_simple`` with its parts. It
+        with no tokens, where the wrapper under ``jit`` skips it): tokens,
+        microbatches with tokens, loss, ``‖ḡ‖²`` and the gradient noise scale
+        ``B_simple`` with its parts. It
         costs one squared-norm reduction of each microbatch's gradient.
         ``smoothed_noise_scale`` is this call's ``noise_scale``; smooth over
         calls with your own moving averages. With ``per_leaf_stats=True`` as

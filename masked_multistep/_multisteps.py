@@ -12,6 +12,7 @@ state's layout and the checks of a state handed to a step in ``_state``.
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, Never, TypeVar
@@ -150,7 +151,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
     gradient before accumulating, which is no longer the full-batch gradient.
 
     Pass ``count`` as a ``jax.Array`` (e.g. from :func:`masked_mean`) to a jitted
-    step: a Python int is a different type to ``jit`` and costs a retrace.
+    step: a Python int is a different type to ``jit``, so mixing the two kinds
+    compiles the step once more (once per kind, not per value).
 
     Calls: ``tx.init(params)``; per microbatch ``tx.update(grads, state, params,
     count=n, value=loss)`` (see its ``help``) or :meth:`apply_gradients`, which
@@ -1275,6 +1277,22 @@ def _unflatten(tx: MaskedMultiSteps, children: Any) -> Any:
 
 
 jax.tree_util.register_pytree_node(MaskedMultiSteps, _flatten, _unflatten)
+
+
+def _public_signature() -> inspect.Signature:
+    """``MaskedMultiSteps(...)``'s signature as ``help`` and ``inspect`` show it:
+    ``__new__``'s without ``cls`` and the catch-all ``**unknown``, which only
+    turns a misspelt keyword into an error with a suggestion."""
+    sig = inspect.signature(MaskedMultiSteps.__new__)
+    kept = [
+        p
+        for name, p in sig.parameters.items()
+        if name != "cls" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    return sig.replace(parameters=kept)
+
+
+MaskedMultiSteps.__signature__ = _public_signature()  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _refuse_nested_accumulation(inner_opt_state: Any) -> None:

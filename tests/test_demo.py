@@ -151,6 +151,11 @@ def test_the_footer_follows_the_run():
     summary["runs"]["masked_multisteps"]["grad_rel_error_mean"] = 3.1e-7
     text = " ".join(report.format_table(summary).split())
     assert "over the last step." in text
+    assert text.startswith("1 step; batches of 8 sequences in 2 microbatches;")
+    summary["config"].update(batch_size=1, microbatches=1)
+    assert report.format_table(summary).startswith(
+        "1 step; batches of 1 sequence in 1 microbatch;"
+    )
     assert (
         "In short: optax.MultiSteps handed adam a gradient 52% off on average, "
         "mm.MaskedMultiSteps one 3.1e-07 off; held-out loss 1.2500 and 1.0000, the "

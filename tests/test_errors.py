@@ -131,6 +131,20 @@ def test_optax_multisteps_keywords_are_explained():
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, unknown=1)
 
 
+def test_the_signature_shown_lists_the_real_keywords_only():
+    # `help(mm.MaskedMultiSteps)` shows the arguments, not `cls` or the
+    # catch-all that turns a misspelt keyword into an error.
+    import inspect
+
+    params = inspect.signature(mm.MaskedMultiSteps).parameters
+    assert list(params)[:2] == ["opt", "every_k_schedule"]
+    assert "cls" not in params and "unknown" not in params
+    assert set(params) == set(mm.MaskedMultiSteps(optax.sgd(1.0), 2)._config[1]) | {
+        "opt",
+        "every_k_schedule",
+    }
+
+
 def test_microbatching_keywords_of_other_apis_are_explained():
     # They got Python's bare "unexpected keyword argument".
     loss = lambda w, mb: mm.masked_mean(w * mb, jnp.ones_like(mb, bool))  # noqa: E731
@@ -332,6 +346,12 @@ def test_float0_gradients_and_non_array_params_are_named():
     for leaf in ("relu", "int8"):
         with pytest.raises(TypeError, match=rf"got str '{leaf}' at params\['act'\]"):
             tx.init({"w": jnp.zeros(2), "act": leaf})
+    # A function leaf (an equinox module's activation) is named by its type,
+    # not by an address cut in half.
+    with pytest.raises(TypeError) as err:
+        tx.init({"w": jnp.zeros(2), "act": jax.nn.relu})
+    assert "custom_jvp object> at params['act']" in str(err.value)
+    assert " at 0x" not in str(err.value)
     # Python numbers are params like arrays, complex ones too.
     state = tx.init({"c": 1 + 2j, "f": 1.0})
     assert state.acc_grads["c"].dtype == jnp.complex64

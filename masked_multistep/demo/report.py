@@ -64,6 +64,11 @@ def _loss_tail(steps: int) -> int:
     return max(1, min(10, steps))
 
 
+def _count(n: int, one: str, many: str = "") -> str:
+    """``n`` with its noun, singular for 1: ``_count(1, "step")`` is "1 step"."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """A plain-text table of the per-run numbers, its legend, and the masked
     run's window statistics."""
@@ -73,8 +78,10 @@ def format_table(summary: dict[str, Any]) -> str:
         f"{'train loss':>11} {'held-out loss':>14}"
     )
     lines = [
-        f"{c['steps']} steps; batches of {c['batch_size']} sequences in "
-        f"{c['microbatches']} microbatches; length skew {c['skew']:g}",
+        f"{_count(c['steps'], 'step')}; batches of "
+        f"{_count(c['batch_size'], 'sequence')} in "
+        f"{_count(c['microbatches'], 'microbatch', 'microbatches')}; "
+        f"length skew {c['skew']:g}",
         "real tokens per microbatch in the first batch: "
         f"{summary['tokens_per_microbatch_first_batch']}",
         "",
