@@ -172,13 +172,14 @@ def _kind(dtype: Any) -> str:
 
 _MISSING_COUNT = (
     "MaskedMultiSteps.update needs the microbatch's token count: call "
-    "`tx.update(grads, state, params, count=n)`. Inside `optax.chain`, pass "
-    "`count=n` to the chain's update (the wrapper is an optax "
-    "GradientTransformationExtraArgs, so the chain forwards it). flax's "
-    "`train_state.TrainState.apply_gradients` passes no extra arguments: use "
-    "`masked_multistep.TrainState`, whose `apply_gradients(grads=..., count=n)` does. "
-    "With flax NNX: `optimizer.update(model, grads, count=n)`. A "
-    "transformation around the wrapper must forward `count=` to it: "
+    "`tx.update(grads, state, params, count=n)`. Where another call runs it:\n"
+    "- `optax.chain`: pass `count=n` to the chain's update (the chain "
+    "forwards it);\n"
+    "- flax linen: flax's `train_state.TrainState.apply_gradients` passes no "
+    "extra arguments; use `masked_multistep.TrainState`, whose "
+    "`apply_gradients(grads=..., count=n)` does;\n"
+    "- flax NNX: `optimizer.update(model, grads, count=n)`;\n"
+    "- a transformation around the wrapper must forward `count=` to it: "
     "`optax.lookahead` and `optax.contrib.sam` do not (put sam inside the "
     "wrapper, `MaskedMultiSteps(optax.contrib.sam(...), k)`)."
 )
@@ -1207,7 +1208,7 @@ def check_extra_args(
     if count is None:
         others = [k for k in extra_args if k != "value"]
         got = (
-            f" It got no `count`, and the keyword argument(s) "
+            f"\nIt got no `count`, and the keyword argument(s) "
             f"{', '.join(map(repr, others))}."
             if others
             else ""

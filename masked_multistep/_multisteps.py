@@ -12,7 +12,6 @@ state's layout and the checks of a state handed to a step in ``_state``.
 from __future__ import annotations
 
 import functools
-import inspect
 import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, Never, TypeVar
@@ -472,7 +471,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         stats_decay: float | np.floating = _DEFAULT_STATS_DECAY,
         per_leaf_stats: bool | np.bool_ = False,
         # Typed Never so that a type checker flags a misspelt keyword; at run
-        # time it gets the error below, with a suggestion.
+        # time it gets the error below, with a suggestion. (Kept in the
+        # signature `inspect` shows: optax.inject_hyperparams binds it as
+        # `unknown={}`, which is how a wrapper built by it is recognised.)
         **unknown: Never,
     ) -> MaskedMultiSteps:
         if unknown.get("unknown", None) == {}:
@@ -1277,22 +1278,6 @@ def _unflatten(tx: MaskedMultiSteps, children: Any) -> Any:
 
 
 jax.tree_util.register_pytree_node(MaskedMultiSteps, _flatten, _unflatten)
-
-
-def _public_signature() -> inspect.Signature:
-    """``MaskedMultiSteps(...)``'s signature as ``help`` and ``inspect`` show it:
-    ``__new__``'s without ``cls`` and the catch-all ``**unknown``, which only
-    turns a misspelt keyword into an error with a suggestion."""
-    sig = inspect.signature(MaskedMultiSteps.__new__)
-    kept = [
-        p
-        for name, p in sig.parameters.items()
-        if name != "cls" and p.kind is not inspect.Parameter.VAR_KEYWORD
-    ]
-    return sig.replace(parameters=kept)
-
-
-MaskedMultiSteps.__signature__ = _public_signature()  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _refuse_nested_accumulation(inner_opt_state: Any) -> None:

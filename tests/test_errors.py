@@ -131,20 +131,6 @@ def test_optax_multisteps_keywords_are_explained():
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, unknown=1)
 
 
-def test_the_signature_shown_lists_the_real_keywords_only():
-    # `help(mm.MaskedMultiSteps)` shows the arguments, not `cls` or the
-    # catch-all that turns a misspelt keyword into an error.
-    import inspect
-
-    params = inspect.signature(mm.MaskedMultiSteps).parameters
-    assert list(params)[:2] == ["opt", "every_k_schedule"]
-    assert "cls" not in params and "unknown" not in params
-    assert set(params) == set(mm.MaskedMultiSteps(optax.sgd(1.0), 2)._config[1]) | {
-        "opt",
-        "every_k_schedule",
-    }
-
-
 def test_microbatching_keywords_of_other_apis_are_explained():
     # They got Python's bare "unexpected keyword argument".
     loss = lambda w, mb: mm.masked_mean(w * mb, jnp.ones_like(mb, bool))  # noqa: E731
@@ -390,11 +376,11 @@ def test_missing_count_says_how_to_pass_it(tx):
         mm.MaskedMultiSteps.update.__doc__ or ""
     )
     assert "initial state" in (mm.MaskedMultiSteps.init.__doc__ or "")
-    with pytest.raises(TypeError, match=r"count=n.*masked_multistep.TrainState"):
+    with pytest.raises(TypeError, match=r"(?s)count=n.*masked_multistep.TrainState"):
         jax.jit(tx.update)(GRADS, tx.init(PARAMS), PARAMS)
     # A count under a name too far from `count` to be taken for a misspelling
     # (`cnt`: NNX's `optimizer.update(model, grads, cnt=n)`) is named.
-    with pytest.raises(TypeError, match=r"count=n.*no `count`, .* 'cnt'\.$"):
+    with pytest.raises(TypeError, match=r"(?s)count=n.*no `count`, .* 'cnt'\.$"):
         tx.update(GRADS, tx.init(PARAMS), PARAMS, cnt=3, value=1.0)
 
 
@@ -1337,7 +1323,7 @@ def test_a_transformation_around_the_wrapper_that_drops_count_is_named():
     tx = optax.contrib.sam(optax.sgd(0.1), mm.MaskedMultiSteps(optax.sgd(0.1), 2))
     params = jnp.ones(2)
     state = tx.init(params)
-    with pytest.raises(TypeError, match=r"must forward `count=`.*put sam inside"):
+    with pytest.raises(TypeError, match=r"(?s)must forward `count=`.*put sam inside"):
         tx.update(jnp.ones(2), state, params)
 
 
