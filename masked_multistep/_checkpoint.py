@@ -22,6 +22,7 @@ from masked_multistep._checks import (
     check_count_dtype,
     holds_abstract,
     nested_hint,
+    refuse_restore_target,
     to_count,
     traced,
 )
@@ -372,8 +373,10 @@ def from_state_0_1(
 
     Raises:
       TypeError: if ``template`` is not a concrete state (``tx.init(params)``,
-        not its abstract form), ``restored`` not a mapping, ``tokens_seen``
-        not a number, or the call is traced by ``jit``.
+        not its abstract form), ``restored`` not a mapping or one of
+        ``jax.ShapeDtypeStruct`` leaves (the restore target, not what the
+        restore returns), ``tokens_seen`` not a number, or the call is traced
+        by ``jit``.
       ValueError: if ``tokens_seen`` is not a whole number in ``[0, 2**48]``;
         if ``restored`` does not have the 0.1 fields, or their
         structure or shapes differ from ``template``'s; if a field holds
@@ -435,6 +438,7 @@ def from_state_0_1(
             "`restored` must be the 0.1 state as a mapping of its fields (restore "
             f"it against `state_0_1_target(template)`), got {type(restored).__name__}"
         )
+    refuse_restore_target(dict(restored), "`restored`")
     if traced((dict(restored), template)):
         raise TypeError(
             "from_state_0_1 reads the restored values to check them (token "

@@ -15,6 +15,7 @@ from masked_multistep._checks import (
     host_int_to_float,
     nested_hint,
     refuse_narrow_float,
+    refuse_restore_target,
     to_count,
 )
 from masked_multistep._deferred import Deferred
@@ -184,7 +185,9 @@ def from_optax_multisteps(
 
     Raises:
       TypeError: if ``state`` is not an ``optax.MultiStepsState``, ``tx`` not a
-        :class:`MaskedMultiSteps`, ``acc_count`` not a real scalar,
+        :class:`MaskedMultiSteps`, ``acc_count`` not a real scalar, ``state``
+        or ``acc_count`` holds ``jax.ShapeDtypeStruct`` leaves (a restore
+        target),
         ``use_grad_mean`` not a bool, ``tokens_seen`` not a number, or the
         call is traced by ``jit``.
       ValueError: if ``tokens_seen`` is not a whole number in ``[0, 2**48]``;
@@ -239,6 +242,8 @@ def from_optax_multisteps(
         raise TypeError(
             f"`tx` must be a masked_multistep.MaskedMultiSteps, got {type(tx).__name__}"
         )
+    refuse_restore_target(state, "`state`")
+    refuse_restore_target(acc_count, "`acc_count`")
     use_grad_mean = check_flag(use_grad_mean, "`use_grad_mean`")
     # An NNX optimizer keeps its state in variables (`optimizer.opt_state`)
     # around the optax state of its params' arrays, and `nnx.state(model,

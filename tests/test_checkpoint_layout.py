@@ -103,6 +103,11 @@ def test_from_state_0_1_refuses_what_is_not_a_0_1_state():
         mm.from_state_0_1(template._asdict(), template)
     with pytest.raises(TypeError, match="`restored` must be"):
         mm.from_state_0_1(list(mm.STATE_0_1_FIELDS), template)
+    # The restore target in place of what the restore returns (was a dtype
+    # mismatch, "holds dtype object where the template has int32").
+    abstract = jax.eval_shape(lambda: mm.state_0_1_target(template))
+    with pytest.raises(TypeError, match="`restored` holds jax.ShapeDtypeStructs"):
+        mm.from_state_0_1(abstract, template)
     # The 0.1 state as the NamedTuple flax.serialization restores reads as
     # its fields.
     as_tuple = mm.from_state_0_1(_as_0_1(template), template)

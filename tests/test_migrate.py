@@ -240,6 +240,14 @@ def test_step_counters_out_of_int32_are_refused_by_name(field, value):
 def test_mismatches_are_refused():
     old, state, params = _mid_window()
     tx = mm.MaskedMultiSteps(optax.adam(0.1), 3)
+    # An abstract state or count (a restore target, `jax.eval_shape`'s): was
+    # "must be an integer ..., got ShapeDtypeStruct(...) of dtype object".
+    abstract = jax.eval_shape(lambda: state)
+    with pytest.raises(TypeError, match="`state` holds jax.ShapeDtypeStructs"):
+        mm.from_optax_multisteps(abstract, tx, params, acc_count=3)
+    shape = jax.ShapeDtypeStruct((), jnp.float32)
+    with pytest.raises(TypeError, match="`acc_count` holds jax.ShapeDtypeStructs"):
+        mm.from_optax_multisteps(state, tx, params, acc_count=shape)
     with pytest.raises(TypeError, match="`state` must be an optax.MultiStepsState"):
         mm.from_optax_multisteps(tx.init(params), tx, params, acc_count=3)
     with pytest.raises(TypeError, match="`tx` must be a masked_multistep"):
