@@ -66,16 +66,17 @@ $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP): $(VENV)/.installed-%: setup.cfg pyproject.
 	if [ -z "$$v" ] || { ! ls $(VENV)/.installed-* >/dev/null 2>&1 \
 			&& [ "$$v" != "$$($(PYTHON) -c '$(PY_MINOR)')" ]; }; then \
 		echo "$(PYTHON) -m venv --clear $(VENV)"; $(PYTHON) -m venv --clear $(VENV); fi
-	@echo "Installing masked_multistep[$*] and its pinned dependencies into $(VENV) (once; later runs reuse it)..."
+	@echo "Installing masked_multistep[$*] and its pinned dependencies into $(VENV)..."
 	@$(BIN)/python -m pip install -q --upgrade pip
 	@# uv installs the same pinned set several times faster than pip; where uv
 	@# cannot be installed (no wheel for the platform), pip does it. Compiled to
 	@# bytecode as pip does: every process (test workers, notebook kernels)
 	@# would otherwise compile jax's and flax's sources again on import.
-	@if $(BIN)/python -m pip install -q -c constraints.txt uv; then \
+	@if $(BIN)/python -m pip install -q -c constraints.txt uv 2>/dev/null; then \
 		$(BIN)/python -m uv pip install -q --compile-bytecode \
 			--python $(BIN)/python -c constraints.txt -e ".[$*]"; \
 	else \
+		echo "(uv cannot be installed here: installing with pip)"; \
 		$(BIN)/python -m pip install -q -c constraints.txt -e ".[$*]"; \
 	fi
 	@touch $@

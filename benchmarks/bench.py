@@ -201,25 +201,39 @@ def interleave(
     """Round-robin windows: one warm-up each, then ``repeats`` rounds (of
     anything with a ``window() -> seconds`` method, a :class:`Runner` here).
 
-    Round ``i`` starts with the ``i``-th competitor and goes on in order, so
-    that each takes every place in the round as often as the others (a place
-    may matter: the first after another's large allocations, say); the order
-    depends only on ``i``, the same in every process. ``before`` runs,
-    untimed, before every window (several processes: a barrier, so that no
-    window's time includes waiting for a process that is still finishing the
-    previous competitor's).
+    The rounds' orders are a balanced Latin square (:func:`round_orders`):
+    every competitor takes every place in a round, and follows every other
+    one, as often as the others over a cycle of rounds (a place may matter:
+    the first after another's large allocations, say); the order depends
+    only on the round, the same in every process. ``before`` runs, untimed,
+    before every window (several processes: a barrier, so that no window's
+    time includes waiting for a process that is still finishing the previous
+    competitor's).
     """
     for r in runners.values():
         before()
         r.window()
     times: dict[str, list[float]] = {name: [] for name in runners}
     names = list(runners)
+    orders = round_orders(len(names))
     for i in range(repeats):
-        shift = i % len(names) if names else 0
-        for name in names[shift:] + names[:shift]:
+        for j in orders[i % len(orders)]:
             before()
-            times[name].append(runners[name].window())
+            times[names[j]].append(runners[names[j]].window())
     return times
+
+
+def round_orders(n: int) -> list[list[int]]:
+    """A balanced Latin square of ``n`` competitors (Williams 1949): rows in
+    which each takes each place once and directly follows each other one
+    equally often (``n`` rows for an even ``n``, ``2n`` for an odd one)."""
+    if n == 0:
+        return [[]]
+    base = [0]
+    for j in range(1, n):
+        base.append((j + 1) // 2 if j % 2 else n - j // 2)
+    rows = [[(b + r) % n for b in base] for r in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
 def median_ratio(a: list[float], b: list[float]) -> float:

@@ -53,11 +53,13 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -154,8 +156,16 @@ def worker(args: argparse.Namespace) -> None:
             out = args.out
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    finally:
-        jax.distributed.shutdown()
+    except BaseException:
+        # A failed worker stops at once, its traceback written:
+        # `jax.distributed.shutdown()` would wait at a barrier for the other
+        # process, which waits in a collective for this one (a hang until the
+        # parent's timeout, the cause lost).
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    jax.distributed.shutdown()
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -481,6 +491,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_for(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
+    """The workers' exit codes once all have exited, or as soon as one fails
+    (the other would wait for it in a collective): ``None`` for one still
+    running, also for every one still running after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        if None not in codes or any(c not in (None, 0) for c in codes):
+            return codes
+        if time.monotonic() > deadline:
+            return codes
+        time.sleep(0.2)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    del frame
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
@@ -508,6 +537,10 @@ def main(argv: list[str] | None = None) -> int:
         str(cfg["repeats"]),
     ] + (["--quick"] if cfg["quick"] else [])
     procs = []
+    codes: list[int | None] = [None] * NUM_PROCESSES
+    # SIGTERM (a supervisor's stop, `kill PID`) as an exception, so that the
+    # `finally` below stops the workers too.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".worker1.log")
     try:
@@ -528,22 +561,23 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 with open(log, "wb") as f:
                     procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=f))
-        deadline = time.monotonic() + WORKER_TIMEOUT_S
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        print(f"workers still running after {WORKER_TIMEOUT_S} s", file=sys.stderr)
-        return 1
+        codes = _wait_for(procs, WORKER_TIMEOUT_S)
     finally:
+        # Also where the parent is stopped (Ctrl-C, or SIGTERM, made an
+        # exception above): the workers would run on for a whole benchmark.
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
-    codes = [p.returncode for p in procs]
     if codes != [0] * NUM_PROCESSES:
-        # The workers' output, in the locale's encoding as they wrote it.
+        # Worker 0 wrote to this terminal; worker 1's output, in the locale's
+        # encoding as it wrote it.
         err = log.read_text(encoding="locale", errors="replace") if log.exists() else ""
-        print(f"worker exit codes {codes}\n{err[-4000:]}", file=sys.stderr)
+        if all(c in (None, 0) for c in codes):
+            why = f"workers still running after {WORKER_TIMEOUT_S} s"
+        else:  # (-9 for a worker stopped here after the other failed)
+            why = f"worker exit codes {[p.returncode for p in procs]}"
+        print(f"{why}; worker 1's output ({log}):\n{err[-4000:]}", file=sys.stderr)
         return 1
     result = json.loads(out.read_text(encoding="utf-8"))
     width, k = HEADLINE

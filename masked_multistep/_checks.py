@@ -492,15 +492,18 @@ EQX_RECIPE = (
 
 
 def short_repr(x: Any, width: int = 60) -> str:
-    """``repr(x)``, cut to ``width`` characters with an ellipsis; an object's
-    default repr without its address (``<jax...custom_jvp object>``)."""
-    text = _DEFAULT_REPR_ADDRESS.sub(" object>", repr(x))
+    """``repr(x)``, cut to ``width`` characters with an ellipsis; a repr that
+    ends in a memory address without it (``<function gelu>``, ``<...custom_jvp
+    object>``). A string is quoted as it is."""
+    text = repr(x)
+    if not isinstance(x, str):
+        text = _REPR_ADDRESS.sub(">", text)
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-# `object.__repr__`'s address, which says nothing to a reader and, cut to a
-# width, leaves half a hexadecimal number.
-_DEFAULT_REPR_ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+>")
+# The address that default reprs (objects', functions') end in, which says
+# nothing to a reader and, cut to a width, leaves half a hexadecimal number.
+_REPR_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
 
 
 def holds_instance(tree: Any, module: str, *names: str) -> bool:

@@ -864,8 +864,9 @@ def microbatched_value_and_grad(
         within ``k·6e-8`` relative of the token total (as the weights are), and
         ``int(count)`` is the token total exactly only up to 2**24. Under x64
         too: float64 gradients weighed by fractional float64 counts (soft
-        masks) are then as precise as float32 weights (about 1e-8 relative),
-        not float64; whole counts up to 2**24 are exact weights.
+        masks) are then as precise as float32 weights (about 6e-8 relative,
+        per element more where terms cancel), not float64; whole counts up to
+        2**24 are exact weights.
       * Counts are constants to differentiation (data, like a mask): ``grads``
         is ``Σ nᵢ ∇ℓᵢ / Σ nᵢ``, and derivatives of the returned ``loss`` and
         ``count`` treat the ``nᵢ`` alike. That is the full batch's gradient

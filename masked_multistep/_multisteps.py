@@ -893,7 +893,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
 
     @functools.cached_property
     def _settings_layout(self) -> Any:
-        """:func:`_layout` of the state's fields that the settings shape.
+        """:func:`~masked_multistep._state.layout` of the state's fields that
+        the settings shape.
 
         Traced on the reduction's mesh, where it has one: it is first needed
         inside a step, which may be traced without ``jax.set_mesh``, and on a

@@ -96,6 +96,12 @@ class MaskedMultiStepsState(NamedTuple):
     reduction_state: Any = ()
 
 
+# Pickles name the class by its module: the one it was defined in before this
+# module held it, which still exports it, so that a state pickled here loads
+# with earlier versions too.
+MaskedMultiStepsState.__module__ = "masked_multistep._multisteps"
+
+
 def states_in(tree: Any, types: type | tuple[type, ...]) -> list[Any]:
     """The nodes of ``tree`` that are instances of ``types`` (outermost ones:
     a match is not searched further), in leaf order."""

@@ -283,7 +283,38 @@ def test_window_rows_divide_by_k_and_take_each_ratio_against_its_reference(
     assert floor["minor_faults_per_microbatch"] == pytest.approx(3.0)
 
 
-def test_each_round_starts_with_the_next_competitor():
+def test_bench_dp_stops_waiting_as_soon_as_a_worker_fails():
+    # A worker that failed left the other waiting in a collective, and the
+    # parent waited for both until its 15-minute timeout.
+    import time
+
+    (bench_dp,) = _import_benchmarks("bench_dp")
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    failing = [sys.executable, "-c", "raise SystemExit(3)"]
+    procs = [subprocess.Popen(sleeper), subprocess.Popen(failing)]
+    try:
+        started = time.monotonic()
+        codes = bench_dp._wait_for(procs, timeout_s=60)
+        assert codes == [None, 3]
+        assert time.monotonic() - started < 30
+        ok = [sys.executable, "-c", "pass"]
+        assert bench_dp._wait_for([subprocess.Popen(ok)], timeout_s=60) == [0]
+        # Past the timeout: the ones still running are None.
+        late = subprocess.Popen(sleeper)
+        assert bench_dp._wait_for([late], timeout_s=0.5) == [None]
+        late.kill()
+        late.wait()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_rounds_vary_each_competitors_place_and_predecessor():
+    # The rounds were rotations of one order: every competitor took every
+    # place, but followed the same one in all rounds but one.
+    import collections
+
     (bench,) = _import_benchmarks("bench")
     order = []
 
@@ -295,10 +326,18 @@ def test_each_round_starts_with_the_next_competitor():
             order.append(self.name)
             return 1.0
 
-    times = bench.interleave({n: Window(n) for n in "abc"}, repeats=4)
+    times = bench.interleave({n: Window(n) for n in "abc"}, repeats=6)
     assert order[:3] == list("abc")  # the warm-up windows
-    assert order[3:] == list("abcbcacababc")
-    assert times == dict.fromkeys("abc", [1.0] * 4)
+    rounds = [order[3 + 3 * i : 6 + 3 * i] for i in range(6)]
+    assert rounds == [list(r) for r in ("abc", "bca", "cab", "cba", "acb", "bac")]
+    assert times == dict.fromkeys("abc", [1.0] * 6)
+    for n in range(1, 12):
+        rows = bench.round_orders(n)
+        places = collections.Counter((c, i) for r in rows for i, c in enumerate(r))
+        follows = collections.Counter(p for r in rows for p in zip(r, r[1:]))
+        assert all(sorted(r) == list(range(n)) for r in rows)
+        assert len(places) == n * n and len(set(places.values())) == 1
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
 
 
 def _full_batch_adam(workload, full, learning_rate, windows=2):

@@ -178,3 +178,19 @@ def test_a_checkpoint_restored_without_a_target_says_so_to_every_converter(tmp_p
             r"restore against the target",
         ):
             convert()
+
+
+def test_a_pickled_state_names_the_module_every_version_has():
+    # The class is defined in `_state`; a pickle names `_multisteps`, where
+    # versions before that defined it (and which still exports it), so that
+    # it loads with them too, and theirs load here.
+    import pickle
+
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    params = {"w": jnp.zeros(2)}
+    _, state = tx.update({"w": jnp.ones(2)}, tx.init(params), params, count=3)
+    blob = pickle.dumps(state)
+    assert b"masked_multistep._multisteps" in blob and b"_state" not in blob
+    loaded = pickle.loads(blob)
+    assert type(loaded) is mm.MaskedMultiStepsState
+    jax.tree.map(np.testing.assert_array_equal, loaded, state)
