@@ -72,7 +72,14 @@ def masked_mean(
     non-zero entry as one token), with ``mean = 0`` when nothing is set
     (never ``0/0``), and masked-out entries ignored even when they hold NaN or
     inf. The pair is exactly what ``MaskedMultiSteps.update`` takes: the
-    microbatch's mean loss, and its token count as ``count``.
+    microbatch's mean loss, and its token count as ``count``::
+
+        def loss_fn(params, batch):  # per-token losses (B, T), mask (B, T)
+            return mm.masked_mean(per_token_loss(params, batch), batch["mask"])
+
+        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, batch)
+        updates, state = tx.update(grads, state, params, count=count)
 
     Args:
       values: per-token values (for example per-token losses), any float dtype.
