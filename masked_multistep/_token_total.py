@@ -257,7 +257,10 @@ def _float32_pieces(x: jax.Array) -> list[jax.Array]:
         return pieces
     if x.dtype.itemsize > 4:
         hi = x.astype(_F32)
-        return [hi, (x - hi.astype(x.dtype)).astype(_F32)]
+        # Beyond float32's range `hi` is inf, and the remainder would be -inf
+        # (the total inf + -inf = NaN, for good): the total is inf then.
+        rest = jnp.where(jnp.isfinite(hi), x - hi.astype(x.dtype), 0)
+        return [hi, rest.astype(_F32)]
     return [x.astype(_F32)]
 
 

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import masked_multistep as mm
+from masked_multistep._token_total import add_tokens
 
 
 def _across(grads, counts):
@@ -214,3 +215,31 @@ def test_float64_weights_beside_float32_gradients_keep_their_range(scale):
             )
         np.testing.assert_allclose(updates["w"], 2.5, rtol=1e-6)
         assert bool(state.updated) and int(state.num_nonfinite_windows) == 0
+
+
+def test_float64_windows_beyond_float32s_range_make_the_tokens_seen_inf_not_nan():
+    # The total's float32 pieces were inf and -inf (x - float32(x)): the tokens
+    # seen NaN for good, and a budget of them 0, every window closing at once.
+    with jax.enable_x64(True):
+        tx = mm.MaskedMultiSteps(
+            optax.sgd(1.0),
+            tokens_per_window=lambda seen: jnp.interp(
+                seen, jnp.array([0.0, 1e6]), jnp.array([1024.0, 8192.0])
+            ),
+            count_dtype=jnp.float64,
+            window_stats=True,
+        )
+        params = {"w": jnp.zeros(2, jnp.float32)}
+        state = tx.init(params)
+        step = jax.jit(tx.update)
+        _, state = step({"w": jnp.ones(2)}, state, params, count=jnp.float64(1e39))
+        assert np.isposinf(float(mm.window_stats(state).tokens_seen))
+        closed = []
+        for _ in range(3):
+            _, state = step({"w": jnp.ones(2)}, state, params, count=jnp.float64(10))
+            closed.append(bool(state.updated))
+        assert closed == [False, False, False]  # the budget of inf tokens seen: 8192
+        for x in (1e39, 1e300, np.inf, 3.5e38):
+            zero = jnp.zeros([], jnp.float32)
+            total = add_tokens(mm.TokenTotal(zero, zero), jnp.float64(x))
+            assert np.isposinf(float(total.hi)) and float(total.lo) == 0
