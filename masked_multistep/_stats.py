@@ -132,9 +132,7 @@ from masked_multistep._checks import (
     real_array,
     traced,
 )
-from masked_multistep._running_mean import (
-    compute_dtype,
-)
+from masked_multistep._running_mean import compute_dtype, result_type
 from masked_multistep._shards import window_flag
 from masked_multistep._sq_norms import (
     in_compute_precision,
@@ -288,7 +286,8 @@ def noise_scale_estimates(
     unbiased; ``B_simple`` their ratio).
 
     ``tr Σ̂ = S / (K − 1)``, ``|G|²̂ = ‖ḡ‖² − tr Σ̂ / N``,
-    ``B_simple = tr Σ̂ / |G|²̂``, in float32 (or wider). Each is NaN where
+    ``B_simple = tr Σ̂ / |G|²̂``, in float32 or the widest of ``S``'s, ``N``'s
+    and ``‖ḡ‖²``'s dtypes (float64 under x64). Each is NaN where
     undefined: ``K < 2`` or not an integer, ``N <= 0``, ``S < 0`` or
     ``‖ḡ‖² < 0``, or ``N``, ``S`` or ``‖ḡ‖²`` not finite (as the wrapper's
     own estimates are after an overflow), for all three, and ``|G|²̂ <= 0``
@@ -354,6 +353,9 @@ def noise_scale_estimates(
             f"per window), got the shapes {shapes}"
         ) from None
     s, k, n, g2 = arrays.values()
+    # In the widest of the figures' dtypes (`_estimates` works in S's): a
+    # float32 S beside a float64 ‖ḡ‖² of 1e40 would make it inf, undefined.
+    s = s.astype(compute_dtype(result_type(s, n, g2)))
     var, true_sq, scale, ok, resolved = _estimates(s, k, n, g2)
     return undefined_as_nan((var, true_sq, scale), (ok, ok, resolved))
 

@@ -155,6 +155,20 @@ def test_noise_scale_estimates_from_integers_and_narrow_floats():
             assert float(var) == 4.0 and float(scale) == pytest.approx(4 / 3)
     var, _, _ = mm.noise_scale_estimates(jnp.asarray(4, BF16), 2, 4, 4.0)
     assert float(var) == 4.0
+    # In the widest of the figures' dtypes, whichever argument holds it: a
+    # float32 S beside a float64 ‖ḡ‖² was worked out in float32 (1e40: inf).
+    with jax.enable_x64(True):
+        for args in [
+            (np.float32(4), 2, 4.0, np.float64(1e40)),
+            (np.float64(4), 2, 4.0, np.float32(3e38) * np.float32(1)),
+        ]:
+            for var, true_sq, _ in _both(lambda a=args: mm.noise_scale_estimates(*a)):
+                assert var.dtype == jnp.float64 and float(var) == 4.0
+                assert float(true_sq) == pytest.approx(float(args[3]) - 1.0)
+        _, true_sq, _ = mm.noise_scale_estimates(
+            np.float32(3), 2, 3.0, np.float64(1.0000001)
+        )
+        assert float(true_sq) == pytest.approx(1e-7, rel=1e-6)
 
 
 def test_weighted_mean_across_with_narrow_gradients():
