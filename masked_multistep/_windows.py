@@ -855,6 +855,13 @@ def norm_test(
     of a few microbatches with tokens (``min_microbatches``) keeps the variance
     estimate from deciding on one or two degrees of freedom.
 
+    The figures are float32 running sums, whose rounding grows with
+    ``N / B_simple`` (README, "Window statistics and the critical batch
+    size"): a small θ, whose windows hold ``1/θ²`` times ``B_simple`` or more
+    (θ = 0.001: a million times), decides on a ``tr Σ̂`` that rounding may
+    move by tens of percent, so its windows close where the float64 test
+    would close them only approximately.
+
     Args:
       theta: the tolerance θ, a finite number ``> 0``.
       min_tokens: the test is not consulted before the window has this many
