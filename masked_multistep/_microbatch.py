@@ -946,7 +946,8 @@ def microbatched_value_and_grad(
         own dropout key). ``wrt=`` (an ``nnx`` filter, as
         ``nnx.Optimizer(..., wrt=...)`` takes it: ``nnx.LoRAParam`` for LoRA
         adapters) differentiates a module passed whole in those variables
-        only (``nnx.Param`` variables, or a subclass): the gradients come
+        only (``nnx.Param`` variables, or a subclass: a filter that selects
+        other variable types is a ``TypeError``): the gradients come
         back as an ``nnx.State`` of them, the module's other ``nnx.Param``
         variables are held fixed (no gradient of theirs is computed or kept,
         nor counted in the statistics; like the differentiated ones, a value
