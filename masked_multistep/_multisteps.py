@@ -90,6 +90,9 @@ def _no_skip(updates, gradient_step, params):
 
 
 _DEFAULT_STATS_DECAY = 0.9
+# `count_dtype`'s default, which `help` shows as dtype('float32') (not jnp.float32's
+# `<class 'jax.numpy.float32'>`).
+_FLOAT32 = np.dtype("float32")
 # The params' type, which `apply_gradients` returns them in.
 _ParamsT = TypeVar("_ParamsT")
 
@@ -465,7 +468,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         norm_test: float | np.floating | _windows.WindowPolicy | None = None,
         should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
         accumulator_dtype: jax.typing.DTypeLike | None = None,
-        count_dtype: jax.typing.DTypeLike = jnp.float32,
+        count_dtype: jax.typing.DTypeLike = _FLOAT32,
         reduction: Deferred | None = None,
         window_stats: bool | np.bool_ = False,
         stats_decay: float | np.floating = _DEFAULT_STATS_DECAY,
