@@ -20,7 +20,8 @@ Accumulate across steps
 Microbatch inside one jitted step; data parallel
     ``microbatched_value_and_grad``, ``per_device_value_and_grad``,
     ``data_parallel_value_and_grad``, ``deferred`` (one gradient reduction per
-    window), ``weighted_mean_across``.
+    window), ``weighted_mean_across``; ``GradFn``, ``GradFnWithStats`` and
+    ``GradFnWithLeafStats``, the types of the functions the first three return.
 Window statistics and inspection
     ``window_stats``, ``has_updated``, ``find_state``, ``WindowStats``,
     ``TokenTotal``, ``noise_scale_estimates``.
@@ -51,7 +52,12 @@ from masked_multistep._deferred import deferred
 from masked_multistep._device_count import device_count_target, from_device_count
 from masked_multistep._inspect import find_state, has_updated, window_stats
 from masked_multistep._masked_mean import masked_mean
-from masked_multistep._microbatch import microbatched_value_and_grad
+from masked_multistep._microbatch import (
+    GradFn,
+    GradFnWithLeafStats,
+    GradFnWithStats,
+    microbatched_value_and_grad,
+)
 from masked_multistep._migrate import from_optax_multisteps
 from masked_multistep._multisteps import MaskedMultiSteps
 from masked_multistep._per_device import (
@@ -84,6 +90,9 @@ if TYPE_CHECKING:
 # `from masked_multistep import *` works without it too; without flax, accessing
 # `mm.TrainState` raises an ImportError that says what to install.
 __all__ = [
+    "GradFn",
+    "GradFnWithLeafStats",
+    "GradFnWithStats",
     "MaskedMultiSteps",
     "MaskedMultiStepsState",
     "STATE_0_1_FIELDS",

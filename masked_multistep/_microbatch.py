@@ -90,7 +90,15 @@ BatchT_contra = TypeVar("BatchT_contra", contravariant=True)
 
 
 class GradFn(Protocol[ParamsT, BatchT_contra]):
-    """What :func:`microbatched_value_and_grad` returns."""
+    """What :func:`microbatched_value_and_grad` returns (and
+    :func:`per_device_value_and_grad`, :func:`data_parallel_value_and_grad`):
+    ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads)``, the
+    gradients of the params' type. A type for annotations, as in a factory of
+    such functions::
+
+        def make_grad_fn(k: int) -> mm.GradFn[dict[str, jax.Array], Batch]:
+            return mm.microbatched_value_and_grad(loss_fn, k)
+    """
 
     def __call__(
         self,
@@ -102,7 +110,10 @@ class GradFn(Protocol[ParamsT, BatchT_contra]):
 
 
 class GradFnWithStats(Protocol[ParamsT, BatchT_contra]):
-    """What :func:`microbatched_value_and_grad` returns with ``with_stats=True``."""
+    """What :func:`microbatched_value_and_grad` (and
+    :func:`data_parallel_value_and_grad`) returns with ``with_stats=True``:
+    ``grad_fn(params, batch, *, rng=None) -> ((loss, count), grads, stats)``,
+    ``stats`` a :class:`WindowStats`."""
 
     def __call__(
         self,
@@ -707,6 +718,7 @@ def microbatched_value_and_grad(
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
     with_stats: Literal[False] = False,
+    per_leaf_stats: Literal[False] = False,
     wrt: None = None,
 ) -> GradFn[ParamsT, Any]: ...
 
@@ -744,8 +756,8 @@ def microbatched_value_and_grad(  # flags known at run time only (`cfg.stats`)
     *,
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
-    with_stats: bool,
-    per_leaf_stats: bool = False,
+    with_stats: bool | np.bool_,
+    per_leaf_stats: bool | np.bool_ = False,
     wrt: None = None,
 ) -> (
     GradFn[ParamsT, Any]
@@ -762,6 +774,7 @@ def microbatched_value_and_grad(  # with `wrt`: the gradients are an nnx.State
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
     with_stats: Literal[False] = False,
+    per_leaf_stats: Literal[False] = False,
     wrt: Any,
 ) -> GradFn[Any, Any]: ...
 
@@ -799,8 +812,8 @@ def microbatched_value_and_grad(
     *,
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
-    with_stats: bool,
-    per_leaf_stats: bool = False,
+    with_stats: bool | np.bool_,
+    per_leaf_stats: bool | np.bool_ = False,
     wrt: Any,
 ) -> GradFn[Any, Any] | GradFnWithStats[Any, Any] | GradFnWithLeafStats[Any, Any]: ...
 
@@ -813,8 +826,8 @@ def microbatched_value_and_grad(
     *,
     has_aux: bool | np.bool_ = False,
     aux_reduction: AuxReduction = None,
-    with_stats: bool = False,
-    per_leaf_stats: bool = False,
+    with_stats: bool | np.bool_ = False,
+    per_leaf_stats: bool | np.bool_ = False,
     wrt: Any = None,
     # Typed Never so that a type checker flags a misspelt keyword; at run time
     # it gets an error with a hint.

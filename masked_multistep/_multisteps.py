@@ -433,7 +433,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             state: optax.OptState,
             params: optax.Params | None = None,
             *,
-            count: jax.typing.ArrayLike | None = None,
+            count: jax.typing.ArrayLike = ...,
             **extra_args: Any,
         ) -> tuple[optax.Updates, MaskedMultiStepsState]: ...
 

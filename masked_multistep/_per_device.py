@@ -447,6 +447,7 @@ def data_parallel_value_and_grad(
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
     with_stats: Literal[False] = False,
+    per_leaf_stats: Literal[False] = False,
     wrt: None = None,
 ) -> GradFn[ParamsT, Any]: ...
 
@@ -490,8 +491,8 @@ def data_parallel_value_and_grad(  # flags known at run time only (`cfg.stats`)
     num_microbatches: int | np.integer = 1,
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
-    with_stats: bool,
-    per_leaf_stats: bool = False,
+    with_stats: bool | np.bool_,
+    per_leaf_stats: bool | np.bool_ = False,
     wrt: None = None,
 ) -> (
     GradFn[ParamsT, Any]
@@ -510,6 +511,7 @@ def data_parallel_value_and_grad(  # with `wrt`: the gradients are an nnx.State
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
     with_stats: Literal[False] = False,
+    per_leaf_stats: Literal[False] = False,
     wrt: Any,
 ) -> GradFn[Any, Any]: ...
 
@@ -553,8 +555,8 @@ def data_parallel_value_and_grad(
     num_microbatches: int | np.integer = 1,
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
-    with_stats: bool,
-    per_leaf_stats: bool = False,
+    with_stats: bool | np.bool_,
+    per_leaf_stats: bool | np.bool_ = False,
     wrt: Any,
 ) -> GradFn[Any, Any] | GradFnWithStats[Any, Any] | GradFnWithLeafStats[Any, Any]: ...
 
@@ -567,8 +569,8 @@ def data_parallel_value_and_grad(
     num_microbatches: int | np.integer = 1,
     has_aux: bool | np.bool_ = False,
     aux_reduction: Any = None,
-    with_stats: bool = False,
-    per_leaf_stats: bool = False,
+    with_stats: bool | np.bool_ = False,
+    per_leaf_stats: bool | np.bool_ = False,
     wrt: Any = None,
     **unknown: Never,  # a misspelt keyword: flagged by a type checker, hinted
 ) -> (

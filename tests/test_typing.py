@@ -28,7 +28,6 @@ import pytest
 from flax import nnx
 
 import masked_multistep as mm
-from masked_multistep._microbatch import GradFn, GradFnWithLeafStats, GradFnWithStats
 from masked_multistep._train_state import TrainState
 
 TYPECHECK = pathlib.Path(__file__).resolve().parent.parent / "tools" / "typecheck.py"
@@ -182,9 +181,9 @@ def test_flags_known_at_run_time_and_numpy_batches_type_check():
         mm.microbatched_value_and_grad(
             loss_fn, 2, with_stats=True, per_leaf_stats=per_layer
         ),
-        GradFn[dict[str, jax.Array], Any]
-        | GradFnWithStats[dict[str, jax.Array], Any]
-        | GradFnWithLeafStats[dict[str, jax.Array], Any],
+        mm.GradFn[dict[str, jax.Array], Any]
+        | mm.GradFnWithStats[dict[str, jax.Array], Any]
+        | mm.GradFnWithLeafStats[dict[str, jax.Array], Any],
     )
     tx = mm.MaskedMultiSteps(optax.sgd(1.0), 1, window_stats=True)
     state = tx.init({"w": jnp.zeros(())})
@@ -194,6 +193,33 @@ def test_flags_known_at_run_time_and_numpy_batches_type_check():
     assert_type(moved, mm.MaskedMultiStepsState)
     seen = mm.TokenTotal(hi=jnp.float32(2**24), lo=jnp.float32(1))
     assert float(seen.value()) == 2**24 + 1
+
+
+def test_flags_given_as_false_or_numpy_bools_pick_their_overloads():
+    """``per_leaf_stats=False`` beside no statistics matched no overload,
+    ``with_stats=False, per_leaf_stats=False`` the run-time one (a union that
+    a 2-tuple cannot unpack), and a ``np.bool_`` flag none; and the returned
+    functions' types are public, for a factory's annotation."""
+
+    def loss_fn(
+        params: dict[str, jax.Array], batch: dict[str, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        return mm.masked_mean(batch["x"] * params["w"], batch["mask"])
+
+    def make(k: int) -> mm.GradFn[dict[str, jax.Array], dict[str, jax.Array]]:
+        return mm.microbatched_value_and_grad(loss_fn, k, per_leaf_stats=False)
+
+    batch = {"x": jnp.arange(4.0), "mask": jnp.ones(4, bool)}
+    (_, count), grads = make(2)({"w": jnp.ones(())}, batch)
+    assert int(count) == 4 and grads["w"].shape == ()
+    plain = mm.microbatched_value_and_grad(
+        loss_fn, 2, with_stats=False, per_leaf_stats=False
+    )
+    assert_type(plain, mm.GradFn[dict[str, jax.Array], Any])
+    (_, count), _ = plain({"w": jnp.ones(())}, batch)
+    assert int(count) == 4
+    either = mm.microbatched_value_and_grad(loss_fn, 2, with_stats=np.bool_(True))
+    assert len(either({"w": jnp.ones(())}, batch)) == 3
 
 
 def test_gradients_with_respect_to_a_filter_are_typed_as_a_state():
