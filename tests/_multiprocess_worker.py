@@ -310,6 +310,9 @@ def _different_settings(mesh, process_id: int) -> None:
             why = f"process(es) [{1 - process_id}] built a different wrapper (its repr)"
             assert why in str(e), e
             assert f"every_k_schedule={2 + process_id}" in str(e), e
+            # Every process names the first difference as each holds it.
+            first = "process 0: every_k_schedule=2; process 1: every_k_schedule=3."
+            assert first in str(e), e
         else:
             raise AssertionError(f"no error with reduction={reduction!r}")
     # The same wrapper over a state whose tree holds a function (its address

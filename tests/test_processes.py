@@ -1,7 +1,7 @@
 """The check at ``init`` that every process built the same wrapper and state,
 in one process: ``process_allgather`` returns another process's digests."""
 
-import re
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,38 +13,73 @@ import masked_multistep as mm
 from masked_multistep import _processes
 
 
-def _digests(monkeypatch, texts):
-    """What a process with ``texts`` contributes to the all-gather."""
-    sent = []
-    monkeypatch.setattr(
-        multihost_utils, "process_allgather", lambda x: sent.append(x) or x[None]
-    )
-    _processes.check_same_across_processes(texts, "init")
-    return sent[0]
+def _two_processes(*texts):
+    """Each process's error (or None) where two processes, threads here, check
+    ``texts[0]`` and ``texts[1]``, all-gathering through each other."""
+    barrier = threading.Barrier(2)
+    slots, errors = [None, None], [None, None]
+
+    def gather_for(p):
+        def gather(x):
+            slots[p] = np.asarray(x)
+            barrier.wait(timeout=30)
+            out = np.stack(slots)
+            barrier.wait(timeout=30)
+            return out
+
+        return gather
+
+    def run(p):
+        try:
+            _processes.check_same_across_processes(texts[p], "init", gather_for(p))
+        except ValueError as err:
+            errors[p] = str(err)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return errors
 
 
 @pytest.mark.parametrize(
-    ("k", "params", "differs"),
+    ("k", "params", "differs", "first"),
     [
-        (2, {"w": jnp.zeros(4)}, "state layout"),  # the same repr, another shape
-        (2, {"w": jnp.zeros(3, jnp.bfloat16)}, "state layout"),  # adam's moments: bf16
-        (3, {"w": jnp.zeros(3)}, "wrapper (its repr)"),  # the same layout, k
+        (  # the same repr, another shape
+            2,
+            {"w": jnp.zeros(4)},
+            "state layout",
+            "The first leaf that differs in the state layout: process 0: "
+            ".inner_opt_state[0].mu['w']: float32[3]; process 1: "
+            ".inner_opt_state[0].mu['w']: float32[4]",
+        ),
+        (  # adam's moments: bf16
+            2,
+            {"w": jnp.zeros(3, jnp.bfloat16)},
+            "state layout",
+            "process 1: .inner_opt_state[0].mu['w']: bfloat16[3]",
+        ),
+        (  # the same layout, k
+            3,
+            {"w": jnp.zeros(3)},
+            "wrapper (its repr)",
+            "The first argument that differs in the wrapper (its repr): process 0: "
+            "every_k_schedule=2; process 1: every_k_schedule=3.",
+        ),
     ],
     ids=["shape", "dtype", "k"],
 )
-def test_init_check_names_what_differs(monkeypatch, k, params, differs):
+def test_init_check_names_what_differs(monkeypatch, k, params, differs, first):
     tx = mm.MaskedMultiSteps(optax.adam(0.1), 2)
     mine = _processes.describe(tx, tx.init({"w": jnp.zeros(3)}))
     other = mm.MaskedMultiSteps(optax.adam(0.1), k)
-    theirs = _digests(monkeypatch, _processes.describe(other, other.init(params)))
-    monkeypatch.setattr(
-        multihost_utils, "process_allgather", lambda x: np.stack([x, theirs])
-    )
-    with pytest.raises(
-        ValueError,
-        match=rf"process\(es\) \[1\] built a different {re.escape(differs)} than",
-    ):
-        _processes.check_same_across_processes(mine, "init")
+    theirs = _processes.describe(other, other.init(params))
+    errors = _two_processes(mine, theirs)
+    for p, error in enumerate(errors):
+        assert f"process(es) [{1 - p}] built a different {differs} than" in error
+        # Each process names the first difference as every process holds it.
+        assert first in error, error
     # The same wrapper for the same params: no error.
     monkeypatch.setattr(
         multihost_utils, "process_allgather", lambda x: np.stack([x, x])
@@ -63,12 +98,9 @@ def test_init_check_tells_inner_optimizers_of_one_layout_apart(monkeypatch):
     mine = _processes.describe(tx, tx.init(params))
     theirs_texts = _processes.describe(other, other.init(params))
     assert mine[1] == theirs_texts[1]  # the same state layout
-    theirs = _digests(monkeypatch, theirs_texts)
-    monkeypatch.setattr(
-        multihost_utils, "process_allgather", lambda x: np.stack([x, theirs])
-    )
-    with pytest.raises(ValueError, match=r"different wrapper \(its repr\) than"):
-        _processes.check_same_across_processes(mine, "init")
+    errors = _two_processes(mine, theirs_texts)
+    assert "different wrapper (its repr) than" in errors[0]
+    assert "process 0: inner=chain(identity, scale); process 1: " in errors[0]
 
 
 def test_processes_holding_different_numbers_of_devices_are_named(monkeypatch):
