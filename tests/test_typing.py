@@ -396,6 +396,8 @@ def test_wrong_usage_is_reported_by_the_checker_and_fails_at_run_time():
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, window_stat=True)  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match="count"):
         tx.apply_gradients(params, state, params)  # pyright: ignore[reportCallIssue]
+    with pytest.raises(TypeError, match="needs the microbatch's token count"):
+        tx.update(params, state, params, count=None)  # pyright: ignore[reportArgumentType]
     train_state = mm.TrainState.create(apply_fn=None, params=params, tx=tx)
     with pytest.raises(TypeError, match="count"):
         train_state.apply_gradients(grads=params)  # pyright: ignore[reportCallIssue]
