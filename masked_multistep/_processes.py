@@ -8,8 +8,8 @@ processes' parameters would silently drift apart. So when ``init`` builds a
 state of global arrays that span every process, the processes compare a digest
 of the wrapper's ``repr`` and the state's layout (one small all-gather, once),
 and all of them raise the same error when they differ, naming the first part
-that differs as each process holds it (three more all-gathers, on that path
-only). Every process must
+that differs as each process holds it (up to five more small all-gathers, on
+that path only). Every process must
 therefore call ``init`` (as JAX's multi-process model asks of every computation on
 global arrays): one that does not leaves the others waiting in the
 all-gather. A state built under ``jit`` (``jax.jit(tx.init)(params)``) is not
@@ -140,11 +140,12 @@ def _parts(text: str, kind: int) -> list[str]:
 
 def _first_difference(texts: tuple[str, ...], allgather: Any) -> str:
     """Where the processes' ``texts`` first differ, with each process's
-    version: two more all-gathers (every process takes this path together,
-    since each sees a difference)."""
+    version: two all-gathers a text until one differs, a third for that part
+    (every process takes each step together: the decisions are read from what
+    was gathered, the same on every process)."""
     for kind, text in enumerate(texts[: len(_NAMES)]):
         parts = _parts(text, kind)
-        lengths = np.asarray(allgather(np.array([len(parts)], np.int64)))
+        lengths = np.asarray(allgather(np.array([len(parts)], np.int32)))
         longest = int(lengths.max())
         digests = np.zeros((longest, 32), np.uint8)
         digests[: len(parts)] = [_digest(p) for p in parts]
