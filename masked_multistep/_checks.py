@@ -495,15 +495,19 @@ def short_repr(x: Any, width: int = 60) -> str:
     """``repr(x)``, cut to ``width`` characters with an ellipsis; a repr that
     ends in a memory address without it (``<function gelu>``, ``<...custom_jvp
     object>``). A string is quoted as it is."""
-    text = repr(x)
-    if not isinstance(x, str):
-        text = _REPR_ADDRESS.sub(">", text)
+    text = repr(x) if isinstance(x, str) else without_addresses(repr(x))
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-# The address that default reprs (objects', functions') end in, which says
-# nothing to a reader and, cut to a width, leaves half a hexadecimal number.
-_REPR_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
+def without_addresses(text: str) -> str:
+    """``text`` without the memory addresses that default reprs (objects',
+    functions') hold, ``" at 0x7f..."``: they say nothing to a reader, cut to
+    a width they leave half a hexadecimal number, and they differ between
+    processes."""
+    return _ADDRESS.sub("", text)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def holds_instance(tree: Any, module: str, *names: str) -> bool:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import re
 from typing import Any
 
 import jax
 import jax.core
 import numpy as np
+
+from masked_multistep._checks import without_addresses
 
 
 def _process_indices(leaf: Any) -> set[int]:
@@ -56,7 +57,7 @@ def describe(tx: Any, state: Any) -> tuple[str, str]:
     """What the processes compare: ``repr(tx)`` (addresses left out) and the
     layout of ``state``, each leaf's path, shape and dtype (not the tree's own
     text, which shows the functions a node holds by their addresses)."""
-    shown = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(tx))
+    shown = without_addresses(repr(tx))
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     layout = "\n".join(
         f"{jax.tree_util.keystr(path)}: {jax.numpy.result_type(x)}{list(np.shape(x))}"
