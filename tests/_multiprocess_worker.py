@@ -14,7 +14,9 @@ The model, the data and the optimizer live here so that the test computes its
 single-process reference from the very same definitions.
 """
 
+import os
 import sys
+import traceback
 
 import numpy as np
 
@@ -394,4 +396,14 @@ def main(process_id: int, port: int, out_path: str, ckpt_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    try:
+        main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    except BaseException:
+        # A failed worker stops at once, its traceback written: exiting
+        # normally would wait in `jax.distributed`'s shutdown barrier for the
+        # other process, which waits in a collective for this one, until the
+        # test's timeout.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -16,6 +16,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import chex
 import jax
@@ -98,12 +99,16 @@ def test_two_processes_match_single_process(tmp_path):
                 )
         # Meanwhile, the reference in this process.
         reference = _single_process_reference(worker)
-        try:
-            for proc in procs:
-                proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"workers still running after {TIMEOUT_S} s\n{_tails(logs)}")
-        codes = [p.returncode for p in procs]
+        # Until both exit, or one fails (the other then waits for it in a
+        # collective: it is stopped below).
+        deadline = time.monotonic() + TIMEOUT_S
+        codes = [p.poll() for p in procs]
+        while None in codes and not any(c not in (None, 0) for c in codes):
+            if time.monotonic() > deadline:
+                why = f"workers still running after {TIMEOUT_S} s"
+                pytest.fail(f"{why}\n{_tails(logs)}")
+            time.sleep(0.2)
+            codes = [p.poll() for p in procs]
         assert codes == [0] * len(procs), f"exit codes {codes}\n{_tails(logs)}"
     finally:
         for proc in procs:
