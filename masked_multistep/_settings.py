@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import jax
 
@@ -17,7 +17,12 @@ from masked_multistep._checkpoint import (
     refuse_swapped,
     same_layout,
 )
-from masked_multistep._checks import holds_abstract, refuse_restore_target, traced
+from masked_multistep._checks import (
+    holds_abstract,
+    refuse_restore_target,
+    traced,
+    training_state_kind,
+)
 from masked_multistep._inspect import (
     find_boxed,
     has_deferred_reduction,
@@ -26,10 +31,8 @@ from masked_multistep._inspect import (
     unboxed_all,
 )
 from masked_multistep._reduction import placed_like
+from masked_multistep._state import MaskedMultiStepsState
 from masked_multistep._token_total import TokenTotal, token_total, with_tokens_seen
-
-if TYPE_CHECKING:
-    from masked_multistep._state import MaskedMultiStepsState
 
 __all__ = ["from_other_settings"]
 
@@ -164,7 +167,67 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
             "(or `optimizer.opt_state` as the state); `template` is a "
             f"{type(template).__name__}"
         )
+    if not _is_wrapper_state(template):
+        found = _wrapper_states(template)
+        if len(found) == 1:
+            return _in_holder(state, template, found[0], tokens_seen)
     return _carried_over(state, template, tokens_seen)
+
+
+def _is_wrapper_state(x: Any) -> bool:
+    """Whether ``x`` is the wrapper's state, bare or held by name."""
+    return isinstance(x, MaskedMultiStepsState) or _by_name.is_named(x)
+
+
+def _wrapper_states(tree: Any) -> list[tuple[Any, Any]]:
+    """``(path, node)`` of the wrapper's states in ``tree``, bare or by name."""
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_wrapper_state)[0]
+    return [(path, x) for path, x in found if _is_wrapper_state(x)]
+
+
+def _in_holder(
+    state: Any, template: Any, found: tuple[Any, Any], tokens_seen: Any
+) -> Any:
+    """:func:`from_other_settings` onto a ``template`` that holds the new
+    wrapper's state (an ``optax.chain``'s or ``optax.inject_hyperparams``'
+    state, bare or as ``nnx.state`` holds it; ``found`` its path and node):
+    ``state``'s tree with its wrapper's state converted. Every other
+    element's state is ``state``'s own (they carry the run: a schedule's
+    count, an average), which must have the template's layout."""
+    path, inner = found
+    if training_state_kind(state) is not None:
+        raise TypeError(
+            f"`template` is an optimizer state (a {type(template).__name__}) and "
+            f"`state` a {type(state).__name__}: pass its `opt_state`, "
+            "`mm.from_other_settings(state.opt_state, new_tx.init(params))`"
+        )
+    held = _wrapper_states(state)
+    if [p for p, _ in held] != [path]:
+        at = [jax.tree_util.keystr(p) or "the root" for p, _ in held] or ["nowhere"]
+        raise ValueError(
+            "`template` holds the wrapper's state at "
+            f"{jax.tree_util.keystr(path) or 'the root'}, `state` at "
+            f"{', '.join(at)}: pass the running optimizer's state and "
+            "`new_tx.init(params)` of one structure (an optimizer that differs "
+            "in the wrapper's settings only)"
+        )
+    converted = from_other_settings(held[0][1], inner, tokens_seen=tokens_seen)
+    check_matches(
+        f"`state` outside the wrapper's state at {jax.tree_util.keystr(path)}",
+        _replaced(state, None),
+        _replaced(template, None),
+        "the other elements' states carry over as they are, so the new "
+        "optimizer may differ from the running one in the wrapper's settings "
+        "only (else convert the wrapper's element alone and build the rest)",
+    )
+    return _replaced(state, converted)
+
+
+def _replaced(tree: Any, new: Any) -> Any:
+    """``tree`` (new containers) with its wrapper's state replaced by ``new``."""
+    return jax.tree.map(
+        lambda x: new if _is_wrapper_state(x) else x, tree, is_leaf=_is_wrapper_state
+    )
 
 
 def _carried_over(state: Any, template: Any, tokens_seen: Any) -> Any:

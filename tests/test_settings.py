@@ -565,3 +565,115 @@ def test_an_injected_schedule_is_the_new_txs_at_the_carried_count():
     state = mm.from_other_settings(state, new.init(params))
     updates, _ = jax.jit(new.update)({"w": jnp.array(2.0)}, state, params, count=1)
     np.testing.assert_allclose(updates["w"], -1.0 * 1.5)
+
+
+def _chained(wrapper):
+    # A wrapper inside a chain, beside an element with a state of its own (a
+    # schedule's count, which the run carries).
+    return optax.chain(wrapper, optax.scale_by_schedule(lambda n: 1.0 / (1.0 + n)))
+
+
+def test_a_chain_holding_the_wrapper_converts_whole():
+    # The template is the new chain's state: the result is the running chain's
+    # state with the wrapper's converted, the schedule's count carried over.
+    params = {"w": jnp.zeros(())}
+    old = _chained(mm.MaskedMultiSteps(optax.sgd(1.0), 4))
+    state = old.init(params)
+    for g, n in [(1.0, 3), (2.0, 3)]:
+        _, state = old.update({"w": jnp.array(g)}, state, params, count=jnp.array(n))
+    new = _chained(mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=10))
+    carried = mm.from_other_settings(state, new.init(params))
+    assert jax.tree.structure(carried) == jax.tree.structure(new.init(params))
+    assert_bit_identical(
+        carried[0], mm.from_other_settings(state[0], new.init(params)[0])
+    )
+    assert carried[1].count is state[1].count
+    updates, carried = new.update(
+        {"w": jnp.array(6.0)}, carried, params, count=jnp.array(4)
+    )
+    # The window closes at 10 tokens; the schedule is at its third step.
+    np.testing.assert_allclose(updates["w"], -(3 * 1 + 3 * 2 + 4 * 6) / 10 / 3)
+    assert int(carried[1].count) == 3
+
+
+def _partitioned(wrapper):
+    # The wrapper on one partition of the params, the other frozen.
+    return optax.multi_transform(
+        {"train": wrapper, "frozen": optax.set_to_zero()},
+        lambda params: jax.tree_util.tree_map_with_path(
+            lambda path, _: (
+                "frozen" if "frozen" in jax.tree_util.keystr(path) else "train"
+            ),
+            params,
+        ),
+    )
+
+
+def test_a_train_state_with_a_multi_transform_takes_the_new_tx():
+    params = {"w": jnp.zeros(()), "frozen": jnp.ones(())}
+    state = mm.TrainState.create(
+        apply_fn=None,
+        params=params,
+        tx=_partitioned(mm.MaskedMultiSteps(optax.sgd(1.0), 4)),
+    )
+    grads = lambda g: {"w": jnp.array(g), "frozen": jnp.array(5.0)}  # noqa: E731
+    state = state.apply_gradients(grads=grads(1.0), count=1)
+    new_tx = _partitioned(mm.MaskedMultiSteps(optax.sgd(1.0), 2))
+    with pytest.raises(TypeError, match=r"pass its `opt_state`"):
+        mm.from_other_settings(state, new_tx.init(params))
+    state = state.replace(
+        tx=new_tx,
+        opt_state=mm.from_other_settings(state.opt_state, new_tx.init(params)),
+    )
+    state = state.apply_gradients(grads=grads(4.0), count=3)
+    assert int(state.gradient_step) == 1 and int(state.step) == 2
+    np.testing.assert_allclose(state.params["w"], -(1.0 + 3 * 4.0) / 4)
+    assert float(state.params["frozen"]) == 1.0
+
+
+def test_an_nnx_optimizer_with_a_multi_transform_switches_by_name():
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(3))
+            self.frozen = nnx.Param(jnp.ones(()))
+
+    model = Model()
+    old = nnx.Optimizer(
+        model, _partitioned(mm.MaskedMultiSteps(optax.sgd(1.0), 4)), wrt=nnx.Param
+    )
+    ones = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    old.update(model, ones, count=2)
+    new = nnx.Optimizer(
+        model, _partitioned(mm.MaskedMultiSteps(optax.sgd(1.0), 2)), wrt=nnx.Param
+    )
+    state = nnx.state(old)
+    state["opt_state"] = mm.from_other_settings(
+        state["opt_state"], nnx.state(new)["opt_state"]
+    )
+    nnx.update(new, state)
+    new.update(model, jax.tree.map(lambda x: 3 * x, ones), count=6)
+    # The window closes on its second microbatch: (2·1 + 6·3) / 8.
+    np.testing.assert_allclose(model.w[...], np.full(3, -(2 * 1 + 6 * 3) / 8))
+    assert float(model.frozen[...]) == 1.0
+    assert int(new.step[...]) == 2
+    assert int(mm.find_state(new.opt_state).gradient_step[...]) == 1
+
+
+def test_a_chain_of_another_structure_is_named():
+    params = {"w": jnp.zeros(())}
+    old = _chained(mm.MaskedMultiSteps(optax.sgd(1.0), 4))
+    state = old.init(params)
+    moved = optax.chain(optax.identity(), mm.MaskedMultiSteps(optax.sgd(1.0), 2))
+    with pytest.raises(ValueError, match=r"wrapper's state at \[1\], `state` at \[0\]"):
+        mm.from_other_settings(state, moved.init(params))
+    other = optax.chain(mm.MaskedMultiSteps(optax.sgd(1.0), 2), optax.adam(1.0))
+    with pytest.raises(
+        ValueError, match=r"`state` outside the wrapper's state at \[0\]"
+    ):
+        mm.from_other_settings(state, other.init(params))
+    with pytest.raises(
+        ValueError, match=r"wrapper's state at \[0\], `state` at the root"
+    ):
+        mm.from_other_settings(state[0], old.init(params))
