@@ -191,6 +191,10 @@ def _check_concrete(
     """Refuses a bad concrete count; ``dtype_name`` names the dtype it is summed
     in (``count_dtype ...`` by default)."""
     dtype_name = dtype_name or f"count_dtype {dtype}"
+    if isinstance(value, np.floating):
+        # A float wider than Python's (`np.longdouble`), which `.tolist()`
+        # leaves as it is: read as a Python float (a NaN stays NaN).
+        value = float(value)
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{what} must be a finite non-negative number, got {value}")
     if value < 0:
@@ -268,6 +272,7 @@ def to_count(
     """
     if count is None:
         raise TypeError(_MISSING_COUNT)
+    refuse_masked_array(count, what)
     if isinstance(count, (bool, np.bool_)):
         raise TypeError(f"{what} must be a number of tokens, got a bool ({count})")
     if isinstance(count, jax.ShapeDtypeStruct):
@@ -600,10 +605,85 @@ def _pair_hint(x: Any, fix: str) -> str:
     return ""
 
 
+def refuse_masked_array(x: Any, what: str) -> None:
+    """A ``TypeError`` for a numpy masked array as a count or loss: read as its
+    data, a masked entry would count as the value it hides."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{what} is a numpy masked array (shape {np.shape(x)}, "
+            f"{np.ma.count_masked(x)} entries masked), whose masked entries "
+            "would be read as the data they hide: pass a plain array "
+            f"(`{what.strip('`')}.filled(0)` for an empty microbatch)"
+        )
+
+
+def refuse_other_devices(
+    state_count: Any, figures: Mapping[str, Any], grads: Any
+) -> None:
+    """Outside ``jit``: a ``ValueError`` naming the figure (``count``,
+    ``value``, ``close_window``) or gradient leaf committed to other devices
+    than the state (``state_count``, its token total), where jax's error would
+    name an operation inside the step. Under ``jit`` jax names the argument
+    itself."""
+    if not _committed(state_count):
+        return
+    want = state_count.sharding.device_set
+    elsewhere = lambda x: _committed(x) and x.sharding.device_set != want  # noqa: E731
+    if any(map(elsewhere, jax.tree.leaves(grads))):
+        figures = {
+            f"grads{jax.tree_util.keystr(path)}": leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(grads)
+        } | dict(figures)
+    for name, x in figures.items():
+        if elsewhere(x):
+            raise ValueError(
+                f"`{name}` is on {_device_ids(x.sharding.device_set)}, the "
+                f"wrapper's state on {_device_ids(want)}: put it where the state "
+                f"is (`jax.device_put({name}, state.acc_count.sharding)`), or "
+                "pass a Python or numpy number"
+            )
+
+
+def _as_python_real(x: Any) -> Any:
+    """A real host number that jax holds no array of (a ``fractions.Fraction``,
+    a scalar ``np.longdouble`` wider than float64) as a Python float; anything
+    else as it is."""
+    if (
+        isinstance(x, (np.ndarray, np.generic))
+        and np.ndim(x) == 0
+        and x.dtype == np.longdouble
+        and x.dtype.itemsize > 8
+    ):
+        return float(x)
+    if isinstance(x, numbers.Real) and not isinstance(
+        x, (numbers.Integral, float, np.generic, jax.Array)
+    ):
+        return float(x)
+    return x
+
+
+def _committed(x: Any) -> bool:
+    """Whether ``x`` is a concrete ``jax.Array`` committed to its devices."""
+    return (
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and getattr(x, "committed", False)
+    )
+
+
+def _device_ids(devices: Any) -> str:
+    ids = sorted(d.id for d in devices)
+    if len(ids) == 1:
+        return f"device {ids[0]}"
+    return f"devices {first_three([str(i) for i in ids])}"
+
+
 def check_value(value: Any) -> jax.Array | None:
     """``value=`` (a microbatch's mean loss) as a real scalar array."""
     if value is None:
         return None
+    refuse_masked_array(value, "`value`")
+    value = _as_python_real(value)
     if isinstance(value, tuple):
         raise TypeError(
             "`value` must be a real scalar (the microbatch's mean loss), got a "

@@ -53,7 +53,12 @@ def _is_optimizer_box(x: Any) -> bool:
 
 def unboxed(tree: _T) -> _T:
     """``tree`` with each of an NNX optimizer's variables (``nnx.OptState``)
-    replaced by the array it holds; other NNX variables stay."""
+    replaced by the array it holds; other NNX variables stay. ``tree`` itself
+    where it holds none (a state found is the state, not a copy of it)."""
+    if not any(
+        map(_is_optimizer_box, jax.tree.leaves(tree, is_leaf=_is_optimizer_box))
+    ):
+        return tree
     return jax.tree.map(
         lambda x: x.get_value() if _is_optimizer_box(x) else x,
         tree,
@@ -74,7 +79,12 @@ def unboxed_all(tree: _T) -> _T:
 
 
 def find_state(opt_state: Any) -> MaskedMultiStepsState:
-    """The one :class:`MaskedMultiStepsState` inside ``opt_state``.
+    """The one :class:`MaskedMultiStepsState` inside ``opt_state``: the node
+    itself (what is changed in it, such as an injected hyperparameter's
+    entry in ``inner_opt_state.hyperparams``, is changed in ``opt_state``),
+    but for an NNX optimizer's ``opt_state``, whose variables it unwraps into
+    a new tree (change those through the optimizer, or with
+    ``optax.tree.set``).
 
     Looks through any pytree: a bare state, ``optax.chain``,
     ``optax.inject_hyperparams``, ``optax.multi_transform`` and ``optax.masked``

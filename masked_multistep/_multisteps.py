@@ -1090,6 +1090,11 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             extra_args, count, lambda key: _inner.takes_keyword(self._opt, key)
         )
         forced = _checks.close_flag(close)  # `close_window=`
+        _checks.refuse_other_devices(
+            getattr(state, "acc_count", None),  # (another state: checked below)
+            {"count": count, "value": extra_args.get("value"), "close_window": close},
+            grads,
+        )
         state = scalars_as_arrays(state, self._count_dtype)
         check_state(
             state,

@@ -48,7 +48,8 @@ def tokens_schedule(
 
     Args:
       schedule: a function of the tokens seen, e.g. an optax schedule whose
-        ``*_steps`` arguments are token counts.
+        ``*_steps`` arguments are token counts (beyond 2**31 − 1 written as
+        floats, ``3e9``: optax takes a Python int of them as an int32).
       tokens_per_step: tokens per optimizer step (per window), finite and > 0.
 
     Returns:

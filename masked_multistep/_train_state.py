@@ -31,7 +31,12 @@ from masked_multistep._checks import (
     refuse_state_as_params,
     to_count,
 )
-from masked_multistep._inspect import find_boxed, state_paths, unboxed
+from masked_multistep._inspect import (
+    find_boxed,
+    has_deferred_reduction,
+    state_paths,
+    unboxed,
+)
 from masked_multistep._multisteps import MaskedMultiSteps
 from masked_multistep._reduction import Local
 from masked_multistep._state import MaskedMultiStepsState, states_in
@@ -221,7 +226,9 @@ class TrainState(_flax_train_state.TrainState):
                 "should run once per window inside it: "
                 "mm.MaskedMultiSteps(optax.chain(...), k)"
             )
-        _warn_chained_around(tx)
+        _warn_chained_around(
+            tx, deferred=any(has_deferred_reduction(x) for _, x in found)
+        )
         return cast(Self, state)
 
     def _apply_gradients(
@@ -537,17 +544,23 @@ def _check_opt_state(opt_state: Any, want: Any) -> None:
             )
 
 
-def _warn_chained_around(tx: Any) -> None:
+def _warn_chained_around(tx: Any, deferred: bool = False) -> None:
     """A ``UserWarning`` for transformations chained before or after the
-    wrapper (``optax.chain(clip, tx)``), which run on every microbatch."""
+    wrapper (``optax.chain(clip, tx)``), which run on every microbatch (with
+    a ``deferred`` reduction, on every device's gradient, stacked)."""
     before, after = _inner.chained_around_wrapper(tx)
     said = []
     if before:
+        seen = "each microbatch's gradient"
+        if deferred:
+            seen = (
+                "each microbatch's gradients of every device, stacked "
+                "(reduction=mm.deferred: a global norm is taken over all of them)"
+            )
         said.append(
-            f"{', '.join(before)} before MaskedMultiSteps: they see each microbatch's "
-            "gradient, not the window's mean (clipping there clips every "
-            "microbatch, and the mean of clipped gradients is not the clipped "
-            "mean)"
+            f"{', '.join(before)} before MaskedMultiSteps: they see {seen}, not "
+            "the window's mean (clipping there clips every microbatch, and the "
+            "mean of clipped gradients is not the clipped mean)"
         )
     if after:
         said.append(

@@ -1408,3 +1408,73 @@ def test_a_long_argument_is_cut_with_an_ellipsis_in_the_message(keyword):
     arguments = {"count": 1, keyword: "a" * 300}
     with pytest.raises(TypeError, match=rf"`{keyword}` .*'aaa+\.\.\. of type str$"):
         tx.update(params, tx.init(params), params, **arguments)
+
+
+@pytest.mark.parametrize("wide", [np.longdouble, np.float64], ids=lambda t: t.__name__)
+def test_a_nan_count_of_a_wide_float_is_refused_everywhere(wide):
+    # np.longdouble's `.tolist()` is no Python float: a NaN passed every check
+    # and closed the window on the next microbatch.
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 3)
+    with pytest.raises(ValueError, match=r"`count` must be a finite .* got nan"):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS, count=wide("nan"))
+    _, state = tx.update(GRADS, tx.init(PARAMS), PARAMS, count=wide(3))
+    assert float(state.acc_count) == 3.0
+
+    def loss_fn(params, batch):
+        return jnp.mean(batch["x"] * params["b"][0]), wide("nan")
+
+    grad_fn = mm.microbatched_value_and_grad(loss_fn, 2)
+    with pytest.raises(ValueError, match=r"count returned by `loss_fn` .* got nan"):
+        grad_fn(PARAMS, {"x": jnp.ones((4, 3))})
+    mesh = jax.make_mesh(
+        (2,),
+        ("data",),
+        axis_types=(jax.sharding.AxisType.Explicit,),
+        devices=jax.devices()[:2],
+    )
+    deferred = mm.MaskedMultiSteps(optax.sgd(1.0), 3, reduction=mm.deferred(mesh))
+    stacked = jax.tree.map(lambda g: jnp.stack([g, g]), GRADS)
+    with pytest.raises(ValueError, match=r"\[1\] must be a finite .* got nan"):
+        deferred.update(
+            stacked, deferred.init(PARAMS), PARAMS, count=np.array([1, np.nan], wide)
+        )
+
+
+def test_a_masked_array_is_refused_as_a_count_or_value(tx):
+    hidden = np.ma.masked_array(7, mask=True)  # no value: its data, 7, hidden
+    with pytest.raises(TypeError, match=r"`count` is a numpy masked array .* 1 entr"):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS, count=hidden)
+    with pytest.raises(TypeError, match=r"`value` is a numpy masked array"):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS, count=1, value=hidden)
+
+
+def test_a_fraction_or_longdouble_value_is_read_by_value(tx):
+    import fractions
+
+    state = tx.init(PARAMS)
+    for value in (fractions.Fraction(1, 2), np.longdouble(0.5)):
+        _, got = tx.update(GRADS, state, PARAMS, count=1, value=value)
+        _, want = tx.update(GRADS, state, PARAMS, count=1, value=0.5)
+        assert_bit_identical(got, want)
+
+
+def test_a_figure_on_other_devices_than_the_state_is_named(tx):
+    # Outside jit jax's error named an `add` inside the step, not the argument.
+    first, other = jax.devices()[:2]
+    params = jax.device_put(PARAMS, first)
+    state = jax.device_put(tx.init(params), first)
+    elsewhere = lambda x: jax.device_put(x, other)  # noqa: E731
+    cases = {
+        "count": dict(count=elsewhere(jnp.int32(3))),
+        "value": dict(count=3, value=elsewhere(jnp.float32(1.0))),
+        "close_window": dict(count=3, close_window=elsewhere(jnp.bool_(True))),
+    }
+    for name, kwargs in cases.items():
+        with pytest.raises(ValueError, match=rf"`{name}` is on device {other.id}, "):
+            tx.update(GRADS, state, params, **kwargs)
+    grads = dict(GRADS, b=elsewhere(GRADS["b"]))
+    with pytest.raises(ValueError, match=r"`grads\['b'\]` is on device"):
+        tx.apply_gradients(grads, state, params, count=3)
+    # On the state's device, or uncommitted, they are taken.
+    tx.update(GRADS, state, params, count=jax.device_put(jnp.int32(3), first))
+    tx.update(GRADS, state, params, count=jnp.int32(3))

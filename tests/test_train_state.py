@@ -130,6 +130,13 @@ def test_transformations_chained_around_the_wrapper_are_warned_of(jit):
     ):
         wrong = run(optax.chain(clip, wrapper))
     right = run(mm.MaskedMultiSteps(optax.chain(clip, optax.sgd(1.0)), 2))
+    # With a deferred reduction it sees every device's gradient, stacked.
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    deferred = mm.MaskedMultiSteps(optax.sgd(1.0), 2, reduction=mm.deferred(mesh))
+    with pytest.warns(UserWarning, match=r"they see each microbatch's gradients of "):
+        mm.TrainState.create(
+            apply_fn=None, params=jnp.ones(2), tx=optax.chain(clip, deferred)
+        )
     np.testing.assert_allclose(1 - wrong, [0.19, 0.0], rtol=1e-5)
     np.testing.assert_allclose(1 - right, [0.39, 0.0], rtol=1e-5)
     decay = optax.add_decayed_weights(0.5)
