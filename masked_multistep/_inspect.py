@@ -55,7 +55,7 @@ def unboxed(tree: _T) -> _T:
     """``tree`` with each of an NNX optimizer's variables (``nnx.OptState``)
     replaced by the array it holds; other NNX variables stay. ``tree`` itself
     where it holds none (a state found is the state, not a copy of it)."""
-    if not any(
+    if "flax.nnx" not in sys.modules or not any(
         map(_is_optimizer_box, jax.tree.leaves(tree, is_leaf=_is_optimizer_box))
     ):
         return tree

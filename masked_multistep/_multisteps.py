@@ -102,7 +102,10 @@ _WINDOW_SIZE_HINT = "the microbatches per window are `every_k_schedule=`"
 _KEYWORD_HINTS = {
     "use_grad_mean": (
         "MaskedMultiSteps always keeps a running (token-weighted) mean, which "
-        "cannot overflow in low precision; drop `use_grad_mean`."
+        "cannot overflow in low precision; drop `use_grad_mean`. (A run that "
+        "summed, `use_grad_mean=False`, stepped on k times the mean: for an "
+        "optimizer that is not scale-invariant, sgd or momentum, multiply its "
+        "learning rate by k.)"
     ),
     **dict.fromkeys(
         (
@@ -116,6 +119,10 @@ _KEYWORD_HINTS = {
         _WINDOW_SIZE_HINT,
     ),
 }
+
+
+# optax.MultiSteps' arguments after `every_k_schedule`, in its order.
+_OPTAX_POSITIONAL = ("use_grad_mean", "should_skip_update_fn", "accumulator_dtype")
 
 
 _INIT_DOC = """The wrapper's initial state for ``params``.
@@ -456,7 +463,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         | np.integer
         | Callable[[jax.Array], jax.typing.ArrayLike]
         | None = None,
-        *,
+        # optax.MultiSteps' later arguments, which it takes by position too:
+        # refused below, naming them (here they are keyword-only).
+        *positional: Never,
         tokens_per_window: (
             float
             | np.floating
@@ -486,6 +495,18 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 "(it would be rebuilt on every call); inject the inner "
                 "optimizer's hyperparameters instead: mm.MaskedMultiSteps("
                 "optax.inject_hyperparams(optax.adam)(learning_rate=...), k)"
+            )
+        if positional:
+            named = ", ".join(
+                f"{name}={_checks.short_repr(value)}"
+                for name, value in zip(_OPTAX_POSITIONAL, positional, strict=False)
+            )
+            raise TypeError(
+                "MaskedMultiSteps takes `opt` and `every_k_schedule` by position "
+                f"and the rest by keyword, got {len(positional)} more positional "
+                f"argument{'s' if len(positional) > 1 else ''} (as optax.MultiSteps "
+                f"would read them: {named}): pass `should_skip_update_fn=` and "
+                "`accumulator_dtype=` by keyword; " + _KEYWORD_HINTS["use_grad_mean"]
             )
         _checks.refuse_unknown_keywords(
             "MaskedMultiSteps", unknown, cls.__new__, _KEYWORD_HINTS

@@ -129,7 +129,10 @@ def check_inner_update(updates: Any, grads: Any, params: Any, window: Any) -> No
     varies over a manual mesh axis over which neither its gradient, its
     parameter, nor the window's figures (``window``: the count, the loss)
     do: a transformation that reduces over all leaves (a global norm) saw
-    each shard's slices of the others, and the shards would part."""
+    each shard's slices of the others, and the shards would part. Or where
+    it varies with its parameter over an axis its (window's mean) gradient
+    does not: params ``pcast`` to each shard's own, passed in place of the
+    original ones."""
     if jax.tree.structure(updates) != jax.tree.structure(grads):
         return
     param_leaves = _leaves_like(params, grads)
@@ -137,6 +140,17 @@ def check_inner_update(updates: Any, grads: Any, params: Any, window: Any) -> No
     paths = jax.tree_util.tree_flatten_with_path(updates)[0]
     for (path, u), g, p in zip(paths, jax.tree.leaves(grads), param_leaves):
         extra = varying_axes(u) - varying_axes(g) - allowed
+        if p is not None and extra & varying_axes(p):
+            axes = sorted(extra & varying_axes(p), key=str)
+            raise ValueError(
+                f"`params{jax.tree_util.keystr(path)}` differs between the shards "
+                f"of {axes} while its gradient and the wrapper's state do not, "
+                "so the inner optimizer's update of it would too: the params "
+                "typed as each shard's own (`jax.lax.pcast(params, "
+                f"{axes[0]!r}, to='varying')`, the copy to differentiate)? Pass "
+                "`update` (or `apply_gradients`) the params as they came into "
+                "shard_map"
+            )
         if p is not None:
             extra -= varying_axes(p)
         if extra:

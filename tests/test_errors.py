@@ -122,6 +122,15 @@ def test_k_too_large_for_the_state_is_refused_in_the_constructor():
 def test_optax_multisteps_keywords_are_explained():
     with pytest.raises(TypeError, match="'use_grad_mean'.*always keeps a running"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, use_grad_mean=True)
+    # optax.MultiSteps takes them by position too: Python's error named
+    # neither argument (and counted `cls`: "5 were given" for 4).
+    with pytest.raises(
+        TypeError,
+        match=r"by position and the rest by keyword, got 2 more positional arguments "
+        r"\(as optax.MultiSteps would read them: use_grad_mean=True, "
+        r"should_skip_update_fn=<function skip_not_finite>\).*multiply its learning",
+    ):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, True, optax.skip_not_finite)
     with pytest.raises(TypeError, match="unexpected keyword argument 'lr'\\.$"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, lr=0.1)
     with pytest.raises(TypeError, match="'window_stat': did you mean 'window_stats'"):

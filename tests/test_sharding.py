@@ -303,6 +303,57 @@ def test_weighted_mean_across_of_shard_gradients_equals_full_batch(mesh8, microb
         run(False)
 
 
+def test_params_cast_to_each_shards_own_are_named_where_the_update_reads_them(mesh8):
+    # The loss differentiated with respect to the `pcast` copy, which was then
+    # passed to `update` too: an inner optimizer that reads the params (adamw's
+    # weight decay) made an update of each shard's own, and jax's error named a
+    # `cond` inside the wrapper and suggested a `pcast` more.
+    rng = np.random.default_rng(3)
+    batch = {
+        "x": rng.normal(size=(16, 8, 3)).astype(np.float32),
+        "y": rng.normal(size=(16, 8)).astype(np.float32),
+        "mask": rng.random((16, 8)) < 0.5,
+    }
+
+    def loss(w, b):
+        return mm.masked_mean((b["x"] @ w - b["y"]) ** 2, b["mask"])
+
+    def run(inner, pass_cast):
+        tx = mm.MaskedMultiSteps(inner, 2)
+        state = tx.init(jnp.ones(3))
+        specs = jax.tree.map(lambda _: P(), state)
+
+        def step(w0, state, b):
+            w = jax.lax.pcast(w0, "x", to="varying")
+            (_, count), grads = jax.value_and_grad(loss, has_aux=True)(w, b)
+            grads, total = mm.weighted_mean_across(grads, count, "x")
+            updates, state = tx.update(
+                grads, state, w if pass_cast else w0, count=total
+            )
+            return optax.apply_updates(w0, updates), state
+
+        return jax.jit(
+            jax.shard_map(
+                step,
+                mesh=mesh8,
+                in_specs=(P(), specs, P("x")),
+                out_specs=(P(), specs),
+            )
+        )(jnp.ones(3), state, batch)
+
+    with pytest.raises(
+        ValueError,
+        match=r"`params` differs between the shards of \['x'\] while its gradient "
+        r".*Pass `update` \(or `apply_gradients`\) the params as they came into",
+    ):
+        run(optax.adamw(0.1), pass_cast=True)
+    run(optax.adamw(0.1), pass_cast=False)
+    # An inner optimizer that reads no params takes either.
+    chex.assert_trees_all_equal(
+        run(optax.adam(0.1), pass_cast=True), run(optax.adam(0.1), pass_cast=False)
+    )
+
+
 def test_a_constant_leaf_is_named_as_not_the_shards_own_mean(mesh8):
     def shard(count):
         return mm.weighted_mean_across({"c": np.float32(1.0)}, count[0], "x")

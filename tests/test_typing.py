@@ -305,6 +305,9 @@ def test_window_rules_are_typed():
     del schedule
     with pytest.raises(TypeError, match="tokens_per_window"):
         mm.MaskedMultiSteps(adam, tokens_per_window="4096")  # pyright: ignore[reportArgumentType]
+    # optax.MultiSteps' later arguments by position: keyword-only here.
+    with pytest.raises(TypeError, match="by position and the rest by keyword"):
+        mm.MaskedMultiSteps(adam, 4, True)  # pyright: ignore[reportArgumentType]
 
 
 def test_numpy_scalars_type_check_where_numbers_are_taken():
