@@ -45,7 +45,7 @@ import math
 import numbers
 import re
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -193,7 +193,13 @@ def _check_concrete(
     dtype_name = dtype_name or f"count_dtype {dtype}"
     if isinstance(value, np.floating):
         # A float wider than Python's (`np.longdouble`), which `.tolist()`
-        # leaves as it is: read as a Python float (a NaN stays NaN).
+        # leaves as it is: read as a Python float where it is one.
+        if not np.isfinite(value):
+            raise ValueError(
+                f"{what} must be a finite non-negative number, got {value}"
+            )
+        if value > np.finfo(np.float64).max:
+            raise ValueError(f"{what} is too large for {dtype_name}, got {value!s}")
         value = float(value)
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{what} must be a finite non-negative number, got {value}")
@@ -611,23 +617,26 @@ def refuse_masked_array(x: Any, what: str) -> None:
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(
             f"{what} is a numpy masked array (shape {np.shape(x)}, "
-            f"{np.ma.count_masked(x)} entries masked), whose masked entries "
-            "would be read as the data they hide: pass a plain array "
+            f"{np.ma.count_masked(x)} of {np.size(x)} entries masked), whose "
+            "masked entries would be read as the data they hide: pass a plain "
+            "array "
             f"(`{what.strip('`')}.filled(0)` for an empty microbatch)"
         )
 
 
 def refuse_other_devices(
-    state_count: Any, figures: Mapping[str, Any], grads: Any
+    state_leaves: Iterable[Any], figures: Mapping[str, Any], grads: Any
 ) -> None:
     """Outside ``jit``: a ``ValueError`` naming the figure (``count``,
     ``value``, ``close_window``) or gradient leaf committed to other devices
-    than the state (``state_count``, its token total), where jax's error would
-    name an operation inside the step. Under ``jit`` jax names the argument
-    itself."""
-    if not _committed(state_count):
+    than the state (the first committed of ``state_leaves``: its token total,
+    then its accumulator's, which may be committed where the total is not),
+    where jax's error would name an operation inside the step. Under ``jit``
+    jax names the argument itself."""
+    reference = next(filter(_committed, state_leaves), None)
+    if reference is None:
         return
-    want = state_count.sharding.device_set
+    want = reference.sharding.device_set
     elsewhere = lambda x: _committed(x) and x.sharding.device_set != want  # noqa: E731
     if any(map(elsewhere, jax.tree.leaves(grads))):
         figures = {

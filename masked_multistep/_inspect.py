@@ -55,14 +55,19 @@ def unboxed(tree: _T) -> _T:
     """``tree`` with each of an NNX optimizer's variables (``nnx.OptState``)
     replaced by the array it holds; other NNX variables stay. ``tree`` itself
     where it holds none (a state found is the state, not a copy of it)."""
-    if "flax.nnx" not in sys.modules or not any(
-        map(_is_optimizer_box, jax.tree.leaves(tree, is_leaf=_is_optimizer_box))
-    ):
+    if not holds_optimizer_boxes(tree):
         return tree
     return jax.tree.map(
         lambda x: x.get_value() if _is_optimizer_box(x) else x,
         tree,
         is_leaf=_is_optimizer_box,
+    )
+
+
+def holds_optimizer_boxes(tree: Any) -> bool:
+    """Whether ``tree`` holds an NNX optimizer's variables (``nnx.OptState``)."""
+    return "flax.nnx" in sys.modules and any(
+        map(_is_optimizer_box, jax.tree.leaves(tree, is_leaf=_is_optimizer_box))
     )
 
 

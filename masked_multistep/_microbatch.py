@@ -241,7 +241,9 @@ def _as_aux_leaf(leaf: Any, name: str) -> jax.Array:
             "`aux` leaves must be floating or integer arrays, got the bool "
             f"{leaf!r} at {name}"
         )
-    if isinstance(leaf, float):
+    if isinstance(leaf, float) and not isinstance(leaf, np.generic):
+        # (A numpy float64 scalar is a Python float too: it keeps its dtype,
+        # as every numpy leaf does.)
         return jnp.asarray(leaf, jnp.float32)
     if isinstance(leaf, int):
         if not np.iinfo(np.int32).min <= leaf <= np.iinfo(np.int32).max:

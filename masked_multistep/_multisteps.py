@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, Never, TypeVar
 
 import jax
@@ -119,6 +119,15 @@ _KEYWORD_HINTS = {
         _WINDOW_SIZE_HINT,
     ),
 }
+
+
+def _placed_leaves(state: Any) -> Iterator[Any]:
+    """The state's token total, then its accumulator's leaves (lazily: the
+    first committed one places the state), or nothing for another kind of
+    state (named by the state's check)."""
+    if isinstance(state, MaskedMultiStepsState):
+        yield state.acc_count
+        yield from jax.tree.leaves(state.acc_grads)
 
 
 # optax.MultiSteps' arguments after `every_k_schedule`, in its order.
@@ -501,6 +510,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 f"{name}={_checks.short_repr(value)}"
                 for name, value in zip(_OPTAX_POSITIONAL, positional, strict=False)
             )
+            if len(positional) > len(_OPTAX_POSITIONAL):
+                named += f", and {len(positional) - len(_OPTAX_POSITIONAL)} more"
             raise TypeError(
                 "MaskedMultiSteps takes `opt` and `every_k_schedule` by position "
                 f"and the rest by keyword, got {len(positional)} more positional "
@@ -1112,7 +1123,8 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         )
         forced = _checks.close_flag(close)  # `close_window=`
         _checks.refuse_other_devices(
-            getattr(state, "acc_count", None),  # (another state: checked below)
+            # (Another kind of state is named below.)
+            _placed_leaves(state),
             {"count": count, "value": extra_args.get("value"), "close_window": close},
             grads,
         )

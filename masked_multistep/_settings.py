@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, overload
 
 import jax
+import jax.numpy as jnp
 
 from masked_multistep import _by_name, _stats, _stats_state
 from masked_multistep._checkpoint import (
@@ -26,6 +27,7 @@ from masked_multistep._checks import (
 from masked_multistep._inspect import (
     find_boxed,
     has_deferred_reduction,
+    holds_optimizer_boxes,
     holds_variables,
     unboxed,
     unboxed_all,
@@ -90,7 +92,10 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         or an NNX optimizer's ``nnx.state(optimizer)["opt_state"]``.
       template: ``tx.init(params)`` of the wrapper that continues (the same
         inner optimizer, for the same params): the ``MaskedMultiStepsState``
-        itself; or, for an ``nnx.Optimizer`` built with it,
+        itself, or the state of an optimizer that holds it (an
+        ``optax.chain``'s, ``optax.multi_transform``'s; given the same way as
+        ``state``, which must hold the running one at the same place); or,
+        for an ``nnx.Optimizer`` built with it,
         ``nnx.state(new_optimizer)["opt_state"]``, and the result is an
         ``nnx.State`` like it, to put in place of ``"opt_state"`` in
         ``nnx.state(optimizer)`` (the running optimizer's: its ``step`` carries
@@ -105,18 +110,27 @@ def from_other_settings(state: Any, template: Any, *, tokens_seen: Any = None) -
         ``state``'s when given.
 
     Returns:
-      A state of ``template``'s layout, placement and dtypes.
+      A state of ``template``'s layout, placement and dtypes (for a template
+      that holds the wrapper's state, ``state``'s tree with the wrapper's
+      part converted: its other elements' states as they ran, which must
+      have the template's structure, shapes and dtypes).
 
     Raises:
-      TypeError: if ``template`` is not a ``MaskedMultiStepsState``; if one
-        of ``state`` and ``template`` is an NNX optimizer's state by name and
-        the other not; if ``state`` holds ``jax.ShapeDtypeStruct`` leaves, or
+      TypeError: if ``template`` neither is nor holds one
+        ``MaskedMultiStepsState``; if one of ``state`` and ``template`` is an
+        NNX optimizer's state by name and the other not (or, holding the
+        wrapper's state, one is in an ``nnx.Optimizer``'s variables and the
+        other not); if ``template`` holds it and ``state`` is an
+        ``mm.TrainState`` (pass its ``opt_state``); if ``state`` holds
+        ``jax.ShapeDtypeStruct`` leaves, or
         ``template`` does where ``state`` carries nothing over (a token
         budget's tokens seen, statistics of another kind, a skip function's
         state); if ``tokens_seen`` is not a number; or if the call is traced
         by ``jit`` (the counts are read and checked).
       ValueError: if ``tokens_seen`` is not a whole number in ``[0, 2**48]``;
-        if ``state`` holds no wrapper state (or several); if
+        if ``state`` holds no wrapper state (or several); if ``template``
+        holds it elsewhere than ``state`` does, or differs from ``state``
+        outside it in structure, shapes or dtypes; if
         ``template`` holds a run in progress and ``state`` a state that has
         taken no step (the arguments swapped); if either
         has ``reduction=mm.deferred(...)`` (move the window onto one device
@@ -196,12 +210,29 @@ def _in_holder(
     count, an average), which must have the template's layout."""
     path, inner = found
     if training_state_kind(state) is not None:
+        fix = (
+            "both `opt_state`s, `mm.from_other_settings(state.opt_state, "
+            "new_state.opt_state)`"
+            if training_state_kind(template) is not None
+            else "its `opt_state`, `mm.from_other_settings(state.opt_state, "
+            "new_tx.init(params))`"
+        )
         raise TypeError(
-            f"`template` is an optimizer state (a {type(template).__name__}) and "
-            f"`state` a {type(state).__name__}: pass its `opt_state`, "
-            "`mm.from_other_settings(state.opt_state, new_tx.init(params))`"
+            f"`state` is a {type(state).__name__}, which holds the optimizer "
+            f"state: pass {fix}"
         )
     held = _wrapper_states(state)
+    if len(held) == 1 and _by_name.is_named(held[0][1]) != _by_name.is_named(inner):
+        by_name, bare = ("`state`", "`template`")
+        if _by_name.is_named(inner):
+            by_name, bare = bare, by_name
+        raise TypeError(
+            f"{by_name} holds the wrapper's state by name (as "
+            f"`nnx.state(optimizer)['opt_state']` does) and {bare} bare: pass "
+            "both the same way, `nnx.state(optimizer)['opt_state']` and "
+            "`nnx.state(new_optimizer)['opt_state']`, or `optimizer.opt_state` "
+            "and `new_optimizer.opt_state`"
+        )
     if [p for p, _ in held] != [path]:
         at = [jax.tree_util.keystr(p) or "the root" for p, _ in held] or ["nowhere"]
         raise ValueError(
@@ -211,15 +242,34 @@ def _in_holder(
             "`new_tx.init(params)` of one structure (an optimizer that differs "
             "in the wrapper's settings only)"
         )
+    if holds_optimizer_boxes(state) != holds_optimizer_boxes(template):
+        raise TypeError(
+            "one of `state` and `template` holds an nnx.Optimizer's variables "
+            "(`optimizer.opt_state`) and the other not: where the wrapper sits "
+            "in a chain, pass the new optimizer's the same way, "
+            "`new_optimizer.opt_state` (or both by name, "
+            "`nnx.state(optimizer)['opt_state']`)"
+        )
     converted = from_other_settings(held[0][1], inner, tokens_seen=tokens_seen)
-    check_matches(
-        f"`state` outside the wrapper's state at {jax.tree_util.keystr(path)}",
-        _replaced(state, None),
-        _replaced(template, None),
-        "the other elements' states carry over as they are, so the new "
+    outside, wanted = _replaced(state, None), _replaced(template, None)
+    hint = (
+        "the other elements' states carry over as they ran, so the new "
         "optimizer may differ from the running one in the wrapper's settings "
-        "only (else convert the wrapper's element alone and build the rest)",
+        "only (else convert the wrapper's element alone and build the rest)"
     )
+    where = f"`state` outside the wrapper's state at {jax.tree_util.keystr(path)}"
+    check_matches(where, outside, wanted, hint)
+    for (leaf_path, got), want in zip(
+        jax.tree_util.tree_leaves_with_path(outside),
+        jax.tree.leaves(wanted),
+        strict=True,
+    ):
+        if jnp.result_type(got) != jnp.result_type(want):
+            raise ValueError(
+                f"`state{jax.tree_util.keystr(leaf_path)}` has dtype "
+                f"{jnp.result_type(got)} where the template has "
+                f"{jnp.result_type(want)}: {hint}"
+            )
     return _replaced(state, converted)
 
 

@@ -193,8 +193,7 @@ class TrainState(_flax_train_state.TrainState):
             # continued at scale has no memory for a second state).
             with_opt = (
                 params["params"]
-                if not isinstance(params, jax.Array)
-                and OVERWRITE_WITH_GRADIENT in params
+                if isinstance(params, Mapping) and OVERWRITE_WITH_GRADIENT in params
                 else params
             )
             _check_opt_state(opt_state, jax.eval_shape(tx.init, with_opt))
@@ -334,8 +333,8 @@ class TrainState(_flax_train_state.TrainState):
             )
         if count is None:
             raise TypeError(
-                "TrainState.apply_gradients needs the microbatch's token count: "
-                "call `state.apply_gradients(grads=grads, count=n)`, got "
+                f"{type(self).__name__}.apply_gradients needs the microbatch's "
+                "token count: call `state.apply_gradients(grads=grads, count=n)`, got "
                 "count=None."
             )
         if not states_in(self.opt_state, MaskedMultiStepsState):

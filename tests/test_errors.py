@@ -1428,6 +1428,9 @@ def test_a_nan_count_of_a_wide_float_is_refused_everywhere(wide):
         tx.update(GRADS, tx.init(PARAMS), PARAMS, count=wide("nan"))
     _, state = tx.update(GRADS, tx.init(PARAMS), PARAMS, count=wide(3))
     assert float(state.acc_count) == 3.0
+    if np.finfo(wide).max > np.finfo(np.float64).max:
+        with pytest.raises(ValueError, match=r"too large for count_dtype .* 1e\+400"):
+            tx.update(GRADS, tx.init(PARAMS), PARAMS, count=wide("1e400"))
 
     def loss_fn(params, batch):
         return jnp.mean(batch["x"] * params["b"][0]), wide("nan")
@@ -1484,6 +1487,13 @@ def test_a_figure_on_other_devices_than_the_state_is_named(tx):
     grads = dict(GRADS, b=elsewhere(GRADS["b"]))
     with pytest.raises(ValueError, match=r"`grads\['b'\]` is on device"):
         tx.apply_gradients(grads, state, params, count=3)
+    # A state whose token total is uncommitted but whose accumulator is
+    # committed (updated with gradients committed elsewhere) is placed by it.
+    loose = tx.init(PARAMS)
+    _, loose = tx.update(jax.device_put(GRADS, other), loose, PARAMS, count=2)
+    assert not loose.acc_count.committed
+    with pytest.raises(ValueError, match=rf"`grads\['b'\]` is on device {first.id}"):
+        tx.update(jax.device_put(GRADS, first), loose, PARAMS, count=2)
     # On the state's device, or uncommitted, they are taken.
     tx.update(GRADS, state, params, count=jax.device_put(jnp.int32(3), first))
     tx.update(GRADS, state, params, count=jnp.int32(3))

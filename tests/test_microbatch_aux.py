@@ -272,3 +272,22 @@ def test_bad_aux_leaves_at_call(aux, reduction, error, match):
 def test_bad_aux_reduction_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):
         mm.microbatched_value_and_grad(lambda w, mb: (w, 1), 2, **kwargs)
+
+
+def test_a_numpy_float64_scalar_keeps_its_dtype_under_x64():
+    # np.float64 is a Python float subclass: it was taken for one, made
+    # float32, and its sum rounded (numpy int64 and 0-d arrays kept theirs).
+    value = 1.0 + 2.0**-30
+
+    def loss_fn(w, mb):
+        loss, count = mm.masked_mean(w * mb["x"], mb["mask"])
+        return loss, (count, {"scalar": np.float64(value), "array": np.array(value)})
+
+    grad_fn = mm.microbatched_value_and_grad(
+        loss_fn, K, has_aux=True, aux_reduction="sum"
+    )
+    with jax.enable_x64(True):
+        (_, (_, aux)), _ = jax.jit(grad_fn)(jnp.array(2.0), _batch())
+        for leaf in aux.values():
+            assert leaf.dtype == jnp.float64
+            assert float(leaf) == K * value

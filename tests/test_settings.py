@@ -677,3 +677,39 @@ def test_a_chain_of_another_structure_is_named():
         ValueError, match=r"wrapper's state at \[0\], `state` at the root"
     ):
         mm.from_other_settings(state[0], old.init(params))
+
+
+def test_a_holder_given_the_other_way_or_of_other_dtypes_is_named():
+    from flax import nnx
+
+    params = {"w": jnp.zeros(())}
+    old = optax.chain(optax.ema(0.9), mm.MaskedMultiSteps(optax.sgd(1.0), 4))
+    state = old.init(params)
+    # The elements outside the wrapper carry over as they ran: in other
+    # dtypes, the step compiled twice and a scan of it failed.
+    other = optax.chain(
+        optax.ema(0.9, accumulator_dtype=jnp.bfloat16),
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2),
+    )
+    with pytest.raises(
+        ValueError, match=r"`state\[0\]\.ema\['w'\]` has dtype float32 where the "
+    ):
+        mm.from_other_settings(state, other.init(params))
+    # By name against bare, and nnx.Optimizer variables against arrays: the
+    # paths printed alike ("at [1], `state` at [1]").
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    make = lambda k: nnx.Optimizer(  # noqa: E731
+        model, _chained(mm.MaskedMultiSteps(optax.sgd(1.0), k)), wrt=nnx.Param
+    )
+    running, new = make(4), make(2)
+    bare = _chained(mm.MaskedMultiSteps(optax.sgd(1.0), 2)).init(
+        nnx.state(model, nnx.Param)
+    )
+    with pytest.raises(TypeError, match=r"`state` holds the wrapper's state by name"):
+        mm.from_other_settings(nnx.state(running)["opt_state"], bare)
+    with pytest.raises(TypeError, match=r"`template` holds the wrapper's state by"):
+        mm.from_other_settings(running.opt_state, nnx.state(new)["opt_state"])
+    with pytest.raises(TypeError, match=r"holds an nnx.Optimizer's variables"):
+        mm.from_other_settings(running.opt_state, bare)
+    converted = mm.from_other_settings(running.opt_state, new.opt_state)
+    nnx.update(new.opt_state, nnx.state(converted))

@@ -532,3 +532,23 @@ def test_create_places_a_step_from_other_devices_with_the_params():
         state = jax.jit(lambda s: s.apply_gradients(grads=s.params, count=2))(state)
         assert int(state.step) == 6
         assert state.step.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0)
+
+
+def test_a_run_continued_on_scalar_params_and_a_subclass_named_in_errors():
+    # `create(opt_state=...)` tested `OVERWRITE_WITH_GRADIENT in params` on
+    # any params: "argument of type 'numpy.float32' is not iterable".
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    for params in (np.float32(0.0), 0.0):
+        state = mm.TrainState.create(
+            apply_fn=None, params=params, tx=tx, opt_state=tx.init(params), step=4
+        )
+        state = state.apply_gradients(grads=jnp.float32(1.0), count=1)
+        state = state.apply_gradients(grads=jnp.float32(3.0), count=1)
+        assert float(state.params) == -2.0 and int(state.step) == 6
+
+    class State(mm.TrainState):
+        extra: int = 0
+
+    state = State.create(apply_fn=None, params=jnp.zeros(2), tx=tx)
+    with pytest.raises(TypeError, match=r"^State\.apply_gradients needs the .* count"):
+        state.apply_gradients(grads=jnp.ones(2))
