@@ -96,7 +96,8 @@ def masked_mean(
         where a jitted function closes over it) with a negative, NaN or
         infinite weight is a ``ValueError``, as is one with positive weights
         below float32's smallest normal number (1.2e-38, which XLA flushes to
-        0: the microbatch would count as empty); under
+        0: the microbatch would count as empty; a float64 count of a float64
+        mask takes float64's); under
         ``jit`` weights that sum to 0 give the empty microbatch's ``(0, 0)``,
         and a negative weight (even where the sum is positive) or a
         non-finite one makes the count NaN or infinite, an invalid count for
@@ -124,7 +125,8 @@ def masked_mean(
       ValueError: if ``mask`` does not broadcast to ``values``' shape, has
         fewer dimensions than ``values`` (and is not a scalar), or is a
         concrete floating mask with a negative, NaN or infinite weight, a
-        positive one below the count dtype's smallest normal number, or
+        positive one below the count dtype's smallest normal number (or,
+        for a float32 mask of a float64 count, float32's), or
         weights that sum beyond the count dtype's range.
 
     Examples:
@@ -223,13 +225,17 @@ def masked_mean(
                 f"`mask`'s weights sum to {weight_sum:.4g}, beyond {count_dtype}'s "
                 "range (the count's dtype): the count would be infinite"
             )
-        tiny = float(jnp.finfo(count_dtype).smallest_normal)
+        # XLA flushes subnormal floats to zero, a float32 mask's too when it
+        # widens them for a float64 count (float16 ones widen exactly): the
+        # microbatch would count as empty, its mean 0, without a word.
+        flushed = jnp.finfo(count_dtype)
+        if jnp.finfo(mask.dtype).bits >= 32:
+            flushed = max(flushed, jnp.finfo(mask.dtype), key=lambda f: f.tiny)
+        tiny = float(flushed.smallest_normal)
         if bool(np.any((given > 0) & (given < tiny))):
-            # XLA flushes subnormal floats to zero: the microbatch would
-            # count as empty, its mean 0, without a word.
             raise ValueError(
                 "`mask` holds positive weights below the smallest normal "
-                f"{count_dtype} ({tiny:.4g}; its smallest is "
+                f"{flushed.dtype} ({tiny:.4g}; its smallest is "
                 f"{float(np.min(given[given > 0])):.4g}), which XLA flushes to "
                 "0: the microbatch would count as empty. Scale the weights up "
                 "(the mean does not depend on their scale, the count does)"

@@ -253,6 +253,17 @@ def test_weights_the_count_dtype_cannot_hold_are_named(jit):
     smallest = float(np.finfo(np.float32).smallest_normal)
     _, count = mean(np.array([smallest, 0.0], np.float32))
     assert float(count) == smallest
+    # Under x64, float64 values: a float32 mask's subnormal weights were
+    # checked against float64's smallest normal, then flushed as XLA widened
+    # them, (0, 0); a float64 mask keeps them, and float16 ones widen exactly.
+    with jax.enable_x64(True):
+        wide = jnp.array([1.0, 2.0], jnp.float64)
+        with pytest.raises(ValueError, match=r"below the smallest normal float32"):
+            mm.masked_mean(wide, np.array([1e-39, 1e-39], np.float32))
+        _, count = mm.masked_mean(wide, np.array([1e-39, 1e-39]))
+        assert float(count) == 2e-39
+    _, count = mm.masked_mean(values, np.array([1e-6, 1e-6], np.float16))
+    assert float(count) == 2 * float(np.float16(1e-6))
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
