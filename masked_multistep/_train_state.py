@@ -186,25 +186,28 @@ class TrainState(_flax_train_state.TrainState):
             )
         refuse_state_as_params(params)
         _refuse_unknown_fields(cls, "create", kwargs, [], "")
+        # What the optimizer steps: flax's fp8 params hold them under "params".
+        # (flax's own `create` tests `in params` on any params: "argument of
+        # type 'MLP' is not iterable" for an Equinox module's, or a scalar.)
+        with_opt = (
+            params["params"]
+            if isinstance(params, Mapping) and OVERWRITE_WITH_GRADIENT in params
+            else params
+        )
         if opt_state is None:
-            state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+            opt_state = tx.init(with_opt)
         else:
             # Checked against what `tx.init` would build (abstractly: a run
             # continued at scale has no memory for a second state).
-            with_opt = (
-                params["params"]
-                if isinstance(params, Mapping) and OVERWRITE_WITH_GRADIENT in params
-                else params
-            )
             _check_opt_state(opt_state, jax.eval_shape(tx.init, with_opt))
-            state = cls(
-                step=0,
-                apply_fn=apply_fn,
-                params=cast(Any, params),
-                tx=tx,
-                opt_state=opt_state,
-                **kwargs,
-            )
+        state = cls(
+            step=0,
+            apply_fn=apply_fn,
+            params=cast(Any, params),
+            tx=tx,
+            opt_state=opt_state,
+            **kwargs,
+        )
         # `step` placed where `apply_gradients` returns it (replicated on the
         # params' mesh, or on their one device), as `tx.init` places its own
         # scalars: flax's Python int 0 (or a restored run's step, on the host

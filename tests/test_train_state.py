@@ -1,5 +1,6 @@
 """`mm.TrainState`: keywords never vanish; a clear message without flax."""
 
+import dataclasses
 import importlib
 import sys
 import warnings
@@ -552,3 +553,19 @@ def test_a_run_continued_on_scalar_params_and_a_subclass_named_in_errors():
     state = State.create(apply_fn=None, params=jnp.zeros(2), tx=tx)
     with pytest.raises(TypeError, match=r"^State\.apply_gradients needs the .* count"):
         state.apply_gradients(grads=jnp.ones(2))
+
+
+def test_params_of_a_pytree_class_of_its_own_are_taken():
+    # flax's `create` tests `OVERWRITE_WITH_GRADIENT in params` on any params:
+    # an Equinox module's (a pytree class without `in`) failed there with
+    # "argument of type 'MLP' is not iterable", though `tx.init` takes them.
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Params:
+        w: jax.Array
+
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2)
+    state = mm.TrainState.create(apply_fn=None, params=Params(jnp.zeros(2)), tx=tx)
+    for g in (1.0, 3.0):
+        state = state.apply_gradients(grads=Params(jnp.full(2, g)), count=1)
+    np.testing.assert_array_equal(state.params.w, [-2.0, -2.0])
