@@ -198,6 +198,8 @@ def _check_concrete(
             raise ValueError(
                 f"{what} must be a finite non-negative number, got {value}"
             )
+        if value < 0:
+            raise ValueError(f"{what} must be non-negative, got {value!s}")
         if value > np.finfo(np.float64).max:
             raise ValueError(f"{what} is too large for {dtype_name}, got {value!s}")
         value = float(value)
@@ -648,8 +650,8 @@ def refuse_other_devices(
             raise ValueError(
                 f"`{name}` is on {_device_ids(x.sharding.device_set)}, the "
                 f"wrapper's state on {_device_ids(want)}: put it where the state "
-                f"is (`jax.device_put({name}, state.acc_count.sharding)`), or "
-                "pass a Python or numpy number"
+                "is (`jax.device_put(x, sharding)` with the sharding of a state "
+                "leaf committed there), or pass a Python or numpy number"
             )
 
 

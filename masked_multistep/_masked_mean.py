@@ -126,7 +126,7 @@ def masked_mean(
         fewer dimensions than ``values`` (and is not a scalar), or is a
         concrete floating mask with a negative, NaN or infinite weight, a
         positive one below the count dtype's smallest normal number (or,
-        for a float32 mask of a float64 count, float32's), or
+        for a float32 or bfloat16 mask of a float64 count, float32's), or
         weights that sum beyond the count dtype's range.
 
     Examples:
@@ -225,11 +225,13 @@ def masked_mean(
                 f"`mask`'s weights sum to {weight_sum:.4g}, beyond {count_dtype}'s "
                 "range (the count's dtype): the count would be infinite"
             )
-        # XLA flushes subnormal floats to zero, a float32 mask's too when it
-        # widens them for a float64 count (float16 ones widen exactly): the
-        # microbatch would count as empty, its mean 0, without a word.
+        # XLA flushes subnormal floats to zero, a float32 or bfloat16 mask's
+        # too when it widens them for a float64 count (float16's subnormals
+        # widen into float32's normal range): the microbatch would count as
+        # empty, its mean 0, without a word.
         flushed = jnp.finfo(count_dtype)
-        if jnp.finfo(mask.dtype).bits >= 32:
+        f32 = jnp.finfo(jnp.float32)
+        if jnp.finfo(mask.dtype).smallest_normal <= f32.smallest_normal:
             flushed = max(flushed, jnp.finfo(mask.dtype), key=lambda f: f.tiny)
         tiny = float(flushed.smallest_normal)
         if bool(np.any((given > 0) & (given < tiny))):

@@ -1431,6 +1431,8 @@ def test_a_nan_count_of_a_wide_float_is_refused_everywhere(wide):
     if np.finfo(wide).max > np.finfo(np.float64).max:
         with pytest.raises(ValueError, match=r"too large for count_dtype .* 1e\+400"):
             tx.update(GRADS, tx.init(PARAMS), PARAMS, count=wide("1e400"))
+        with pytest.raises(ValueError, match=r"must be non-negative, got -1e\+400"):
+            tx.update(GRADS, tx.init(PARAMS), PARAMS, count=wide("-1e400"))
 
     def loss_fn(params, batch):
         return jnp.mean(batch["x"] * params["b"][0]), wide("nan")

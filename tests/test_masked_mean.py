@@ -260,6 +260,8 @@ def test_weights_the_count_dtype_cannot_hold_are_named(jit):
         wide = jnp.array([1.0, 2.0], jnp.float64)
         with pytest.raises(ValueError, match=r"below the smallest normal float32"):
             mm.masked_mean(wide, np.array([1e-39, 1e-39], np.float32))
+        with pytest.raises(ValueError, match=r"below the smallest normal bfloat16"):
+            mm.masked_mean(wide, jnp.array([1e-39, 0.0], jnp.bfloat16))
         _, count = mm.masked_mean(wide, np.array([1e-39, 1e-39]))
         assert float(count) == 2e-39
     _, count = mm.masked_mean(values, np.array([1e-6, 1e-6], np.float16))

@@ -281,7 +281,16 @@ def test_a_numpy_float64_scalar_keeps_its_dtype_under_x64():
 
     def loss_fn(w, mb):
         loss, count = mm.masked_mean(w * mb["x"], mb["mask"])
-        return loss, (count, {"scalar": np.float64(value), "array": np.array(value)})
+        return loss, (
+            count,
+            {
+                "scalar": np.float64(value),
+                "array": np.array(value),
+                # (jax takes no longdouble: its float64 value; it was jax's
+                # error, naming no leaf.)
+                "longdouble": np.longdouble(value),
+            },
+        )
 
     grad_fn = mm.microbatched_value_and_grad(
         loss_fn, K, has_aux=True, aux_reduction="sum"
