@@ -78,6 +78,22 @@ class MaskedMultiStepsState(NamedTuple):
         where the devices agree only at the window's end a
         ``DeferredWindowState``, which also keeps every device's invalid counts,
         ``value`` running mean and statistics' shares).
+
+    Examples:
+      Halfway through a window of 2: 3 tokens with mean gradient 1, then the
+      window closes on 1 token with mean gradient 5:
+
+      >>> import jax.numpy as jnp, optax
+      >>> import masked_multistep as mm
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(1.0), every_k_schedule=2)
+      >>> params = jnp.zeros(())
+      >>> state = tx.init(params)
+      >>> _, state = tx.update(jnp.array(1.0), state, params, count=jnp.array(3))
+      >>> int(state.mini_step), float(state.acc_count), float(state.acc_grads)
+      (1, 3.0, 1.0)
+      >>> _, state = tx.update(jnp.array(5.0), state, params, count=jnp.array(1))
+      >>> int(state.mini_step), int(state.gradient_step), bool(state.updated)
+      (0, 1, True)
     """
 
     mini_step: jax.Array

@@ -71,6 +71,26 @@ class WindowStats(NamedTuple, Generic[_Figure]):
         non-finite one, or one a deferred reduction dropped (its combined
         total beyond ``count_dtype``) counts too, its ``tokens`` and
         ``microbatches`` 0 for the two without tokens.
+
+    Examples:
+      A window of 3 tokens with mean gradient 1 (loss 2) and 1 token with
+      mean gradient 5 (loss 6): ``ḡ = 2``, ``S = 3·1 + 1·9 = 12``:
+
+      >>> import jax.numpy as jnp, optax
+      >>> import masked_multistep as mm
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(1.0), 2, window_stats=True)
+      >>> params = jnp.zeros(())
+      >>> state = tx.init(params)
+      >>> for g, n, loss in [(1.0, 3, 2.0), (5.0, 1, 6.0)]:
+      ...     _, state = tx.update(jnp.array(g), state, params,
+      ...                          count=jnp.array(n), value=jnp.array(loss))
+      >>> stats = mm.window_stats(state)
+      >>> float(stats.tokens), int(stats.microbatches), float(stats.loss)
+      (4.0, 2, 3.0)
+      >>> float(stats.grad_sq_norm), float(stats.grad_var_trace)
+      (4.0, 12.0)
+      >>> float(stats.true_grad_sq_norm), float(stats.noise_scale)  # 4 − 12/4
+      (1.0, 12.0)
     """
 
     tokens: jax.Array

@@ -227,6 +227,17 @@ class WindowScalars(NamedTuple):
         gradient so far, or ``None`` without window statistics.
       grad_var_trace: ``tr Σ̂ = S / (K − 1)``, the per-token gradient variance
         (NaN while ``K < 2``), or ``None`` without window statistics.
+
+    Examples:
+      A rule that reads them: close once the window holds 10 tokens from at
+      least 2 microbatches (see :class:`WindowPolicy`):
+
+      >>> import jax.numpy as jnp
+      >>> import masked_multistep as mm
+      >>> def closes(state, scalars: mm.WindowScalars):
+      ...     return (scalars.tokens >= 10) & (scalars.microbatches >= 2)
+      >>> rule = mm.WindowPolicy(init=lambda: (), closes=closes,
+      ...                        update=lambda state, scalars, closed: state)
     """
 
     microbatches: jax.Array
@@ -276,6 +287,29 @@ class WindowPolicy(NamedTuple):
         always closes a window (``None`` where it sets none, or one that
         varies): ``MaskedMultiSteps`` refuses a norm test whose minimum they
         would never let it reach.
+
+    Examples:
+      Windows of 2 microbatches, then of 3, the policy's state counting the
+      windows closed:
+
+      >>> import jax.numpy as jnp, optax
+      >>> import masked_multistep as mm
+      >>> rule = mm.WindowPolicy(
+      ...     init=lambda: jnp.int32(0),
+      ...     closes=lambda closed, s: s.microbatches >= jnp.minimum(2 + closed, 3),
+      ...     update=lambda closed, s, now: closed + now.astype(jnp.int32),
+      ...     name="two_then_three()",
+      ... )
+      >>> tx = mm.MaskedMultiSteps(optax.sgd(1.0), tokens_per_window=rule)
+      >>> params = jnp.zeros(())
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     params, state = tx.apply_gradients(jnp.array(1.0), state, params,
+      ...                                        count=jnp.array(1))
+      >>> int(state.gradient_step), int(state.policy_state), float(params)
+      (2, 2, -2.0)
+      >>> "tokens_per_window=two_then_three()" in repr(tx)
+      True
     """
 
     init: Callable[[], Any]
