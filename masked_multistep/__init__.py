@@ -40,7 +40,7 @@ The README is the guide; every name's docstring has its contract and examples.
 """
 
 import importlib.util as _importlib_util
-from typing import TYPE_CHECKING
+import typing as _typing
 
 from masked_multistep._checkpoint import (
     STATE_0_1_FIELDS,
@@ -79,7 +79,7 @@ from masked_multistep._windows import (
     token_budget,
 )
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     # Type checkers see the real class; at run time it is imported on first
     # access (`__getattr__` below), so that `import masked_multistep` neither
     # needs flax, an optional dependency, nor pays for importing it.
@@ -125,7 +125,7 @@ if _importlib_util.find_spec("flax") is not None:
     __all__.append("TrainState")
 
 
-if not TYPE_CHECKING:
+if not _typing.TYPE_CHECKING:
     # Hidden from type checkers, which see `TrainState` imported above: a
     # module-level `__getattr__` would make every misspelt `mm.` name pass.
 
