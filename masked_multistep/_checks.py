@@ -659,13 +659,8 @@ def _as_python_real(x: Any) -> Any:
     """A real host number that jax holds no array of (a ``fractions.Fraction``,
     a scalar ``np.longdouble`` wider than float64) as a Python float; anything
     else as it is."""
-    if (
-        isinstance(x, (np.ndarray, np.generic))
-        and np.ndim(x) == 0
-        and x.dtype == np.longdouble
-        and x.dtype.itemsize > 8
-    ):
-        return float(x)
+    if (wide := wider_than_float64(x)) is not None:
+        return float(wide)
     if isinstance(x, numbers.Real) and not isinstance(
         x, (numbers.Integral, float, np.generic, jax.Array)
     ):
@@ -972,6 +967,14 @@ def host_float_scalar(x: Any) -> np.ndarray | None:
         return None
     a = np.asarray(x)
     return None if a.ndim or a.dtype.kind != "f" else a
+
+
+def wider_than_float64(x: Any) -> np.ndarray | None:
+    """``x`` as a 0-d numpy array where it is a host floating scalar wider than
+    float64 (``np.longdouble`` where the platform has one), which jax takes no
+    array of; else ``None``."""
+    a = host_float_scalar(x)
+    return a if a is not None and a.dtype.itemsize > 8 else None
 
 
 def host_int_to_float(x: Any) -> Any:

@@ -43,6 +43,7 @@ from masked_multistep._checks import (
     refuse_unknown_keywords,
     short_repr,
     signature,
+    wider_than_float64,
     without_annotations,
     wrapped_host_ints,
 )
@@ -241,9 +242,9 @@ def _as_aux_leaf(leaf: Any, name: str) -> jax.Array:
             "`aux` leaves must be floating or integer arrays, got the bool "
             f"{leaf!r} at {name}"
         )
-    if isinstance(leaf, np.floating) and leaf.dtype.itemsize > 8:
+    if (wide := wider_than_float64(leaf)) is not None:
         # A numpy longdouble, which jax takes no array of: its float64 value.
-        leaf = np.float64(leaf)
+        leaf = np.float64(wide)
     if isinstance(leaf, float) and not isinstance(leaf, np.generic):
         # (A numpy float64 scalar is a Python float too: it keeps its dtype,
         # as every numpy leaf does.)
