@@ -120,7 +120,8 @@ def check_count_dtype(count_dtype: Any) -> jnp.dtype:
 
 def _python_type_hint(dtype: Any) -> str:
     """Says what a Python type given as a dtype means (``float`` is float64)."""
-    if dtype in (int, float):
+    # `is`, not `in`: numpy says np.dtype("float64") == float.
+    if dtype is int or dtype is float:
         return f" (`{dtype.__name__}` is {dtype.__name__}64)"
     return ""
 
@@ -140,12 +141,13 @@ def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
         raise ValueError(
             f"`accumulator_dtype` must be a floating dtype or None, got {dtype}"
         )
-    if dtype.itemsize < 2:
+    if dtype.itemsize < 2 or dtype.itemsize > 8:
         # float8 and float4 keep 1-3 mantissa bits: a running mean in them
         # loses the gradient, and jax refuses to mix them with other floats.
+        # numpy's longdouble is no jax dtype at all.
         raise ValueError(
-            "`accumulator_dtype` must be a floating dtype of at least 16 bits "
-            f"(bfloat16, float16, float32) or None, got {dtype}"
+            "`accumulator_dtype` must be a floating dtype of 16 to 64 bits "
+            f"(bfloat16, float16, float32, float64 under x64) or None, got {dtype}"
         )
     if dtype.itemsize == 8 and not _x64():
         # Without x64 the arrays would be float32, and every update would then
@@ -599,6 +601,9 @@ def check_param_leaves(
             leaf.dtype, jax.dtypes.extended
         ):
             got = f"an array of {leaf.dtype}"
+        elif getattr(leaf, "dtype", None) == jax.dtypes.float0:
+            # jax.grad's zeros for an integer input, passed where params go.
+            got = "a float0 array (a gradient's placeholder for an integer input)"
         if got is not None:
             raise TypeError(
                 f"`params` must hold {wanted}, got {got} at "

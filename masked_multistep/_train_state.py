@@ -112,7 +112,8 @@ class TrainState(_flax_train_state.TrainState):
       (the wrapper in the chain as it is): ``tx.update(grads,
       opt_state, params, count=count, value=value, ...)`` followed by
       ``optax.apply_updates``. Transformations that take no extra arguments
-      ignore them, as inside ``optax.chain``.
+      ignore them, as inside ``optax.chain``; a ``tx`` with no wrapper in it
+      at all accumulates nothing, and :meth:`create` warns.
 
     ``step`` keeps flax's meaning: it counts calls of :meth:`apply_gradients`,
     i.e. *microbatches*. The number of optimizer updates applied is
@@ -227,6 +228,17 @@ class TrainState(_flax_train_state.TrainState):
                 "microbatches. Use one wrapper, with every transformation that "
                 "should run once per window inside it: "
                 "mm.MaskedMultiSteps(optax.chain(...), k)"
+            )
+        if not found:
+            # Plain optax: `count` and `close_window` would go nowhere, and
+            # every microbatch would step the params on its own.
+            warnings.warn(
+                "`tx` holds no mm.MaskedMultiSteps: "
+                "apply_gradients then ignores `count` and `close_window` and "
+                "updates the params on every microbatch, accumulating nothing. "
+                "Wrap the optimizer: mm.MaskedMultiSteps(optimizer, k)",
+                UserWarning,
+                stacklevel=2,
             )
         _warn_chained_around(
             tx, deferred=any(has_deferred_reduction(x) for _, x in found)

@@ -322,7 +322,8 @@ class WindowPolicy(NamedTuple):
     maximum: tuple[int | None, float | int | None] = (None, None)
 
     def __repr__(self) -> str:
-        return self.name
+        # `name` is checked where the policy is used, not when it is built.
+        return self.name if isinstance(self.name, str) else "WindowPolicy(...)"
 
 
 def describe(rule: Any) -> str:
@@ -485,7 +486,48 @@ def check_policy(policy: WindowPolicy, keyword: str) -> WindowPolicy:
                 f"{short_repr(function)} of type {type(function).__name__}"
             )
         check_takes(function, f"`{keyword}`'s WindowPolicy `{field}`", count, n, what)
+    _check_fields(policy, keyword)
     return policy
+
+
+def _check_fields(policy: WindowPolicy, keyword: str) -> None:
+    """The descriptive fields, which only the constructor's checks and
+    ``repr`` read: an error naming the field, not Python's own on a tuple."""
+    what = f"`{keyword}` got a WindowPolicy whose"
+    if not isinstance(policy.name, str):
+        raise TypeError(f"{what} `name` is not a str: {short_repr(policy.name)}")
+    for field in ("needs_stats", "bounded"):
+        flag = getattr(policy, field)
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(
+                f"{what} `{field}` is not a bool: {short_repr(flag)} of type "
+                f"{type(flag).__name__}"
+            )
+    for field, empty in (("minimum", False), ("maximum", True)):
+        pair = getattr(policy, field)
+        unit = ("microbatches", "tokens")
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise TypeError(
+                f"{what} `{field}` is not a pair (microbatches, tokens): "
+                f"{short_repr(pair)}"
+            )
+        for name, number, kinds in zip(
+            unit, pair, (numbers.Integral, numbers.Real), strict=True
+        ):
+            if number is None and empty:
+                continue
+            kind = "an int" if kinds is numbers.Integral else "a number"
+            bound = "> 0 or None" if empty else ">= 0"
+            if not isinstance(number, kinds) or isinstance(number, bool):
+                raise TypeError(
+                    f"{what} `{field}` has {short_repr(number)} {name} of type "
+                    f"{type(number).__name__}: it must be {kind} {bound}"
+                )
+            if not math.isfinite(number) or number < (1 if empty else 0):
+                raise ValueError(
+                    f"{what} `{field}` has {short_repr(number)} {name}: it must be "
+                    f"{kind} {bound}"
+                )
 
 
 def _call(function: str, *args: Any, **kwargs: Any) -> str:
@@ -1265,13 +1307,14 @@ def window_policy(
         policies.append(microbatch_window(every_k_schedule))
     if tokens_per_window is not None:
         if isinstance(tokens_per_window, WindowPolicy):
+            check_policy(tokens_per_window, "tokens_per_window")
             if tokens_per_window.needs_stats:
                 raise ValueError(
                     f"`tokens_per_window` got {tokens_per_window.name}, a policy "
                     "that decides on the window statistics: pass it as "
                     "`norm_test=`"
                 )
-            policies.append(check_policy(tokens_per_window, "tokens_per_window"))
+            policies.append(tokens_per_window)
         else:
             policies.append(
                 _token_budget(tokens_per_window)._replace(
@@ -1279,15 +1322,15 @@ def window_policy(
                 )
             )
     if norm_test is not None:
+        if isinstance(norm_test, WindowPolicy):
+            check_policy(norm_test, "norm_test")
         if isinstance(norm_test, WindowPolicy) and not norm_test.needs_stats:
             raise ValueError(
                 f"`norm_test` got {norm_test.name}, a policy that reads no window "
                 "statistics: pass it as `tokens_per_window=`"
             )
         test = (
-            check_policy(norm_test, "norm_test")
-            if isinstance(norm_test, WindowPolicy)
-            else _norm_test(norm_test)
+            norm_test if isinstance(norm_test, WindowPolicy) else _norm_test(norm_test)
         )
         _check_consulted(test, every_k_schedule, tokens_per_window, count_dtype)
         policies.append(test)

@@ -338,6 +338,10 @@ def test_float0_gradients_and_non_array_params_are_named():
     grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2), allow_int=True)(params)
     with pytest.raises(TypeError, match=r"\['step'\] is float0 .* float zeros"):
         tx.update(grads, tx.init(params), params, count=3)
+    # As params: jax's "dtype=dtype([('float0', 'V')]) is not a valid dtype
+    # for JAX type promotion", naming neither `params` nor the leaf.
+    with pytest.raises(TypeError, match=r"got a float0 array .* at params\['step'\]"):
+        tx.init(grads)
     for leaf in ("relu", "int8"):
         with pytest.raises(TypeError, match=rf"got str '{leaf}' at params\['act'\]"):
             tx.init({"w": jnp.zeros(2), "act": leaf})
@@ -820,6 +824,22 @@ def test_a_float64_accumulator_without_x64_is_refused_when_built():
     for dtype in (float, jnp.float64, "float64"):
         with pytest.raises(ValueError, match="`accumulator_dtype=float64` needs"):
             mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype=dtype)
+    # A dtype object: numpy says np.dtype("float64") == float, and the hint
+    # for Python's `float` then crashed on the missing `__name__`.
+    for name, dtype in (
+        ("accumulator_dtype", "float64"),
+        ("count_dtype", "float64"),
+        ("count_dtype", "int64"),
+    ):
+        with pytest.raises(ValueError, match=rf"^`{name}={dtype}` needs ") as err:
+            mm.MaskedMultiSteps(optax.sgd(1.0), 2, **{name: np.dtype(dtype)})
+        assert "is float64)" not in str(err.value)  # not Python's `float`
+
+
+def test_a_longdouble_accumulator_dtype_is_refused_when_built():
+    # Accepted, then `init` failed in jax's zeros_like, naming no argument.
+    with pytest.raises(ValueError, match=r"`accumulator_dtype` must be .* 16 to 64"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype=np.longdouble)
 
 
 def test_non_numeric_arguments_are_named():
@@ -1109,7 +1129,7 @@ def test_a_foreign_inner_state_is_refused_where_init_runs_on_the_mean_only():
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_an_8_bit_accumulator_dtype_is_refused_when_built(dtype):
     # Accepted, then every update failed in jax's type promotion.
-    with pytest.raises(ValueError, match="`accumulator_dtype` must be .* 16 bits"):
+    with pytest.raises(ValueError, match="`accumulator_dtype` must be .* 16 to 64"):
         mm.MaskedMultiSteps(optax.sgd(1.0), 2, accumulator_dtype=getattr(jnp, dtype))
 
 

@@ -207,8 +207,16 @@ def test_missing_count_raises():
 
 
 def test_gradient_step_needs_one_masked_multisteps_state():
-    state = mm.TrainState.create(apply_fn=None, params=jnp.zeros(2), tx=optax.sgd(1))
-    # Any optax transformation works; it ignores `count`.
+    # Any optax transformation works; it ignores `count`. Without a wrapper
+    # anywhere in it nothing accumulates, which `create` warns about.
+    with pytest.warns(
+        UserWarning,
+        match=r"^`tx` holds no mm.MaskedMultiSteps: .*"
+        r"updates the params on every microbatch",
+    ):
+        state = mm.TrainState.create(
+            apply_fn=None, params=jnp.zeros(2), tx=optax.sgd(1)
+        )
     state = state.apply_gradients(grads=jnp.ones(2), count=jnp.array(1))
     np.testing.assert_array_equal(state.params, -jnp.ones(2))
     # The error says what `tx` is instead.

@@ -1089,6 +1089,41 @@ def test_a_custom_policy_whose_functions_are_not_callable_is_refused(field, keyw
 
 
 @pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        # Each was Python's own error from the constructor's checks or repr:
+        # "tuple index out of range", "cannot unpack non-iterable NoneType",
+        # "'NoneType' object has no attribute 'startswith'".
+        ({"maximum": (1,)}, TypeError, r"`maximum` is not a pair \(microbatches"),
+        ({"minimum": None}, TypeError, r"`minimum` is not a pair .*: None"),
+        ({"maximum": (1, "x")}, TypeError, r"`maximum` has 'x' tokens of type str"),
+        ({"minimum": (1.5, 0)}, TypeError, r"`minimum` has 1.5 microbatches of type"),
+        ({"name": None}, TypeError, r"`name` is not a str: None"),
+        ({"name": 3}, TypeError, r"`name` is not a str: 3"),
+        ({"bounded": "yes"}, TypeError, r"`bounded` is not a bool: 'yes' of type"),
+        ({"needs_stats": None}, TypeError, r"`needs_stats` is not a bool: None"),
+        # Accepted without a word.
+        ({"maximum": (0, 0)}, ValueError, r"`maximum` has 0 microbatches: it must "),
+        ({"maximum": (None, -1.0)}, ValueError, r"`maximum` has -1.0 tokens"),
+        ({"maximum": (None, math.nan)}, ValueError, r"`maximum` has nan tokens"),
+        ({"minimum": (-1, 0)}, ValueError, r"`minimum` has -1 microbatches: .*>= 0"),
+    ],
+)
+@pytest.mark.parametrize("keyword", ["tokens_per_window", "norm_test"])
+def test_a_custom_policys_descriptive_fields_are_checked(fields, error, match, keyword):
+    policy = mm.WindowPolicy(
+        init=lambda: (),
+        closes=lambda ps, s: s.microbatches >= 2,
+        update=lambda ps, s, c: ps,
+        needs_stats=keyword == "norm_test",
+    )._replace(**fields)
+    with pytest.raises(error, match=f"^`{keyword}` got a WindowPolicy whose {match}"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 4, **{keyword: policy})
+    # repr reads `name` before any check runs.
+    assert isinstance(repr(policy), str)
+
+
+@pytest.mark.parametrize(
     ("field", "function", "match"),
     [
         ("init", lambda x: (), "`init` must be a callable of no arguments"),
