@@ -72,9 +72,8 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(jax|jnp|np|numpy|optax|flax|nnx|chex|orbax|typing|collections)\..*"),
     (r"py:.*", r"(Any|Callable|Sequence|Mapping|NamedTuple|ArrayTree|ArrayLike)"),
     # Type variables in signatures (`microbatched_value_and_grad`'s params and
-    # batch types) and the protocol of the function it returns (its docstring
-    # describes it): not documented entries of their own.
-    (r"py:class", r"masked_multistep\._microbatch\.(ParamsT|BatchT|GradFn\w*)"),
+    # batch types): not documented entries of their own.
+    (r"py:class", r"masked_multistep\._microbatch\.(ParamsT|BatchT)"),
     # ... and `MaskedMultiSteps.apply_gradients`' params type, and the type of
     # `WindowStats`' per-group figures (its docstring says what they are).
     (r"py:class", r"_ParamsT"),

@@ -139,6 +139,13 @@ class TransformerLM(nnx.Module):
         return self.embed.attend(self.final_norm(x))
 
 
+def _plural(n: int, word: str) -> str:
+    """``1 window``, ``2 windows``, ``4 microbatches``."""
+    return (
+        f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('h') else 's'}"
+    )
+
+
 def loss_fn(model: TransformerLM, inputs, targets, mask):
     """Next-token cross-entropy averaged over the real tokens, and their count."""
     losses = optax.softmax_cross_entropy_with_integer_labels(model(inputs), targets)
@@ -645,7 +652,8 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
             )
         done = restore(manager, model, optimizer, config, print_fn)
         print_fn(
-            f"resumed after {done} microbatches ({done // k} windows + {done % k})"
+            f"resumed after {done} microbatches ({_plural(done // k, 'window')} + "
+            f"{done % k})"
         )
         # Drop the log lines of windows after the checkpoint: they run again.
         # (A line cut short by a crash while it was written belongs to a
@@ -664,8 +672,9 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
             metrics.unlink()
 
     print_fn(
-        f"{config.windows} windows of {k} microbatches ({config.batch_size} "
-        f"sequences a window); learning rate: {config.warmup} windows of warmup to "
+        f"{_plural(config.windows, 'window')} of {_plural(k, 'microbatch')} "
+        f"({config.batch_size} sequences a window); learning rate: "
+        f"{_plural(config.warmup, 'window')} of warmup to "
         f"{config.learning_rate:g}, then cosine decay"
         + (
             f"; --skew {config.skew:g} orders microbatches by length, which biases "
@@ -724,7 +733,10 @@ def train(args: argparse.Namespace, print_fn=print) -> Result:
             np.random.default_rng([config.seed, 2]), corpus, args.eval_sequences
         )
         heldout_loss = float(eval_loss(model, *to_batches(tokens)))
-        print_fn(f"held-out loss {heldout_loss:.4f} after {config.windows} windows")
+        print_fn(
+            f"held-out loss {heldout_loss:.4f} after "
+            f"{_plural(config.windows, 'window')}"
+        )
     return Result(model, optimizer, stop, heldout_loss)
 
 

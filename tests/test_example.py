@@ -385,7 +385,7 @@ def test_the_run_says_its_schedule_and_the_skews_bias_first(twelve_tiny_windows)
     _, lines, _ = twelve_tiny_windows
     (first,) = [s for s in lines if "windows of" in s and "learning rate" in s]
     assert lines.index(first) == 0, lines[:3]
-    assert "1 windows of warmup" in first, first
+    assert "1 window of warmup" in first, first
     assert "--skew 1 orders microbatches by length, which biases" in first, first
 
 
