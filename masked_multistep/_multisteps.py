@@ -947,6 +947,13 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
                 )
             )
 
+    @functools.cached_property
+    def _stats_dtypes(self) -> list[Any]:
+        """The dtypes of the window statistics' leaves, as ``init`` builds
+        them (their number of leaves aside)."""
+        stats = jax.eval_shape(lambda: self._recorder.init(self._count_dtype))
+        return [x.dtype for x in jax.tree.leaves(stats)]
+
     # The state machine: gate, accumulate, decide, emit.
 
     def _skip_verdict(self, grads, gradient_step, params) -> tuple[jax.Array, Any]:
@@ -1135,6 +1142,7 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
             grads,
             owner=self,
             settings_layout=self._settings_layout,
+            stats_dtypes=self._stats_dtypes,
             count_dtype=self._count_dtype,
             accumulator_dtype=self._accumulator_dtype,
         )

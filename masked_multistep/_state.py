@@ -191,6 +191,7 @@ def check_state(
     *,
     owner: Any,
     settings_layout: Any,
+    stats_dtypes: list[Any],
     count_dtype: Any,
     accumulator_dtype: Any,
 ) -> None:
@@ -284,6 +285,7 @@ def check_state(
             "carry it over with `mm.from_other_settings(state, "
             "tx.init(params))`"
         )
+    _check_counter_dtypes(state, stats_dtypes, count_dtype, owner)
     for path, acc in jax.tree_util.tree_flatten_with_path(state.acc_grads)[0]:
         dtype = jnp.result_type(acc)
         if not accumulator_fits(dtype, accumulator_dtype):
@@ -293,4 +295,43 @@ def check_state(
                 f"in {dtype}, but this wrapper's accumulator is {want} "
                 f"({owner!r}): use the state that this wrapper's `init` "
                 "returned (restore against it)"
+            )
+
+
+def _check_counter_dtypes(
+    state: MaskedMultiStepsState, stats_dtypes: list[Any], count_dtype: Any, owner: Any
+) -> None:
+    """Refuses counters and statistics of other dtypes than ``init`` builds:
+    a state cast whole (``jax.tree.map(lambda x: x.astype(jnp.float32),
+    state)``) failed in jax's ``cond`` under ``jit``, naming an internal
+    path, and came back with counters of mixed dtypes outside it."""
+    fields = {
+        "mini_step": jnp.int32,
+        "gradient_step": jnp.int32,
+        "num_invalid_counts": jnp.int32,
+        "num_nonfinite_windows": jnp.int32,
+        "value_count": count_dtype,
+        "acc_value": jnp.float32,
+        "updated": jnp.bool_,
+    }
+    got = [
+        (f"state.{name}", getattr(state, name), want) for name, want in fields.items()
+    ]
+    got += [
+        (f"state.stats{jax.tree_util.keystr(path)}", x, want)
+        for (path, x), want in zip(
+            jax.tree_util.tree_flatten_with_path(state.stats)[0],
+            stats_dtypes,
+            strict=True,
+        )
+    ]
+    for where, x, want in got:
+        dtype = jnp.result_type(x)
+        if dtype != jnp.dtype(want):
+            raise ValueError(
+                f"`{where}` is {dtype}, but this wrapper's `init` builds "
+                f"{jnp.dtype(want)} ({owner!r}): use the state that `init` "
+                "returned (restore against it); a cast of the whole state "
+                "(`jax.tree.map(lambda x: x.astype(...), state)`) casts its "
+                "counters too"
             )

@@ -374,7 +374,8 @@ def test_a_window_rule_is_told_of_the_closes_the_flag_makes(jit):
 
 
 def test_train_state_checks_the_flag_for_a_plain_optimizer_too():
-    state = mm.TrainState.create(apply_fn=None, params=PARAMS, tx=optax.sgd(1.0))
+    with pytest.warns(UserWarning, match="`tx` holds no mm.MaskedMultiSteps"):
+        state = mm.TrainState.create(apply_fn=None, params=PARAMS, tx=optax.sgd(1.0))
     with pytest.raises(TypeError, match="`close_window` must be a bool"):
         state.apply_gradients(grads=ZEROS, count=1, close_window="yes")
     state = state.apply_gradients(grads=ZEROS, count=1, close_window=True)

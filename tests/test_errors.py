@@ -676,6 +676,31 @@ def test_a_state_from_another_optimizer_or_settings_is_refused():
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("window_stats", [False, True])
+def test_a_state_cast_whole_is_refused_naming_a_counter(jit, window_stats):
+    # Under jit, jax's "cond branches must have equal output types" at an
+    # internal path; outside it, accepted, and the counters came back of
+    # mixed dtypes (gradient_step float32 for good, mini_step int32).
+    tx = mm.MaskedMultiSteps(optax.adam(0.1), 3, window_stats=window_stats)
+    params, grads = {"w": jnp.ones(3)}, {"w": jnp.ones(3)}
+    update = jax.jit(tx.update) if jit else tx.update
+    cast = jax.tree.map(lambda x: x.astype(jnp.float32), tx.init(params))
+    with pytest.raises(
+        ValueError,
+        match=r"^`state.mini_step` is float32, but this wrapper's `init` builds "
+        r"int32 .* casts its counters too",
+    ):
+        update(grads, cast, params, count=jnp.int32(1))
+    # The statistics' counters are checked too.
+    if window_stats:
+        state = tx.init(params)
+        tallies = state.stats.tallies.astype(jnp.float32)
+        state = state._replace(stats=state.stats._replace(tallies=tallies))
+        with pytest.raises(ValueError, match=r"^`state.stats.tallies` is float32"):
+            update(grads, state, params, count=jnp.int32(1))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_state_with_other_dtypes_or_skip_function_is_refused(jit):
     """A restore against another wrapper's state keeps that state's dtypes
     (flax.serialization.from_bytes does): its tokens would be counted, or its
