@@ -927,9 +927,9 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         update = property(operator.itemgetter(1), doc=_update.__doc__)
 
     @functools.cached_property
-    def _settings_layout(self) -> Any:
-        """:func:`~masked_multistep._state.layout` of the state's fields that
-        the settings shape.
+    def _settings_shapes(self) -> Any:
+        """The abstract state's fields that the settings shape: the window
+        statistics', the window rule's and the reduction's states.
 
         Traced on the reduction's mesh, where it has one: it is first needed
         inside a step, which may be traced without ``jax.set_mesh``, and on a
@@ -937,22 +937,24 @@ class MaskedMultiSteps(optax.GradientTransformationExtraArgs):
         refuses to trace without the mesh set (jax would replicate its state
         over the explicit data axis)."""
         with self._reduction.traced_mesh():
-            return layout(
-                jax.eval_shape(
-                    lambda: (
-                        self._recorder.init(self._count_dtype),
-                        _windows.initial_state(self._policy),
-                        self._reduction.init(self._count_dtype),
-                    )
+            return jax.eval_shape(
+                lambda: (
+                    self._recorder.init(self._count_dtype),
+                    _windows.initial_state(self._policy),
+                    self._reduction.init(self._count_dtype),
                 )
             )
+
+    @functools.cached_property
+    def _settings_layout(self) -> Any:
+        """:func:`~masked_multistep._state.layout` of :attr:`_settings_shapes`."""
+        return layout(self._settings_shapes)
 
     @functools.cached_property
     def _stats_dtypes(self) -> list[Any]:
         """The dtypes of the window statistics' leaves, as ``init`` builds
         them (their number of leaves aside)."""
-        stats = jax.eval_shape(lambda: self._recorder.init(self._count_dtype))
-        return [x.dtype for x in jax.tree.leaves(stats)]
+        return [x.dtype for x in jax.tree.leaves(self._settings_shapes[0])]
 
     # The state machine: gate, accumulate, decide, emit.
 

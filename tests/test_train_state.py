@@ -63,7 +63,9 @@ def test_a_misspelt_field_is_a_type_error_naming_it(jit):
 def test_a_keyword_for_a_field_it_lacks_says_how_to_add_the_field():
     # flax's own TrainState has no batch_stats: a subclass declares it.
     state = mm.TrainState.create(
-        apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(1.0)
+        apply_fn=None,
+        params={"w": jnp.zeros(2)},
+        tx=mm.MaskedMultiSteps(optax.sgd(1.0), 2),
     )
     with pytest.raises(
         TypeError,
@@ -372,9 +374,10 @@ def test_create_names_missing_params_and_fields_it_lacks():
 def test_a_plain_optimizers_count_is_checked_as_the_wrappers(count, error, match):
     """No wrapper reads the count of a plain optimizer, but it is still checked:
     a loss, a mask or a flag passed as the count is a mistake wherever it goes."""
-    state = mm.TrainState.create(
-        apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(1.0)
-    )
+    with pytest.warns(UserWarning, match="`tx` holds no mm.MaskedMultiSteps"):
+        state = mm.TrainState.create(
+            apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(1.0)
+        )
     with pytest.raises(error, match=match):
         state.apply_gradients(grads={"w": jnp.ones(2)}, count=count)
     # A valid one, concrete or traced, changes nothing of the plain step.
