@@ -235,8 +235,12 @@ class TrainState(_flax_train_state.TrainState):
             warnings.warn(
                 "`tx` holds no mm.MaskedMultiSteps: "
                 "apply_gradients then ignores `count` and `close_window` and "
-                "updates the params on every microbatch, accumulating nothing. "
-                "Wrap the optimizer: mm.MaskedMultiSteps(optimizer, k)",
+                "updates the params on every call, accumulating nothing. To "
+                "accumulate microbatches across calls, wrap the optimizer: "
+                "mm.MaskedMultiSteps(optimizer, k). Where each call's gradient "
+                "already covers a whole window (mm.microbatched_value_and_grad), "
+                "use flax's own TrainState, or mm.MaskedMultiSteps(optimizer, 1) "
+                "to keep gradient_step",
                 UserWarning,
                 stacklevel=2,
             )

@@ -212,7 +212,7 @@ def test_gradient_step_needs_one_masked_multisteps_state():
     with pytest.warns(
         UserWarning,
         match=r"^`tx` holds no mm.MaskedMultiSteps: .*"
-        r"updates the params on every microbatch",
+        r"updates the params on every call.*microbatched_value_and_grad",
     ):
         state = mm.TrainState.create(
             apply_fn=None, params=jnp.zeros(2), tx=optax.sgd(1)
