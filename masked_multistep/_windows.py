@@ -506,7 +506,7 @@ def _check_fields(policy: WindowPolicy, keyword: str) -> None:
     for field, empty in (("minimum", False), ("maximum", True)):
         pair = getattr(policy, field)
         unit = ("microbatches", "tokens")
-        if not isinstance(pair, tuple) or len(pair) != 2:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise TypeError(
                 f"{what} `{field}` is not a pair (microbatches, tokens): "
                 f"{short_repr(pair)}"
@@ -518,12 +518,21 @@ def _check_fields(policy: WindowPolicy, keyword: str) -> None:
                 continue
             kind = "an int" if kinds is numbers.Integral else "a number"
             bound = "> 0 or None" if empty else ">= 0"
-            if not isinstance(number, kinds) or isinstance(number, bool):
+            value = python_scalar(
+                number,
+                f"{what} `{field}`'s {name}",
+                (jnp.integer,) if kinds is numbers.Integral else (jnp.number,),
+                "number",
+            )
+            if not isinstance(value, kinds) or isinstance(value, bool):
                 raise TypeError(
                     f"{what} `{field}` has {short_repr(number)} {name} of type "
                     f"{type(number).__name__}: it must be {kind} {bound}"
                 )
-            if not math.isfinite(number) or number < (1 if empty else 0):
+            # (A Python int is finite however large: math.isfinite would
+            # overflow converting 10**400.)
+            finite = isinstance(value, numbers.Integral) or math.isfinite(value)
+            if not finite or (value <= 0 if empty else value < 0):
                 raise ValueError(
                     f"{what} `{field}` has {short_repr(number)} {name}: it must be "
                     f"{kind} {bound}"

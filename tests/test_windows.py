@@ -1124,6 +1124,44 @@ def test_a_custom_policys_descriptive_fields_are_checked(fields, error, match, k
 
 
 @pytest.mark.parametrize(
+    "policy",
+    [
+        mm.token_budget(0.5),  # below one token: soft masks count fractions
+        mm.token_budget(0.5, max_microbatches=4),
+        mm.norm_test(0.5, max_tokens=0.75),
+        mm.WindowPolicy(
+            init=lambda: (),
+            closes=lambda ps, s: s.microbatches >= 2,
+            update=lambda ps, s, c: ps,
+            maximum=(jnp.int32(4), jnp.float32(100.0)),  # 0-d arrays, a list
+            minimum=[np.int64(1), np.float32(0.0)],
+        ),
+    ],
+    ids=repr,
+)
+def test_policies_whose_fields_hold_fractions_or_arrays_are_accepted(policy):
+    keyword = "norm_test" if policy.needs_stats else "tokens_per_window"
+    tx = mm.MaskedMultiSteps(optax.sgd(1.0), 4, **{keyword: policy})
+    params = jnp.zeros(())
+    _, state = tx.apply_gradients(jnp.float32(1.0), tx.init(params), params, count=0.3)
+    assert int(state.gradient_step) == 0
+    _, state = tx.apply_gradients(jnp.float32(1.0), state, params, count=0.3)
+    assert int(state.gradient_step) == 1
+
+
+def test_a_policy_field_too_large_for_a_float_is_named():
+    # math.isfinite(10**400) is Python's "int too large to convert to float".
+    policy = mm.WindowPolicy(
+        init=lambda: (),
+        closes=lambda ps, s: s.microbatches >= 2,
+        update=lambda ps, s, c: ps,
+        maximum=(None, 10**400),
+    )
+    with pytest.raises(ValueError, match=r"token budget 1000.* is beyond the largest"):
+        mm.MaskedMultiSteps(optax.sgd(1.0), 4, tokens_per_window=policy)
+
+
+@pytest.mark.parametrize(
     ("field", "function", "match"),
     [
         ("init", lambda x: (), "`init` must be a callable of no arguments"),
