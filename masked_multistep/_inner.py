@@ -196,7 +196,8 @@ def chained_around_wrapper(tx: Any) -> tuple[list[str], list[str]]:
     where ``tx`` is no such chain. Chains are ``optax.chain`` and
     ``optax.named_chain``, nested or not; a wrapper in a group of
     ``optax.partition`` sees the chain around the partition and the group's
-    own. (Two wrappers in series are refused where the state is built.)
+    own. (Two wrappers in series are skipped: ``mm.TrainState.create`` refuses
+    them, and a plain ``tx.init`` does not call this.)
 
     Examples:
       >>> import optax
@@ -214,7 +215,7 @@ def chained_around_wrapper(tx: Any) -> tuple[list[str], list[str]]:
     for fns_before, fns_after in _around(tx):
         names = [describe(fn) for fn in fns_before], [describe(fn) for fn in fns_after]
         if any(n.startswith("MaskedMultiSteps") for n in names[0] + names[1]):
-            continue  # two in series: refused where the state is built
+            continue  # two in series: `mm.TrainState.create` refuses them
         before += [
             n for n in names[0] if n not in before and _named(n, _HARMLESS_BEFORE)
         ]
