@@ -182,8 +182,20 @@ def _always_reread_api(app, env, added, changed, removed):
     return ["api"] if "api" in env.found_docs else []
 
 
+def _numpy_bool_by_name(app, doctree):
+    # numpy 2 names `np.bool_` "bool", so signatures annotated
+    # `bool | np.bool_` read `bool | bool`: show the numpy one by its name.
+    from docutils import nodes
+    from sphinx import addnodes
+
+    for ref in doctree.findall(addnodes.pending_xref):
+        if ref.get("reftarget") == "numpy.bool" and ref.astext() == "bool":
+            ref.children = [nodes.Text("np.bool_")]
+
+
 def setup(app):
     app.connect("source-read", _fill_api_page)
+    app.connect("doctree-read", _numpy_bool_by_name)
     app.connect("autodoc-skip-member", _skip_namedtuple_fields)
     app.connect("autodoc-process-docstring", _constant_doc)
     app.connect("env-get-outdated", _always_reread_api)

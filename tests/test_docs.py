@@ -89,3 +89,11 @@ def test_the_readme_is_the_guide_and_its_links_resolve(html):
         assert re.search(rf'<img[^>]+src="_images/{re.escape(name)}"', index), target
         assert (html / "_images" / name).exists(), target
     assert (html / "changelog.html").exists()
+
+
+def test_numpy_bool_keeps_its_name_in_signatures(html):
+    # numpy 2 names `np.bool_` "bool", and `has_aux: bool | np.bool_` read
+    # `has_aux: bool | bool`.
+    text = re.sub(r"<[^>]+>", "", (html / "api.html").read_text())
+    assert "bool | bool" not in text
+    assert "has_aux: bool | np.bool_" in text
