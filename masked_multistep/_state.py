@@ -144,6 +144,20 @@ def layout(x: Any) -> Any:
     return None
 
 
+def scalar_dtypes(count_dtype: Any) -> dict[str, Any]:
+    """The dtypes in which ``init`` builds the state's scalar fields."""
+    return {
+        "mini_step": jnp.int32,
+        "gradient_step": jnp.int32,
+        "num_invalid_counts": jnp.int32,
+        "num_nonfinite_windows": jnp.int32,
+        "acc_count": count_dtype,
+        "value_count": count_dtype,
+        "acc_value": jnp.float32,
+        "updated": jnp.bool_,
+    }
+
+
 def scalars_as_arrays(state: Any, count_dtype: Any) -> Any:
     """``state`` with the scalars given as Python numbers (a window reset by
     hand, ``state._replace(acc_count=0.0)``; under ``jit``, weakly typed
@@ -153,20 +167,11 @@ def scalars_as_arrays(state: Any, count_dtype: Any) -> Any:
     Others are left to the checks."""
     if not isinstance(state, MaskedMultiStepsState):
         return state
-    integer = jnp.issubdtype(count_dtype, jnp.integer)
-    counts = "i" if integer else "if"
-    fields = {
-        "mini_step": (jnp.int32, "i"),
-        "gradient_step": (jnp.int32, "i"),
-        "num_invalid_counts": (jnp.int32, "i"),
-        "num_nonfinite_windows": (jnp.int32, "i"),
-        "acc_count": (count_dtype, counts),
-        "value_count": (count_dtype, counts),
-        "acc_value": (jnp.float32, "if"),
-        "updated": (jnp.bool_, "b"),
-    }
     given = {}
-    for field, (dtype, kinds) in fields.items():
+    for field, dtype in scalar_dtypes(count_dtype).items():
+        # The kinds of number the field takes as it is: an int for an
+        # integer field, an int or a float for a floating one.
+        kinds = {"b": "b", "i": "i", "f": "if"}[jnp.dtype(dtype).kind]
         x = getattr(state, field)
         if isinstance(x, (bool, int, float)):
             kind = {bool: "b", int: "i", float: "f"}[type(x)]
@@ -305,31 +310,24 @@ def _check_counter_dtypes(
     a state cast whole (``jax.tree.map(lambda x: x.astype(jnp.float32),
     state)``) failed in jax's ``cond`` under ``jit``, naming an internal
     path, and came back with counters of mixed dtypes outside it."""
-    fields = {
-        "mini_step": jnp.int32,
-        "gradient_step": jnp.int32,
-        "num_invalid_counts": jnp.int32,
-        "num_nonfinite_windows": jnp.int32,
-        "value_count": count_dtype,
-        "acc_value": jnp.float32,
-        "updated": jnp.bool_,
-    }
-    got = [
-        (f"state.{name}", getattr(state, name), want) for name, want in fields.items()
+    # (`acc_count`, checked above with its own hint, passes here.)
+    scalars = [
+        (f".{name}", getattr(state, name), want)
+        for name, want in scalar_dtypes(count_dtype).items()
     ]
-    got += [
-        (f"state.stats{jax.tree_util.keystr(path)}", x, want)
+    stats = [
+        (".stats" + jax.tree_util.keystr(path), x, want)
         for (path, x), want in zip(
             jax.tree_util.tree_flatten_with_path(state.stats)[0],
             stats_dtypes,
             strict=True,
         )
     ]
-    for where, x, want in got:
+    for where, x, want in scalars + stats:
         dtype = jnp.result_type(x)
         if dtype != jnp.dtype(want):
             raise ValueError(
-                f"`{where}` is {dtype}, but this wrapper's `init` builds "
+                f"`state{where}` is {dtype}, but this wrapper's `init` builds "
                 f"{jnp.dtype(want)} ({owner!r}): use the state that `init` "
                 "returned (restore against it); a cast of the whole state "
                 "(`jax.tree.map(lambda x: x.astype(...), state)`) casts its "

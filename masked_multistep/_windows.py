@@ -466,9 +466,10 @@ def updated(
     return new
 
 
-def check_policy(policy: WindowPolicy, keyword: str) -> WindowPolicy:
-    """``policy`` (a :class:`WindowPolicy` given as ``keyword``), or an error
-    naming the first of its functions that is not callable."""
+def check_policy(policy: WindowPolicy, keyword: str) -> None:
+    """Refuses a :class:`WindowPolicy` given as ``keyword`` whose functions
+    are not callable with their arguments, or whose descriptive fields are
+    not what they describe, naming the first such field."""
     arguments = {
         "init": (0, "no arguments", "nothing"),
         "closes": (2, "two arguments", "the policy state, the WindowScalars"),
@@ -487,7 +488,6 @@ def check_policy(policy: WindowPolicy, keyword: str) -> WindowPolicy:
             )
         check_takes(function, f"`{keyword}`'s WindowPolicy `{field}`", count, n, what)
     _check_fields(policy, keyword)
-    return policy
 
 
 def _check_fields(policy: WindowPolicy, keyword: str) -> None:
@@ -1333,11 +1333,11 @@ def window_policy(
     if norm_test is not None:
         if isinstance(norm_test, WindowPolicy):
             check_policy(norm_test, "norm_test")
-        if isinstance(norm_test, WindowPolicy) and not norm_test.needs_stats:
-            raise ValueError(
-                f"`norm_test` got {norm_test.name}, a policy that reads no window "
-                "statistics: pass it as `tokens_per_window=`"
-            )
+            if not norm_test.needs_stats:
+                raise ValueError(
+                    f"`norm_test` got {norm_test.name}, a policy that reads no "
+                    "window statistics: pass it as `tokens_per_window=`"
+                )
         test = (
             norm_test if isinstance(norm_test, WindowPolicy) else _norm_test(norm_test)
         )
